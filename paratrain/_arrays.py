@@ -1,0 +1,99 @@
+"""Zero-copy views of numpy arrays and torch CPU tensors as flat buffers, without importing torch.
+
+The communication core must start without torch (it takes seconds to import), yet accept torch tensors. A
+tensor is recognised by its type's module, and turned into a numpy view that shares its memory. bfloat16 has
+no numpy dtype: it travels as its raw 16-bit pattern with the dtype name ``"bfloat16"`` kept beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "DTYPE_NAMES",
+    "as_numpy_view",
+    "dtype_from_name",
+    "dtype_name",
+    "is_torch_tensor",
+]
+
+#: dtypes allowed on the wire. Object, string and structured dtypes never are: they could carry pointers.
+DTYPE_NAMES: frozenset[str] = frozenset(
+    {
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+        "bfloat16",
+    }
+)
+
+_STORAGE_OF = {"bfloat16": np.dtype(np.uint16)}
+
+
+def is_torch_tensor(x: object) -> bool:
+    """True for a ``torch.Tensor`` (checked by type name so that torch need not be imported)."""
+    return any(cls.__module__ == "torch" and cls.__name__ == "Tensor" for cls in type(x).__mro__)
+
+
+def dtype_name(dtype: np.dtype[Any]) -> str:
+    """The wire name of a numpy dtype; raises ``TypeError`` for dtypes that may not travel."""
+    if dtype.byteorder == ">" or (dtype.byteorder == "=" and np.little_endian is False):
+        raise TypeError(f"big-endian dtype {dtype} is not supported; convert with .astype('<{dtype.char}')")
+    name = dtype.name
+    if name not in DTYPE_NAMES:
+        raise TypeError(f"dtype {dtype} cannot be sent; use a numeric or bool dtype")
+    return name
+
+
+def dtype_from_name(name: str) -> np.dtype[Any]:
+    """The numpy dtype in which a buffer of wire dtype ``name`` is stored (uint16 for bfloat16)."""
+    if name not in DTYPE_NAMES:
+        raise TypeError(f"unknown dtype name {name!r}")
+    return _STORAGE_OF.get(name, np.dtype(name))
+
+
+def as_numpy_view(x: Any) -> tuple[npt.NDArray[Any], str]:
+    """A C-contiguous numpy array sharing ``x``'s memory where possible, and its wire dtype name.
+
+    numpy arrays and torch CPU tensors are supported. Non-contiguous inputs are copied once (there is no
+    way to send them zero-copy). Tensors that require grad are detached (the data is what travels).
+
+    Raises:
+        TypeError: for GPU tensors, unsupported dtypes, or objects that are neither arrays nor tensors.
+    """
+    if isinstance(x, np.ndarray):
+        arr = np.ascontiguousarray(x)
+        return arr, dtype_name(arr.dtype)
+    if is_torch_tensor(x):
+        if x.device.type != "cpu":
+            raise TypeError(f"tensor on device {x.device} cannot be sent; move it to the CPU first (.cpu())")
+        t = x.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        torch_dtype = str(t.dtype).removeprefix("torch.")
+        if torch_dtype == "bfloat16":
+            import torch
+
+            return t.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        if torch_dtype == "bool":
+            return t.numpy(), "bool"
+        arr = t.numpy()
+        return arr, dtype_name(arr.dtype)
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        arr = np.frombuffer(x, dtype=np.uint8)
+        return arr, "uint8"
+    raise TypeError(f"cannot send an object of type {type(x).__name__}; pass numpy arrays or torch CPU tensors")

@@ -1,0 +1,1 @@
+"""The ``paratrain`` command line: one module per subcommand."""

@@ -1,0 +1,196 @@
+"""``paratrain launch``: start N local ranks with torchrun-compatible variables, and supervise them."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from paratrain.errors import ConfigError
+
+__all__ = ["LaunchPlan", "add_parser", "child_environments", "run_launch"]
+
+_EPILOG = """\
+Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun sets
+them, plus PARATRAIN_* variables (role, run id, rendezvous address). A first word 'python' or a script
+ending in .py runs with the interpreter of paratrain itself. Output lines are prefixed with [rankK]:.
+If any rank fails, the others are stopped (SIGTERM, then SIGKILL after --grace seconds) and launch exits 1
+naming the rank and the cause. Ctrl-C stops every rank and exits 130.
+
+example:
+  paratrain launch -n 4 -- python -m paratrain.examples.barriers
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Registers ``launch`` on the ``paratrain`` parser."""
+    p = sub.add_parser(
+        "launch",
+        help="start N local ranks of a script and supervise them",
+        description="Start N ranks of CMD on this host, connected by paratrain's rendezvous, and supervise them.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-n", "--nproc", type=int, default=2, help="number of worker processes (default 2)")
+    p.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL when stopping")
+    p.add_argument("--master-port", type=int, default=0, help="MASTER_PORT for torch (default: a free port)")
+    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
+    p.add_argument("--faults", default=None, help="fault spec for every rank, e.g. latency=2ms,bandwidth=100Mbit")
+    p.add_argument("--timeout", type=float, default=None, help="PARATRAIN_TIMEOUT of blocking calls (s)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command each rank runs (after --)")
+    p.set_defaults(func=_main)
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    """What ``launch`` will start: the command and the job-wide settings."""
+
+    nproc: int
+    argv: list[str]
+    run_id: str
+    master_port: int
+    rdzv_port: int
+    scratch_dir: str
+    faults: str | None = None
+    timeout: float | None = None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_command(cmd: Sequence[str]) -> list[str]:
+    """The argv to run: 'python' means this interpreter; a ``.py`` file runs under it."""
+    argv = list(cmd)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise ConfigError("no command given; usage: paratrain launch -n N -- CMD [ARGS...]")
+    if argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    elif argv[0].endswith(".py"):
+        argv = [sys.executable, *argv]
+    return argv
+
+
+def child_environments(plan: LaunchPlan, base: Mapping[str, str]) -> list[dict[str, str]]:
+    """The environment of every rank: ``base`` plus the torchrun and paratrain variables."""
+    envs = []
+    threads = max(1, (os.cpu_count() or 1) // plan.nproc)
+    for rank in range(plan.nproc):
+        env = dict(base)
+        env.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(plan.nproc),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(plan.nproc),
+                "GROUP_RANK": "0",
+                "ROLE_NAME": "worker",
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(plan.nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(plan.master_port),
+                "PARATRAIN_LAUNCHER": "1",
+                "PARATRAIN_ROLE": "worker",
+                "PARATRAIN_RUN_ID": plan.run_id,
+                "PARATRAIN_RDZV_ADDR": "127.0.0.1",
+                "PARATRAIN_RDZV_PORT": str(plan.rdzv_port),
+                "PARATRAIN_RDZV_HOSTED": "1",
+                "PARATRAIN_SCRATCH_DIR": plan.scratch_dir,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        if plan.faults is not None:
+            env["PARATRAIN_FAULTS"] = plan.faults
+        if plan.timeout is not None:
+            env["PARATRAIN_TIMEOUT"] = str(plan.timeout)
+        envs.append(env)
+    return envs
+
+
+def sweep_run(run_id: str, scratch_dir: str | None) -> None:
+    """Removes what ranks of ``run_id`` may have left: the scratch directory and shared-memory segments."""
+    if scratch_dir:
+        shutil.rmtree(scratch_dir, ignore_errors=True)
+    shm = "/dev/shm"
+    if os.path.isdir(shm):
+        for name in os.listdir(shm):
+            if name.startswith(f"paratrain-{run_id}"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(shm, name))
+
+
+def run_launch(
+    cmd: Sequence[str],
+    *,
+    nproc: int,
+    grace: float = 3.0,
+    master_port: int = 0,
+    prefix: bool = True,
+    faults: str | None = None,
+    timeout: float | None = None,
+) -> int:
+    """Starts ``nproc`` ranks of ``cmd``, supervises them, cleans up; returns the exit code for the shell."""
+    from paratrain.launch.procs import ProcSpec, Supervisor
+    from paratrain.runtime.rendezvous import RendezvousServer
+
+    if nproc < 1:
+        raise ConfigError(f"-n must be at least 1, got {nproc}")
+    if grace < 0:
+        raise ConfigError(f"--grace must be >= 0, got {grace}")
+    if faults:
+        from paratrain.transport.faults import FaultSpec
+
+        FaultSpec.parse(faults)  # refuse a bad spec here, once, not in every rank
+    argv = resolve_command(cmd)
+    run_id = secrets.token_hex(4)
+    scratch = tempfile.mkdtemp(prefix=f"paratrain-{run_id}-")
+    server = RendezvousServer(world_size=nproc, bind_addr="127.0.0.1", port=0, timeout=24 * 3600.0)
+    try:
+        plan = LaunchPlan(
+            nproc=nproc,
+            argv=argv,
+            run_id=run_id,
+            master_port=master_port or _free_port(),
+            rdzv_port=server.port,
+            scratch_dir=scratch,
+            faults=faults,
+            timeout=timeout,
+        )
+        server.start()
+        specs = [
+            ProcSpec(name=f"rank {r}", argv=argv, env=env, prefix=f"[rank{r}]: " if prefix else "")
+            for r, env in enumerate(child_environments(plan, os.environ))
+        ]
+        outcome = Supervisor(specs, grace_s=grace, on_exit=[lambda: sweep_run(run_id, scratch)]).run()
+    finally:
+        server.close()
+        sweep_run(run_id, scratch)
+    return outcome.exit_code
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        return run_launch(
+            args.cmd,
+            nproc=args.nproc,
+            grace=args.grace,
+            master_port=args.master_port,
+            prefix=not args.no_prefix,
+            faults=args.faults,
+            timeout=args.timeout,
+        )
+    except ConfigError as exc:
+        print(f"paratrain launch: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,43 @@
+"""Entry point of the ``paratrain`` command: dispatches to the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from paratrain.cli import demo, launch
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``paratrain`` and all its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="paratrain",
+        description=(
+            "Distributed training with a choice of synchronisation. Run 'paratrain COMMAND --help' for the "
+            "options of each command."
+        ),
+    )
+    parser.add_argument("--version", action="version", version="paratrain 0.1.0")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    launch.add_parser(sub)
+    demo.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``paratrain`` with ``argv`` (default ``sys.argv[1:]``) and returns the exit code."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

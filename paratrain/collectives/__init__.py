@@ -1,0 +1,1 @@
+"""Collective operations (barrier, and later allreduce and friends) executed over any transport."""

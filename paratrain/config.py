@@ -1,0 +1,326 @@
+"""Every setting and environment variable paratrain reads, in one place.
+
+Settings come from the environment that a launcher sets: ``paratrain launch``, ``torchrun`` (torch elastic) or
+SLURM's ``srun``. :meth:`Settings.from_env` takes the environment as a mapping, so tests inject one instead of
+touching ``os.environ``. Nothing else in paratrain reads ``os.environ`` for these names.
+
+Variables (all optional unless a launcher set them):
+
+==============================  ==================================================================================
+``RANK`` / ``WORLD_SIZE``       this process's rank and the number of processes (torchrun, ``paratrain launch``)
+``LOCAL_RANK`` ...              ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``: rank and count on this host
+``MASTER_ADDR``/``MASTER_PORT`` host of rank 0 and torch's store port; paratrain's rendezvous uses
+                                ``MASTER_PORT + 1`` unless ``PARATRAIN_RDZV_PORT`` says otherwise
+``SLURM_PROCID`` ...            ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NTASKS_PER_NODE``
+                                and ``SLURM_JOB_NODELIST`` stand in for the above under ``srun``
+``PARATRAIN_TRANSPORT``         ``zmq`` (default) or ``inproc``
+``PARATRAIN_RDZV_ADDR``         rendezvous host (default ``MASTER_ADDR``)
+``PARATRAIN_RDZV_PORT``         rendezvous port (default ``MASTER_PORT + 1``; ``paratrain launch`` sets it)
+``PARATRAIN_ADDR``              address this rank advertises to others (default: the interface that routes to
+                                the rendezvous host)
+``PARATRAIN_HOST_ID``           ranks with equal host ids talk over ipc/shared memory (default: hostname, boot id
+                                and network namespace, so network namespaces count as separate hosts)
+``PARATRAIN_TIMEOUT``           default timeout in seconds of blocking calls (300)
+``PARATRAIN_RDZV_TIMEOUT``      seconds to wait for all ranks at start-up (120)
+``PARATRAIN_HEARTBEAT``         seconds between heartbeats (1.0)
+``PARATRAIN_HEARTBEAT_TIMEOUT`` seconds of silence after which a peer is declared lost (30)
+``PARATRAIN_FAULTS``            wrap the transport in the fault injector, e.g. ``latency=2ms,bandwidth=100Mbit``
+``PARATRAIN_ROLE``              ``worker`` (default) or ``server``
+``PARATRAIN_RUN_ID``            identifies the job (names of ipc endpoints and shared memory)
+``PARATRAIN_RUN_DIR``           directory for the job's outputs and scratch files
+``PARATRAIN_LOG_LEVEL``         logging level of the ``paratrain`` logger (``WARNING``)
+==============================  ==================================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from paratrain.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_MASTER_PORT",
+    "Settings",
+    "first_host_of_nodelist",
+    "host_id",
+    "parse_duration",
+]
+
+DEFAULT_MASTER_PORT = 29500
+_TRANSPORTS = ("zmq", "inproc")
+_ROLES = ("worker", "server")
+
+
+def _get_int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _get_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = parse_duration(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"environment variable {name}: {exc}") from None
+    if value <= 0:
+        raise ConfigError(f"environment variable {name}={raw!r} must be positive")
+    return value
+
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|µs|ms|s|m|min|h)?\s*$")
+_DURATION_UNITS = {None: 1.0, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Parses ``"2ms"``, ``"1.5s"``, ``"300"`` (seconds) into seconds.
+
+    Example:
+        >>> parse_duration("2ms")
+        0.002
+    """
+    match = _DURATION.match(text)
+    if match is None:
+        raise ConfigError(f"{text!r} is not a duration; write e.g. 30, 2.5s, 2ms or 500us")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+def first_host_of_nodelist(nodelist: str) -> str:
+    """The first host of a SLURM node list such as ``node[07-10,12],gpu3``.
+
+    SLURM gives the hosts of a job in a compressed form; rank 0 runs on the first one, which is where the
+    rendezvous is hosted when ``MASTER_ADDR`` is not set.
+
+    Example:
+        >>> first_host_of_nodelist("node[07-10,12],gpu3")
+        'node07'
+    """
+    text = nodelist.strip()
+    if not text:
+        raise ConfigError("SLURM_JOB_NODELIST is empty; set MASTER_ADDR to the host of rank 0")
+    depth = 0
+    end = len(text)
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            end = i
+            break
+    first = text[:end]
+    match = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\](.*)", first)
+    if match is None:
+        if "[" in first or "]" in first:
+            raise ConfigError(f"cannot parse SLURM node list {nodelist!r}; set MASTER_ADDR explicitly")
+        return first
+    prefix, ranges, suffix = match.groups()
+    first_range = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{first_range}{suffix}"
+
+
+def host_id(env: Mapping[str, str]) -> str:
+    """An identifier equal for processes that can share memory and ipc sockets, distinct otherwise.
+
+    Hostname alone is not enough: network namespaces used to emulate a cluster on one machine share the
+    hostname but not abstract ipc sockets, so the namespace's inode is part of the id.
+    """
+    explicit = env.get("PARATRAIN_HOST_ID")
+    if explicit:
+        return explicit
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            parts.append(fh.read().strip())
+    except OSError:
+        pass
+    try:
+        parts.append(os.readlink("/proc/self/ns/net"))
+    except OSError:
+        pass
+    return "|".join(parts)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    """The resolved configuration of one process.
+
+    Attributes:
+        rank: this process's global rank, ``0 <= rank < world_size``.
+        world_size: number of processes in the job (workers and servers).
+        local_rank: rank among the processes of this host.
+        local_world_size: number of processes on this host.
+        master_addr: host of rank 0.
+        master_port: torch's store port on ``master_addr``; paratrain does not bind it.
+        rdzv_addr: where paratrain's rendezvous listens.
+        rdzv_port: port of paratrain's rendezvous.
+        rdzv_hosted: True when the launcher hosts the rendezvous (otherwise rank 0 does).
+        advertise_addr: address other ranks use to reach this one; None to derive it.
+        host_id: ranks with equal ids share a host (ipc and shared memory between them).
+        transport: transport name (``zmq`` or ``inproc``).
+        timeout: default timeout (s) of blocking calls. Large enough for the slowest legitimate wait in your
+            job (a straggler's step, a checkpoint), small enough that a hang surfaces as an error.
+        rdzv_timeout: seconds to wait for every rank at start-up.
+        heartbeat: seconds between heartbeats. Smaller detects silent deaths sooner at the cost of traffic.
+        heartbeat_timeout: seconds of silence before a peer is declared lost. Crashed processes are usually
+            detected at once from their closed connection; this covers hung hosts and cut networks.
+        faults: fault-injection spec for the transport (see :mod:`paratrain.transport.faults`), or None.
+        role: ``worker`` or ``server``.
+        run_id: identifier of the job, used to name ipc endpoints and shared memory.
+        run_dir: directory for outputs and scratch files, or None.
+        launched_by: ``paratrain``, ``torchrun``, ``slurm`` or ``none`` (a single process started by hand).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MASTER_PORT
+    rdzv_addr: str = "127.0.0.1"
+    rdzv_port: int = DEFAULT_MASTER_PORT + 1
+    rdzv_hosted: bool = False
+    advertise_addr: str | None = None
+    host_id: str = ""
+    transport: str = "zmq"
+    timeout: float = 300.0
+    rdzv_timeout: float = 120.0
+    heartbeat: float = 1.0
+    heartbeat_timeout: float = 30.0
+    faults: str | None = None
+    role: str = "worker"
+    run_id: str = "default"
+    run_dir: str | None = None
+    launched_by: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"world size must be at least 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside 0..{self.world_size - 1} (world size {self.world_size})")
+        if self.local_world_size < 1 or not 0 <= self.local_rank < self.local_world_size:
+            raise ConfigError(
+                f"local rank {self.local_rank} is outside 0..{self.local_world_size - 1} "
+                f"(local world size {self.local_world_size})"
+            )
+        if self.transport not in _TRANSPORTS:
+            raise ConfigError(f"unknown transport {self.transport!r}; choose one of {', '.join(_TRANSPORTS)}")
+        if self.role not in _ROLES:
+            raise ConfigError(f"unknown role {self.role!r}; choose one of {', '.join(_ROLES)}")
+        for name in ("timeout", "rdzv_timeout", "heartbeat", "heartbeat_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_timeout <= self.heartbeat:
+            raise ConfigError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}s) must exceed the heartbeat interval "
+                f"({self.heartbeat}s), or every peer would be declared lost"
+            )
+        for port_name in ("master_port", "rdzv_port"):
+            port = getattr(self, port_name)
+            if not 0 < port < 65536:
+                raise ConfigError(f"{port_name} {port} is not a TCP port (1..65535)")
+
+    def replace(self, **changes: object) -> Settings:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Reads the settings from ``env`` (default ``os.environ``).
+
+        Precedence: explicit ``RANK``/``WORLD_SIZE`` (torchrun, ``paratrain launch``) over SLURM's variables;
+        with neither, a single process (rank 0 of 1).
+
+        Example:
+            >>> s = Settings.from_env({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1",
+            ...                        "MASTER_PORT": "29500"})
+            >>> (s.rank, s.world_size, s.rdzv_port)
+            (1, 4, 29501)
+        """
+        if env is None:
+            env = os.environ
+        if "RANK" in env or "WORLD_SIZE" in env:
+            if "RANK" not in env or "WORLD_SIZE" not in env:
+                raise ConfigError("RANK and WORLD_SIZE must be set together (found only one of them)")
+            rank = _get_int(env, "RANK", 0) or 0
+            world = _get_int(env, "WORLD_SIZE", 1) or 1
+            local_rank = _get_int(env, "LOCAL_RANK", None)
+            local_world = _get_int(env, "LOCAL_WORLD_SIZE", None)
+            if local_rank is None:
+                local_rank = rank
+            if local_world is None:
+                local_world = world if env.get("LOCAL_RANK") is None else max(local_rank + 1, 1)
+            if "PARATRAIN_RUN_ID" in env and "PARATRAIN_RDZV_PORT" in env and env.get("PARATRAIN_LAUNCHER"):
+                launched_by = "paratrain"
+            elif "TORCHELASTIC_RUN_ID" in env or "TORCHELASTIC_RESTART_COUNT" in env:
+                launched_by = "torchrun"
+            else:
+                launched_by = "env"
+            master_addr = env.get("MASTER_ADDR", "127.0.0.1")
+        elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            rank = _get_int(env, "SLURM_PROCID", 0) or 0
+            world = _get_int(env, "SLURM_NTASKS", 1) or 1
+            local_rank = _get_int(env, "SLURM_LOCALID", 0) or 0
+            local_world = _slurm_local_world(env, default=max(local_rank + 1, 1))
+            launched_by = "slurm"
+            if "MASTER_ADDR" in env:
+                master_addr = env["MASTER_ADDR"]
+            else:
+                nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+                if not nodelist:
+                    raise ConfigError("under SLURM, set MASTER_ADDR or run inside a job with SLURM_JOB_NODELIST")
+                master_addr = first_host_of_nodelist(nodelist)
+        else:
+            rank, world, local_rank, local_world = 0, 1, 0, 1
+            launched_by = "none"
+            master_addr = env.get("MASTER_ADDR", "127.0.0.1")
+        master_port = _get_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT) or DEFAULT_MASTER_PORT
+        rdzv_port = _get_int(env, "PARATRAIN_RDZV_PORT", master_port + 1) or (master_port + 1)
+        heartbeat = _get_float(env, "PARATRAIN_HEARTBEAT", 1.0)
+        return cls(
+            rank=rank,
+            world_size=world,
+            local_rank=local_rank,
+            local_world_size=local_world,
+            master_addr=master_addr,
+            master_port=master_port,
+            rdzv_addr=env.get("PARATRAIN_RDZV_ADDR", master_addr),
+            rdzv_port=rdzv_port,
+            rdzv_hosted=env.get("PARATRAIN_RDZV_HOSTED", "0") == "1",
+            advertise_addr=env.get("PARATRAIN_ADDR") or None,
+            host_id=host_id(env),
+            transport=env.get("PARATRAIN_TRANSPORT", "zmq"),
+            timeout=_get_float(env, "PARATRAIN_TIMEOUT", 300.0),
+            rdzv_timeout=_get_float(env, "PARATRAIN_RDZV_TIMEOUT", 120.0),
+            heartbeat=heartbeat,
+            heartbeat_timeout=_get_float(env, "PARATRAIN_HEARTBEAT_TIMEOUT", max(30.0, 3 * heartbeat)),
+            faults=env.get("PARATRAIN_FAULTS") or None,
+            role=env.get("PARATRAIN_ROLE", "worker"),
+            run_id=env.get("PARATRAIN_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "default",
+            run_dir=env.get("PARATRAIN_RUN_DIR") or None,
+            launched_by=launched_by,
+        )
+
+
+def _slurm_local_world(env: Mapping[str, str], *, default: int) -> int:
+    """Tasks on this node: ``SLURM_NTASKS_PER_NODE`` or the first entry of ``SLURM_TASKS_PER_NODE`` (``4(x2)``)."""
+    direct = _get_int(env, "SLURM_NTASKS_PER_NODE", None)
+    if direct is not None:
+        return direct
+    raw = env.get("SLURM_TASKS_PER_NODE")
+    if raw:
+        match = re.match(r"^\s*(\d+)", raw)
+        if match:
+            return int(match.group(1))
+    return default

@@ -1,0 +1,1 @@
+"""Small runnable examples (``python -m paratrain.examples.NAME`` under ``paratrain launch``)."""

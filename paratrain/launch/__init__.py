@@ -1,0 +1,1 @@
+"""Starting and supervising the processes of a local job."""

@@ -1,0 +1,310 @@
+"""The per-rank context (rank, world size, transport) and the ``init``/``shutdown`` life cycle.
+
+A :class:`Context` is an ordinary object: several can live in one process (one per thread, for in-process
+tests), and code that avoids globals passes one around. ``paratrain.init()`` also makes the new context the
+*current* one for the module-level functions (``paratrain.rank()``, ``paratrain.barrier()``...): current for
+the calling thread, and for the whole process if it is the first. ``shutdown()`` runs at interpreter exit too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import itertools
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Mapping
+
+from paratrain.collectives.barrier import barrier as _barrier
+from paratrain.config import Settings
+from paratrain.errors import ConfigError, NotInitializedError, RendezvousError
+from paratrain.transport.base import Transport
+
+__all__ = ["Context", "current", "init", "shutdown"]
+
+log = logging.getLogger("paratrain")
+
+#: Collective operations use tags below this value, numbered per context; user tags are >= 0.
+COLLECTIVE_TAG_BASE = -(1 << 50)
+
+
+class Context:
+    """One rank's membership in a job.
+
+    Attributes:
+        settings: the resolved configuration.
+        transport: the transport all communication of this rank goes through.
+
+    Example:
+        >>> import paratrain as pt
+        >>> ctx = pt.init(transport="inproc")       # a world of one, no network
+        >>> (ctx.rank, ctx.world_size)
+        (0, 1)
+        >>> ctx.barrier()
+        >>> ctx.shutdown()
+    """
+
+    def __init__(self, *, settings: Settings, transport: Transport, on_close: Callable[[], None] | None = None) -> None:
+        self.settings = settings
+        self.transport = transport
+        self._on_close = on_close
+        self._tags = itertools.count()
+        self._tag_lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self.transport.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the job."""
+        return self.transport.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank among the processes on this host."""
+        return self.settings.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """Number of processes on this host."""
+        return self.settings.local_world_size
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`shutdown`."""
+        return self._closed
+
+    def next_collective_tag(self) -> int:
+        """A fresh tag for the next collective call (all ranks call collectives in the same order)."""
+        with self._tag_lock:
+            return COLLECTIVE_TAG_BASE - next(self._tags)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise NotInitializedError("this paratrain context was shut down; call paratrain.init() again")
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Blocks until every rank has called ``barrier``. Thread-safe, but call it from one thread per rank.
+
+        Raises:
+            PeerLostError: a rank died before arriving.
+            CommTimeoutError: some rank did not arrive within ``timeout`` (default ``PARATRAIN_TIMEOUT``).
+        """
+        self._check_open()
+        _barrier(self.transport, tag=self.next_collective_tag(), timeout=timeout or self.settings.timeout)
+
+    def shutdown(self) -> None:
+        """Leaves the job: says goodbye to the peers and releases sockets and threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.transport.close()
+        finally:
+            if self._on_close is not None:
+                self._on_close()
+            _forget(self)
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+_local = threading.local()
+_process_default: Context | None = None
+_registry_lock = threading.Lock()
+_atexit_registered = False
+
+
+def current() -> Context:
+    """The calling thread's context, else the process's; raises NotInitializedError if there is none."""
+    ctx: Context | None = getattr(_local, "ctx", None) or _process_default
+    if ctx is None or ctx.closed:
+        raise NotInitializedError("paratrain is not initialised in this process; call paratrain.init() first")
+    return ctx
+
+
+def _set_current(ctx: Context) -> None:
+    global _process_default, _atexit_registered
+    _local.ctx = ctx
+    with _registry_lock:
+        if _process_default is None or _process_default.closed:
+            _process_default = ctx
+        if not _atexit_registered:
+            atexit.register(_shutdown_all_at_exit)
+            _atexit_registered = True
+
+
+def _forget(ctx: Context) -> None:
+    global _process_default
+    if getattr(_local, "ctx", None) is ctx:
+        _local.ctx = None
+    with _registry_lock:
+        if _process_default is ctx:
+            _process_default = None
+
+
+def _shutdown_all_at_exit() -> None:
+    ctx = _process_default
+    if ctx is not None and not ctx.closed:
+        try:
+            ctx.shutdown()
+        except Exception:  # at exit, report and go on: there is nobody left to raise to
+            log.exception("paratrain: shutdown at exit failed")
+
+
+def _route_address(host: str) -> str:
+    """The local IP address from which ``host`` is reached (no packet is sent)."""
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError as exc:
+        raise RendezvousError(f"cannot resolve the rendezvous host {host!r}: {exc}; check MASTER_ADDR") from None
+    if ipaddress.ip_address(ip).is_loopback:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((ip, 9))
+        return str(probe.getsockname()[0])
+
+
+def init(
+    *,
+    transport: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    faults: str | None = None,
+    fabric: object | None = None,
+    make_current: bool = True,
+) -> Context:
+    """Joins the job described by the environment (or the arguments) and returns this rank's context.
+
+    With no launcher variables set, the job is a single process (rank 0 of 1). Under ``paratrain launch``,
+    ``torchrun`` or SLURM the ranks find each other through the rendezvous (see :mod:`.rendezvous`).
+
+    Args:
+        transport: ``"zmq"`` (default; real sockets) or ``"inproc"`` (threads of one process; pass ``fabric``).
+        rank: overrides ``RANK``.
+        world_size: overrides ``WORLD_SIZE``.
+        env: the environment to read instead of ``os.environ`` (for tests).
+        timeout: default timeout of blocking calls in seconds (overrides ``PARATRAIN_TIMEOUT``).
+        faults: fault-injection spec (overrides ``PARATRAIN_FAULTS``), e.g. ``"latency=2ms,bandwidth=1Gbit"``.
+        fabric: the :class:`~paratrain.transport.inproc.InprocFabric` of an in-process job.
+        make_current: make this the current context of the calling thread (and of the process if first).
+
+    Raises:
+        ConfigError: inconsistent settings.
+        RendezvousError: the ranks could not find each other.
+
+    Example:
+        >>> import paratrain as pt
+        >>> from paratrain.transport.inproc import InprocFabric
+        >>> ctx = pt.init(transport="inproc", fabric=InprocFabric(1), rank=0, world_size=1)
+        >>> ctx.world_size
+        1
+        >>> ctx.shutdown()
+    """
+    from paratrain.transport.inproc import InprocFabric
+
+    settings = Settings.from_env(env if env is not None else os.environ)
+    overrides: dict[str, object] = {}
+    if transport is not None:
+        overrides["transport"] = transport
+    if rank is not None:
+        overrides["rank"] = rank
+    if world_size is not None:
+        overrides["world_size"] = world_size
+        if world_size != settings.world_size and settings.launched_by == "none":
+            overrides["local_world_size"] = world_size
+            overrides["local_rank"] = rank if rank is not None else 0
+    if timeout is not None:
+        overrides["timeout"] = timeout
+    if faults is not None:
+        overrides["faults"] = faults or None
+    if overrides:
+        settings = settings.replace(**overrides)
+
+    inner: Transport
+    if settings.transport == "inproc" or (settings.world_size == 1 and fabric is None):
+        if fabric is None:
+            if settings.world_size != 1:
+                raise ConfigError("transport 'inproc' with world size > 1 needs fabric=InprocFabric(world_size)")
+            fabric = InprocFabric(1, timeout=settings.timeout)
+        if not isinstance(fabric, InprocFabric) or fabric.world_size != settings.world_size:
+            raise ConfigError(f"fabric must be an InprocFabric of world size {settings.world_size}")
+        inner = fabric.transport(settings.rank)
+        inner.timeout = settings.timeout
+    else:
+        inner = _connect_zmq(settings)
+    result: Transport = inner
+    if settings.faults:
+        from paratrain.transport.faults import FaultSpec, FaultyTransport
+
+        try:
+            result = FaultyTransport(inner, FaultSpec.parse(settings.faults))
+        except BaseException:
+            inner.abort()
+            raise
+    ctx = Context(settings=settings, transport=result)
+    if make_current:
+        _set_current(ctx)
+    log.debug("rank %d of %d initialised (%s)", ctx.rank, ctx.world_size, result.name)
+    return ctx
+
+
+def _connect_zmq(settings: Settings) -> Transport:
+    from paratrain.runtime.rendezvous import RendezvousServer, register
+    from paratrain.transport.zmq import ZmqTransport
+
+    bind = settings.advertise_addr or _route_address(settings.rdzv_addr)
+    zt = ZmqTransport(
+        rank=settings.rank,
+        world_size=settings.world_size,
+        host_id=settings.host_id,
+        bind_addr=bind,
+        run_id=settings.run_id,
+        timeout=settings.timeout,
+        heartbeat=settings.heartbeat,
+        heartbeat_timeout=settings.heartbeat_timeout,
+    )
+    server: RendezvousServer | None = None
+    try:
+        if settings.rank == 0 and not settings.rdzv_hosted:
+            loopback = bind == "127.0.0.1"
+            server = RendezvousServer(
+                world_size=settings.world_size,
+                bind_addr="127.0.0.1" if loopback else "*",
+                port=settings.rdzv_port,
+                timeout=settings.rdzv_timeout,
+            )
+            server.start()
+        table = register(
+            settings.rdzv_addr,
+            settings.rdzv_port,
+            rank=settings.rank,
+            world_size=settings.world_size,
+            info=zt.endpoints(),
+            timeout=settings.rdzv_timeout,
+        )
+        zt.connect(table)
+    except BaseException:
+        zt.abort()
+        raise
+    finally:
+        if server is not None:
+            server.join(timeout=5)
+    return zt
+
+
+def shutdown() -> None:
+    """Shuts down the current context, if any. Idempotent; also runs at interpreter exit."""
+    ctx: Context | None = getattr(_local, "ctx", None) or _process_default
+    if ctx is not None:
+        ctx.shutdown()

@@ -1,0 +1,197 @@
+"""Rendezvous: every rank learns every other rank's endpoints at start-up.
+
+A small server (a ZeroMQ ROUTER socket) collects one registration per rank — ``{rank, world_size, info}``
+in msgpack, never pickle — and, once all ``world_size`` ranks have registered, answers each with the table of
+everyone's ``info``. ``paratrain launch`` hosts the server itself (so no port race and no rank is special);
+under torchrun or SLURM, rank 0 hosts it on ``MASTER_ADDR:PARATRAIN_RDZV_PORT`` (default ``MASTER_PORT + 1``,
+since torch's own store may hold ``MASTER_PORT``).
+
+Errors are reported, not hung on: a rank that registers twice, or with another world size, is refused with
+a message; if some ranks never arrive, those that did are told which ranks are missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+import zmq
+
+from paratrain.errors import RendezvousError
+
+__all__ = ["RendezvousServer", "register"]
+
+log = logging.getLogger("paratrain.rendezvous")
+_VERSION = 1
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=True)
+
+
+class RendezvousServer:
+    """Collects ``world_size`` registrations and answers each with everyone's info.
+
+    Args:
+        world_size: number of ranks expected.
+        bind_addr: address to listen on (``*`` for all interfaces).
+        port: TCP port; 0 picks a free one (read :attr:`port` afterwards).
+        timeout: seconds to wait for all ranks before telling those present who is missing.
+
+    Example:
+        >>> server = RendezvousServer(world_size=1, bind_addr="127.0.0.1", port=0, timeout=5)
+        >>> server.start()
+        >>> register("127.0.0.1", server.port, rank=0, world_size=1, info={"x": 1}, timeout=5)
+        [{'x': 1}]
+        >>> server.join()
+    """
+
+    def __init__(self, *, world_size: int, bind_addr: str, port: int, timeout: float) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self._ctx = zmq.Context(io_threads=1)
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 2000)
+        try:
+            if port == 0:
+                self.port = self._sock.bind_to_random_port(f"tcp://{bind_addr}")
+            else:
+                self._sock.bind(f"tcp://{bind_addr}:{port}")
+                self.port = port
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise RendezvousError(
+                f"cannot listen for rendezvous on {bind_addr}:{port}: {exc}. Another job may use this port: "
+                "set MASTER_PORT or PARATRAIN_RDZV_PORT to a free one"
+            ) from None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None
+        self.table: list[Mapping[str, Any]] | None = None
+
+    def start(self) -> None:
+        """Serves in a daemon thread."""
+        self._thread = threading.Thread(target=self._serve, name="paratrain-rendezvous", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Waits for the server to finish (all ranks answered, or failure), then releases the socket."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.close()
+
+    def close(self) -> None:
+        """Stops serving and releases the socket. Idempotent."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        if not self._sock.closed:
+            self._sock.close()
+            self._ctx.term()
+
+    def _reply(self, ident: bytes, obj: Any) -> None:
+        self._sock.send_multipart([ident, b"", _pack(obj)])
+
+    def _serve(self) -> None:
+        registered: dict[int, tuple[bytes, Mapping[str, Any]]] = {}
+        deadline = time.monotonic() + self.timeout
+        while not self._stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(self.world_size)) - set(registered))
+                self.error = (
+                    f"rendezvous timed out after {self.timeout:.0f}s: ranks {missing} never registered "
+                    f"({len(registered)} of {self.world_size} did). Did every rank start, with the same "
+                    "WORLD_SIZE and MASTER_ADDR/PARATRAIN_RDZV_PORT?"
+                )
+                for ident, _ in registered.values():
+                    self._reply(ident, {"v": _VERSION, "error": self.error})
+                return
+            if not self._sock.poll(min(remaining, 0.2) * 1000):
+                continue
+            parts = self._sock.recv_multipart()
+            if len(parts) != 3:
+                log.error("rendezvous: dropped a malformed request of %d frames", len(parts))
+                continue
+            ident = parts[0]
+            try:
+                req = _unpack(parts[2])
+                if not isinstance(req, dict) or req.get("v") != _VERSION:
+                    raise ValueError("not a paratrain rendezvous request of this version")
+                rank, world, info = req["rank"], req["world_size"], req["info"]
+                if type(rank) is not int or type(world) is not int or not isinstance(info, dict):
+                    raise ValueError("rank, world_size must be integers and info a map")
+            except Exception as exc:
+                log.error("rendezvous: dropped a malformed request: %s", exc)
+                self._reply(ident, {"v": _VERSION, "error": f"malformed rendezvous request: {exc}"})
+                continue
+            if world != self.world_size:
+                self._reply(ident, {"v": _VERSION, "error": (
+                    f"rank {rank} says the world size is {world}, but the rendezvous expects "
+                    f"{self.world_size}: start every rank with the same WORLD_SIZE")})
+                continue
+            if not 0 <= rank < world:
+                self._reply(ident, {"v": _VERSION, "error": f"rank {rank} outside 0..{world - 1}"})
+                continue
+            if rank in registered:
+                self._reply(ident, {"v": _VERSION, "error": (
+                    f"rank {rank} registered twice (pids {registered[rank][1].get('pid')} and {info.get('pid')}): "
+                    "two processes were given the same RANK")})
+                continue
+            registered[rank] = (ident, info)
+            if len(registered) == self.world_size:
+                table = [registered[r][1] for r in range(self.world_size)]
+                self.table = table
+                for ident_r, _ in registered.values():
+                    self._reply(ident_r, {"v": _VERSION, "table": table})
+                return
+
+
+def register(
+    addr: str, port: int, *, rank: int, world_size: int, info: Mapping[str, Any], timeout: float
+) -> list[dict[str, Any]]:
+    """Registers this rank's ``info`` and blocks until everyone's arrives (or ``timeout``).
+
+    Returns:
+        The info of every rank, indexed by rank.
+
+    Raises:
+        RendezvousError: refused by the server, or no complete table within ``timeout`` seconds.
+    """
+    ctx = zmq.Context(io_threads=1)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{addr}:{port}")
+        sock.send_multipart([b"", _pack({"v": _VERSION, "rank": rank, "world_size": world_size, "info": dict(info)})])
+        if not sock.poll(timeout * 1000):
+            raise RendezvousError(
+                f"rank {rank}: no answer from the rendezvous at {addr}:{port} within {timeout:.0f}s. Are all "
+                f"{world_size} ranks started, and is {addr} reachable from this host? (raise "
+                "PARATRAIN_RDZV_TIMEOUT if ranks start slowly)"
+            )
+        parts = sock.recv_multipart()
+        try:
+            reply = _unpack(parts[-1])
+        except Exception as exc:
+            raise RendezvousError(f"rank {rank}: malformed rendezvous reply ({exc})") from None
+        if not isinstance(reply, dict):
+            raise RendezvousError(f"rank {rank}: malformed rendezvous reply")
+        if "error" in reply:
+            raise RendezvousError(f"rank {rank}: {reply['error']}")
+        table = reply.get("table")
+        if not isinstance(table, list) or len(table) != world_size or not all(isinstance(t, dict) for t in table):
+            raise RendezvousError(f"rank {rank}: rendezvous reply lacks a table of {world_size} entries")
+        return table
+    finally:
+        sock.close(linger=0)
+        ctx.term()

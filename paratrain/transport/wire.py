@@ -1,0 +1,213 @@
+"""The wire format: a versioned msgpack header frame followed by raw data frames. Never pickle.
+
+A message is ``[header, buf_0, ..., buf_k]``. The header frame is ``MAGIC`` (4 bytes), a version byte, then a
+msgpack array ``[src, tag, meta, descriptors]`` where ``meta`` is a map of small scalars chosen by the
+algorithm and each descriptor is ``[dtype_name, shape]`` of one buffer. Data frames are the raw bytes of
+C-contiguous arrays, so a sender hands its arrays' memory to the socket without copying, and a receiver wraps
+the received frames in numpy arrays without copying.
+
+Everything a peer sends is untrusted. :func:`decode` checks magic, version, types, dtype names, shapes and that
+each frame's length equals what its descriptor implies, and raises :class:`~paratrain.errors.MessageError`
+otherwise; it never executes anything from the peer (msgpack with ext types refused).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from paratrain._arrays import DTYPE_NAMES, as_numpy_view, dtype_from_name
+from paratrain.errors import MessageError
+
+__all__ = [
+    "MAGIC",
+    "MAX_DIMS",
+    "MAX_FRAMES",
+    "MAX_HEADER_BYTES",
+    "VERSION",
+    "Message",
+    "decode",
+    "encode",
+    "encode_header",
+]
+
+MAGIC = b"PTRN"
+VERSION = 1
+MAX_HEADER_BYTES = 1 << 16
+MAX_FRAMES = 4096
+MAX_DIMS = 32
+_MAX_META_ITEMS = 256
+_PREFIX = len(MAGIC) + 1
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A received (or locally built) message.
+
+    Attributes:
+        src: rank of the sender.
+        tag: integer tag chosen by the sender; receivers match on ``(src, tag)``.
+        meta: small msgpack-able header fields (str keys; int, float, str, bool, None, bytes, lists, maps).
+        arrays: the data buffers as numpy arrays (read-only views of received frames).
+        dtypes: wire dtype names, parallel to ``arrays``; differs from ``arrays[i].dtype`` only for
+            ``"bfloat16"`` (carried as uint16).
+    """
+
+    src: int
+    tag: int
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    arrays: tuple[npt.NDArray[Any], ...] = ()
+    dtypes: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data carried (headers excluded)."""
+        return sum(a.nbytes for a in self.arrays)
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise MessageError(f"msgpack extension type {code} is not allowed in a paratrain header")
+
+
+def encode_header(src: int, tag: int, meta: Mapping[str, Any], descriptors: Sequence[list[Any]]) -> bytes:
+    """The header frame for a message (see the module docstring)."""
+    body = msgpack.packb([src, tag, dict(meta), list(descriptors)], use_bin_type=True)
+    if len(body) + _PREFIX > MAX_HEADER_BYTES:
+        raise ValueError(
+            f"message header is {len(body)} bytes, over the {MAX_HEADER_BYTES}-byte limit; "
+            "put bulk data in arrays, not in meta"
+        )
+    return MAGIC + bytes([VERSION]) + body
+
+
+def encode(
+    src: int, tag: int, arrays: Sequence[Any] = (), meta: Mapping[str, Any] | None = None
+) -> tuple[list[bytes | memoryview], list[npt.NDArray[Any]]]:
+    """Frames for a message, and the arrays whose memory the frames borrow.
+
+    The data frames are memoryviews of the (made contiguous) arrays, not copies: the caller must keep the
+    returned arrays alive and unmodified until the transport has sent them.
+
+    Raises:
+        TypeError: an array of an unsupported type or dtype.
+        ValueError: too many arrays or an oversized header.
+    """
+    if len(arrays) > MAX_FRAMES:
+        raise ValueError(f"a message carries at most {MAX_FRAMES} arrays, got {len(arrays)}; fuse them")
+    views: list[npt.NDArray[Any]] = []
+    descriptors: list[list[Any]] = []
+    for a in arrays:
+        view, name = as_numpy_view(a)
+        views.append(view)
+        descriptors.append([name, list(view.shape)])
+    header = encode_header(src, tag, meta or {}, descriptors)
+    frames: list[bytes | memoryview] = [header]
+    for view in views:
+        frames.append(memoryview(view.reshape(-1).view(np.uint8)) if view.size else b"")
+    return frames, views
+
+
+def _check_meta(meta: Any, depth: int = 0) -> None:
+    if depth > 8:
+        raise MessageError("message meta is nested too deeply")
+    if isinstance(meta, dict):
+        if len(meta) > _MAX_META_ITEMS:
+            raise MessageError("message meta has too many entries")
+        for key, value in meta.items():
+            if not isinstance(key, str):
+                raise MessageError(f"message meta key {key!r} is not a string")
+            _check_meta(value, depth + 1)
+    elif isinstance(meta, list):
+        if len(meta) > 1 << 16:
+            raise MessageError("message meta list is too long")
+        for item in meta:
+            _check_meta(item, depth + 1)
+    elif meta is not None and not isinstance(meta, (bool, int, float, str, bytes)):
+        raise MessageError(f"message meta holds a value of type {type(meta).__name__}")
+
+
+def decode(frames: Sequence[bytes | memoryview | Any]) -> Message:
+    """Validates and decodes received frames into a :class:`Message` without copying the data.
+
+    Frames may be ``bytes``, ``memoryview`` or any object exposing the buffer protocol (e.g. ``zmq.Frame``).
+
+    Raises:
+        MessageError: for anything malformed; the message must then be dropped.
+    """
+    if not frames:
+        raise MessageError("empty message (no header frame)")
+    try:
+        head = memoryview(frames[0])
+    except TypeError:
+        raise MessageError("header frame does not expose a buffer") from None
+    if head.nbytes < _PREFIX:
+        raise MessageError(f"header frame of {head.nbytes} bytes is too short")
+    if head.nbytes > MAX_HEADER_BYTES:
+        raise MessageError(f"header frame of {head.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    head = head.cast("B")
+    if head[: len(MAGIC)].tobytes() != MAGIC:
+        raise MessageError("bad magic: not a paratrain message (another program on this port?)")
+    version = head[len(MAGIC)]
+    if version != VERSION:
+        raise MessageError(
+            f"wire version {version} is not {VERSION}: peers run different paratrain versions; install the same one"
+        )
+    try:
+        body = msgpack.unpackb(
+            head[_PREFIX:],
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            use_list=True,
+        )
+    except MessageError:
+        raise
+    except Exception as exc:  # msgpack raises a zoo of types for garbage; all mean "malformed"
+        raise MessageError(f"undecodable header: {type(exc).__name__}: {exc}") from None
+    if not (isinstance(body, list) and len(body) == 4):
+        raise MessageError("header is not [src, tag, meta, descriptors]")
+    src, tag, meta, descriptors = body
+    if type(src) is not int or type(tag) is not int:
+        raise MessageError("header src and tag must be integers")
+    if not (-(1 << 62) < tag < (1 << 62)) or not 0 <= src < (1 << 31):
+        raise MessageError(f"header src {src} or tag {tag} out of range")
+    if not isinstance(meta, dict):
+        raise MessageError("header meta is not a map")
+    _check_meta(meta)
+    if not isinstance(descriptors, list):
+        raise MessageError("header descriptors is not a list")
+    if len(descriptors) != len(frames) - 1:
+        raise MessageError(f"header announces {len(descriptors)} buffers but {len(frames) - 1} frames arrived")
+    arrays: list[npt.NDArray[Any]] = []
+    names: list[str] = []
+    for i, desc in enumerate(descriptors):
+        if not (isinstance(desc, list) and len(desc) == 2):
+            raise MessageError(f"descriptor {i} is not [dtype, shape]")
+        name, shape = desc
+        if not isinstance(name, str) or name not in DTYPE_NAMES:
+            raise MessageError(f"descriptor {i} has an unsupported dtype {name!r}")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+            raise MessageError(f"descriptor {i} shape is not a list of at most {MAX_DIMS} dimensions")
+        if not all(type(d) is int and 0 <= d < (1 << 48) for d in shape):
+            raise MessageError(f"descriptor {i} shape {shape!r} holds a negative, huge or non-integer size")
+        storage = dtype_from_name(name)
+        expected = math.prod(shape) * storage.itemsize
+        try:
+            buf = memoryview(frames[i + 1])
+        except TypeError:
+            raise MessageError(f"frame {i + 1} does not expose a buffer") from None
+        if buf.nbytes != expected:
+            raise MessageError(f"frame {i + 1} has {buf.nbytes} bytes but its descriptor {shape} {name} needs {expected}")
+        if expected == 0:
+            arr = np.empty(shape, dtype=storage)
+        else:
+            arr = np.frombuffer(buf.cast("B"), dtype=storage).reshape(shape)
+        arrays.append(arr)
+        names.append(name)
+    return Message(src=src, tag=tag, meta=meta, arrays=tuple(arrays), dtypes=tuple(names))

@@ -1,0 +1,385 @@
+"""ZeroMQ transport: TCP between hosts, ipc (abstract unix sockets) inside a host.
+
+Each rank binds one PULL socket (on TCP, and on an abstract ipc name on Linux) and connects one PUSH socket to
+every peer, choosing ipc when both share a host id. Sends run in the caller's thread under a per-peer lock;
+arrays above :data:`COPY_THRESHOLD` bytes are handed to ZeroMQ without copying and the call (or the handle)
+completes when ZeroMQ is done with them. A receiver thread drains the PULL socket, validates every message
+(malformed ones are logged and dropped: a peer cannot crash us), and hands them to the matching engine.
+
+Failure detection, because a hang is the worst failure:
+
+* a peer that closes cleanly sends ``bye``; later receives that wait on it fail at once;
+* a peer that crashes or is killed drops its connections; the socket monitor sees it and, unless a ``bye``
+  arrives within a short grace period, the peer is declared lost;
+* a peer that goes silent (hung host, cut cable) is declared lost after ``heartbeat_timeout`` seconds without
+  any message; every rank sends a heartbeat to every peer each ``heartbeat`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import zmq
+
+from paratrain.errors import CommTimeoutError, MessageError, PeerLostError, TransportClosedError
+from paratrain.transport.base import ANY_SOURCE, ANY_TAG, Handle, Transport
+from paratrain.transport.matching import Mailbox
+from paratrain.transport.wire import Message, decode, encode
+
+__all__ = ["COPY_THRESHOLD", "TAG_CONTROL", "ZmqTransport"]
+
+log = logging.getLogger("paratrain.transport.zmq")
+
+#: Messages with at least this many data bytes are sent zero-copy (ZeroMQ's own crossover is 64 KiB).
+COPY_THRESHOLD = 1 << 16
+#: Tag of transport-internal control messages (heartbeat, bye); refused from users.
+TAG_CONTROL = -(1 << 61)
+_DISCONNECT_GRACE = 0.5
+
+
+class _SendHandle(Handle[None]):
+    """A send whose buffers ZeroMQ still holds; completes when its tracker is done or the peer is lost."""
+
+    __slots__ = ("_peer", "_tracker", "_transport")
+
+    def __init__(self, tracker: zmq.MessageTracker, transport: ZmqTransport, peer: int) -> None:
+        super().__init__()
+        self._tracker = tracker
+        self._transport = transport
+        self._peer = peer
+
+    def done(self) -> bool:
+        if not super().done() and (self._tracker.done or self._transport._lost_error(self._peer) is not None):
+            self._resolve()
+        return super().done()
+
+    def _resolve(self) -> None:
+        if self._tracker.done:
+            self.set_result(None)
+        else:
+            error = self._transport._lost_error(self._peer)
+            if error is not None:
+                self.set_error(error)
+
+    def wait(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not super().done():
+            step = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
+            try:
+                self._tracker.wait(step)
+            except zmq.NotDone:
+                pass
+            self._resolve()
+            if not super().done() and deadline is not None and time.monotonic() >= deadline:
+                raise CommTimeoutError(
+                    f"rank {self._transport.rank}: send to rank {self._peer} not delivered after {timeout}s; "
+                    "is that rank alive and receiving?"
+                )
+        return super().wait(0)
+
+
+class ZmqTransport(Transport):
+    """Point-to-point messaging over ZeroMQ. Thread-safe.
+
+    Construct, publish :meth:`endpoints` to the other ranks (rendezvous), then :meth:`connect` with everyone's
+    endpoints. ``paratrain.init()`` does all of this.
+
+    Args:
+        rank: this rank.
+        world_size: number of ranks.
+        host_id: ranks with equal host ids use ipc between them.
+        bind_addr: IP address to bind TCP on and advertise (reachable by the other ranks).
+        run_id: job identifier, part of the ipc names so that jobs do not collide.
+        timeout: default timeout of blocking calls (s).
+        heartbeat: seconds between heartbeats.
+        heartbeat_timeout: seconds of silence before a peer is declared lost.
+        use_ipc: allow ipc inside a host (Linux only).
+    """
+
+    name = "zmq"
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        host_id: str,
+        bind_addr: str = "127.0.0.1",
+        run_id: str = "default",
+        timeout: float = 300.0,
+        heartbeat: float = 1.0,
+        heartbeat_timeout: float = 30.0,
+        use_ipc: bool = True,
+    ) -> None:
+        super().__init__(rank=rank, world_size=world_size, timeout=timeout)
+        self.host_id = host_id
+        self._heartbeat = heartbeat
+        self._heartbeat_timeout = heartbeat_timeout
+        self._ctx = zmq.Context(io_threads=1)
+        self._box = Mailbox(rank=rank, world_size=world_size)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(f"tcp://{bind_addr}:0")
+        tcp_endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        ipc_endpoint = ""
+        if use_ipc and sys.platform.startswith("linux"):
+            safe_run = "".join(c if c.isalnum() else "_" for c in run_id)[:24]
+            ipc_endpoint = f"ipc://@paratrain-{safe_run}-{rank}-{os.getpid()}-{secrets.token_hex(4)}"
+            self._pull.bind(ipc_endpoint)
+        self._endpoints = {"tcp": tcp_endpoint, "ipc": ipc_endpoint, "host": host_id, "pid": os.getpid()}
+        self._wake_addr = f"inproc://wake-{id(self)}-{secrets.token_hex(4)}"
+        self._wake_rx = self._ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(self._wake_addr)
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(self._wake_addr)
+        self._wake_lock = threading.Lock()
+        self._push: dict[int, zmq.Socket[bytes]] = {}
+        self._push_locks: dict[int, threading.Lock] = {}
+        self._monitors: dict[int, zmq.Socket[bytes]] = {}
+        self._peer_info: dict[int, Mapping[str, Any]] = {}
+        self._last_heard: dict[int, float] = {}
+        self._said_bye: set[int] = set()
+        self._suspect: dict[int, float] = {}
+        self._lost: dict[int, PeerLostError] = {}
+        self._state_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._fatal: BaseException | None = None
+
+    def endpoints(self) -> dict[str, Any]:
+        """What other ranks need to reach this one: TCP and ipc endpoints, host id, pid."""
+        return dict(self._endpoints)
+
+    def connect(self, table: Sequence[Mapping[str, Any]]) -> None:
+        """Connects to every peer given everyone's :meth:`endpoints` (indexed by rank) and starts receiving."""
+        if len(table) != self.world_size:
+            raise ValueError(f"endpoint table has {len(table)} entries for world size {self.world_size}")
+        now = time.monotonic()
+        for peer, info in enumerate(table):
+            if peer == self.rank:
+                continue
+            same_host = info.get("host") == self.host_id and bool(info.get("ipc")) and bool(self._endpoints["ipc"])
+            address = str(info["ipc"] if same_host else info["tcp"])
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            self._monitors[peer] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            sock.connect(address)
+            self._push[peer] = sock
+            self._push_locks[peer] = threading.Lock()
+            self._peer_info[peer] = dict(info)
+            self._last_heard[peer] = now
+        self._thread = threading.Thread(target=self._run, name=f"paratrain-zmq-rx-{self.rank}", daemon=True)
+        self._thread.start()
+
+    # -- sending ---------------------------------------------------------------------------------------
+
+    def _lost_error(self, peer: int) -> PeerLostError | None:
+        with self._state_lock:
+            return self._lost.get(peer)
+
+    def isend(self, dst: int, tag: int, arrays: Sequence[Any] = (), meta: Mapping[str, Any] | None = None) -> Handle[None]:
+        """Queues a message to ``dst``; the handle completes when its arrays may be reused. Never blocks."""
+        self._check_peer(dst)
+        if tag == TAG_CONTROL:
+            raise ValueError(f"tag {TAG_CONTROL} is reserved for the transport")
+        if self._closed:
+            raise TransportClosedError(f"rank {self.rank}: transport closed; cannot send")
+        frames, views = encode(self.rank, tag, arrays, meta)
+        nbytes = sum(v.nbytes for v in views)
+        self.stats.messages_sent += 1
+        self.stats.bytes_sent += nbytes
+        if dst == self.rank:
+            self._box.deliver(decode([bytes(f) for f in frames]))
+            return Handle.completed(None)
+        error = self._lost_error(dst)
+        if error is not None:
+            raise error
+        if self._thread is None:
+            raise TransportClosedError(f"rank {self.rank}: transport not connected; call connect() first")
+        big = nbytes >= COPY_THRESHOLD
+        with self._push_locks[dst]:
+            sock = self._push[dst]
+            if big:
+                tracker = sock.send_multipart(frames, copy=False, track=True)
+            else:
+                sock.send_multipart(frames, copy=True)
+                return Handle.completed(None)
+        return _SendHandle(tracker, self, dst)
+
+    # -- receiving -------------------------------------------------------------------------------------
+
+    def irecv(self, src: int = ANY_SOURCE, tag: int = ANY_TAG) -> Handle[Message]:
+        """Posts a receive; completed by the receiver thread."""
+        self._check_peer(src, allow_any=True)
+        return self._box.post(src, tag)
+
+    def cancel_recv(self, handle: Handle[Message]) -> bool:
+        """Withdraws a posted receive."""
+        return self._box.cancel(handle)
+
+    def lost_peers(self) -> frozenset[int]:
+        """Peers declared lost (crashed, killed, silent, or shut down)."""
+        with self._state_lock:
+            return frozenset(self._lost)
+
+    def _declare_lost(self, peer: int, why: str, *, expected: bool = False) -> None:
+        info = self._peer_info.get(peer, {})
+        error = PeerLostError(
+            f"rank {self.rank}: peer rank {peer} (pid {info.get('pid', '?')}, {info.get('tcp', '?')}) {why}. "
+            "If it crashed, its own output says why; restart the job (or use an elastic strategy).",
+            peer=peer,
+        )
+        with self._state_lock:
+            if peer in self._lost:
+                return
+            self._lost[peer] = error
+        if expected:
+            log.debug("%s", error)
+        else:
+            log.warning("%s", error)
+        self._box.peer_lost(peer, error)
+
+    def _handle_frames(self, frames: list[zmq.Frame]) -> None:
+        try:
+            msg = decode(frames)
+            if not 0 <= msg.src < self.world_size or msg.src == self.rank:
+                raise MessageError(f"sender rank {msg.src} is not a peer of rank {self.rank}")
+        except MessageError as exc:
+            self.stats.dropped_malformed += 1
+            log.error("rank %d dropped a malformed message: %s", self.rank, exc)
+            return
+        self._last_heard[msg.src] = time.monotonic()
+        if msg.tag == TAG_CONTROL:
+            if msg.meta.get("ctl") == "bye":
+                self._said_bye.add(msg.src)
+                self._declare_lost(
+                    msg.src, "has shut down (called shutdown) while a message from it was awaited", expected=True
+                )
+            return
+        self.stats.messages_received += 1
+        self.stats.bytes_received += msg.nbytes
+        self._box.deliver(msg)
+
+    def _send_control(self, peer: int, ctl: str, *, blocking_lock: bool) -> None:
+        lock = self._push_locks[peer]
+        if not lock.acquire(blocking=blocking_lock):
+            return  # a data send is in progress on this link; it is as good as a heartbeat
+        try:
+            frames, _ = encode(self.rank, TAG_CONTROL, (), {"ctl": ctl})
+            self._push[peer].send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        finally:
+            lock.release()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        monitor_peer = {}
+        for peer, mon in self._monitors.items():
+            poller.register(mon, zmq.POLLIN)
+            monitor_peer[mon] = peer
+        next_beat = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                wait_s = max(0.0, min(next_beat - now, _DISCONNECT_GRACE / 2 if self._suspect else next_beat - now))
+                events = dict(poller.poll(timeout=wait_s * 1000.0))
+                if self._wake_rx in events:
+                    return
+                if self._pull in events:
+                    for _ in range(10_000):
+                        try:
+                            frames = self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle_frames(frames)
+                for mon, peer in monitor_peer.items():
+                    if mon in events:
+                        while True:
+                            try:
+                                mon.recv_multipart(flags=zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            if peer not in self._said_bye:
+                                self._suspect.setdefault(peer, time.monotonic())
+                now = time.monotonic()
+                for peer, since in list(self._suspect.items()):
+                    if peer in self._said_bye:
+                        del self._suspect[peer]
+                    elif now - since >= _DISCONNECT_GRACE:
+                        del self._suspect[peer]
+                        self._declare_lost(peer, "closed its connection without saying goodbye (crashed or killed)")
+                if now >= next_beat:
+                    next_beat = now + self._heartbeat
+                    lost = self.lost_peers()
+                    for peer in self._push:
+                        if peer in lost:
+                            continue
+                        self._send_control(peer, "hb", blocking_lock=False)
+                        if now - self._last_heard[peer] > self._heartbeat_timeout:
+                            self._declare_lost(
+                                peer, f"sent nothing for {self._heartbeat_timeout:.0f}s (hung, or the network is cut)"
+                            )
+        except BaseException as exc:  # the receiver must never die silently: fail everything loudly
+            if not self._closed:
+                log.exception("rank %d: receiver thread failed", self.rank)
+                self._fatal = exc
+                self._box.close(TransportClosedError(f"rank {self.rank}: receiver thread failed: {exc!r}"))
+
+    # -- shutdown --------------------------------------------------------------------------------------
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None and self._thread is not threading.current_thread():
+            with self._wake_lock:
+                self._wake_tx.send(b"x")
+            self._thread.join(timeout=10)
+
+    def close(self) -> None:
+        """Sends ``bye`` to every live peer, flushes queued sends (up to 2 s each), releases everything."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        lost = self.lost_peers()
+        for peer in self._push:
+            if peer not in lost:
+                self._send_control(peer, "bye", blocking_lock=True)
+        self._stop_thread()
+        self._box.close()
+        for peer, sock in self._push.items():
+            sock.setsockopt(zmq.LINGER, 0 if peer in lost else 2000)
+        self._release()
+
+    def abort(self, reason: BaseException | None = None) -> None:
+        """Drops all connections at once, without goodbye, as a crash would."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop_thread()
+        self._box.close(reason or TransportClosedError(f"rank {self.rank}: transport aborted"))
+        self._release()
+
+    def _release(self) -> None:
+        for mon in self._monitors.values():
+            mon.close(linger=0)
+        for sock in self._push.values():
+            sock.close()
+        self._pull.close(linger=0)
+        self._wake_rx.close(linger=0)
+        self._wake_tx.close(linger=0)
+        self._ctx.term()
