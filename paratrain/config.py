@@ -27,13 +27,15 @@ Variables (all optional unless a launcher set them):
 ``PARATRAIN_FAULTS``            wrap the transport in the fault injector, e.g. ``latency=2ms,bandwidth=100Mbit``
 ``PARATRAIN_ROLE``              ``worker`` (default) or ``server``
 ``PARATRAIN_RUN_ID``            identifies the job (names of ipc endpoints and shared memory)
-``PARATRAIN_RUN_DIR``           directory for the job's outputs and scratch files
+``PARATRAIN_RUN_DIR``           directory for the job's outputs (metrics, plots, timeline)
+``PARATRAIN_SCRATCH_DIR``       the launcher's scratch directory for this job (removed when the job ends)
 ``PARATRAIN_LOG_LEVEL``         logging level of the ``paratrain`` logger (``WARNING``)
 ==============================  ==================================================================================
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -80,7 +82,16 @@ def _get_float(env: Mapping[str, str], name: str, default: float) -> float:
 
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|µs|ms|s|m|min|h)?\s*$")
-_DURATION_UNITS = {None: 1.0, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+_DURATION_UNITS = {
+    None: 1.0,
+    "us": 1e-6,
+    "µs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "h": 3600.0,
+}
 
 
 def parse_duration(text: str) -> float:
@@ -145,10 +156,8 @@ def host_id(env: Mapping[str, str]) -> str:
             parts.append(fh.read().strip())
     except OSError:
         pass
-    try:
+    with contextlib.suppress(OSError):
         parts.append(os.readlink("/proc/self/ns/net"))
-    except OSError:
-        pass
     return "|".join(parts)
 
 
@@ -178,7 +187,8 @@ class Settings:
         faults: fault-injection spec for the transport (see :mod:`paratrain.transport.faults`), or None.
         role: ``worker`` or ``server``.
         run_id: identifier of the job, used to name ipc endpoints and shared memory.
-        run_dir: directory for outputs and scratch files, or None.
+        run_dir: directory for outputs, or None.
+        scratch_dir: the launcher's per-job scratch directory, or None when not under ``paratrain launch``.
         launched_by: ``paratrain``, ``torchrun``, ``slurm`` or ``none`` (a single process started by hand).
     """
 
@@ -202,6 +212,7 @@ class Settings:
     role: str = "worker"
     run_id: str = "default"
     run_dir: str | None = None
+    scratch_dir: str | None = None
     launched_by: str = "none"
 
     def __post_init__(self) -> None:
@@ -307,8 +318,12 @@ class Settings:
             heartbeat_timeout=_get_float(env, "PARATRAIN_HEARTBEAT_TIMEOUT", max(30.0, 3 * heartbeat)),
             faults=env.get("PARATRAIN_FAULTS") or None,
             role=env.get("PARATRAIN_ROLE", "worker"),
-            run_id=env.get("PARATRAIN_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "default",
+            run_id=env.get("PARATRAIN_RUN_ID")
+            or env.get("TORCHELASTIC_RUN_ID")
+            or env.get("SLURM_JOB_ID")
+            or "default",
             run_dir=env.get("PARATRAIN_RUN_DIR") or None,
+            scratch_dir=env.get("PARATRAIN_SCRATCH_DIR") or None,
             launched_by=launched_by,
         )
 

@@ -32,7 +32,8 @@ def _main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         code = run_launch(
-            ["python", "-m", "paratrain.examples.barriers", "--barriers", str(args.barriers)], nproc=args.nproc
+            ["python", "-m", "paratrain.examples.barriers", "--barriers", str(args.barriers)],
+            nproc=args.nproc,
         )
     except ConfigError as exc:
         print(f"paratrain demo: error: {exc}", file=sys.stderr)

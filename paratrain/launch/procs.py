@@ -43,6 +43,8 @@ _POLL_S = 0.2
 # While waiting out the grace period we also watch grandchildren, whose exits send us no SIGCHLD, so poll
 # faster: a stopped job should not linger for a whole ``_POLL_S`` after its last process is gone.
 _GRACE_POLL_S = 0.05
+# After SIGKILL, death takes milliseconds; poll for it at that scale.
+_KILL_POLL_S = 0.01
 # How long the output thread may block in ``select`` before it looks at its stop flag again.
 _PUMP_POLL_S = 0.1
 # After every child is reaped, their pipes normally reach end-of-file at once. A process that escaped the
@@ -624,14 +626,7 @@ class Supervisor:
         # still hold processes that escaped the check in a race. SIGKILL to an empty group is harmless.
         for child in self._children:
             _signal_group(child.popen.pid, signal.SIGKILL)
-        for child in self._children:
-            try:
-                child.popen.wait(_REAP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self._say(
-                    f"{child.spec.name} (pid {child.popen.pid}) did not die after SIGKILL "
-                    f"within {_REAP_TIMEOUT_S:g} s (stuck in the kernel?); giving up on it"
-                )
+        self._await_groups_gone()
         assert self._pump is not None
         if self._pump.finish(_DRAIN_TIMEOUT_S):
             for child in self._children:
@@ -674,6 +669,32 @@ class Supervisor:
             self._wait(min(_GRACE_POLL_S, remaining))
         for child in alive:
             _signal_group(child.popen.pid, signal.SIGKILL)
+
+    def _await_groups_gone(self) -> None:
+        """Reaps the children and waits until nothing in their groups runs any more.
+
+        SIGKILL is delivered asynchronously: a grandchild may still be running for a moment after
+        ``killpg`` returns. Returning before it is gone would break the promise that ``run()`` leaves
+        nothing behind (and an ``on_exit`` callback could race with it), so wait, briefly and bounded.
+        """
+        deadline = time.monotonic() + _REAP_TIMEOUT_S
+        for child in self._children:
+            try:
+                child.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        while True:
+            alive = [child for child in self._children if _group_alive(child.popen.pid)]
+            if not alive:
+                return
+            if time.monotonic() >= deadline:
+                names = ", ".join(child.spec.name for child in alive)
+                self._say(
+                    f"the processes of {names} did not die within {_REAP_TIMEOUT_S:g} s of SIGKILL "
+                    "(stuck in the kernel, e.g. on a dead network mount?); giving up on them"
+                )
+                return
+            self._wait(_KILL_POLL_S)
 
     def _run_on_exit(self) -> None:
         for callback in self._on_exit:

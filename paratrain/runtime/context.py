@@ -259,6 +259,21 @@ def init(
     return ctx
 
 
+def _peer_lost_reporter(settings: Settings) -> Callable[[int, str], None] | None:
+    """Under ``paratrain launch``: records lost peers in the scratch directory, so that when this rank then
+    fails, the launcher names the peer whose loss caused it rather than this rank."""
+    scratch = settings.scratch_dir
+    if scratch is None:
+        return None
+
+    def report(peer: int, reason: str) -> None:
+        path = os.path.join(scratch, f"peer-lost.{settings.rank}")
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(f"{peer}\t{reason}\n")
+
+    return report
+
+
 def _connect_zmq(settings: Settings) -> Transport:
     from paratrain.runtime.rendezvous import RendezvousServer, register
     from paratrain.transport.zmq import ZmqTransport
@@ -273,6 +288,7 @@ def _connect_zmq(settings: Settings) -> Transport:
         timeout=settings.timeout,
         heartbeat=settings.heartbeat,
         heartbeat_timeout=settings.heartbeat_timeout,
+        on_peer_lost=_peer_lost_reporter(settings),
     )
     server: RendezvousServer | None = None
     try:

@@ -116,7 +116,7 @@ class RendezvousServer:
                 for ident, _ in registered.values():
                     self._reply(ident, {"v": _VERSION, "error": self.error})
                 return
-            if not self._sock.poll(min(remaining, 0.2) * 1000):
+            if not self._sock.poll(int(min(remaining, 0.2) * 1000) + 1):
                 continue
             parts = self._sock.recv_multipart()
             if len(parts) != 3:
@@ -135,17 +135,31 @@ class RendezvousServer:
                 self._reply(ident, {"v": _VERSION, "error": f"malformed rendezvous request: {exc}"})
                 continue
             if world != self.world_size:
-                self._reply(ident, {"v": _VERSION, "error": (
-                    f"rank {rank} says the world size is {world}, but the rendezvous expects "
-                    f"{self.world_size}: start every rank with the same WORLD_SIZE")})
+                self._reply(
+                    ident,
+                    {
+                        "v": _VERSION,
+                        "error": (
+                            f"rank {rank} says the world size is {world}, but the rendezvous expects "
+                            f"{self.world_size}: start every rank with the same WORLD_SIZE"
+                        ),
+                    },
+                )
                 continue
             if not 0 <= rank < world:
                 self._reply(ident, {"v": _VERSION, "error": f"rank {rank} outside 0..{world - 1}"})
                 continue
             if rank in registered:
-                self._reply(ident, {"v": _VERSION, "error": (
-                    f"rank {rank} registered twice (pids {registered[rank][1].get('pid')} and {info.get('pid')}): "
-                    "two processes were given the same RANK")})
+                self._reply(
+                    ident,
+                    {
+                        "v": _VERSION,
+                        "error": (
+                            f"rank {rank} registered twice (pids {registered[rank][1].get('pid')} and {info.get('pid')}): "
+                            "two processes were given the same RANK"
+                        ),
+                    },
+                )
                 continue
             registered[rank] = (ident, info)
             if len(registered) == self.world_size:
@@ -173,7 +187,7 @@ def register(
     try:
         sock.connect(f"tcp://{addr}:{port}")
         sock.send_multipart([b"", _pack({"v": _VERSION, "rank": rank, "world_size": world_size, "info": dict(info)})])
-        if not sock.poll(timeout * 1000):
+        if not sock.poll(int(timeout * 1000)):
             raise RendezvousError(
                 f"rank {rank}: no answer from the rendezvous at {addr}:{port} within {timeout:.0f}s. Are all "
                 f"{world_size} ranks started, and is {addr} reachable from this host? (raise "

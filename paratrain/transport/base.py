@@ -165,7 +165,9 @@ class Transport(abc.ABC):
         self.isend(dst, tag, arrays, meta).wait(self._timeout(timeout))
 
     @abc.abstractmethod
-    def isend(self, dst: int, tag: int, arrays: Sequence[Any] = (), meta: Mapping[str, Any] | None = None) -> Handle[None]:
+    def isend(
+        self, dst: int, tag: int, arrays: Sequence[Any] = (), meta: Mapping[str, Any] | None = None
+    ) -> Handle[None]:
         """Starts a send; the handle completes when the arrays may be reused. Does not block."""
 
     def recv(self, src: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: float | None = None) -> Message:

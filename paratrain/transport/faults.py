@@ -111,9 +111,7 @@ class FaultSpec:
                 elif key in ("seed", "crash_after"):
                     fields[key] = int(value)
                 else:
-                    raise ConfigError(
-                        f"unknown fault {key!r}; known: latency, bandwidth, drop, seed, crash_after"
-                    )
+                    raise ConfigError(f"unknown fault {key!r}; known: latency, bandwidth, drop, seed, crash_after")
             except ValueError as exc:
                 raise ConfigError(f"fault spec item {item!r}: {exc}") from None
         return cls(**fields)
@@ -184,7 +182,9 @@ class FaultyTransport(Transport):
     def _transfer_time(self, nbytes: int) -> float:
         return 0.0 if self.spec.bandwidth is None else nbytes / self.spec.bandwidth
 
-    def isend(self, dst: int, tag: int, arrays: Sequence[Any] = (), meta: Mapping[str, Any] | None = None) -> Handle[None]:
+    def isend(
+        self, dst: int, tag: int, arrays: Sequence[Any] = (), meta: Mapping[str, Any] | None = None
+    ) -> Handle[None]:
         """Copies the message and schedules it on this node's link; may drop it or crash this rank."""
         self._check_peer(dst)
         if self._closed:

@@ -65,7 +65,9 @@ class InprocFabric:
             if other != rank:
                 box.peer_lost(
                     rank,
-                    PeerLostError(f"rank {other}: peer rank {rank} {how} while a message from it was awaited", peer=rank),
+                    PeerLostError(
+                        f"rank {other}: peer rank {rank} {how} while a message from it was awaited", peer=rank
+                    ),
                 )
 
     def fail_all(self, error: BaseException) -> None:
@@ -85,7 +87,9 @@ class InprocTransport(Transport):
         self._box = fabric.mailbox(rank)
         self._closed = False
 
-    def isend(self, dst: int, tag: int, arrays: Sequence[Any] = (), meta: Mapping[str, Any] | None = None) -> Handle[None]:
+    def isend(
+        self, dst: int, tag: int, arrays: Sequence[Any] = (), meta: Mapping[str, Any] | None = None
+    ) -> Handle[None]:
         """Copies the message into ``dst``'s mailbox at once; the handle is already complete."""
         self._check_peer(dst)
         if self._closed:

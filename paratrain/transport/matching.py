@@ -42,14 +42,12 @@ class Mailbox:
         with self._lock:
             if self._closed is not None:
                 return
-            for i, (src, tag, handle) in enumerate(self._posted):
-                if self._matches(src, tag, msg):
-                    del self._posted[i]
-                    break
-            else:
+            match = next((i for i, (s, t, _) in enumerate(self._posted) if self._matches(s, t, msg)), None)
+            if match is None:
                 self._queues.setdefault((msg.src, msg.tag), deque()).append((next(self._seq), msg))
                 return
-        handle.set_result(msg)
+            receiver = self._posted.pop(match)[2]
+        receiver.set_result(msg)
 
     def _take(self, src: int, tag: int) -> Message | None:
         if src != ANY_SOURCE and tag != ANY_TAG:

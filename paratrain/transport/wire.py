@@ -109,7 +109,7 @@ def encode(
     header = encode_header(src, tag, meta or {}, descriptors)
     frames: list[bytes | memoryview] = [header]
     for view in views:
-        frames.append(memoryview(view.reshape(-1).view(np.uint8)) if view.size else b"")
+        frames.append(memoryview(view.reshape(-1).view(np.uint8).data) if view.size else b"")
     return frames, views
 
 
@@ -203,7 +203,9 @@ def decode(frames: Sequence[bytes | memoryview | Any]) -> Message:
         except TypeError:
             raise MessageError(f"frame {i + 1} does not expose a buffer") from None
         if buf.nbytes != expected:
-            raise MessageError(f"frame {i + 1} has {buf.nbytes} bytes but its descriptor {shape} {name} needs {expected}")
+            raise MessageError(
+                f"frame {i + 1} has {buf.nbytes} bytes but its descriptor {shape} {name} needs {expected}"
+            )
         if expected == 0:
             arr = np.empty(shape, dtype=storage)
         else:

@@ -17,13 +17,14 @@ Failure detection, because a hang is the worst failure:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import zmq
@@ -72,10 +73,8 @@ class _SendHandle(Handle[None]):
         deadline = None if timeout is None else time.monotonic() + timeout
         while not super().done():
             step = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
-            try:
+            with contextlib.suppress(zmq.NotDone):
                 self._tracker.wait(step)
-            except zmq.NotDone:
-                pass
             self._resolve()
             if not super().done() and deadline is not None and time.monotonic() >= deadline:
                 raise CommTimeoutError(
@@ -101,6 +100,8 @@ class ZmqTransport(Transport):
         heartbeat: seconds between heartbeats.
         heartbeat_timeout: seconds of silence before a peer is declared lost.
         use_ipc: allow ipc inside a host (Linux only).
+        on_peer_lost: called as ``on_peer_lost(peer, reason)`` (in the receiver thread) when a peer is
+            declared lost; the launcher uses it to tell a root failure from the failures it caused.
     """
 
     name = "zmq"
@@ -117,11 +118,13 @@ class ZmqTransport(Transport):
         heartbeat: float = 1.0,
         heartbeat_timeout: float = 30.0,
         use_ipc: bool = True,
+        on_peer_lost: Callable[[int, str], None] | None = None,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, timeout=timeout)
         self.host_id = host_id
         self._heartbeat = heartbeat
         self._heartbeat_timeout = heartbeat_timeout
+        self._on_peer_lost = on_peer_lost
         self._ctx = zmq.Context(io_threads=1)
         self._box = Mailbox(rank=rank, world_size=world_size)
         self._closed = False
@@ -189,7 +192,9 @@ class ZmqTransport(Transport):
         with self._state_lock:
             return self._lost.get(peer)
 
-    def isend(self, dst: int, tag: int, arrays: Sequence[Any] = (), meta: Mapping[str, Any] | None = None) -> Handle[None]:
+    def isend(
+        self, dst: int, tag: int, arrays: Sequence[Any] = (), meta: Mapping[str, Any] | None = None
+    ) -> Handle[None]:
         """Queues a message to ``dst``; the handle completes when its arrays may be reused. Never blocks."""
         self._check_peer(dst)
         if tag == TAG_CONTROL:
@@ -211,11 +216,11 @@ class ZmqTransport(Transport):
         big = nbytes >= COPY_THRESHOLD
         with self._push_locks[dst]:
             sock = self._push[dst]
-            if big:
-                tracker = sock.send_multipart(frames, copy=False, track=True)
-            else:
+            if not big:
                 sock.send_multipart(frames, copy=True)
                 return Handle.completed(None)
+            tracker = sock.send_multipart(frames, copy=False, track=True)
+        assert tracker is not None  # track=True always returns one
         return _SendHandle(tracker, self, dst)
 
     # -- receiving -------------------------------------------------------------------------------------
@@ -249,6 +254,11 @@ class ZmqTransport(Transport):
             log.debug("%s", error)
         else:
             log.warning("%s", error)
+        if self._on_peer_lost is not None:
+            try:
+                self._on_peer_lost(peer, why)
+            except Exception:  # a reporting hook must not break failure detection
+                log.exception("rank %d: on_peer_lost hook failed", self.rank)
         self._box.peer_lost(peer, error)
 
     def _handle_frames(self, frames: list[zmq.Frame]) -> None:
@@ -265,7 +275,9 @@ class ZmqTransport(Transport):
             if msg.meta.get("ctl") == "bye":
                 self._said_bye.add(msg.src)
                 self._declare_lost(
-                    msg.src, "has shut down (called shutdown) while a message from it was awaited", expected=True
+                    msg.src,
+                    "has shut down (called shutdown) while a message from it was awaited",
+                    expected=True,
                 )
             return
         self.stats.messages_received += 1
@@ -297,7 +309,7 @@ class ZmqTransport(Transport):
             while True:
                 now = time.monotonic()
                 wait_s = max(0.0, min(next_beat - now, _DISCONNECT_GRACE / 2 if self._suspect else next_beat - now))
-                events = dict(poller.poll(timeout=wait_s * 1000.0))
+                events = dict(poller.poll(timeout=int(wait_s * 1000.0) + 1))
                 if self._wake_rx in events:
                     return
                 if self._pull in events:
@@ -332,7 +344,8 @@ class ZmqTransport(Transport):
                         self._send_control(peer, "hb", blocking_lock=False)
                         if now - self._last_heard[peer] > self._heartbeat_timeout:
                             self._declare_lost(
-                                peer, f"sent nothing for {self._heartbeat_timeout:.0f}s (hung, or the network is cut)"
+                                peer,
+                                f"sent nothing for {self._heartbeat_timeout:.0f}s (hung, or the network is cut)",
                             )
         except BaseException as exc:  # the receiver must never die silently: fail everything loudly
             if not self._closed:

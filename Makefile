@@ -1,0 +1,27 @@
+# Two commands do all the set-up: `make demo` (the main job) and `make test` (what CI runs).
+# Both create .venv on first use and install paratrain with the versions pinned in .ci/constraints.txt.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test setup clean
+
+$(BIN)/paratrain: pyproject.toml .ci/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c .ci/constraints.txt -e ".[dev,torch]"
+	touch $(BIN)/paratrain
+
+setup: $(BIN)/paratrain
+
+demo: setup
+	$(BIN)/paratrain demo -n 4
+
+test: setup
+	$(BIN)/ruff check paratrain tests
+	$(BIN)/ruff format --check paratrain tests
+	$(BIN)/mypy --strict paratrain
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,142 @@
+"""Helpers to run several ranks as threads of one process: fast, deterministic multi-rank tests.
+
+:func:`run_ranks` gives each rank a context on a shared :class:`~paratrain.transport.inproc.InprocFabric`
+(or real ZeroMQ sockets on loopback), runs the same function in every rank, and returns the results in rank
+order. If any rank raises, every other rank's pending and future receives fail at once with
+:class:`RankFailedError`, so one failure never turns into a hang; the first error is re-raised.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from paratrain.config import Settings
+from paratrain.errors import CommTimeoutError, ParatrainError
+from paratrain.runtime.context import Context
+from paratrain.transport.base import Transport
+from paratrain.transport.inproc import InprocFabric
+
+__all__ = ["RankFailedError", "run_ranks", "zmq_transports"]
+
+R = TypeVar("R")
+
+
+class RankFailedError(ParatrainError, RuntimeError):
+    """Another rank of an in-process job failed; this rank was woken so as not to hang."""
+
+
+def zmq_transports(world_size: int, *, timeout: float = 30.0, host_ids: list[str] | None = None) -> list[Transport]:
+    """``world_size`` connected ZeroMQ transports in this process (loopback TCP, or ipc for equal host ids)."""
+    from paratrain.transport.zmq import ZmqTransport
+
+    hosts = host_ids or ["local"] * world_size
+    transports = [
+        ZmqTransport(rank=r, world_size=world_size, host_id=hosts[r], timeout=timeout, run_id="test")
+        for r in range(world_size)
+    ]
+    table = [t.endpoints() for t in transports]
+    for t in transports:
+        t.connect(table)
+    return list(transports)
+
+
+def run_ranks(
+    world_size: int,
+    fn: Callable[[Context], R],
+    *,
+    transport: str = "inproc",
+    timeout: float = 60.0,
+    faults: str | None = None,
+) -> list[R]:
+    """Runs ``fn(ctx)`` in ``world_size`` threads, one per rank, and returns the results in rank order.
+
+    Args:
+        world_size: number of ranks.
+        fn: the code of one rank; receives its :class:`~paratrain.Context`.
+        transport: ``"inproc"`` (default) or ``"zmq"`` (real sockets on loopback).
+        timeout: seconds before the whole job is declared hung (and every rank woken with an error).
+        faults: optional fault-injection spec applied to every rank's transport.
+
+    Raises:
+        The first exception raised by any rank (by rank order among simultaneous failures), or
+        CommTimeoutError if the job did not finish in ``timeout``.
+
+    Example:
+        >>> run_ranks(3, lambda ctx: ctx.rank * 10)
+        [0, 10, 20]
+    """
+    from paratrain.transport.faults import FaultSpec, FaultyTransport
+
+    inner: list[Transport]
+    fabric: InprocFabric | None
+    if transport == "inproc":
+        fabric = InprocFabric(world_size, timeout=timeout)
+        inner = [fabric.transport(r) for r in range(world_size)]
+    elif transport == "zmq":
+        fabric = None
+        inner = zmq_transports(world_size, timeout=timeout)
+    else:
+        raise ValueError(f"unknown transport {transport!r}; use 'inproc' or 'zmq'")
+    transports: list[Transport] = (
+        [FaultyTransport(t, FaultSpec.parse(faults)) for t in inner] if faults else list(inner)
+    )
+    results: list[R | None] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+    failed = threading.Event()
+    lock = threading.Lock()
+
+    def wake_all(origin: int, exc: BaseException) -> None:
+        with lock:
+            if failed.is_set():
+                return
+            failed.set()
+        wake = RankFailedError(f"rank {origin} failed with {type(exc).__name__}: {exc}")
+        wake.__cause__ = exc
+        if fabric is not None:
+            fabric.fail_all(wake)
+        for r, t in enumerate(transports):
+            if r != origin:
+                t.abort(wake)
+
+    def body(rank: int) -> None:
+        settings = Settings(
+            rank=rank,
+            world_size=world_size,
+            local_rank=rank,
+            local_world_size=world_size,
+            transport="inproc",
+            timeout=timeout,
+        )
+        ctx = Context(settings=settings, transport=transports[rank])
+        try:
+            results[rank] = fn(ctx)
+        except BaseException as exc:
+            errors[rank] = exc
+            wake_all(rank, exc)
+        finally:
+            if not failed.is_set():
+                ctx.shutdown()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank-{r}", daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    if hung:
+        wake_all(hung[0], CommTimeoutError(f"ranks {hung} still running after {timeout}s"))
+        for t in threads:
+            t.join(5.0)
+    for tr in transports:
+        tr.abort()
+    primary = [e for e in errors if e is not None and not isinstance(e, RankFailedError)]
+    if primary:
+        raise primary[0]
+    if hung:
+        raise CommTimeoutError(f"in-process job hung: ranks {hung} did not finish within {timeout}s")
+    secondary = [e for e in errors if e is not None]
+    if secondary:
+        raise secondary[0]
+    return results  # type: ignore[return-value]
