@@ -63,7 +63,7 @@ def dtype_from_name(name: str) -> np.dtype[Any]:
     """The numpy dtype in which a buffer of wire dtype ``name`` is stored (uint16 for bfloat16)."""
     if name not in DTYPE_NAMES:
         raise TypeError(f"unknown dtype name {name!r}")
-    return _STORAGE_OF.get(name, np.dtype(name))
+    return _STORAGE_OF[name] if name in _STORAGE_OF else np.dtype(name)
 
 
 def as_numpy_view(x: Any) -> tuple[npt.NDArray[Any], str]:
@@ -76,7 +76,7 @@ def as_numpy_view(x: Any) -> tuple[npt.NDArray[Any], str]:
         TypeError: for GPU tensors, unsupported dtypes, or objects that are neither arrays nor tensors.
     """
     if isinstance(x, np.ndarray):
-        arr = np.ascontiguousarray(x)
+        arr = x if x.flags.c_contiguous else np.ascontiguousarray(x)  # ascontiguousarray makes 0-d into 1-d
         return arr, dtype_name(arr.dtype)
     if is_torch_tensor(x):
         if x.device.type != "cpu":

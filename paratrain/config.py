@@ -58,14 +58,19 @@ _TRANSPORTS = ("zmq", "inproc")
 _ROLES = ("worker", "server")
 
 
-def _get_int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
+def _get_opt_int(env: Mapping[str, str], name: str) -> int | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
-        return default
+        return None
     try:
         return int(raw)
     except ValueError:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _get_int(env: Mapping[str, str], name: str, default: int) -> int:
+    value = _get_opt_int(env, name)
+    return default if value is None else value
 
 
 def _get_float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -264,10 +269,10 @@ class Settings:
         if "RANK" in env or "WORLD_SIZE" in env:
             if "RANK" not in env or "WORLD_SIZE" not in env:
                 raise ConfigError("RANK and WORLD_SIZE must be set together (found only one of them)")
-            rank = _get_int(env, "RANK", 0) or 0
-            world = _get_int(env, "WORLD_SIZE", 1) or 1
-            local_rank = _get_int(env, "LOCAL_RANK", None)
-            local_world = _get_int(env, "LOCAL_WORLD_SIZE", None)
+            rank = _get_int(env, "RANK", 0)
+            world = _get_int(env, "WORLD_SIZE", 1)
+            local_rank = _get_opt_int(env, "LOCAL_RANK")
+            local_world = _get_opt_int(env, "LOCAL_WORLD_SIZE")
             if local_rank is None:
                 local_rank = rank
             if local_world is None:
@@ -280,9 +285,9 @@ class Settings:
                 launched_by = "env"
             master_addr = env.get("MASTER_ADDR", "127.0.0.1")
         elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-            rank = _get_int(env, "SLURM_PROCID", 0) or 0
-            world = _get_int(env, "SLURM_NTASKS", 1) or 1
-            local_rank = _get_int(env, "SLURM_LOCALID", 0) or 0
+            rank = _get_int(env, "SLURM_PROCID", 0)
+            world = _get_int(env, "SLURM_NTASKS", 1)
+            local_rank = _get_int(env, "SLURM_LOCALID", 0)
             local_world = _slurm_local_world(env, default=max(local_rank + 1, 1))
             launched_by = "slurm"
             if "MASTER_ADDR" in env:
@@ -296,8 +301,8 @@ class Settings:
             rank, world, local_rank, local_world = 0, 1, 0, 1
             launched_by = "none"
             master_addr = env.get("MASTER_ADDR", "127.0.0.1")
-        master_port = _get_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT) or DEFAULT_MASTER_PORT
-        rdzv_port = _get_int(env, "PARATRAIN_RDZV_PORT", master_port + 1) or (master_port + 1)
+        master_port = _get_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT)
+        rdzv_port = _get_int(env, "PARATRAIN_RDZV_PORT", master_port + 1)
         heartbeat = _get_float(env, "PARATRAIN_HEARTBEAT", 1.0)
         return cls(
             rank=rank,
@@ -330,7 +335,7 @@ class Settings:
 
 def _slurm_local_world(env: Mapping[str, str], *, default: int) -> int:
     """Tasks on this node: ``SLURM_NTASKS_PER_NODE`` or the first entry of ``SLURM_TASKS_PER_NODE`` (``4(x2)``)."""
-    direct = _get_int(env, "SLURM_NTASKS_PER_NODE", None)
+    direct = _get_opt_int(env, "SLURM_NTASKS_PER_NODE")
     if direct is not None:
         return direct
     raw = env.get("SLURM_TASKS_PER_NODE")

@@ -661,10 +661,8 @@ class Supervisor:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._say(
-                    f"the processes of {names} did not stop within {self._grace_s:g} s of SIGTERM; "
-                    "sending SIGKILL"
-                )
+                grace = f"{self._grace_s:g} s"
+                self._say(f"the processes of {names} did not stop within {grace} of SIGTERM; sending SIGKILL")
                 break
             self._wait(min(_GRACE_POLL_S, remaining))
         for child in alive:
@@ -679,10 +677,8 @@ class Supervisor:
         """
         deadline = time.monotonic() + _REAP_TIMEOUT_S
         for child in self._children:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 child.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         while True:
             alive = [child for child in self._children if _group_alive(child.popen.pid)]
             if not alive:

@@ -155,8 +155,8 @@ class RendezvousServer:
                     {
                         "v": _VERSION,
                         "error": (
-                            f"rank {rank} registered twice (pids {registered[rank][1].get('pid')} and {info.get('pid')}): "
-                            "two processes were given the same RANK"
+                            f"rank {rank} registered twice (pids {registered[rank][1].get('pid')} and "
+                            f"{info.get('pid')}): two processes were given the same RANK"
                         ),
                     },
                 )

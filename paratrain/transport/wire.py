@@ -197,11 +197,15 @@ def decode(frames: Sequence[bytes | memoryview | Any]) -> Message:
         if not all(type(d) is int and 0 <= d < (1 << 48) for d in shape):
             raise MessageError(f"descriptor {i} shape {shape!r} holds a negative, huge or non-integer size")
         storage = dtype_from_name(name)
+        if math.prod(d for d in shape if d) * storage.itemsize >= 1 << 62:
+            raise MessageError(f"descriptor {i} shape {shape!r} describes an impossibly large array")
         expected = math.prod(shape) * storage.itemsize
         try:
             buf = memoryview(frames[i + 1])
         except TypeError:
             raise MessageError(f"frame {i + 1} does not expose a buffer") from None
+        if not buf.c_contiguous:
+            raise MessageError(f"frame {i + 1} is not a contiguous buffer")
         if buf.nbytes != expected:
             raise MessageError(
                 f"frame {i + 1} has {buf.nbytes} bytes but its descriptor {shape} {name} needs {expected}"
