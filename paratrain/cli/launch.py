@@ -131,6 +131,38 @@ def sweep_run(run_id: str, scratch_dir: str | None) -> None:
                     os.unlink(os.path.join(shm, name))
 
 
+def _lost_peers(scratch_dir: str, rank: int) -> list[tuple[int, str]]:
+    path = os.path.join(scratch_dir, f"peer-lost.{rank}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            entries = [line.rstrip("\n").split("\t", 1) for line in fh if "\t" in line]
+    except OSError:
+        return []
+    return [(int(peer), why) for peer, why in entries if peer.isdigit()]
+
+
+def explain_failure(name: str, scratch_dir: str) -> str | None:
+    """Follows the chain "rank A failed after losing rank B, which lost rank C..." to where it started.
+
+    Ranks record lost peers in the scratch directory (see ``runtime.context``). When the failed rank lost a
+    peer first, the peer is the more likely root cause, and a user debugging the job should look there.
+    """
+    if not name.startswith("rank "):
+        return None
+    rank = int(name.split()[1])
+    chain = [rank]
+    while True:
+        lost = _lost_peers(scratch_dir, chain[-1])
+        if not lost or lost[0][0] in chain:
+            break
+        chain.append(lost[0][0])
+    if len(chain) == 1:
+        return None
+    origin = chain[-1]
+    steps = " -> ".join(f"rank {r}" for r in chain)
+    return f"rank {rank} failed after losing a peer ({steps}); look first at rank {origin}'s output above"
+
+
 def run_launch(
     cmd: Sequence[str],
     *,
@@ -173,7 +205,11 @@ def run_launch(
             ProcSpec(name=f"rank {r}", argv=argv, env=env, prefix=f"[rank{r}]: " if prefix else "")
             for r, env in enumerate(child_environments(plan, os.environ))
         ]
-        outcome = Supervisor(specs, grace_s=grace, on_exit=[lambda: sweep_run(run_id, scratch)]).run()
+        outcome = Supervisor(specs, grace_s=grace).run()
+        if outcome.first_failure is not None:
+            note = explain_failure(outcome.first_failure.name, scratch)
+            if note:
+                print(f"paratrain launch: {note}", file=sys.stderr, flush=True)
     finally:
         server.close()
         sweep_run(run_id, scratch)

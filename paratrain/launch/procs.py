@@ -43,6 +43,8 @@ _POLL_S = 0.2
 # While waiting out the grace period we also watch grandchildren, whose exits send us no SIGCHLD, so poll
 # faster: a stopped job should not linger for a whole ``_POLL_S`` after its last process is gone.
 _GRACE_POLL_S = 0.05
+# After the first failure, how long to wait for other children already on their way out (see _settle).
+_SETTLE_S = 0.1
 # After SIGKILL, death takes milliseconds; poll for it at that scale.
 _KILL_POLL_S = 0.01
 # How long the output thread may block in ``select`` before it looks at its stop flag again.
@@ -83,7 +85,7 @@ class ProcSpec:
 
 @dataclass(frozen=True, slots=True)
 class ProcFailure:
-    """The first child that failed, and how.
+    """A child that failed, and how.
 
     Attributes:
         name: the child's ``ProcSpec.name``.
@@ -205,6 +207,12 @@ def _describe_spawn_error(argv: Sequence[str], exc: BaseException) -> str:
     return f"could not be started: {exc}"
 
 
+def _describe_failure(failure: ProcFailure) -> str:
+    """E.g. ``"rank 2 (pid 4242) exited with code 3"``; no pid for a child that could not be started."""
+    who = f"{failure.name} (pid {failure.pid})" if failure.pid else failure.name
+    return f"{who} {failure.cause}"
+
+
 def _plural(count: int) -> str:
     return f"{count} process" if count == 1 else f"{count} processes"
 
@@ -239,6 +247,7 @@ def _proc_group_running(pgid: int) -> bool | None:
         entries = os.listdir("/proc")
     except OSError:
         return None
+    wanted = str(pgid).encode()
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -252,7 +261,7 @@ def _proc_group_running(pgid: int) -> bool | None:
         if len(fields) < 3:
             continue
         state, pgrp = fields[0], fields[2]
-        if pgrp == str(pgid).encode() and state not in (b"Z", b"X"):
+        if pgrp == wanted and state not in (b"Z", b"X"):
             return True
     return False
 
@@ -380,10 +389,11 @@ class Supervisor:
         sys.exit(outcome.exit_code)
 
     Signals: while ``run()`` is active on the main thread it handles SIGINT and SIGTERM (stop the job) and
-    SIGCHLD (notice a dead child at once); the previous handlers are restored when it returns. A second
-    SIGINT or SIGTERM while the children are being stopped skips the rest of the grace period and SIGKILLs
-    them. Off the main thread Python cannot install signal handlers, so none are; the supervisor then
-    notices dead children by the end of their output or by polling every 0.2 s.
+    SIGCHLD (notice a dead child at once); the previous handlers are restored when it returns. A SIGINT or
+    SIGTERM that arrives while the children are already being stopped (after a failure, or a second Ctrl-C)
+    skips the rest of the grace period and SIGKILLs them. Off the main thread Python cannot install signal
+    handlers, so none are; the supervisor then notices dead children by the end of their output or by
+    polling every 0.2 s.
     """
 
     def __init__(
@@ -565,7 +575,7 @@ class Supervisor:
                 )
             except (OSError, subprocess.SubprocessError) as exc:
                 cause = _describe_spawn_error(spec.argv, exc)
-                self._fail(ProcFailure(spec.name, 0, _SPAWN_FAILED_RC, cause))
+                self._fail([ProcFailure(spec.name, 0, _SPAWN_FAILED_RC, cause)])
                 return
             with self._lock:
                 self._children.append(_Child(spec, popen))
@@ -588,25 +598,52 @@ class Supervisor:
             if self._signals:
                 self._note_stop_signal()
                 return
-            running = False
-            for child in self._children:
-                returncode = child.popen.poll()
-                if returncode is None:
-                    running = True
-                elif returncode != 0:
-                    cause = _describe_returncode(returncode)
-                    self._fail(ProcFailure(child.spec.name, child.popen.pid, returncode, cause))
-                    return
-            if not running:
+            failed = self._newly_failed(set())
+            if failed:
+                self._fail(self._settle(failed))
+                return
+            if self._count_running() == 0:
                 return
             self._wait(_POLL_S)
 
-    def _fail(self, failure: ProcFailure) -> None:
-        self._failure = failure
+    def _newly_failed(self, known: set[int]) -> list[ProcFailure]:
+        """The children, in spec order, that have exited non-zero and whose pid is not in ``known``."""
+        failures = []
+        for child in self._children:
+            returncode = child.popen.poll()
+            if returncode is not None and returncode != 0 and child.popen.pid not in known:
+                cause = _describe_returncode(returncode)
+                failures.append(ProcFailure(child.spec.name, child.popen.pid, returncode, cause))
+        return failures
+
+    def _settle(self, failures: list[ProcFailure]) -> list[ProcFailure]:
+        """Waits a moment for other children that are already on their way out, before stopping the rest.
+
+        When one rank fails, its peers often fail *because* of it, and the order in which they finish
+        dying says little about which came first: a rank that exits with an error may announce its exit to
+        its peers, then spend longer tearing down than a peer takes to notice and die. Stopping the others
+        at once would turn such a peer's real exit status into "killed by SIGTERM", hiding it. So collect
+        the failures of the next ``_SETTLE_S`` seconds too and report them all; ``first_failure`` stays the
+        first one observed.
+        """
+        deadline = time.monotonic() + _SETTLE_S
+        while not self._signals and self._count_running() > 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._wait(remaining)
+            failures += self._newly_failed({failure.pid for failure in failures})
+        return failures
+
+    def _fail(self, failures: list[ProcFailure]) -> None:
+        """Records the first failure and says, in one line, which children failed and what happens now."""
+        self._failure = failures[0]
+        parts = [_describe_failure(failure) for failure in failures]
+        parts[1:] = [f"also {part}" for part in parts[1:]]
         others = self._count_running()
-        who = f"{failure.name} (pid {failure.pid})" if failure.pid else failure.name
-        tail = f"; stopping the other {_plural(others)}" if others else ""
-        self._say(f"{who} {failure.cause}{tail}")
+        if others:
+            parts.append(f"stopping the other {_plural(others)}")
+        self._say("; ".join(parts))
 
     def _note_stop_signal(self) -> None:
         self._stop_signal = self._signals[0]
