@@ -276,7 +276,8 @@ class ZmqTransport(Transport):
                 self._said_bye.add(msg.src)
                 self._declare_lost(
                     msg.src,
-                    "has shut down (it called shutdown() or its process is exiting) while a message from it was awaited",
+                    "has shut down (it called shutdown() or its process is exiting) while a message from it "
+                    "was awaited",
                     expected=True,
                 )
             return
