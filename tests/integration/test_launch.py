@@ -96,7 +96,12 @@ def test_failing_rank_is_named_with_its_exit_code(tmp_path: Path) -> None:
     )
     out = subprocess.run([*LAUNCH, "-n", "3", str(script)], capture_output=True, text=True, timeout=20, check=False)
     assert out.returncode == 1
-    assert "rank 1" in out.stderr and "exited with code 3" in out.stderr, out.stderr
+    # Rank 1's goodbye (sent at exit) can make ranks 0 and 2 fail before rank 1's process has ended; then the
+    # launcher follows their lost-peer records back to rank 1. Either way the launcher's report names rank 1.
+    report = [line for line in out.stderr.splitlines() if line.startswith("paratrain launch:")]
+    assert any("rank 1 (pid" in line and "exited with code 3" in line for line in report) or any(
+        "look first at rank 1's output" in line for line in report
+    ), out.stderr
 
 
 def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
