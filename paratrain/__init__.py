@@ -14,24 +14,36 @@ Example:
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from paratrain import errors
 from paratrain.runtime.context import Context, current, init, shutdown
+from paratrain.transport.base import Handle
 
 __all__ = [
     "Context",
+    "Handle",
     "__version__",
+    "allgather",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
     "barrier",
+    "broadcast",
     "current",
     "errors",
     "init",
     "local_rank",
     "local_world_size",
     "rank",
+    "reduce_scatter",
     "shutdown",
     "world_size",
 ]
 
 __version__ = "0.1.0"
+
+A = TypeVar("A")
 
 
 def rank() -> int:
@@ -57,3 +69,45 @@ def local_world_size() -> int:
 def barrier(timeout: float | None = None) -> None:
     """Blocks until every rank called ``barrier`` (see :meth:`Context.barrier`)."""
     current().barrier(timeout)
+
+
+def allreduce(x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
+    """Reduces ``x`` (numpy array or torch CPU tensor) over all ranks and returns a new one of the same type.
+
+    ``op`` is ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``; ``algorithm`` ``"auto"``, ``"ring"``, ``"tree"`` or
+    ``"direct"``.
+    Blocks. See :meth:`paratrain.collectives.api.Collectives.allreduce`.
+
+    Example:
+        >>> import numpy as np, paratrain as pt
+        >>> ctx = pt.init(transport="inproc")
+        >>> pt.allreduce(np.array([1.0, 2.0]), op="mean")
+        array([1., 2.])
+        >>> pt.shutdown()
+    """
+    return current().allreduce(x, op, algorithm, timeout=timeout)
+
+
+def allreduce_(x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
+    """Like :func:`allreduce`, in place: writes the result into ``x`` and returns ``x``. Blocks."""
+    return current().allreduce_(x, op, algorithm, timeout=timeout)
+
+
+def allreduce_async(x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> Handle[A]:
+    """Starts :func:`allreduce` in the background (calls run in order); ``handle.wait()`` returns the result."""
+    return current().allreduce_async(x, op, algorithm, timeout=timeout)
+
+
+def broadcast(x: A, root: int = 0, *, algorithm: str = "auto", timeout: float | None = None) -> A:
+    """Returns a new array/tensor holding rank ``root``'s ``x`` (same shape and dtype on every rank). Blocks."""
+    return current().broadcast(x, root, algorithm=algorithm, timeout=timeout)
+
+
+def allgather(x: A, *, timeout: float | None = None) -> A:
+    """Concatenates every rank's ``x`` along axis 0 in rank order (first dimensions may differ). Blocks."""
+    return current().allgather(x, timeout=timeout)
+
+
+def reduce_scatter(x: A, op: str = "sum", *, timeout: float | None = None) -> A:
+    """This rank's part of ``x`` reduced over all ranks, split along axis 0 like ``numpy.array_split``. Blocks."""
+    return current().reduce_scatter(x, op, timeout=timeout)

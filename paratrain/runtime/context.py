@@ -16,11 +16,13 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
+from paratrain.collectives.api import Collectives
 from paratrain.collectives.barrier import barrier as _barrier
 from paratrain.config import Settings
 from paratrain.errors import ConfigError, NotInitializedError, RendezvousError
-from paratrain.transport.base import Transport
+from paratrain.transport.base import Handle, Transport
 
 __all__ = ["Context", "current", "init", "shutdown"]
 
@@ -28,6 +30,8 @@ log = logging.getLogger("paratrain")
 
 #: Collective operations use tags below this value, numbered per context; user tags are >= 0.
 COLLECTIVE_TAG_BASE = -(1 << 50)
+
+A = TypeVar("A")
 
 
 class Context:
@@ -53,6 +57,7 @@ class Context:
         self._tags = itertools.count()
         self._tag_lock = threading.Lock()
         self._closed = False
+        self._collectives: Collectives | None = None
 
     @property
     def rank(self) -> int:
@@ -98,14 +103,59 @@ class Context:
         self._check_open()
         _barrier(self.transport, tag=self.next_collective_tag(), timeout=timeout or self.settings.timeout)
 
+    @property
+    def collectives(self) -> Collectives:
+        """This rank's :class:`~paratrain.collectives.api.Collectives` (where algorithms are registered)."""
+        self._check_open()
+        with self._tag_lock:
+            if self._collectives is None:
+                self._collectives = Collectives(
+                    transport=self.transport, next_tag=self.next_collective_tag, timeout=self.settings.timeout
+                )
+            return self._collectives
+
+    def allreduce(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
+        """Reduces ``x`` over all ranks into a new array/tensor; see :meth:`.Collectives.allreduce`. Blocks."""
+        return self.collectives.allreduce(x, op, algorithm, timeout=timeout)
+
+    def allreduce_(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
+        """Reduces ``x`` over all ranks in place and returns ``x``; see :meth:`.Collectives.allreduce_`."""
+        return self.collectives.allreduce_(x, op, algorithm, timeout=timeout)
+
+    def allreduce_async(
+        self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None
+    ) -> Handle[A]:
+        """Starts an allreduce in the background; ``.wait()`` gives the result.
+
+        See :meth:`.Collectives.allreduce_async`.
+        """
+        return self.collectives.allreduce_async(x, op, algorithm, timeout=timeout)
+
+    def broadcast(self, x: A, root: int = 0, *, algorithm: str = "auto", timeout: float | None = None) -> A:
+        """A new array/tensor holding ``root``'s ``x``; see :meth:`.Collectives.broadcast`. Blocks."""
+        return self.collectives.broadcast(x, root, algorithm=algorithm, timeout=timeout)
+
+    def allgather(self, x: A, *, timeout: float | None = None) -> A:
+        """Every rank's ``x`` concatenated along axis 0; see :meth:`.Collectives.allgather`. Blocks."""
+        return self.collectives.allgather(x, timeout=timeout)
+
+    def reduce_scatter(self, x: A, op: str = "sum", *, timeout: float | None = None) -> A:
+        """This rank's part of the reduced ``x``, split along axis 0; see :meth:`.Collectives.reduce_scatter`."""
+        return self.collectives.reduce_scatter(x, op, timeout=timeout)
+
     def shutdown(self) -> None:
-        """Leaves the job: says goodbye to the peers and releases sockets and threads. Idempotent."""
+        """Leaves the job: says goodbye to the peers and releases sockets and threads. Idempotent.
+
+        Pending ``*_async`` collectives fail (wait for their handles first to let them finish).
+        """
         if self._closed:
             return
         self._closed = True
         try:
             self.transport.close()
         finally:
+            if self._collectives is not None:
+                self._collectives.close()
             if self._on_close is not None:
                 self._on_close()
             _forget(self)
