@@ -23,10 +23,11 @@ order, on one background thread per :class:`Collectives`.
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -35,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paratrain._arrays import as_numpy_view, is_torch_tensor
+from paratrain.collectives.hierarchical import HostLayout, hierarchical_allreduce
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.plans import chunk_bounds
 from paratrain.collectives.ring import (
@@ -319,9 +321,12 @@ class Collectives:
         transport: this rank's transport.
         next_tag: gives each collective call a fresh tag, the same on every rank (``Context.next_collective_tag``).
         timeout: default seconds a call may take before ``CommTimeoutError``.
+        hosts: host id of every rank (ranks with equal ids share a host), or None if unknown.
 
     Attributes:
         allreduce_algorithms: name -> :data:`AllreduceAlgorithm`; add entries to register an algorithm.
+            With ``hosts`` spanning several hosts (some with several ranks), ``"hierarchical"`` is registered
+            and ``auto`` picks it above the ``"direct"`` size.
         broadcast_algorithms: name -> :data:`BroadcastAlgorithm`.
         choose_allreduce: ``(nbytes, world_size) -> name``, the policy behind ``algorithm="auto"``.
         choose_broadcast: the same for broadcast.
@@ -333,7 +338,14 @@ class Collectives:
         [[3.0], [3.0]]
     """
 
-    def __init__(self, *, transport: Transport, next_tag: Callable[[], int], timeout: float) -> None:
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        next_tag: Callable[[], int],
+        timeout: float,
+        hosts: Sequence[str] | None = None,
+    ) -> None:
         self.transport = transport
         self.timeout = timeout
         self._next_tag = next_tag
@@ -343,6 +355,21 @@ class Collectives:
         self.broadcast_algorithms: dict[str, BroadcastAlgorithm] = dict(DEFAULT_BROADCAST_ALGORITHMS)
         self.choose_allreduce: Callable[[int, int], str] = default_allreduce_choice
         self.choose_broadcast: Callable[[int, int], str] = default_broadcast_choice
+        if hosts is not None and HostLayout(hosts).is_hierarchical:
+            self._enable_hierarchy(HostLayout(hosts))
+
+    def _enable_hierarchy(self, layout: HostLayout) -> None:
+        """Registers ``"hierarchical"`` and lets ``auto`` use it for everything ``"direct"`` does not cover."""
+        self.allreduce_algorithms["hierarchical"] = AllreduceAlgorithm(
+            functools.partial(hierarchical_allreduce, layout=layout)
+        )
+        flat = self.choose_allreduce
+
+        def choose(nbytes: int, world_size: int) -> str:
+            name = flat(nbytes, world_size)
+            return name if name == "direct" else "hierarchical"
+
+        self.choose_allreduce = choose
 
     @property
     def world_size(self) -> int:

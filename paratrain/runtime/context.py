@@ -110,7 +110,10 @@ class Context:
         with self._tag_lock:
             if self._collectives is None:
                 self._collectives = Collectives(
-                    transport=self.transport, next_tag=self.next_collective_tag, timeout=self.settings.timeout
+                    transport=self.transport,
+                    next_tag=self.next_collective_tag,
+                    timeout=self.settings.timeout,
+                    hosts=_host_ids(self.transport),
                 )
             return self._collectives
 
@@ -165,6 +168,18 @@ class Context:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _host_ids(transport: Transport) -> list[str] | None:
+    """Every rank's host id, if the transport (or the one it wraps) knows them."""
+    seen: Transport | None = transport
+    while seen is not None:
+        host_ids = getattr(seen, "host_ids", None)
+        if callable(host_ids):
+            ids: list[str] = host_ids()
+            return ids
+        seen = getattr(seen, "inner", None)
+    return None
 
 
 _local = threading.local()

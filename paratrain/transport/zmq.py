@@ -162,6 +162,12 @@ class ZmqTransport(Transport):
         """What other ranks need to reach this one: TCP and ipc endpoints, host id, pid."""
         return dict(self._endpoints)
 
+    def host_ids(self) -> list[str]:
+        """The host id of every rank (after :meth:`connect`); equal ids share a host."""
+        return [
+            self.host_id if r == self.rank else str(self._peer_info[r].get("host", "")) for r in range(self.world_size)
+        ]
+
     def connect(self, table: Sequence[Mapping[str, Any]]) -> None:
         """Connects to every peer given everyone's :meth:`endpoints` (indexed by rank) and starts receiving."""
         if len(table) != self.world_size:
