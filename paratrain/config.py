@@ -25,7 +25,11 @@ Variables (all optional unless a launcher set them):
 ``PARATRAIN_HEARTBEAT``         seconds between heartbeats (1.0)
 ``PARATRAIN_HEARTBEAT_TIMEOUT`` seconds of silence after which a peer is declared lost (30)
 ``PARATRAIN_FAULTS``            wrap the transport in the fault injector, e.g. ``latency=2ms,bandwidth=100Mbit``
-``PARATRAIN_ROLE``              ``worker`` (default) or ``server``
+``PARATRAIN_ROLE``              ``worker`` (default) or ``server`` (set by ``paratrain launch --servers``)
+``PARATRAIN_NUM_SERVERS``       set by ``paratrain launch --servers S``: S parameter servers *besides* the
+                                ``WORLD_SIZE`` workers; a server's ``RANK`` is its index among the servers
+``PARATRAIN_SERVERS``           under torchrun or SLURM: the last S of the ``WORLD_SIZE`` processes are
+                                parameter servers (their ``paratrain.init()`` serves, then exits)
 ``PARATRAIN_RUN_ID``            identifies the job (names of ipc endpoints and shared memory)
 ``PARATRAIN_RUN_DIR``           directory for the job's outputs (metrics, plots, timeline)
 ``PARATRAIN_SCRATCH_DIR``       the launcher's scratch directory for this job (removed when the job ends)
@@ -191,6 +195,9 @@ class Settings:
             detected at once from their closed connection; this covers hung hosts and cut networks.
         faults: fault-injection spec for the transport (see :mod:`paratrain.transport.faults`), or None.
         role: ``worker`` or ``server``.
+        num_servers: parameter-server processes in the job. Ranks ``0..world_size - num_servers - 1`` are
+            the workers, the last ``num_servers`` ranks the servers; ``rank`` and ``world_size`` count both
+            (they are the transport's), while :attr:`num_workers` and :attr:`role_rank` count one role.
         run_id: identifier of the job, used to name ipc endpoints and shared memory.
         run_dir: directory for outputs, or None.
         scratch_dir: the launcher's per-job scratch directory, or None when not under ``paratrain launch``.
@@ -215,6 +222,7 @@ class Settings:
     heartbeat_timeout: float = 30.0
     faults: str | None = None
     role: str = "worker"
+    num_servers: int = 0
     run_id: str = "default"
     run_dir: str | None = None
     scratch_dir: str | None = None
@@ -234,6 +242,17 @@ class Settings:
             raise ConfigError(f"unknown transport {self.transport!r}; choose one of {', '.join(_TRANSPORTS)}")
         if self.role not in _ROLES:
             raise ConfigError(f"unknown role {self.role!r}; choose one of {', '.join(_ROLES)}")
+        if not 0 <= self.num_servers < self.world_size:
+            raise ConfigError(
+                f"{self.num_servers} servers leave no worker in a job of {self.world_size} processes; "
+                "a job needs at least one worker"
+            )
+        expected_role = "server" if self.rank >= self.world_size - self.num_servers else "worker"
+        if self.role != expected_role:
+            raise ConfigError(
+                f"rank {self.rank} of {self.world_size} with {self.num_servers} servers is a {expected_role}, "
+                f"but PARATRAIN_ROLE says {self.role}"
+            )
         for name in ("timeout", "rdzv_timeout", "heartbeat", "heartbeat_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -246,6 +265,16 @@ class Settings:
             port = getattr(self, port_name)
             if not 0 < port < 65536:
                 raise ConfigError(f"{port_name} {port} is not a TCP port (1..65535)")
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes in the job (the world of collectives and of ``paratrain.world_size()``)."""
+        return self.world_size - self.num_servers
+
+    @property
+    def role_rank(self) -> int:
+        """This process's index among the processes of its role."""
+        return self.rank if self.role == "worker" else self.rank - self.num_workers
 
     def replace(self, **changes: object) -> Settings:
         """A copy with some fields changed (validated again)."""
@@ -301,6 +330,7 @@ class Settings:
             rank, world, local_rank, local_world = 0, 1, 0, 1
             launched_by = "none"
             master_addr = env.get("MASTER_ADDR", "127.0.0.1")
+        rank, world, role, num_servers = _resolve_roles(env, rank, world)
         master_port = _get_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT)
         rdzv_port = _get_int(env, "PARATRAIN_RDZV_PORT", master_port + 1)
         heartbeat = _get_float(env, "PARATRAIN_HEARTBEAT", 1.0)
@@ -322,7 +352,8 @@ class Settings:
             heartbeat=heartbeat,
             heartbeat_timeout=_get_float(env, "PARATRAIN_HEARTBEAT_TIMEOUT", max(30.0, 3 * heartbeat)),
             faults=env.get("PARATRAIN_FAULTS") or None,
-            role=env.get("PARATRAIN_ROLE", "worker"),
+            role=role,
+            num_servers=num_servers,
             run_id=env.get("PARATRAIN_RUN_ID")
             or env.get("TORCHELASTIC_RUN_ID")
             or env.get("SLURM_JOB_ID")
@@ -331,6 +362,33 @@ class Settings:
             scratch_dir=env.get("PARATRAIN_SCRATCH_DIR") or None,
             launched_by=launched_by,
         )
+
+
+def _resolve_roles(env: Mapping[str, str], rank: int, world: int) -> tuple[int, int, str, int]:
+    """Global (transport) rank and world size, role and server count, from either convention.
+
+    ``paratrain launch --servers S`` keeps ``WORLD_SIZE`` the number of workers (as torch expects) and adds
+    ``PARATRAIN_NUM_SERVERS``; a server gets ``PARATRAIN_ROLE=server`` and ``RANK`` = its server index.
+    Under torchrun or SLURM, ``PARATRAIN_SERVERS=S`` makes the last S of ``WORLD_SIZE`` ranks servers.
+    """
+    role = env.get("PARATRAIN_ROLE", "worker")
+    launched = _get_opt_int(env, "PARATRAIN_NUM_SERVERS")
+    by_rank = _get_opt_int(env, "PARATRAIN_SERVERS")
+    if launched is not None and by_rank is not None:
+        raise ConfigError("set PARATRAIN_NUM_SERVERS (paratrain launch) or PARATRAIN_SERVERS (torchrun), not both")
+    if launched is not None:
+        if launched < 0:
+            raise ConfigError(f"PARATRAIN_NUM_SERVERS={launched} must be >= 0")
+        if role == "server":
+            if not 0 <= rank < launched:
+                raise ConfigError(f"server RANK {rank} outside 0..{launched - 1} (PARATRAIN_NUM_SERVERS={launched})")
+            return world + rank, world + launched, role, launched
+        return rank, world + launched, role, launched
+    if by_rank is not None:
+        if not 0 <= by_rank < world:
+            raise ConfigError(f"PARATRAIN_SERVERS={by_rank} must leave at least one of WORLD_SIZE={world} as worker")
+        return rank, world, "server" if rank >= world - by_rank else "worker", by_rank
+    return rank, world, role, 0
 
 
 def _slurm_local_world(env: Mapping[str, str], *, default: int) -> int:

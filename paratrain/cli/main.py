@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from paratrain.cli import demo, launch
+from paratrain.cli import bench, demo, launch
 
 __all__ = ["build_parser", "main"]
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     launch.add_parser(sub)
     demo.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -23,6 +23,7 @@ order, on one background thread per :class:`Collectives`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import queue
@@ -109,10 +110,13 @@ class AllreduceAlgorithm:
             dtypes, and must finish ``reducer.finish`` (mean) itself. It must use only ``exchange`` to talk
             (its tag, deadline and bookkeeping) and leave no send pending when it returns.
         data_in_agreement: the agreement also gathers every rank's ``src`` into ``exchange.gathered``.
+        agreement: False for algorithms that check, themselves, that all ranks called them alike (the shared-
+            memory one does, in the segment, in microseconds); the API then skips its own agreement round.
     """
 
     run: AllreduceRun
     data_in_agreement: bool = False
+    agreement: bool = True
 
 
 #: A broadcast algorithm: ``impl(exchange, dst, root=..., source=...)`` copies the root's flat ``source``
@@ -275,6 +279,14 @@ class _Worker:
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Handle[Any]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.last: Handle[Any] | None = None  # the most recently submitted call
+
+    def drain(self, timeout: float) -> None:
+        """Waits until every call submitted so far has finished (their errors stay with their handles)."""
+        last = self.last
+        if last is not None and not last.done():
+            with contextlib.suppress(BaseException):
+                last.wait(timeout)
 
     def submit(self, fn: Callable[[], T]) -> Handle[T]:
         """Queues ``fn``; the handle completes with its result or error. Call under the caller's order lock."""
@@ -285,6 +297,7 @@ class _Worker:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
         self._queue.put((fn, handle))
+        self.last = handle
         return handle
 
     def _run(self) -> None:
@@ -355,6 +368,7 @@ class Collectives:
         self.broadcast_algorithms: dict[str, BroadcastAlgorithm] = dict(DEFAULT_BROADCAST_ALGORITHMS)
         self.choose_allreduce: Callable[[int, int], str] = default_allreduce_choice
         self.choose_broadcast: Callable[[int, int], str] = default_broadcast_choice
+        self._shm: Any = None
         if hosts is not None and HostLayout(hosts).is_hierarchical:
             self._enable_hierarchy(HostLayout(hosts))
 
@@ -395,6 +409,9 @@ class Collectives:
         """Takes the call's tag and runs ``body(tag)`` in the calling thread."""
         with self._order:
             tag = self._next_tag()
+        # calls complete in call order: a blocking call waits for the async calls issued before it (algorithms
+        # outside the tag scheme, like shared memory, rely on every rank running calls in one order)
+        self._worker.drain(self.timeout)
         return body(tag)
 
     def _submit(self, body: Callable[[int], T]) -> Handle[T]:
@@ -430,7 +447,8 @@ class Collectives:
                     np.copyto(dst, src)
             else:
                 with self._exchange(tag, timeout, f"allreduce ({name})") as ex:
-                    _agree(ex, "allreduce", sig, src if impl.data_in_agreement else None)
+                    if impl.agreement:
+                        _agree(ex, "allreduce", sig, src if impl.data_in_agreement else None)
                     impl.run(ex, src, dst, reducer)
             result = dst.reshape(view.shape)
             if mode == "in_place":
@@ -641,3 +659,19 @@ class Collectives:
     def close(self, timeout: float = 10.0) -> None:
         """Stops the background thread (queued async calls fail fast once the transport is closed)."""
         self._worker.close(timeout)
+        if self._shm is not None:
+            self._shm.close()
+
+    def enable_shared_memory(self, run_id: str) -> bool:
+        """Registers ``"shm"`` and makes ``auto`` use it for every size: all ranks must share this host.
+
+        Returns False (and changes nothing) where the shared-memory path is unsupported (not x86-64 Linux).
+        """
+        from paratrain.collectives.shm import ShmAllreduce, ShmGroup
+
+        if not ShmGroup.supported() or self.world_size < 2:
+            return False
+        self._shm = ShmAllreduce(run_id=run_id)
+        self.allreduce_algorithms["shm"] = AllreduceAlgorithm(self._shm, agreement=False)
+        self.choose_allreduce = lambda nbytes, world_size: "shm"
+        return True

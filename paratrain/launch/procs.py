@@ -75,12 +75,15 @@ class ProcSpec:
         env: the child's complete environment (nothing is inherited implicitly, so that what a rank sees
             is exactly what the launcher decided).
         prefix: prepended to every output line of this child, e.g. ``"[rank2]: "`` (``""`` for none).
+        essential: if False, this child's failure is reported but does not stop the others (elastic jobs,
+            where the survivors carry on without a lost worker); the job still ends with exit code 1.
     """
 
     name: str
     argv: list[str]
     env: dict[str, str]
     prefix: str
+    essential: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -449,6 +452,7 @@ class Supervisor:
         self._signals: list[int] = []  # SIGINT/SIGTERM received, in order (appended by the handler)
         self._stop_signal: int | None = None  # the signal that stopped the job, if one did
         self._failure: ProcFailure | None = None
+        self._tolerated: list[ProcFailure] = []  # non-essential children that failed while the job went on
         self._previous_handlers: dict[int, _Handler] = {}  # to restore when run() returns
 
     def pids(self) -> list[int]:
@@ -593,12 +597,18 @@ class Supervisor:
         self._pump.start()
 
     def _supervise(self) -> None:
-        """Waits until every child has exited 0, one has failed, or a stop signal arrived."""
+        """Waits until every child has exited 0, an essential one has failed, or a stop signal arrived."""
+        essential = {child.popen.pid for child in self._children if child.spec.essential}
         while True:
             if self._signals:
                 self._note_stop_signal()
                 return
-            failed = self._newly_failed(set())
+            failed = self._newly_failed({f.pid for f in self._tolerated})
+            for failure in failed:
+                if failure.pid not in essential:
+                    self._tolerated.append(failure)
+                    self._say(f"{_describe_failure(failure)}; the others go on (it is not essential)")
+            failed = [f for f in failed if f.pid in essential]
             if failed:
                 self._fail(self._settle(failed))
                 return
@@ -742,6 +752,8 @@ class Supervisor:
             return Outcome(128 + self._stop_signal, self._failure, _signal_name(self._stop_signal))
         if self._failure is not None:
             return Outcome(1, self._failure, None)
+        if self._tolerated:
+            return Outcome(1, self._tolerated[0], None)
         return Outcome(0, None, None)
 
     def _say(self, message: str) -> None:

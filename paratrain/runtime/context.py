@@ -53,6 +53,12 @@ class Context:
     def __init__(self, *, settings: Settings, transport: Transport, on_close: Callable[[], None] | None = None) -> None:
         self.settings = settings
         self.transport = transport
+        if settings.num_servers and transport.world_size == settings.world_size and settings.role == "worker":
+            from paratrain.transport.group import GroupTransport
+
+            self.workers: Transport = GroupTransport(transport, list(range(settings.num_workers)))
+        else:
+            self.workers = transport
         self._on_close = on_close
         self._tags = itertools.count()
         self._tag_lock = threading.Lock()
@@ -61,13 +67,13 @@ class Context:
 
     @property
     def rank(self) -> int:
-        """This process's rank."""
-        return self.transport.rank
+        """This process's rank among the workers (a server's index among the servers)."""
+        return self.workers.rank if self.settings.role == "worker" else self.settings.role_rank
 
     @property
     def world_size(self) -> int:
-        """Number of ranks in the job."""
-        return self.transport.world_size
+        """Number of workers in the job (parameter servers are not counted; see ``settings.num_servers``)."""
+        return self.workers.world_size
 
     @property
     def local_rank(self) -> int:
@@ -101,7 +107,7 @@ class Context:
             CommTimeoutError: some rank did not arrive within ``timeout`` (default ``PARATRAIN_TIMEOUT``).
         """
         self._check_open()
-        _barrier(self.transport, tag=self.next_collective_tag(), timeout=timeout or self.settings.timeout)
+        _barrier(self.workers, tag=self.next_collective_tag(), timeout=timeout or self.settings.timeout)
 
     @property
     def collectives(self) -> Collectives:
@@ -109,12 +115,16 @@ class Context:
         self._check_open()
         with self._tag_lock:
             if self._collectives is None:
+                hosts = _workers_hosts(self.transport, self.workers.world_size)
                 self._collectives = Collectives(
-                    transport=self.transport,
+                    transport=self.workers,
                     next_tag=self.next_collective_tag,
                     timeout=self.settings.timeout,
-                    hosts=_host_ids(self.transport),
+                    hosts=hosts,
                 )
+                if hosts is not None and len(set(hosts)) == 1 and self.settings.faults is None:
+                    # one host: allreduce through shared memory (no fault injection: it bypasses the network)
+                    self._collectives.enable_shared_memory(self.settings.run_id)
             return self._collectives
 
     def allreduce(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
@@ -168,6 +178,11 @@ class Context:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _workers_hosts(transport: Transport, num_workers: int) -> list[str] | None:
+    ids = _host_ids(transport)
+    return None if ids is None else ids[:num_workers]
 
 
 def _host_ids(transport: Transport) -> list[str] | None:

@@ -1,0 +1,122 @@
+"""One rank of ``paratrain bench allreduce``'s paratrain engines; run under ``paratrain launch``.
+
+Engines: ``paratrain`` times the public ``pt.allreduce_(x, algorithm=...)``; ``paratrain-shm`` times
+:class:`~paratrain.collectives.shm.ShmGroup` directly (the shared-memory path without the API's per-call
+agreement). Each rank writes ``{engine}-rank{r}.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from paratrain.bench._timing import (
+    add_worker_args,
+    format_bytes,
+    parse_int_list,
+    run_sizes,
+    start_watchdog,
+    write_result,
+)
+
+
+def _progress(label: str, rank: int) -> Callable[[int, float], None]:
+    def report(nbytes: int, seconds: float) -> None:
+        if rank == 0:
+            print(f"    {label:<18} {format_bytes(nbytes):>9}: {seconds * 1e6:10.1f} us/op", flush=True)
+
+    return report
+
+
+def _api_engine(ctx: Any, algorithm: str) -> tuple[Callable[[npt.NDArray[np.float32]], Callable[[], None]], Any]:
+    """The op factory for ``pt.allreduce_`` with ``algorithm``, registering the shm path if asked for it."""
+    import paratrain as pt
+
+    closer = None
+    if not hasattr(pt, "allreduce_"):
+        raise RuntimeError("this paratrain has no pt.allreduce_ yet")
+    registry = getattr(getattr(ctx, "collectives", None), "allreduce_algorithms", None)
+    if algorithm == "shm" and registry is not None and "shm" not in registry:
+        from paratrain.collectives.api import AllreduceAlgorithm
+        from paratrain.collectives.shm import ShmAllreduce
+
+        closer = ShmAllreduce(run_id=ctx.settings.run_id)
+        registry["shm"] = AllreduceAlgorithm(closer)
+
+    def make(buf: npt.NDArray[np.float32]) -> Callable[[], None]:
+        def op() -> None:
+            pt.allreduce_(buf, op="sum", algorithm=algorithm)
+
+        return op
+
+    return make, closer
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the requested engines on every size; returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_worker_args(parser)
+    parser.add_argument("--algorithm", default="auto", help="algorithm for pt.allreduce_ (default auto)")
+    parser.add_argument("--engines", default="paratrain,paratrain-shm", help="engines to run, comma-separated")
+    args = parser.parse_args(argv)
+    start_watchdog(args.deadline, "paratrain bench worker")
+
+    import paratrain as pt
+    from paratrain.collectives.shm import ShmGroup
+
+    ctx = pt.init()
+    sizes, iters = parse_int_list(args.sizes), parse_int_list(args.iters)
+    failed = False
+    for engine in [e for e in args.engines.split(",") if e]:
+        payload: dict[str, Any] = {"world_size": ctx.world_size, "algorithm": args.algorithm}
+        closer: Any = None
+        try:
+            if engine == "paratrain":
+                make, closer = _api_engine(ctx, args.algorithm)
+                barrier: Callable[[], None] = ctx.barrier
+                label = f"paratrain[{args.algorithm}]"
+            elif engine == "paratrain-shm":
+                group = ShmGroup.from_context(ctx)
+                closer = group
+                barrier = group.barrier
+
+                def make(buf: npt.NDArray[np.float32], group: ShmGroup = group) -> Callable[[], None]:
+                    return lambda: group.allreduce_(buf, "sum")
+
+                label = "paratrain-shm"
+            else:
+                raise ValueError(f"unknown engine {engine!r}")
+            payload["results"] = run_sizes(
+                sizes=sizes,
+                iters=iters,
+                warmup=args.warmup,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                make_op=make,
+                barrier=barrier,
+                progress=_progress(label, ctx.rank),
+            )
+            payload["status"] = "ok"
+        except Exception as exc:
+            failed = True
+            payload["status"] = "error"
+            payload["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"rank {ctx.rank}: {engine} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        finally:
+            if closer is not None:
+                closer.close()
+        write_result(args.out, engine, ctx.rank, payload)
+        if failed:
+            break
+    pt.shutdown()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""One rank of the Gloo anchor of ``paratrain bench allreduce``: ``torch.distributed.all_reduce`` on float32.
+
+Started by the benchmark itself (one process per rank, ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``
+in the environment); writes ``gloo-rank{r}.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from paratrain.bench._timing import (
+    add_worker_args,
+    format_bytes,
+    parse_int_list,
+    run_sizes,
+    start_watchdog,
+    write_result,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Joins the Gloo group, times ``all_reduce`` on every size, writes the result; returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_worker_args(parser)
+    args = parser.parse_args(argv)
+    start_watchdog(args.deadline, "gloo bench worker")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    payload: dict[str, Any] = {"world_size": world}
+    code = 0
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=max(args.deadline, 1.0))
+        )
+
+        def make(buf: npt.NDArray[np.float32]) -> Callable[[], None]:
+            tensor = torch.from_numpy(buf)  # shares memory: the check and the zeroing act on the tensor
+            return lambda: dist.all_reduce(tensor)
+
+        def progress(nbytes: int, seconds: float) -> None:
+            if rank == 0:
+                print(f"    {'gloo':<18} {format_bytes(nbytes):>9}: {seconds * 1e6:10.1f} us/op", flush=True)
+
+        payload["results"] = run_sizes(
+            sizes=parse_int_list(args.sizes),
+            iters=parse_int_list(args.iters),
+            warmup=args.warmup,
+            rank=rank,
+            world_size=world,
+            make_op=make,
+            barrier=dist.barrier,
+            progress=progress,
+        )
+        payload["status"] = "ok"
+        dist.destroy_process_group()
+    except Exception as exc:
+        payload["status"] = "error"
+        payload["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"gloo rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        code = 1
+    write_result(args.out, "gloo", rank, payload)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

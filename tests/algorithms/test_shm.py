@@ -1,0 +1,414 @@
+"""Shared-memory collectives: equal to numpy on every size, dtype and op; errors instead of hangs; nothing left."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from paratrain import Context
+from paratrain.collectives.ops import bf16_to_f32, f32_to_bf16
+from paratrain.collectives.shm import ShmAllreduce, ShmGroup
+from paratrain.errors import CollectiveMismatchError, CommTimeoutError, ConfigError, PeerLostError
+from paratrain.testing import run_ranks
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not ShmGroup.supported(), reason="the shared-memory path needs x86-64"),
+]
+
+RUN_ID = f"test{os.getpid()}x{secrets.token_hex(3)}"
+CAPACITY = 16384  # small, so that a few thousand elements already take several pipelined blocks
+SMALL = 2048
+SIZES = [0, 1, 97, 4097, 5003]  # plus world + 1; 97 is prime; 4097 leaves a 1-element last block
+DTYPES = ["int32", "int64", "uint8", "float16", "float32", "float64", "bfloat16", "complex64", "bool"]
+
+
+def _shm_files() -> list[str]:
+    return (
+        [n for n in os.listdir("/dev/shm") if n.startswith(f"paratrain-{RUN_ID}")] if os.path.isdir("/dev/shm") else []
+    )
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left() -> Iterator[None]:
+    yield
+    assert _shm_files() == [], "a shared-memory segment of the test outlived its group"
+
+
+def _ops_for(name: str) -> list[str]:
+    if name == "bool":
+        return ["max", "min"]
+    if name.startswith("complex"):
+        return ["sum", "mean"]
+    return ["sum", "mean", "max", "min"]
+
+
+def _inputs(rank: int, n: int, name: str) -> npt.NDArray[Any]:
+    """Deterministic data of one rank: small integers (no overflow) or floats in (-1, 1)."""
+    rng = np.random.default_rng(1009 * rank + n)
+    if name == "bool":
+        return rng.integers(0, 2, n).astype(bool)
+    if name in ("int32", "int64"):
+        return rng.integers(-50, 50, n).astype(name)
+    if name == "uint8":
+        return rng.integers(0, 50, n).astype(np.uint8)
+    values = rng.uniform(-1, 1, n)
+    if name == "bfloat16":
+        return f32_to_bf16(values.astype(np.float32))
+    if name == "complex64":
+        return (values + 1j * rng.uniform(-1, 1, n)).astype(np.complex64)
+    return values.astype(name)
+
+
+def _check(results: list[npt.NDArray[Any]], inputs: list[npt.NDArray[Any]], op: str, name: str) -> None:
+    world = len(inputs)
+    for r, got in enumerate(results):  # identical bits on every rank, whatever the algorithm did
+        assert got.tobytes() == results[0].tobytes(), f"rank {r} differs from rank 0 ({name}, {op})"
+    got = results[0]
+    if name == "bfloat16":
+        got, wide = bf16_to_f32(got), np.stack([bf16_to_f32(x).astype(np.float64) for x in inputs])
+    elif name == "bool":
+        wide = np.stack(inputs)
+    elif name in ("int32", "int64", "uint8"):
+        wide = np.stack([x.astype(np.int64) for x in inputs])
+    else:
+        wide = np.stack([x.astype(np.complex128 if name.startswith("complex") else np.float64) for x in inputs])
+    if op == "max":
+        ref = wide.max(axis=0)
+    elif op == "min":
+        ref = wide.min(axis=0)
+    elif op == "mean" and name in ("int32", "int64", "uint8"):
+        ref = wide.sum(axis=0) // world
+    else:
+        ref = wide.sum(axis=0) / (world if op == "mean" else 1)
+    if name in ("int32", "int64", "uint8", "bool"):
+        np.testing.assert_array_equal(got, ref.astype(got.dtype), err_msg=f"{name} {op}")
+    else:
+        tol = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-5, "complex64": 1e-5}.get(name, 1e-12)
+        np.testing.assert_allclose(got, ref, rtol=tol, atol=tol, err_msg=f"{name} {op}")
+
+
+def _with_groups(world: int, body: Callable[[Context, ShmGroup], Any], *, timeout: float = 20.0) -> list[Any]:
+    """Runs ``body(ctx, group)`` in ``world`` threads, each with its member of one fresh group."""
+
+    def rank_fn(ctx: Context) -> Any:
+        group = ShmGroup.create(
+            ctx.transport,
+            ranks=list(range(world)),
+            run_id=RUN_ID,
+            timeout=timeout,
+            tag=ctx.next_collective_tag(),
+            capacity=CAPACITY,
+            small_bytes=SMALL,
+        )
+        try:
+            return body(ctx, group)
+        finally:
+            group.close()
+
+    return run_ranks(world, rank_fn, timeout=timeout + 20)
+
+
+# -- results ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_allreduce_equals_numpy(world: int, name: str) -> None:
+    cases = [(n, op) for n in [*SIZES, world + 1] for op in _ops_for(name)]
+
+    def body(ctx: Context, group: ShmGroup) -> list[tuple[npt.NDArray[Any], npt.NDArray[Any]]]:
+        out = []
+        for n, op in cases:
+            x = _inputs(ctx.rank, n, name)
+            original = x.copy()
+            group.allreduce_(x, op, dtype_name=name)
+            out.append((original, x))
+        return out
+
+    per_rank = _with_groups(world, body)
+    for i, (n, op) in enumerate(cases):
+        inputs = [per_rank[r][i][0] for r in range(world)]
+        assert all(len(x) == n for x in inputs)
+        _check([per_rank[r][i][1] for r in range(world)], inputs, op, name)
+
+
+def test_multidimensional_arrays_and_many_calls_in_a_row() -> None:
+    # Block numbers continue across calls; alternating small and large calls exercises slot reuse.
+    def body(ctx: Context, group: ShmGroup) -> list[float]:
+        sums = []
+        for i in range(40):
+            x = np.full((3, 7 + 300 * (i % 3)), float(ctx.rank + i), dtype=np.float64)
+            group.allreduce_(x, "sum")
+            sums.append(float(x[2, -1]))
+        return sums
+
+    results = _with_groups(3, body)
+    assert results[0] == results[2] == [float(3 * i + 3) for i in range(40)]
+
+
+@pytest.mark.parametrize("root", [0, 1, 2])
+def test_broadcast_from_every_root(root: int) -> None:
+    def body(ctx: Context, group: ShmGroup) -> list[npt.NDArray[Any]]:
+        out = []
+        for n in [0, 1, 97, 5003]:
+            for dtype in (np.float32, np.int64):
+                x = np.arange(n, dtype=dtype) * (ctx.rank + 1)
+                group.broadcast_(x, root)
+                out.append(x)
+        return out
+
+    results = _with_groups(3, body)
+    for r in range(3):
+        for got, ref in zip(results[r], results[root], strict=True):
+            np.testing.assert_array_equal(got, ref)
+    assert results[0][-1][-1] == 5002 * (root + 1)
+
+
+def test_barrier_lets_nobody_through_early() -> None:
+    rounds, world = 8, 3
+    arrived = [[threading.Event() for _ in range(world)] for _ in range(rounds)]
+
+    def body(ctx: Context, group: ShmGroup) -> None:
+        for k in range(rounds):
+            arrived[k][ctx.rank].set()
+            group.barrier()
+            assert all(e.is_set() for e in arrived[k]), f"rank {ctx.rank} left barrier {k} early"
+
+    _with_groups(world, body)
+
+
+def test_group_of_one_is_a_no_op() -> None:
+    def body(ctx: Context) -> list[float]:
+        group = ShmGroup.create(ctx.transport, ranks=[0], run_id=RUN_ID, timeout=5, tag=-3)
+        x = np.array([1.0, 2.0])
+        group.allreduce_(x, "mean")
+        group.barrier()
+        group.close()
+        return x.tolist()
+
+    assert run_ranks(1, body) == [[1.0, 2.0]]
+
+
+def test_registered_in_the_api_as_an_algorithm() -> None:
+    def body(ctx: Context) -> list[float]:
+        collectives = getattr(ctx, "collectives", None)
+        if collectives is None:
+            pytest.skip("the collectives API is not in this build")
+        from paratrain.collectives.api import AllreduceAlgorithm
+
+        shm = ShmAllreduce(run_id=RUN_ID, capacity=CAPACITY, small_bytes=SMALL)
+        collectives.allreduce_algorithms["shm"] = AllreduceAlgorithm(shm)
+        try:
+            x = np.arange(6000, dtype=np.float32) * (ctx.rank + 1)
+            ctx.allreduce_(x, op="max", algorithm="shm")
+            return [float(x[1]), float(x[-1])]
+        finally:
+            shm.close()
+
+    assert run_ranks(2, body) == [[2.0, 11998.0], [2.0, 11998.0]]
+
+
+# -- misuse and failures: errors on every rank, never a hang -------------------------------------------------------
+
+
+def test_different_sizes_raise_mismatch_on_every_rank() -> None:
+    def body(ctx: Context, group: ShmGroup) -> str:
+        try:
+            group.allreduce_(np.zeros(10 + ctx.rank, dtype=np.float32), "sum")
+        except CollectiveMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    messages = _with_groups(2, body)
+    assert any("40 bytes" in m and "44 bytes" in m for m in messages), messages
+
+
+def test_different_collectives_raise_mismatch() -> None:
+    def body(ctx: Context, group: ShmGroup) -> type[BaseException] | None:
+        try:
+            if ctx.rank == 0:
+                group.allreduce_(np.zeros(5000, dtype=np.float32), "max")
+            else:
+                group.broadcast_(np.zeros(5000, dtype=np.float32), 0)
+        except CollectiveMismatchError as exc:
+            return type(exc)
+        return None
+
+    assert _with_groups(2, body) == [CollectiveMismatchError, CollectiveMismatchError]
+
+
+def test_local_error_wakes_the_peers() -> None:
+    # Rank 0 passes an array that cannot be updated in place; rank 1 must learn at once, not at its timeout.
+    def body(ctx: Context, group: ShmGroup) -> tuple[str, float]:
+        start = time.monotonic()
+        try:
+            x = np.zeros((4, 4), dtype=np.float32)
+            group.allreduce_(x.T if ctx.rank == 0 else x, "sum", timeout=60)
+        except (ValueError, PeerLostError) as exc:
+            return type(exc).__name__, time.monotonic() - start
+        return "no error", 0.0
+
+    (err0, _), (err1, waited) = _with_groups(2, body, timeout=60)
+    assert (err0, err1) == ("ValueError", "PeerLostError")
+    assert waited < 30, "the peer was not woken by the abort"
+
+
+def test_absent_peer_times_out() -> None:
+    gave_up = threading.Event()
+
+    def body(ctx: Context, group: ShmGroup) -> str:
+        if ctx.rank == 1:  # never enters the collective; stays alive until rank 0 has given up
+            assert gave_up.wait(30)
+            return "absent"
+        try:
+            group.allreduce_(np.ones(8), "sum", timeout=0.3)
+        except CommTimeoutError as exc:
+            return str(exc)
+        finally:
+            gave_up.set()
+        return "no error"
+
+    message, _ = _with_groups(2, body)
+    assert "did not reach" in message
+
+
+def test_peer_that_closes_fails_the_waiter() -> None:
+    def body(ctx: Context, group: ShmGroup) -> str:
+        if ctx.rank == 1:
+            return "closed"  # _with_groups closes the group
+        try:
+            group.allreduce_(np.ones(8), "sum", timeout=30)
+        except PeerLostError as exc:
+            return str(exc)
+        return "no error"
+
+    assert "closed its shared-memory group" in _with_groups(2, body, timeout=30)[0]
+
+
+def test_broken_group_refuses_further_calls() -> None:
+    def body(ctx: Context, group: ShmGroup) -> str:
+        with pytest.raises(ValueError, match="unknown reduction op"):
+            group.allreduce_(np.ones(3), "average")
+        with pytest.raises(Exception, match="broken"):
+            group.allreduce_(np.ones(3), "sum")
+        return "ok"
+
+    assert _with_groups(1, body) == ["ok"]
+
+
+def test_bad_arguments() -> None:
+    def body(ctx: Context) -> None:
+        with pytest.raises(ConfigError, match="capacity"):
+            ShmGroup.create(ctx.transport, ranks=[0, 1], run_id=RUN_ID, timeout=5, tag=-3, capacity=1000)
+        with pytest.raises(ConfigError, match="not among"):
+            ShmGroup.create(ctx.transport, ranks=[1], run_id=RUN_ID, timeout=5, tag=-3)
+
+    run_ranks(1, body)
+
+
+def test_refuses_weakly_ordered_architectures(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    assert not ShmGroup.supported()
+    with pytest.raises(ConfigError, match="x86-64"):
+        run_ranks(1, lambda ctx: ShmGroup.create(ctx.transport, ranks=[0], run_id=RUN_ID, timeout=5, tag=-3))
+
+
+def test_no_segment_file_remains_once_created() -> None:
+    # The creator unlinks the name as soon as everyone mapped it: a crash later cannot leak it.
+    assert _with_groups(3, lambda ctx, group: _shm_files()) == [[], [], []]
+
+
+# -- real processes -------------------------------------------------------------------------------------------------
+
+PROC_CASES = [(n, name, op) for n in (1, 97, 5003) for name in ("int64", "float32") for op in ("sum", "max")]
+
+
+def _proc_rank(rank: int, world: int, conn: Any, scenario: str) -> None:
+    """One rank in its own process: joins over ZeroMQ (endpoints through the pipe), then runs the scenario."""
+    from paratrain.transport.zmq import ZmqTransport
+
+    transport = ZmqTransport(rank=rank, world_size=world, host_id="local", run_id=RUN_ID, timeout=20)
+    try:
+        conn.send(transport.endpoints())
+        if not conn.poll(30):
+            return
+        transport.connect(conn.recv())
+        group = ShmGroup.create(
+            transport, ranks=list(range(world)), run_id=RUN_ID, timeout=20, tag=-7, capacity=CAPACITY, small_bytes=SMALL
+        )
+        if scenario == "allreduce":
+            out = []
+            for n, name, op in PROC_CASES:
+                x = _inputs(rank, n, name)
+                group.allreduce_(x, op)
+                out.append(x)
+            conn.send(("ok", out))
+        else:  # "die": the last rank exits right after publishing its first block, in the middle of the call
+            if rank == world - 1:
+                signal = group._signal
+
+                def signal_then_die(value: int) -> None:
+                    signal(value)
+                    os._exit(3)
+
+                group._signal = signal_then_die  # type: ignore[method-assign]
+            start = time.monotonic()
+            try:
+                group.allreduce_(np.ones(50_000, dtype=np.float32), "sum")
+                conn.send(("no error", 0.0))
+            except Exception as exc:
+                conn.send((type(exc).__name__, time.monotonic() - start))
+        group.close()
+    finally:
+        transport.close()
+
+
+def _run_processes(world: int, scenario: str) -> list[Any]:
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(world)]
+    procs = [ctx.Process(target=_proc_rank, args=(r, world, pipes[r][1], scenario)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        table = []
+        for parent, _ in pipes:
+            assert parent.poll(30), "a rank did not start"
+            table.append(parent.recv())
+        for parent, _ in pipes:
+            parent.send(table)
+        results = []
+        for r, (parent, _) in enumerate(pipes):
+            alive = r != world - 1 or scenario != "die"
+            results.append(parent.recv() if alive and parent.poll(30) else None)
+        return results
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def test_allreduce_across_processes() -> None:
+    world = 3
+    results = _run_processes(world, "allreduce")
+    assert all(r is not None and r[0] == "ok" for r in results), results
+    for i, (n, name, op) in enumerate(PROC_CASES):
+        _check([results[r][1][i] for r in range(world)], [_inputs(r, n, name) for r in range(world)], op, name)
+
+
+def test_peer_dying_mid_collective_is_reported_not_hung() -> None:
+    results = _run_processes(2, "die")
+    name, waited = results[0]
+    assert name == "PeerLostError", results
+    assert waited < 15, "the death was noticed only at the timeout"
