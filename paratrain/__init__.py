@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from paratrain import errors
+from paratrain import errors, ps
 from paratrain.runtime.context import Context, current, init, shutdown
 from paratrain.transport.base import Handle
 
@@ -35,6 +35,7 @@ __all__ = [
     "init",
     "local_rank",
     "local_world_size",
+    "ps",
     "rank",
     "reduce_scatter",
     "shutdown",

@@ -49,8 +49,12 @@ def run_ranks(
     transport: str = "inproc",
     timeout: float = 60.0,
     faults: str | None = None,
+    servers: int = 0,
 ) -> list[R]:
     """Runs ``fn(ctx)`` in ``world_size`` threads, one per rank, and returns the results in rank order.
+
+    With ``servers=S``, S more threads run parameter servers (ranks ``world_size..world_size+S-1`` of the
+    transport); ``fn`` runs on the workers only, whose contexts know the servers (``paratrain.ps.KVStore``).
 
     Args:
         world_size: number of ranks.
@@ -58,6 +62,7 @@ def run_ranks(
         transport: ``"inproc"`` (default) or ``"zmq"`` (real sockets on loopback).
         timeout: seconds before the whole job is declared hung (and every rank woken with an error).
         faults: optional fault-injection spec applied to every rank's transport.
+        servers: parameter-server threads to run beside the workers.
 
     Raises:
         The first exception raised by any rank (by rank order among simultaneous failures), or
@@ -67,23 +72,25 @@ def run_ranks(
         >>> run_ranks(3, lambda ctx: ctx.rank * 10)
         [0, 10, 20]
     """
+    from paratrain.ps.server import ParameterServer
     from paratrain.transport.faults import FaultSpec, FaultyTransport
 
+    workers, total = world_size, world_size + servers
     inner: list[Transport]
     fabric: InprocFabric | None
     if transport == "inproc":
-        fabric = InprocFabric(world_size, timeout=timeout)
-        inner = [fabric.transport(r) for r in range(world_size)]
+        fabric = InprocFabric(total, timeout=timeout)
+        inner = [fabric.transport(r) for r in range(total)]
     elif transport == "zmq":
         fabric = None
-        inner = zmq_transports(world_size, timeout=timeout)
+        inner = zmq_transports(total, timeout=timeout)
     else:
         raise ValueError(f"unknown transport {transport!r}; use 'inproc' or 'zmq'")
     transports: list[Transport] = (
         [FaultyTransport(t, FaultSpec.parse(faults)) for t in inner] if faults else list(inner)
     )
-    results: list[R | None] = [None] * world_size
-    errors: list[BaseException | None] = [None] * world_size
+    results: list[R | None] = [None] * workers
+    errors: list[BaseException | None] = [None] * total
     failed = threading.Event()
     lock = threading.Lock()
 
@@ -103,15 +110,20 @@ def run_ranks(
     def body(rank: int) -> None:
         settings = Settings(
             rank=rank,
-            world_size=world_size,
+            world_size=total,
             local_rank=rank,
-            local_world_size=world_size,
+            local_world_size=total,
             transport="inproc",
             timeout=timeout,
+            num_servers=servers,
+            role="worker" if rank < workers else "server",
         )
         ctx = Context(settings=settings, transport=transports[rank])
         try:
-            results[rank] = fn(ctx)
+            if rank < workers:
+                results[rank] = fn(ctx)
+            else:
+                ParameterServer(transports[rank], num_workers=workers, timeout=timeout).serve()
         except BaseException as exc:
             errors[rank] = exc
             wake_all(rank, exc)
@@ -119,7 +131,7 @@ def run_ranks(
             if not failed.is_set():
                 ctx.shutdown()
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"rank-{r}", daemon=True) for r in range(world_size)]
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank-{r}", daemon=True) for r in range(total)]
     for t in threads:
         t.start()
     for t in threads:

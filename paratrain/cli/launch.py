@@ -39,6 +39,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-n", "--nproc", type=int, default=2, help="number of worker processes (default 2)")
+    p.add_argument(
+        "--servers",
+        type=int,
+        default=0,
+        help="parameter-server processes to start beside the workers (they run paratrain's server loop, not CMD)",
+    )
+    p.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="a failed worker does not stop the others (elastic parameter-server jobs); servers stay essential",
+    )
     p.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL when stopping")
     p.add_argument("--master-port", type=int, default=0, help="MASTER_PORT for torch (default: a free port)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
@@ -60,6 +71,7 @@ class LaunchPlan:
     scratch_dir: str
     faults: str | None = None
     timeout: float | None = None
+    servers: int = 0
 
 
 def _free_port() -> int:
@@ -83,25 +95,35 @@ def resolve_command(cmd: Sequence[str]) -> list[str]:
 
 
 def child_environments(plan: LaunchPlan, base: Mapping[str, str]) -> list[dict[str, str]]:
-    """The environment of every rank: ``base`` plus the torchrun and paratrain variables."""
+    """The environment of every process, workers then servers: ``base`` plus torchrun and paratrain variables.
+
+    Workers see ``WORLD_SIZE`` = the number of workers (as torch code expects); servers get
+    ``PARATRAIN_ROLE=server`` and ``RANK`` = their index among the servers; everyone gets
+    ``PARATRAIN_NUM_SERVERS``. The transport numbers servers after the workers.
+    """
     envs = []
-    threads = max(1, (os.cpu_count() or 1) // plan.nproc)
-    for rank in range(plan.nproc):
+    total = plan.nproc + plan.servers
+    threads = max(1, (os.cpu_count() or 1) // total)
+    for index in range(total):
+        server = index >= plan.nproc
+        rank = index - plan.nproc if server else index
+        role_size = plan.servers if server else plan.nproc
         env = dict(base)
         env.update(
             {
                 "RANK": str(rank),
                 "WORLD_SIZE": str(plan.nproc),
-                "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(plan.nproc),
+                "LOCAL_RANK": str(index),
+                "LOCAL_WORLD_SIZE": str(total),
                 "GROUP_RANK": "0",
-                "ROLE_NAME": "worker",
+                "ROLE_NAME": "server" if server else "worker",
                 "ROLE_RANK": str(rank),
-                "ROLE_WORLD_SIZE": str(plan.nproc),
+                "ROLE_WORLD_SIZE": str(role_size),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(plan.master_port),
                 "PARATRAIN_LAUNCHER": "1",
-                "PARATRAIN_ROLE": "worker",
+                "PARATRAIN_ROLE": "server" if server else "worker",
+                "PARATRAIN_NUM_SERVERS": str(plan.servers),
                 "PARATRAIN_RUN_ID": plan.run_id,
                 "PARATRAIN_RDZV_ADDR": "127.0.0.1",
                 "PARATRAIN_RDZV_PORT": str(plan.rdzv_port),
@@ -172,6 +194,8 @@ def run_launch(
     prefix: bool = True,
     faults: str | None = None,
     timeout: float | None = None,
+    servers: int = 0,
+    keep_going: bool = False,
 ) -> int:
     """Starts ``nproc`` ranks of ``cmd``, supervises them, cleans up; returns the exit code for the shell."""
     from paratrain.launch.procs import ProcSpec, Supervisor
@@ -179,6 +203,8 @@ def run_launch(
 
     if nproc < 1:
         raise ConfigError(f"-n must be at least 1, got {nproc}")
+    if servers < 0:
+        raise ConfigError(f"--servers must be >= 0, got {servers}")
     if grace < 0:
         raise ConfigError(f"--grace must be >= 0, got {grace}")
     if faults:
@@ -188,7 +214,7 @@ def run_launch(
     argv = resolve_command(cmd)
     run_id = secrets.token_hex(4)
     scratch = tempfile.mkdtemp(prefix=f"paratrain-{run_id}-")
-    server = RendezvousServer(world_size=nproc, bind_addr="127.0.0.1", port=0, timeout=24 * 3600.0)
+    server = RendezvousServer(world_size=nproc + servers, bind_addr="127.0.0.1", port=0, timeout=24 * 3600.0)
     try:
         plan = LaunchPlan(
             nproc=nproc,
@@ -199,12 +225,27 @@ def run_launch(
             scratch_dir=scratch,
             faults=faults,
             timeout=timeout,
+            servers=servers,
         )
         server.start()
-        specs = [
-            ProcSpec(name=f"rank {r}", argv=argv, env=env, prefix=f"[rank{r}]: " if prefix else "")
-            for r, env in enumerate(child_environments(plan, os.environ))
-        ]
+        specs = []
+        for index, env in enumerate(child_environments(plan, os.environ)):
+            if index < nproc:
+                specs.append(
+                    ProcSpec(
+                        name=f"rank {index}",
+                        argv=argv,
+                        env=env,
+                        prefix=f"[rank{index}]: " if prefix else "",
+                        essential=not keep_going,
+                    )
+                )
+            else:
+                s = index - nproc
+                serve = [sys.executable, "-m", "paratrain.ps.serve"]
+                specs.append(
+                    ProcSpec(name=f"server {s}", argv=serve, env=env, prefix=f"[server{s}]: " if prefix else "")
+                )
         outcome = Supervisor(specs, grace_s=grace).run()
         if outcome.first_failure is not None:
             note = explain_failure(outcome.first_failure.name, scratch)
@@ -226,6 +267,8 @@ def _main(args: argparse.Namespace) -> int:
             prefix=not args.no_prefix,
             faults=args.faults,
             timeout=args.timeout,
+            servers=args.servers,
+            keep_going=args.keep_going,
         )
     except ConfigError as exc:
         print(f"paratrain launch: error: {exc}", file=sys.stderr)

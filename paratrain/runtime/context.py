@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from paratrain.collectives.api import Collectives
 from paratrain.collectives.barrier import barrier as _barrier
@@ -333,10 +333,29 @@ def init(
             inner.abort()
             raise
     ctx = Context(settings=settings, transport=result)
+    if settings.role == "server":
+        _serve_and_exit(ctx)
     if make_current:
         _set_current(ctx)
     log.debug("rank %d of %d initialised (%s)", ctx.rank, ctx.world_size, result.name)
     return ctx
+
+
+def _serve_and_exit(ctx: Context) -> NoReturn:
+    """A server-role process runs the parameter-server loop until the workers are done, then exits 0.
+
+    This is what lets one script serve every role under torchrun (``PARATRAIN_SERVERS=S``), as in BytePS and
+    MXNet: ``init()`` never returns in a server.
+    """
+    from paratrain.ps.server import ParameterServer
+
+    settings = ctx.settings
+    log.info("rank %d: parameter server %d of %d", settings.rank, settings.role_rank, settings.num_servers)
+    try:
+        ParameterServer(ctx.transport, num_workers=settings.num_workers, timeout=settings.timeout).serve()
+    finally:
+        ctx.shutdown()
+    raise SystemExit(0)
 
 
 def _peer_lost_reporter(settings: Settings) -> Callable[[int, str], None] | None:

@@ -1,0 +1,354 @@
+"""The worker's side of the parameter server: ``KVStore`` with push/pull, sparse rows, clocks and a cache.
+
+Every key is split into row chunks spread over the servers (:mod:`.sharding`), so one big layer loads all
+servers and small keys spread by hash. A push is asynchronous (a handle); a pull blocks until every chunk is
+back. The consistency model is the worker's: each pull tells the servers which clock every worker must have
+completed (:meth:`~.consistency.Policy.required_done`), and the servers answer only then. A pull is served
+from the local cache when the cached copy is fresh enough under the model ("check the cache first; if too
+old, update from the network"); pushes always go to the servers, so caching never loses an update.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from paratrain._arrays import as_numpy_view, dtype_from_name
+from paratrain.errors import CommTimeoutError, ConfigError
+from paratrain.ps.consistency import Policy
+from paratrain.ps.optim import ServerOptimizer, make_optimizer
+from paratrain.ps.protocol import REQUEST_TAG, PSRequestError, reply_tag
+from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks, split_rows
+from paratrain.transport.base import Handle
+from paratrain.transport.wire import Message
+
+__all__ = ["KVStore"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Key:
+    shape: tuple[int, ...]
+    dtype_name: str
+    chunks: list[Chunk]
+
+    @property
+    def storage(self) -> np.dtype[Any]:
+        return dtype_from_name(self.dtype_name)
+
+
+def _rows(arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """``arr`` as rows along axis 0 (a 0-d array is one row of one element)."""
+    return arr.reshape(1) if arr.ndim == 0 else arr
+
+
+class KVStore:
+    """A worker's handle on the job's parameter servers.
+
+    Args:
+        consistency: ``"bsp"``, ``"ssp"`` or ``"asp"``.
+        staleness: SSP's bound s (a pull at clock c reflects every push made at clocks < c - s, and no worker
+            runs more than s clocks ahead of the slowest). Larger s hides stragglers and network delay at the
+            cost of staler parameters; s = 0 is BSP.
+        optimizer: server-side update rule: None (servers add pushed arrays into the values), a name
+            (``"adam"``, ``"adagrad"``), a spec dict (``{"name": "sgd", "lr": 0.1, "momentum": 0.9}``) or an
+            optimizer from :mod:`paratrain.ps.optim`. With an optimizer pushes are gradients; under BSP the
+            gradients of a clock are averaged over workers and applied once per clock.
+        context: the paratrain context (default: the current one).
+        timeout: seconds any call may wait (default: the context's timeout).
+        chunk_bytes: target chunk size; smaller balances servers better and overlaps more, at more messages.
+        cache: serve pulls from a local copy when the model allows it.
+        join: announce this worker to the servers (needed only to come back after :meth:`close`).
+
+    Example:
+        >>> import numpy as np
+        >>> from paratrain.testing import run_ranks
+        >>> def worker(ctx):
+        ...     kv = KVStore(consistency="ssp", staleness=1, context=ctx)
+        ...     kv.init(0, np.zeros(2, dtype=np.int64))
+        ...     for _ in range(3):
+        ...         kv.push(0, np.ones(2, dtype=np.int64))
+        ...         kv.clock()
+        ...     kv.close()
+        ...     return ctx.rank
+        >>> run_ranks(2, worker, servers=2)
+        [0, 1]
+    """
+
+    def __init__(
+        self,
+        consistency: str = "bsp",
+        staleness: int | None = None,
+        optimizer: str | Mapping[str, Any] | ServerOptimizer | None = None,
+        *,
+        context: Any = None,
+        timeout: float | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        cache: bool = True,
+        join: bool = False,
+    ) -> None:
+        from paratrain.runtime.context import Context, current
+
+        ctx: Context = context if context is not None else current()
+        settings = ctx.settings
+        if settings.num_servers == 0:
+            raise ConfigError(
+                "this job has no parameter servers: start it with 'paratrain launch -n W --servers S -- ...' "
+                "(or set PARATRAIN_SERVERS=S under torchrun/SLURM)"
+            )
+        if settings.role != "worker":
+            raise ConfigError("a KVStore is used by workers; this process is a server")
+        if chunk_bytes <= 0:
+            raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.policy = Policy.parse(consistency, staleness)
+        self._optimizer = make_optimizer(optimizer)
+        self._transport = ctx.transport
+        self.rank = ctx.rank
+        self.num_servers = settings.num_servers
+        self._servers = list(range(settings.num_workers, settings.world_size))
+        self.timeout = settings.timeout if timeout is None else timeout
+        self._chunk_bytes = chunk_bytes
+        self._use_cache = cache
+        self._keys: dict[str | int, _Key] = {}
+        self._cache: dict[str | int, tuple[int, npt.NDArray[Any]]] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._clock = 0
+        self._min_done = 0
+        self._closed = False
+        if join:
+            replies = [self._request(s, {"op": "join"}) for s in self._servers]
+            self._clock = max(int(self._wait(h, s, "join").meta.get("clock", 0)) for h, s in replies)
+
+    @property
+    def clock_value(self) -> int:
+        """This worker's clock: how many times it called :meth:`clock`."""
+        return self._clock
+
+    # -- plumbing ------------------------------------------------------------------------------------------
+
+    def _request(self, server: int, meta: dict[str, Any], arrays: Sequence[Any] = ()) -> tuple[Handle[Message], int]:
+        if self._closed:
+            raise ConfigError("this KVStore was closed; create a new one (join=True) to come back")
+        with self._lock:
+            request_id = next(self._ids)
+        handle = self._transport.irecv(server, reply_tag(request_id))
+        self._transport.isend(server, REQUEST_TAG, arrays, {**meta, "id": request_id})
+        return handle, server
+
+    def _wait(self, handle: Handle[Message], server: int, what: str) -> Message:
+        try:
+            msg = handle.wait(self.timeout)
+        except CommTimeoutError:
+            if self._transport.cancel_recv(handle):
+                raise CommTimeoutError(
+                    f"worker {self.rank}: no answer to {what} from server rank {server} within {self.timeout:g}s; "
+                    "under BSP/SSP a pull waits for the slowest worker: is one stuck, or is the timeout too short?"
+                ) from None
+            msg = handle.wait(0)
+        error = msg.meta.get("error")
+        if error is not None:
+            raise PSRequestError(f"worker {self.rank}: {what} rejected: {error}")
+        done = msg.meta.get("done")
+        if isinstance(done, int) and done > self._min_done:
+            self._min_done = done
+        return msg
+
+    def _all(self, pending: list[tuple[Handle[Message], int]], what: str) -> Handle[None]:
+        """One handle for many replies: completes when all arrived, fails with the first error."""
+        result: Handle[None] = Handle()
+        remaining = [len(pending)]
+        lock = threading.Lock()
+        if not pending:
+            result.set_result(None)
+            return result
+
+        def arrived(h: Handle[Message]) -> None:
+            error = h.exception()
+            if error is None:
+                meta = h.wait(0).meta
+                if meta.get("error") is not None:
+                    error = PSRequestError(f"worker {self.rank}: {what} rejected: {meta['error']}")
+            if error is not None:
+                result.set_error(error)
+                return
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                result.set_result(None)
+
+        for handle, _ in pending:
+            handle.add_done_callback(arrived)
+        return result
+
+    def _key(self, key: str | int) -> _Key:
+        info = self._keys.get(key)
+        if info is None:
+            raise KeyError(f"unknown key {key!r}: call kv.init({key!r}, array) on every worker first")
+        return info
+
+    def _check(self, key: str | int, info: _Key, arr: npt.NDArray[Any], dtype_name: str, rows: int | None) -> None:
+        expected = info.shape if rows is None else (rows, *info.shape[1:])
+        if dtype_name != info.dtype_name or tuple(arr.shape) != tuple(expected):
+            raise ValueError(
+                f"key {key!r} is {info.shape} {info.dtype_name}; got {tuple(arr.shape)} {dtype_name}"
+                + ("" if rows is None else f" for {rows} rows")
+            )
+
+    # -- the API -------------------------------------------------------------------------------------------
+
+    def init(self, key: str | int, array: Any) -> None:
+        """Creates ``key`` on the servers; call it on every worker. Rank 0's value wins. Blocks until it exists.
+
+        Raises:
+            PSRequestError: another worker initialised ``key`` with a different shape or dtype.
+        """
+        if not isinstance(key, (str, int)) or isinstance(key, bool):
+            raise TypeError(f"keys are str or int, not {type(key).__name__}")
+        arr, dtype_name = as_numpy_view(array)
+        shape = tuple(int(d) for d in arr.shape)
+        chunks = plan_chunks(key, shape, arr.itemsize, self.num_servers, chunk_bytes=self._chunk_bytes)
+        rows = _rows(arr)
+        spec = self._optimizer.spec() if self._optimizer is not None else None
+        pending = []
+        for chunk in chunks:
+            part = rows[chunk.row_start : chunk.row_stop]
+            meta = {
+                "op": "init",
+                "key": key,
+                "chunk": chunk.index,
+                "dtype": dtype_name,
+                "shape": list(part.shape),
+                "key_shape": list(shape),
+                "optimizer": spec,
+                "sync": self.policy.kind == "bsp",
+            }
+            pending.append(self._request(self._servers[chunk.server], meta, [part] if self.rank == 0 else []))
+        for handle, server in pending:
+            self._wait(handle, server, f"init of key {key!r}")
+        self._keys[key] = _Key(shape, dtype_name, chunks)
+        self._cache.pop(key, None)
+
+    def push(self, key: str | int, array: Any) -> Handle[None]:
+        """Sends ``array`` to be added (or applied as a gradient) to ``key``. Asynchronous: ``.wait()`` for it.
+
+        Do not modify ``array`` until the handle is done (it is sent without copying).
+        """
+        info = self._key(key)
+        arr, dtype_name = as_numpy_view(array)
+        self._check(key, info, arr, dtype_name, None)
+        rows = _rows(arr)
+        self._cache.pop(key, None)
+        pending = [
+            self._request(
+                self._servers[c.server],
+                {"op": "push", "key": key, "chunk": c.index},
+                [rows[c.row_start : c.row_stop]],
+            )
+            for c in info.chunks
+        ]
+        return self._all(pending, f"push to key {key!r}")
+
+    def pull(self, key: str | int) -> npt.NDArray[Any]:
+        """The value of ``key`` as the consistency model allows at this worker's clock (a new array). Blocks."""
+        info = self._key(key)
+        if self._use_cache and key in self._cache:
+            cached_done, cached = self._cache[key]
+            if self.policy.cache_fresh(cached_done, self._clock):
+                return cached.copy()
+        required = self.policy.required_done(self._clock)
+        out = np.empty(info.shape, dtype=info.storage)
+        rows = _rows(out)
+        pending = [
+            (
+                c,
+                *self._request(
+                    self._servers[c.server], {"op": "pull", "key": key, "chunk": c.index, "required": required}
+                ),
+            )
+            for c in info.chunks
+        ]
+        done = None
+        for chunk, handle, server in pending:
+            msg = self._wait(handle, server, f"pull of key {key!r}")
+            rows[chunk.row_start : chunk.row_stop] = msg.arrays[0]
+            chunk_done = int(msg.meta.get("done", 0))
+            done = chunk_done if done is None else min(done, chunk_done)
+        if self._use_cache and self.policy.kind != "asp":
+            self._cache[key] = (done or 0, out.copy())
+        return out
+
+    def push_rows(self, key: str | int, row_ids: Any, values: Any) -> Handle[None]:
+        """Adds ``values[i]`` to row ``row_ids[i]`` of ``key`` (embedding-style sparse update). Asynchronous."""
+        info = self._key(key)
+        ids = np.asarray(row_ids)
+        vals, dtype_name = as_numpy_view(values)
+        if ids.ndim != 1:
+            raise ValueError(f"row_ids must be 1-D, got shape {ids.shape}")
+        self._check(key, info, vals, dtype_name, ids.size)
+        self._cache.pop(key, None)
+        pending = [
+            self._request(
+                self._servers[c.server],
+                {"op": "push", "key": key, "chunk": c.index, "rows": True},
+                [local.astype(np.int64), vals[positions]],
+            )
+            for c, positions, local in split_rows(info.chunks, ids)
+        ]
+        return self._all(pending, f"push_rows to key {key!r}")
+
+    def pull_rows(self, key: str | int, row_ids: Any) -> npt.NDArray[Any]:
+        """Rows ``row_ids`` of ``key`` (shape ``(len(row_ids), *key.shape[1:])``), as the model allows. Blocks."""
+        info = self._key(key)
+        ids = np.asarray(row_ids)
+        if ids.ndim != 1:
+            raise ValueError(f"row_ids must be 1-D, got shape {ids.shape}")
+        out = np.empty((ids.size, *info.shape[1:]), dtype=info.storage)
+        required = self.policy.required_done(self._clock)
+        pending = [
+            (
+                positions,
+                *self._request(
+                    self._servers[c.server],
+                    {"op": "pull", "key": key, "chunk": c.index, "rows": True, "required": required},
+                    [local.astype(np.int64)],
+                ),
+            )
+            for c, positions, local in split_rows(info.chunks, ids)
+        ]
+        for positions, handle, server in pending:
+            msg = self._wait(handle, server, f"pull_rows of key {key!r}")
+            out[positions] = msg.arrays[0]
+        return out
+
+    def clock(self) -> None:
+        """Ends this worker's iteration. Under BSP/SSP it waits while this worker would be more than s ahead."""
+        self._clock += 1
+        for server in self._servers:
+            self._transport.isend(server, REQUEST_TAG, (), {"op": "clock", "clock": self._clock, "id": -1})
+        if not self.policy.may_run(self._clock, self._min_done):
+            required = self.policy.required_done(self._clock)
+            server = self._servers[self.rank % len(self._servers)]
+            handle, _ = self._request(server, {"op": "wait_clock", "required": required})
+            self._wait(handle, server, f"clock {self._clock} (waiting for the slowest worker)")
+
+    def close(self) -> None:
+        """Leaves: the servers stop counting this worker's clock. Idempotent."""
+        if self._closed:
+            return
+        pending = [self._request(s, {"op": "leave"}) for s in self._servers]
+        self._closed = True
+        for handle, server in pending:
+            self._wait(handle, server, "leave")
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,388 @@
+"""One parameter-server process: stores its chunks of every key, applies pushes, answers pulls when allowed.
+
+The server is a single-threaded event loop over the transport (no locks: one thread owns all state). It
+answers a pull only when the consistency rule the worker asked for holds — the worker sends the clock every
+worker must have completed (``required``), and the server defers the answer until its slowest live worker
+has (Petuum's SSP, with BSP as s = 0 and ASP as no requirement). Worker clocks arrive as ``clock`` messages
+in order with that worker's pushes, so "worker w completed clock k" means "every push w made at clocks <= k
+has been applied here".
+
+Server-side update rules (``optimizer`` of the key): ``None`` adds the pushed array into the stored value; an
+optimizer (SGD, Adam, Adagrad from :mod:`.optim`) treats pushes as gradients. Under BSP the gradients of one
+clock are averaged over the workers that pushed and applied once, when every live worker has completed that
+clock — synchronous data-parallel SGD; otherwise each push is one step (asynchronous SGD).
+
+Robustness: a malformed or invalid request is answered with an error and the loop goes on; a worker whose
+process dies (its connection drops, or heartbeats stop) is removed from the clock bookkeeping and logged, so
+the others are not blocked forever; the loop ends when no live worker is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from paratrain._arrays import DTYPE_NAMES, dtype_from_name
+from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
+from paratrain.ps.optim import ServerOptimizer, make_optimizer
+from paratrain.ps.protocol import REQUEST_TAG, reply_tag
+from paratrain.transport.base import ANY_SOURCE, Handle, Transport
+from paratrain.transport.wire import Message
+
+__all__ = ["ParameterServer", "ServerStats"]
+
+log = logging.getLogger("paratrain.ps.server")
+
+
+class _RejectedError(Exception):
+    """A request the server refuses; the message goes back to the worker."""
+
+
+@dataclass
+class _Chunk:
+    value: npt.NDArray[Any]
+    dtype_name: str
+    key_shape: tuple[int, ...]
+    optimizer: ServerOptimizer | None
+    state: dict[str, npt.NDArray[Any]]
+    sync: bool
+    pending: dict[int, list[Any]] = field(default_factory=dict)  # clock -> [grad sum, pushes]
+    sends: list[Handle[None]] = field(default_factory=list)  # replies still reading `value`
+
+
+@dataclass
+class ServerStats:
+    """What a server did (for logs and benchmarks)."""
+
+    pushes: int = 0
+    pulls: int = 0
+    deferred_pulls: int = 0
+    rejected: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    workers_lost: list[int] = field(default_factory=list)
+
+
+class ParameterServer:
+    """The event loop of one server over ``transport`` (whose ranks ``0..num_workers-1`` are the workers).
+
+    Args:
+        transport: the server's transport (the whole job's ranks).
+        num_workers: workers in the job; all start as live members at clock 0.
+        timeout: seconds a reply may take to leave before the server gives up on it.
+        poll: seconds between checks for lost workers while idle.
+
+    Example:
+        >>> from paratrain.testing import run_ranks
+        >>> from paratrain.ps import KVStore
+        >>> import numpy as np
+        >>> def worker(ctx):
+        ...     kv = KVStore(context=ctx)
+        ...     kv.init("w", np.zeros(3))
+        ...     kv.push("w", np.ones(3)).wait()
+        ...     kv.clock()
+        ...     out = kv.pull("w")
+        ...     kv.close()
+        ...     return out.tolist()
+        >>> run_ranks(2, worker, servers=1)
+        [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
+    """
+
+    def __init__(self, transport: Transport, *, num_workers: int, timeout: float = 60.0, poll: float = 0.2) -> None:
+        if not 0 < num_workers <= transport.world_size:
+            raise ValueError(f"num_workers {num_workers} outside 1..{transport.world_size}")
+        self.transport = transport
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self.poll = poll
+        self.stats = ServerStats()
+        self.done: dict[int, int] = dict.fromkeys(range(num_workers), 0)
+        self.live: set[int] = set(range(num_workers))
+        self._chunks: dict[tuple[Any, int], _Chunk] = {}
+        self._waiting_pulls: list[tuple[int, Mapping[str, Any], Message]] = []
+        self._waiting_clocks: list[tuple[int, Mapping[str, Any]]] = []
+        self._waiting_inits: dict[tuple[Any, int], list[tuple[int, Mapping[str, Any]]]] = {}
+        self._min_done = 0
+
+    # -- the loop ------------------------------------------------------------------------------------------
+
+    def serve(self, stop: threading.Event | None = None) -> ServerStats:
+        """Serves until every worker has left or is lost (or ``stop`` is set). Blocks; one thread only."""
+        t = self.transport
+        while self.live and not (stop is not None and stop.is_set()):
+            try:
+                msg = t.recv(ANY_SOURCE, REQUEST_TAG, timeout=self.poll)
+            except CommTimeoutError:
+                self._check_lost()
+                continue
+            except (PeerLostError, TransportClosedError) as exc:
+                log.warning("server %d: %s; stopping", t.rank, exc)
+                break
+            self._handle(msg)
+            self._check_lost()
+        self._flush_sends()
+        return self.stats
+
+    def _handle(self, msg: Message) -> None:
+        op = msg.meta.get("op")
+        handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
+        try:
+            if not isinstance(msg.meta.get("id"), int):
+                raise _RejectedError("request without an integer id")
+            if handler is None:
+                raise _RejectedError(f"unknown operation {op!r}")
+            if msg.src not in self.done:
+                raise _RejectedError(f"rank {msg.src} is not a worker of this job")
+            handler(msg)
+        except _RejectedError as exc:
+            self._reject(msg, str(exc))
+        except Exception as exc:  # a bug or a hostile request must not take the server down
+            log.exception("server %d: request %r from rank %d failed", self.transport.rank, op, msg.src)
+            self._reject(msg, f"server error: {type(exc).__name__}: {exc}")
+
+    def _reject(self, msg: Message, why: str) -> None:
+        self.stats.rejected += 1
+        request_id = msg.meta.get("id")
+        log.error("server %d rejected %r from rank %d: %s", self.transport.rank, msg.meta.get("op"), msg.src, why)
+        if isinstance(request_id, int):
+            self._reply(msg.src, request_id, error=f"server {self.transport.rank}: {why}")
+
+    def _reply(
+        self, worker: int, request_id: int, arrays: Sequence[Any] = (), *, chunk: _Chunk | None = None, **fields: Any
+    ) -> None:
+        meta = {"done": self._min_done, **fields}
+        try:
+            handle = self.transport.isend(worker, reply_tag(request_id), arrays, meta)
+        except (PeerLostError, TransportClosedError) as exc:
+            log.warning("server %d: cannot answer rank %d: %s", self.transport.rank, worker, exc)
+            return
+        self.stats.bytes_out += sum(int(getattr(a, "nbytes", 0)) for a in arrays)
+        if chunk is not None and not handle.done():
+            chunk.sends.append(handle)
+
+    def _quiesce(self, chunk: _Chunk) -> None:
+        """Waits until no reply still reads ``chunk.value`` (sent zero-copy) before it is modified."""
+        for handle in chunk.sends:
+            try:
+                handle.wait(self.timeout)
+            except (CommTimeoutError, PeerLostError, TransportClosedError) as exc:
+                log.warning("server %d: reply not delivered: %s", self.transport.rank, exc)
+        chunk.sends.clear()
+
+    def _flush_sends(self) -> None:
+        for chunk in self._chunks.values():
+            self._quiesce(chunk)
+
+    # -- membership and clocks -----------------------------------------------------------------------------
+
+    def _check_lost(self) -> None:
+        lost = self.transport.lost_peers() & self.live
+        for worker in sorted(lost):
+            log.warning(
+                "server %d: worker %d is gone (crashed, killed or disconnected); removed from the clock "
+                "bookkeeping at clock %d so that the others go on",
+                self.transport.rank,
+                worker,
+                self.done[worker],
+            )
+            self.stats.workers_lost.append(worker)
+            self.live.discard(worker)
+        if lost:
+            self._advance()
+
+    def _advance(self) -> None:
+        """Recomputes the slowest clock; applies completed synchronous steps; answers what became allowed."""
+        if self.live:
+            self._min_done = max(self._min_done, min(self.done[w] for w in self.live))
+        for chunk in self._chunks.values():
+            for clock in sorted(c for c in chunk.pending if c < self._min_done):
+                grad_sum, count = chunk.pending.pop(clock)
+                self._quiesce(chunk)
+                np.divide(grad_sum, count, out=grad_sum)
+                assert chunk.optimizer is not None
+                chunk.optimizer.step(chunk.value, grad_sum, chunk.state)
+        still: list[tuple[int, Mapping[str, Any], Message]] = []
+        for worker, meta, msg in self._waiting_pulls:
+            if worker in self.done and self._ready(meta):
+                self._answer_pull(msg)
+            else:
+                still.append((worker, meta, msg))
+        self._waiting_pulls = still
+        waiting, self._waiting_clocks = self._waiting_clocks, []
+        for worker, meta in waiting:
+            if self._ready(meta):
+                self._reply(worker, meta["id"])
+            else:
+                self._waiting_clocks.append((worker, meta))
+
+    def _ready(self, meta: Mapping[str, Any]) -> bool:
+        required = meta.get("required")
+        return required is None or not self.live or self._min_done >= int(required)
+
+    def _op_clock(self, msg: Message) -> None:
+        clock = msg.meta.get("clock")
+        if msg.src not in self.live:
+            raise _RejectedError(f"worker {msg.src} has left; create a new KVStore (join=True) to come back")
+        self.done[msg.src] += 1
+        if clock != self.done[msg.src]:
+            log.error(
+                "server %d: worker %d says clock %r, expected %d",
+                self.transport.rank,
+                msg.src,
+                clock,
+                self.done[msg.src],
+            )
+        self._advance()
+
+    def _op_wait_clock(self, msg: Message) -> None:
+        if self._ready(msg.meta):
+            self._reply(msg.src, msg.meta["id"])
+        else:
+            self._waiting_clocks.append((msg.src, msg.meta))
+
+    def _op_join(self, msg: Message) -> None:
+        others = [self.done[w] for w in self.live if w != msg.src]
+        self.done[msg.src] = max(self.done[msg.src], min(others) if others else self._min_done)
+        self.live.add(msg.src)
+        log.info("server %d: worker %d joined at clock %d", self.transport.rank, msg.src, self.done[msg.src])
+        self._reply(msg.src, msg.meta["id"], clock=self.done[msg.src])
+
+    def _op_leave(self, msg: Message) -> None:
+        self.live.discard(msg.src)
+        self._reply(msg.src, msg.meta["id"])
+        self._advance()
+
+    # -- keys ----------------------------------------------------------------------------------------------
+
+    def _chunk(self, meta: Mapping[str, Any]) -> _Chunk:
+        key, index = meta.get("key"), meta.get("chunk")
+        if not isinstance(key, (str, int)) or not isinstance(index, int):
+            raise _RejectedError("request without a valid key and chunk index")
+        chunk = self._chunks.get((key, index))
+        if chunk is None:
+            raise _RejectedError(f"unknown key {key!r} (chunk {index}); call kv.init(key, array) on every worker first")
+        return chunk
+
+    def _op_init(self, msg: Message) -> None:
+        meta = msg.meta
+        key, index = meta.get("key"), meta.get("chunk")
+        dtype_name, shape, key_shape = meta.get("dtype"), meta.get("shape"), meta.get("key_shape")
+        if not isinstance(key, (str, int)) or not isinstance(index, int):
+            raise _RejectedError("init without a valid key and chunk index")
+        if dtype_name not in DTYPE_NAMES or not isinstance(shape, list) or not isinstance(key_shape, list):
+            raise _RejectedError("init without a valid dtype and shape")
+        existing = self._chunks.get((key, index))
+        if existing is not None:
+            if existing.dtype_name != dtype_name or list(existing.key_shape) != key_shape:
+                raise _RejectedError(
+                    f"key {key!r} exists as {tuple(existing.key_shape)} {existing.dtype_name}, but rank {msg.src} "
+                    f"initialises it as {tuple(key_shape)} {dtype_name}: every worker must init a key alike"
+                )
+            self._reply(msg.src, meta["id"])
+            return
+        if not msg.arrays:  # not the first worker: wait until the key exists
+            self._waiting_inits.setdefault((key, index), []).append((msg.src, meta))
+            return
+        value = msg.arrays[0]
+        if list(value.shape) != shape or msg.dtypes[0] != dtype_name:
+            raise _RejectedError(
+                f"init of key {key!r}: data {value.shape} {msg.dtypes[0]} != announced {shape} {dtype_name}"
+            )
+        optimizer = make_optimizer(meta.get("optimizer"))
+        if optimizer is not None and np.dtype(dtype_from_name(dtype_name)).kind != "f":
+            raise _RejectedError(f"key {key!r}: an optimizer needs a float array, not {dtype_name}")
+        stored = np.array(value, copy=True)
+        self._chunks[(key, index)] = _Chunk(
+            value=stored,
+            dtype_name=dtype_name,
+            key_shape=tuple(key_shape),
+            optimizer=optimizer,
+            state=optimizer.init_state(stored) if optimizer is not None else {},
+            sync=bool(meta.get("sync", False)),
+        )
+        self._reply(msg.src, meta["id"])
+        for worker, waiting in self._waiting_inits.pop((key, index), []):
+            fake = Message(src=worker, tag=REQUEST_TAG, meta=waiting)
+            self._handle(fake)
+
+    def _rows_of(self, chunk: _Chunk, msg: Message, n_arrays: int) -> npt.NDArray[np.int64] | None:
+        if not msg.meta.get("rows"):
+            return None
+        rows = msg.arrays[0]
+        if rows.ndim != 1 or rows.dtype.kind not in "iu":
+            raise _RejectedError("row ids must be a 1-D integer array")
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= chunk.value.shape[0]):
+            raise _RejectedError(f"row ids outside 0..{chunk.value.shape[0] - 1} of chunk {msg.meta.get('chunk')}")
+        return rows.astype(np.int64, copy=False)
+
+    def _op_push(self, msg: Message) -> None:
+        chunk = self._chunk(msg.meta)
+        rows = self._rows_of(chunk, msg, 2)
+        data = msg.arrays[-1] if msg.arrays else None
+        if data is None or msg.dtypes[-1] != chunk.dtype_name:
+            got = msg.dtypes[-1] if msg.arrays else "nothing"
+            raise _RejectedError(f"push to key {msg.meta['key']!r} of dtype {chunk.dtype_name} carries {got}")
+        expected = chunk.value.shape if rows is None else (rows.size, *chunk.value.shape[1:])
+        if data.shape != expected:
+            raise _RejectedError(
+                f"push to key {msg.meta['key']!r} chunk {msg.meta['chunk']} has shape {data.shape}, expected "
+                f"{expected} (the key is {chunk.key_shape} {chunk.dtype_name})"
+            )
+        self.stats.pushes += 1
+        self.stats.bytes_in += data.nbytes
+        self._quiesce(chunk)
+        if chunk.optimizer is None:
+            if rows is None:
+                np.add(chunk.value, data, out=chunk.value)
+            else:
+                np.add.at(chunk.value, rows, data)
+        else:
+            grad: npt.NDArray[Any]
+            if rows is None:
+                grad = data
+            else:
+                grad = np.zeros_like(chunk.value)
+                np.add.at(grad, rows, data)
+            if chunk.sync:
+                clock = self.done[msg.src]
+                slot = chunk.pending.get(clock)
+                if slot is None:
+                    chunk.pending[clock] = [np.array(grad, dtype=chunk.value.dtype, copy=True), 1]
+                else:
+                    np.add(slot[0], grad, out=slot[0])
+                    slot[1] += 1
+            else:
+                chunk.optimizer.step(chunk.value, np.asarray(grad, dtype=chunk.value.dtype), chunk.state)
+        self._reply(msg.src, msg.meta["id"])
+
+    def _op_pull(self, msg: Message) -> None:
+        self._chunk(msg.meta)  # validates now: an unknown key is an error at once, not after waiting
+        if self._ready(msg.meta):
+            self._answer_pull(msg)
+        else:
+            self.stats.deferred_pulls += 1
+            self._waiting_pulls.append((msg.src, msg.meta, msg))
+
+    def _answer_pull(self, msg: Message) -> None:
+        try:
+            chunk = self._chunk(msg.meta)
+            rows = self._rows_of(chunk, msg, 1)
+        except _RejectedError as exc:
+            self._reject(msg, str(exc))
+            return
+        self.stats.pulls += 1
+        if rows is None:
+            self._reply(msg.src, msg.meta["id"], [chunk.value], chunk=chunk)
+        else:
+            self._reply(msg.src, msg.meta["id"], [chunk.value[rows]])
+
+    def idle_since(self) -> float:
+        """Monotonic time now (a hook for tests that want to see the loop is alive)."""
+        return time.monotonic()

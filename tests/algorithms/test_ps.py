@@ -1,0 +1,237 @@
+"""Parameter server: no lost update, the BSP/SSP/ASP guarantees, stragglers, dead workers, bad input."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from paratrain import Context
+from paratrain.errors import ConfigError
+from paratrain.ps import KVStore, PSRequestError
+from paratrain.ps.protocol import REQUEST_TAG, reply_tag
+from paratrain.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(90)
+
+MODELS = [("bsp", None), ("ssp", 2), ("asp", None)]
+
+
+@pytest.mark.parametrize(("consistency", "staleness"), MODELS)
+@pytest.mark.parametrize("servers", [1, 2, 3])
+def test_no_lost_update_dense_and_sparse(consistency: str, staleness: int | None, servers: int) -> None:
+    workers, clocks = 3, 6
+    rows = 37
+
+    def worker(ctx: Context) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        kv = KVStore(consistency, staleness, context=ctx, chunk_bytes=64)  # tiny chunks: keys span all servers
+        kv.init("dense", np.zeros(101, dtype=np.int64))
+        kv.init("table", np.zeros((rows, 3), dtype=np.int64))
+        kv.init(7, np.array(0, dtype=np.int64))  # a 0-d key
+        handles = []
+        for c in range(clocks):
+            handles.append(kv.push("dense", np.arange(101, dtype=np.int64) * (ctx.rank + 1)))
+            ids = np.array([c % rows, (5 * ctx.rank + c) % rows, c % rows])  # duplicates on purpose
+            handles.append(kv.push_rows("table", ids, np.full((3, 3), ctx.rank + 1, dtype=np.int64)))
+            handles.append(kv.push(7, np.array(1, dtype=np.int64)))
+            kv.clock()
+        for h in handles:
+            h.wait(30)  # acknowledged = applied on the server
+        ctx.barrier()  # every worker's pushes are applied before anyone reads the final value
+        kv.clock()  # under BSP/SSP the final pull then needs everyone's last clock too
+        out = (kv.pull("dense"), kv.pull("table"), kv.pull(7))
+        kv.close()
+        return out
+
+    results = run_ranks(workers, worker, servers=servers)
+    dense = np.arange(101, dtype=np.int64) * sum(r + 1 for r in range(workers)) * clocks
+    table = np.zeros((rows, 3), dtype=np.int64)
+    for r in range(workers):
+        for c in range(clocks):
+            for i in (c % rows, (5 * r + c) % rows, c % rows):
+                table[i] += r + 1
+    for d, t, s in results:
+        np.testing.assert_array_equal(d, dense)
+        np.testing.assert_array_equal(t, table)
+        assert int(s) == workers * clocks
+
+
+def _straggler_run(
+    consistency: str, staleness: int | None, clocks: int = 8
+) -> tuple[list[int], list[float], list[int]]:
+    """3 workers, worker 2 three times slower.
+
+    Returns the max clock lead each worker had over the slowest, finish times, and the straggler's clock when
+    each worker finished.
+    """
+    workers, step = 3, 0.01
+    progress = [0] * workers
+    lock = threading.Lock()
+    leads = [0] * workers
+    finish = [0.0] * workers
+    straggler_at_finish = [0] * workers
+    start = time.monotonic()
+
+    def worker(ctx: Context) -> None:
+        kv = KVStore(consistency, staleness, context=ctx)
+        kv.init("x", np.zeros(4, dtype=np.int64))
+        s = kv.policy.staleness if consistency != "asp" else None
+        for c in range(clocks):
+            value = int(kv.pull("x")[0])
+            # the guarantee: every push at clocks < c - s is in; nothing beyond what could exist is
+            if s is not None:
+                assert value >= workers * max(0, c - s), (ctx.rank, c, value)
+                assert value <= workers * (c + s + 1), (ctx.rank, c, value)
+            time.sleep(step * (3 if ctx.rank == 2 else 1))  # the work of one iteration (not event ordering)
+            kv.push("x", np.ones(4, dtype=np.int64))
+            kv.clock()
+            with lock:
+                progress[ctx.rank] = c + 1
+                leads[ctx.rank] = max(leads[ctx.rank], progress[ctx.rank] - min(progress))
+        finish[ctx.rank] = time.monotonic() - start
+        with lock:
+            straggler_at_finish[ctx.rank] = progress[2]
+        kv.close()
+
+    run_ranks(workers, worker, servers=2)
+    return leads, finish, straggler_at_finish
+
+
+def test_bsp_never_runs_ahead() -> None:
+    leads, finish, straggler_at_finish = _straggler_run("bsp", None)
+    assert max(leads) <= 1  # a worker's clock() returns at c+1 only when everybody reached c+1... or is at c
+    assert min(straggler_at_finish) >= 7  # nobody finishes before the straggler's last clock
+    print(f"bsp max leads {leads}, finish times {[round(f, 3) for f in finish]}")
+
+
+@pytest.mark.parametrize("staleness", [2, 3])
+def test_ssp_runs_ahead_of_the_straggler_but_within_the_bound(staleness: int) -> None:
+    leads, finish, straggler_at_finish = _straggler_run("ssp", staleness)
+    # within the bound (a worker that just clocked may lead by s + 1 before the slowest clocks) ...
+    assert max(leads) <= staleness + 1
+    # ... and not BSP in disguise: the fast workers did get ahead of the straggler (BSP never shows a lead
+    # above 1, the moment between a worker's clock() returning and the straggler's own clock() returning)
+    assert max(leads[0], leads[1]) >= 2
+    # the fast workers finished while the straggler still had up to s clocks to go: they finished sooner
+    assert min(straggler_at_finish[0], straggler_at_finish[1]) <= 8 - 2
+    print(f"ssp:{staleness} max leads {leads}, finish times {[round(f, 3) for f in finish]}")
+
+
+def test_asp_never_waits_and_loses_nothing() -> None:
+    leads, _, _ = _straggler_run("asp", None)
+    assert max(leads[0], leads[1]) >= 3  # fast workers run freely
+
+
+def test_dead_worker_does_not_block_the_others() -> None:
+    clocks = 6
+
+    def worker(ctx: Context) -> int:
+        kv = KVStore("bsp", context=ctx)
+        kv.init("x", np.zeros(2))
+        for c in range(clocks):
+            if ctx.rank == 1 and c == 2:
+                ctx.transport.abort()  # crashes mid-run, without a goodbye
+                return -1
+            kv.push("x", np.ones(2))
+            kv.clock()
+            kv.pull("x")
+        kv.close()
+        return kv.clock_value
+
+    results = run_ranks(3, worker, servers=2, timeout=60)
+    assert results == [clocks, -1, clocks]
+
+
+def test_bad_input_is_refused_and_the_server_goes_on() -> None:
+    def worker(ctx: Context) -> str:
+        kv = KVStore("asp", context=ctx)
+        kv.init("w", np.zeros((4, 2), dtype=np.float32))
+        with pytest.raises(ValueError, match=r"\(4, 2\) float32"):
+            kv.push("w", np.zeros(3, dtype=np.float32))
+        with pytest.raises(ValueError, match="float32"):
+            kv.push("w", np.zeros((4, 2), dtype=np.float64))
+        with pytest.raises(KeyError, match="unknown key"):
+            kv.pull("nope")
+        with pytest.raises(IndexError):
+            kv.push_rows("w", np.array([9]), np.zeros((1, 2), dtype=np.float32))
+        # bypass the client's checks: the server itself must refuse, answer with an error, and keep serving
+        t = ctx.transport
+        server = ctx.settings.num_workers
+        for i, (meta, arrays) in enumerate(
+            [
+                ({"op": "push", "key": "w", "chunk": 0}, [np.zeros(5, dtype=np.float32)]),
+                ({"op": "push", "key": "ghost", "chunk": 0}, [np.zeros(1)]),
+                ({"op": "teleport"}, []),
+                ({"op": "pull", "key": "w", "chunk": 0, "rows": True}, [np.array([99])]),
+            ]
+        ):
+            rid = 1_000_000 * (ctx.rank + 1) + i
+            t.send(server, REQUEST_TAG, arrays, {**meta, "id": rid})
+            assert "error" in t.recv(server, reply_tag(rid), timeout=20).meta
+        kv.push("w", np.ones((4, 2), dtype=np.float32)).wait(20)
+        ctx.barrier()
+        value = kv.pull("w")
+        kv.close()
+        return str(value.sum())
+
+    assert run_ranks(2, worker, servers=1) == ["16.0", "16.0"]
+
+
+def test_init_mismatch_and_missing_servers() -> None:
+    def worker(ctx: Context) -> None:
+        kv = KVStore(context=ctx)
+        if ctx.rank == 0:
+            kv.init("w", np.zeros(3))
+        else:
+            with pytest.raises(PSRequestError, match="every worker must init a key alike"):
+                kv.init("w", np.zeros(4))
+        ctx.barrier()
+        kv.close()
+
+    run_ranks(2, worker, servers=1)
+    with pytest.raises(ConfigError, match="no parameter servers"):
+        run_ranks(1, lambda ctx: KVStore(context=ctx))
+
+
+@pytest.mark.parametrize("consistency", ["bsp", "ssp"])
+def test_server_side_optimizer_bsp_averages_gradients(consistency: str) -> None:
+    # Under BSP the server averages a clock's gradients and takes one SGD step; the result equals a single
+    # process doing SGD on the mean gradient.
+    lr, clocks, workers = 0.1, 4, 3
+
+    def worker(ctx: Context) -> np.ndarray:
+        kv = KVStore(consistency, 0 if consistency == "ssp" else None, {"name": "sgd", "lr": lr}, context=ctx)
+        kv.init("w", np.ones(5))
+        for _ in range(clocks):
+            kv.push("w", np.full(5, float(ctx.rank + 1))).wait(20)
+            kv.clock()
+        out = kv.pull("w")
+        kv.close()
+        return out
+
+    results = run_ranks(workers, worker, servers=2)
+    if consistency == "bsp":
+        expected = np.ones(5) - clocks * lr * np.mean([r + 1 for r in range(workers)])
+    else:  # asynchronous steps: each push is one step with its own gradient
+        expected = np.ones(5) - clocks * lr * sum(r + 1 for r in range(workers))
+    for r in results:
+        np.testing.assert_allclose(r, expected)
+
+
+def test_over_real_sockets() -> None:
+    def worker(ctx: Context) -> float:
+        kv = KVStore("ssp", 1, context=ctx)
+        kv.init("w", np.zeros(1 << 16))
+        for _ in range(3):
+            kv.push("w", np.ones(1 << 16))
+            kv.clock()
+        ctx.barrier()
+        kv.clock()
+        kv.clock()
+        out = float(kv.pull("w").sum())
+        kv.close()
+        return out
+
+    assert run_ranks(2, worker, servers=2, transport="zmq") == [6.0 * (1 << 16)] * 2
