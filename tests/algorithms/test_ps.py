@@ -235,3 +235,36 @@ def test_over_real_sockets() -> None:
         return out
 
     assert run_ranks(2, worker, servers=2, transport="zmq") == [6.0 * (1 << 16)] * 2
+
+
+def test_worker_leaves_and_rejoins_between_clocks() -> None:
+    # Worker 1 leaves after 2 clocks; BSP goes on with the others; it comes back and is counted again from the
+    # slowest clock of the others, so nobody waits for the clocks it missed.
+    def worker(ctx: Context) -> int:
+        kv = KVStore("bsp", context=ctx)
+        kv.init("x", np.zeros(1, dtype=np.int64))
+        for _ in range(2):
+            kv.push("x", np.ones(1, dtype=np.int64))
+            kv.clock()
+        if ctx.rank == 1:
+            kv.close()
+            ctx.barrier()  # the others run 3 clocks without it
+            ctx.barrier()
+            kv = KVStore("bsp", context=ctx, join=True)
+            kv.init("x", np.zeros(1, dtype=np.int64))
+            joined_at = kv.clock_value
+        else:
+            ctx.barrier()
+            for _ in range(3):
+                kv.push("x", np.ones(1, dtype=np.int64))
+                kv.clock()
+            ctx.barrier()
+            joined_at = kv.clock_value
+        kv.push("x", np.ones(1, dtype=np.int64))
+        kv.clock()
+        value = int(kv.pull("x")[0])
+        kv.close()
+        return joined_at * 100 + value
+
+    # worker 1 rejoins at clock 5 (the others'); final value: 3x2 + 2x3 + 3x1 = 15
+    assert run_ranks(3, worker, servers=2) == [515, 515, 515]

@@ -59,3 +59,49 @@ def test_killed_worker_does_not_hang_the_others(tmp_path: Path) -> None:
     assert "rank 1" in out.stderr and "SIGKILL" in out.stderr and "not essential" in out.stderr
     # ... but the two survivors finished every clock instead of waiting forever for the dead one
     assert out.stdout.count("finished 6 clocks") == 2, out.stdout + out.stderr
+
+
+def test_same_script_serves_every_role_under_torchrun(tmp_path: Path) -> None:
+    # Under torchrun, PARATRAIN_SERVERS=1 makes the last rank a server: its pt.init() serves, then exits.
+    pytest.importorskip("torch")
+    import os
+    import socket
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent("""
+        import numpy as np
+        import paratrain as pt
+        pt.init(timeout=60)
+        kv = pt.ps.KVStore()
+        kv.init("w", np.zeros(4))
+        kv.push("w", np.ones(4))
+        kv.clock()
+        value = kv.pull("w")
+        with open(f"{__file__}.{pt.rank()}.out", "w") as fh:
+            fh.write(f"{pt.rank()} {pt.world_size()} {value[0]}")
+        kv.close()
+    """)
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            str(port),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PARATRAIN_SERVERS": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.read_text() for p in tmp_path.glob("job.py.*.out")) == ["0 2 2.0", "1 2 2.0"]
