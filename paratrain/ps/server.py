@@ -344,10 +344,15 @@ class ParameterServer:
             else:
                 np.add.at(chunk.value, rows, data)
         else:
+            if not chunk.sync and rows is not None:
+                # lazy sparse step (like torch's SparseAdam): only the pushed rows and their state move
+                chunk.optimizer.step_rows(chunk.value, np.asarray(data, dtype=chunk.value.dtype), rows, chunk.state)
+                self._reply(msg.src, msg.meta["id"])
+                return
             grad: npt.NDArray[Any]
             if rows is None:
                 grad = data
-            else:
+            else:  # a synchronous step sums the clock's pushes first, densely
                 grad = np.zeros_like(chunk.value)
                 np.add.at(grad, rows, data)
             if chunk.sync:

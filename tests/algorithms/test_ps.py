@@ -268,3 +268,19 @@ def test_worker_leaves_and_rejoins_between_clocks() -> None:
 
     # worker 1 rejoins at clock 5 (the others'); final value: 3x2 + 2x3 + 3x1 = 15
     assert run_ranks(3, worker, servers=2) == [515, 515, 515]
+
+
+def test_sparse_rows_with_an_async_optimizer_move_only_those_rows() -> None:
+    def worker(ctx: Context) -> np.ndarray:
+        kv = KVStore("asp", optimizer={"name": "adam", "lr": 0.1}, context=ctx)
+        kv.init("emb", np.ones((6, 2), dtype=np.float32))
+        kv.push_rows("emb", np.array([1, 4]), np.ones((2, 2), dtype=np.float32)).wait(20)
+        ctx.barrier()
+        out = kv.pull("emb")
+        kv.close()
+        return out
+
+    for out in run_ranks(2, worker, servers=2):
+        untouched = [0, 2, 3, 5]
+        np.testing.assert_array_equal(out[untouched], np.ones((4, 2), dtype=np.float32))
+        assert np.all(out[[1, 4]] < 1.0)  # two Adam steps against a positive gradient
