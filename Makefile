@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 $(BIN)/paratrain: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c .ci/constraints.txt -e ".[dev,torch]"
+	$(BIN)/pip install --quiet -c .ci/constraints.txt -e ".[dev,train]"
 	touch $(BIN)/paratrain
 
 setup: $(BIN)/paratrain

@@ -1,0 +1,139 @@
+"""What a training run leaves behind: per-rank metrics and timeline spans, merged into one run directory.
+
+Each rank appends JSON lines (``rank{r}.metrics.jsonl``) and Chrome-trace spans (``rank{r}.trace.json``) to
+the run directory; the ``paratrain train`` process merges them after the job into ``metrics.jsonl`` and
+``timeline.json`` (open it in Perfetto or chrome://tracing: one process per rank, one track per category:
+compute, communication, waiting) and draws the plots. Ranks never coordinate to write, so recording costs
+a rank nothing but its own appends. Timestamps are wall-clock microseconds, so spans of ranks on one host
+line up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Recorder", "merge_run", "plot_run"]
+
+_TRACKS = {"compute": 1, "communication": 2, "waiting": 3, "eval": 4}
+
+
+class Recorder:
+    """One rank's metrics and timeline writer.
+
+    Example:
+        >>> import tempfile
+        >>> rec = Recorder(tempfile.mkdtemp(), rank=0)
+        >>> with rec.span("forward", "compute"):
+        ...     pass
+        >>> rec.log(step=1, loss=0.5)
+        >>> rec.close()
+    """
+
+    def __init__(self, run_dir: str | Path, *, rank: int) -> None:
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self._metrics = (self.dir / f"rank{rank}.metrics.jsonl").open("a", encoding="utf-8", buffering=1)
+        self._events: list[dict[str, Any]] = []
+
+    @contextlib.contextmanager
+    def span(self, name: str, category: str, **args: Any) -> Iterator[None]:
+        """Records the enclosed code as one complete ("X") trace event."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.add_span(name, category, start, time.time(), **args)
+
+    def add_span(self, name: str, category: str, start: float, end: float, **args: Any) -> None:
+        """Records a span measured elsewhere (``start``/``end`` from ``time.time()``)."""
+        self._events.append(
+            {
+                "name": name,
+                "cat": category,
+                "ph": "X",
+                "ts": start * 1e6,
+                "dur": max(0.0, (end - start) * 1e6),
+                "pid": self.rank,
+                "tid": _TRACKS.get(category, 9),
+                **({"args": args} if args else {}),
+            }
+        )
+
+    def log(self, **fields: Any) -> None:
+        """Appends one metrics record (``rank`` and wall ``time`` are added)."""
+        record = {"rank": self.rank, "time": time.time(), **fields}
+        self._metrics.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        """Flushes the metrics and writes this rank's trace events."""
+        self._metrics.close()
+        (self.dir / f"rank{self.rank}.trace.json").write_text(json.dumps(self._events))
+
+
+def merge_run(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Merges every rank's files into ``metrics.jsonl`` and ``timeline.json``; returns the metrics records."""
+    directory = Path(run_dir)
+    records: list[dict[str, Any]] = []
+    for path in sorted(directory.glob("rank*.metrics.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                records.append(json.loads(line))
+    records.sort(key=lambda r: (r.get("time", 0.0), r.get("rank", 0)))
+    with (directory / "metrics.jsonl").open("w", encoding="utf-8") as fh:
+        for record in records:
+            fh.write(json.dumps(record) + "\n")
+    events: list[dict[str, Any]] = []
+    ranks: set[int] = set()
+    for path in sorted(directory.glob("rank*.trace.json")):
+        rank_events = json.loads(path.read_text(encoding="utf-8"))
+        events.extend(rank_events)
+        ranks.update(e["pid"] for e in rank_events)
+    for rank in sorted(ranks):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for track, tid in _TRACKS.items():
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": track}})
+    (directory / "timeline.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return records
+
+
+def plot_run(records: list[dict[str, Any]], out_dir: str | Path, *, title: str) -> list[Path]:
+    """Draws loss against steps and against wall time, and test accuracy per epoch (rank 0's view)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    steps = [r for r in records if r.get("kind") == "step" and r.get("rank") == 0]
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("rank") == 0]
+    paths = []
+    if steps:
+        t0 = steps[0]["time"]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        axes[0].plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8)
+        axes[0].set_xlabel("step")
+        axes[0].set_ylabel("training loss (rank 0)")
+        axes[1].plot([r["time"] - t0 for r in steps], [r["loss"] for r in steps], lw=0.8)
+        axes[1].set_xlabel("wall time (s)")
+        fig.suptitle(title)
+        fig.tight_layout()
+        paths.append(out / "loss.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    if evals:
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        ax.plot([r["epoch"] for r in evals], [r["test_accuracy"] for r in evals], marker="o")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(title)
+        fig.tight_layout()
+        paths.append(out / "accuracy.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
