@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from paratrain.cli import bench, demo, launch
+from paratrain.cli import bench, compare, demo, launch, train
 
 __all__ = ["build_parser", "main"]
 
@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_parser(sub)
     demo.add_parser(sub)
     bench.add_parser(sub)
+    train.add_parser(sub)
+    compare.add_parser(sub)
     return parser
 
 

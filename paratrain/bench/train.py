@@ -1,0 +1,142 @@
+"""``paratrain bench train``: samples/s of paratrain's data parallelism next to DDP and one process.
+
+In one command, on this machine, one engine after the other (so they never share the CPUs), repeated and
+interleaved: ``single`` (one process, no communication — what parallelism must beat), ``paratrain``
+(``DistributedOptimizer(strategy="allreduce")`` under ``paratrain launch``) and ``ddp`` (torch
+``DistributedDataParallel`` over Gloo). Throughput = every worker's samples / the slowest worker's time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from paratrain.errors import ConfigError
+
+__all__ = ["TrainBenchOptions", "run_train_bench"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainBenchOptions:
+    """What to measure."""
+
+    model: str = "mlp"
+    workers: int = 2
+    steps: int = 200
+    warmup: int = 20
+    batch_size: int = 64
+    repeat: int = 3
+    timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        from paratrain.train.models import MODELS
+
+        if self.model not in MODELS:
+            raise ConfigError(f"unknown --model {self.model!r}; choose one of {', '.join(MODELS)}")
+        for name in ("workers", "steps", "batch_size", "repeat"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.warmup < 0:
+            raise ConfigError("--warmup must be >= 0")
+
+
+def _worker(options: TrainBenchOptions, mode: str, out: str) -> list[str]:
+    return [
+        "-m", "paratrain.bench._train_worker", "--mode", mode, "--model", options.model, "--steps",
+        str(options.steps), "--warmup", str(options.warmup), "--batch-size", str(options.batch_size), "--out", out,
+    ]  # fmt: skip
+
+
+def _throughput(out: str, mode: str, world: int) -> float:
+    results = [json.loads(Path(out, f"{mode}-rank{r}.json").read_text()) for r in range(world)]
+    return float(sum(r["steps"] * r["batch_size"] for r in results) / max(r["seconds"] for r in results))
+
+
+def _env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def _run_single(options: TrainBenchOptions, out: str) -> float:
+    cores = os.cpu_count() or 1
+    subprocess.run([sys.executable, *_worker(options, "single", out)], env=_env(cores), check=True,
+                   timeout=options.timeout, stdout=subprocess.DEVNULL)  # fmt: skip
+    return _throughput(out, "single", 1)
+
+
+def _run_paratrain(options: TrainBenchOptions, out: str) -> float:
+    cmd = [sys.executable, "-m", "paratrain.cli.main", "launch", "-n", str(options.workers), "--", "python",
+           *_worker(options, "paratrain", out)]  # fmt: skip
+    subprocess.run(cmd, check=True, timeout=options.timeout, stdout=subprocess.DEVNULL)
+    return _throughput(out, "paratrain", options.workers)
+
+
+def _run_ddp(options: TrainBenchOptions, out: str) -> float:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = max(1, (os.cpu_count() or 1) // options.workers)
+    procs = []
+    for rank in range(options.workers):
+        env = _env(threads) | {"RANK": str(rank), "WORLD_SIZE": str(options.workers), "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": str(port)}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, *_worker(options, "ddp", out)], env=env,
+                                      stdout=subprocess.DEVNULL))  # fmt: skip
+    try:
+        for p in procs:
+            if p.wait(timeout=options.timeout) != 0:
+                raise RuntimeError(f"a DDP worker exited with {p.returncode}")
+    finally:
+        for p in procs:
+            p.kill()
+    return _throughput(out, "ddp", options.workers)
+
+
+def run_train_bench(options: TrainBenchOptions, *, out: TextIO | None = None) -> dict[str, Any]:
+    """Measures every engine ``repeat`` times (interleaved) and returns medians and ratios."""
+    stream = out or sys.stdout
+    runs: dict[str, list[float]] = {"single": [], "paratrain": [], "ddp": []}
+    engines = {"single": _run_single, "paratrain": _run_paratrain, "ddp": _run_ddp}
+    for round_ in range(options.repeat):
+        for name, fn in engines.items():
+            with tempfile.TemporaryDirectory(prefix="paratrain-bench-train-") as tmp:
+                rate = fn(options, tmp)
+            runs[name].append(rate)
+            print(f"  round {round_ + 1}/{options.repeat} {name:<10} {rate:10,.0f} samples/s", file=stream, flush=True)
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    return {
+        "model": options.model,
+        "workers": options.workers,
+        "batch_size_per_worker": options.batch_size,
+        "steps": options.steps,
+        "samples_per_sec": medians,
+        "runs": runs,
+        "paratrain_vs_single": medians["paratrain"] / medians["single"],
+        "paratrain_vs_ddp": medians["paratrain"] / medians["ddp"],
+        "ddp_vs_single": medians["ddp"] / medians["single"],
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    """The comparison as a table."""
+    rates = report["samples_per_sec"]
+    lines = [
+        f"{report['model']}, batch {report['batch_size_per_worker']} per worker, {report['workers']} workers, "
+        f"{report['steps']} timed steps, median of {len(report['runs']['single'])} runs",
+        f"{'engine':<28} {'samples/s':>10} {'vs one process':>15}",
+    ]
+    labels = {"single": "one process (no comm.)", "paratrain": "paratrain allreduce", "ddp": "torch DDP (Gloo)"}
+    for name in ("single", "paratrain", "ddp"):
+        lines.append(f"{labels[name]:<28} {rates[name]:10,.0f} {rates[name] / rates['single']:14.2f}x")
+    lines.append(f"paratrain / DDP: {report['paratrain_vs_ddp']:.2f}x")
+    return "\n".join(lines)

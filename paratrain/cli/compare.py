@@ -1,0 +1,127 @@
+"""``paratrain compare``: the same training job under several strategies, drawn on one figure.
+
+Each strategy runs as a full ``paratrain train`` job (same model, data, seed, workers, emulated network and
+straggler), one after the other so that they never share the CPUs. The figure puts training loss against wall
+time and against steps, one line per strategy; the table gives final accuracy, throughput and the time each
+strategy took to first reach ``--target-accuracy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from paratrain.errors import ConfigError
+
+__all__ = ["add_parser", "time_to_accuracy"]
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Registers ``compare`` on the ``paratrain`` parser."""
+    from paratrain.cli.train import add_common
+
+    p = sub.add_parser(
+        "compare",
+        help="run the same training job under several strategies and plot them together",
+        description="Run one training job per strategy and draw loss against wall time and steps on one figure.",
+    )
+    p.add_argument("--strategies", default="allreduce,bsp,ssp:3,asp", help="comma-separated (allreduce,bsp,ssp:3,asp)")
+    p.add_argument("--target-accuracy", type=float, default=0.9, help="for the time-to-accuracy column (0.9)")
+    p.add_argument("--out", default=None, help="output directory (default runs/compare-<time>)")
+    p.add_argument("--json", default=None, help="also write the comparison to this JSON file")
+    add_common(p)
+    p.set_defaults(func=_main)
+
+
+def time_to_accuracy(records: list[dict[str, Any]], target: float) -> float | None:
+    """Seconds from the first training step until rank 0's test accuracy first reached ``target`` (or None)."""
+    steps = [r for r in records if r.get("kind") == "step"]
+    if not steps:
+        return None
+    start = min(r["time"] - r["compute_s"] - r["wait_s"] for r in steps)
+    for r in records:
+        if r.get("kind") == "eval" and r.get("rank") == 0 and r["test_accuracy"] >= target:
+            return float(r["time"] - start)
+    return None
+
+
+def _plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, records in runs.items():
+        steps = [r for r in records if r.get("kind") == "step" and r.get("rank") == 0]
+        if not steps:
+            continue
+        start = steps[0]["time"] - steps[0]["compute_s"] - steps[0]["wait_s"]
+        axes[0].plot([r["time"] - start for r in steps], [r["loss"] for r in steps], lw=0.8, label=name)
+        axes[1].plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8, label=name)
+    axes[0].set_xlabel("wall time (s)")
+    axes[1].set_xlabel("step")
+    for ax in axes:
+        ax.set_ylabel("training loss (rank 0)")
+        ax.set_yscale("log")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _main(args: argparse.Namespace) -> int:
+    import time
+
+    from paratrain.cli.train import TrainJob, run_training, validate
+    from paratrain.train.record import merge_run
+
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    base = {k: v for k, v in vars(args).items() if k not in ("strategies", "target_accuracy", "out", "func")}
+    try:
+        jobs = []
+        for strategy in strategies:
+            job = TrainJob(
+                **{**base, "strategy": strategy, "run_dir": str(out / strategy.replace(":", "")), "json": None}
+            )
+            validate(job)
+            jobs.append(job)
+    except ConfigError as exc:
+        print(f"paratrain compare: error: {exc}", file=sys.stderr)
+        return 2
+    runs: dict[str, list[dict[str, Any]]] = {}
+    rows = []
+    for job in jobs:
+        print(f"paratrain compare: running {job.strategy} ...", file=sys.stderr, flush=True)
+        summary = run_training(job, quiet=True)
+        records = merge_run(summary["run_dir"])
+        runs[job.strategy] = records
+        rows.append({**summary, "time_to_accuracy_s": time_to_accuracy(records, args.target_accuracy)})
+    title = (
+        f"{args.model} on {args.dataset}, {args.workers} workers"
+        + (f", straggler {args.straggler}" if args.straggler else "")
+        + (f", network {args.faults}" if args.faults else "")
+    )
+    _plot(runs, out / "compare.png", title)
+    header = (
+        f"{'strategy':<12} {'test acc':>9} {'samples/s':>10} {'wall s':>8} {'time to ' + str(args.target_accuracy):>14}"
+    )
+    print(header)
+    for row in rows:
+        tta = row["time_to_accuracy_s"]
+        reached = f"{tta:.1f} s" if tta is not None else "not reached"
+        print(
+            f"{row['strategy']:<12} {row['test_accuracy']:9.4f} {row['samples_per_sec']:10,.0f} "
+            f"{row['wall_time_s']:8.1f} {reached:>14}"
+        )
+    print(f"figure: {out / 'compare.png'}")
+    result = {"target_accuracy": args.target_accuracy, "runs": rows, "figure": str(out / "compare.png")}
+    (out / "compare.json").write_text(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0

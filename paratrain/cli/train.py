@@ -1,0 +1,255 @@
+"""``paratrain train``: start a whole local training job, show its progress, and leave a run directory.
+
+The command starts the cluster itself (``paratrain launch`` machinery: N workers, plus parameter servers for
+the PS strategies), follows rank 0's metrics file to draw a progress bar, and when the job ends merges the
+ranks' records into ``metrics.jsonl`` and ``timeline.json``, draws ``loss.png`` and ``accuracy.png``, and
+writes ``summary.json`` (also to ``--json FILE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from paratrain.errors import ConfigError
+
+__all__ = ["TrainJob", "add_parser", "run_training", "validate"]
+
+STRATEGIES_HELP = "allreduce, bsp, ssp:S (S = staleness bound), asp"
+
+
+class TrainJob(argparse.Namespace):
+    """Typed view of the parsed training options."""
+
+    model: str
+    dataset: str
+    data_dir: str | None
+    strategy: str
+    epochs: int
+    batch_size: int
+    lr: float
+    seed: int
+    workers: int
+    servers: int | None
+    run_dir: str | None
+    json: str | None
+    straggler: str | None
+    faults: str | None
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``train`` and ``compare``."""
+    from paratrain.train.worker import add_training_args
+
+    add_training_args(p)
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--servers", type=int, default=None, help="parameter servers for bsp/ssp/asp (default 1)")
+    p.add_argument("--straggler", default=None, help="RANK:FACTOR makes that worker's compute FACTOR times slower")
+    p.add_argument("--faults", default=None, help="emulated network, e.g. latency=2ms,bandwidth=100Mbit")
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Registers ``train`` on the ``paratrain`` parser."""
+    p = sub.add_parser(
+        "train",
+        help="train a model on real data with a chosen synchronisation strategy",
+        description=(
+            "Train MODEL on DATASET with N local workers and the chosen strategy. With no flags: digits "
+            "(bundled with scikit-learn), mlp, 2 workers, allreduce. Strategies: " + STRATEGIES_HELP + "."
+        ),
+    )
+    add_common(p)
+    p.add_argument("--run-dir", default=None, help="where to write the run (default runs/<time>-<strategy>)")
+    p.add_argument("--json", default=None, help="also write the summary to this JSON file")
+    p.set_defaults(func=_main)
+
+
+def validate(job: TrainJob) -> None:
+    """Refuses bad flags before anything starts, with messages that say what to do."""
+    from paratrain.ps.consistency import Policy
+    from paratrain.train.data import _FILES, DATASETS, FASHION_MNIST_DIR, _find
+    from paratrain.train.models import MODELS
+
+    if job.model not in MODELS:
+        raise ConfigError(f"unknown --model {job.model!r}; choose one of {', '.join(MODELS)}")
+    if job.dataset not in DATASETS:
+        raise ConfigError(f"unknown --dataset {job.dataset!r}; choose one of {', '.join(DATASETS)}")
+    for name in ("epochs", "batch_size", "workers"):
+        if getattr(job, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(job, name)}")
+    if not job.lr > 0:
+        raise ConfigError(f"--lr must be positive, got {job.lr}")
+    kind, _, staleness = job.strategy.partition(":")
+    if kind == "allreduce" and not staleness:
+        if job.servers:
+            raise ConfigError("--servers is for the parameter-server strategies (bsp, ssp:S, asp), not allreduce")
+    elif kind in ("bsp", "ssp", "asp"):
+        if kind == "ssp" and not staleness.isdigit():
+            raise ConfigError(f"--strategy {job.strategy!r}: write ssp:S with a staleness bound S >= 0, e.g. ssp:3")
+        Policy.parse(kind, int(staleness) if staleness else None)
+    else:
+        raise ConfigError(f"unknown --strategy {job.strategy!r}; choose one of: {STRATEGIES_HELP}")
+    if job.straggler:
+        who, _, factor = job.straggler.partition(":")
+        try:
+            ok = 0 <= int(who) < job.workers and float(factor) >= 1.0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"--straggler {job.straggler!r}: write RANK:FACTOR with 0 <= RANK < workers, FACTOR >= 1")
+    if job.dataset == "fashion-mnist":
+        directory = Path(job.data_dir or FASHION_MNIST_DIR)
+        if any(_find(directory, stem) is None for stem in _FILES.values()):
+            raise ConfigError(
+                f"Fashion-MNIST not found in {directory}. Install it with 'apt-get install dataset-fashion-mnist' "
+                "or pass --data-dir DIR with the four IDX files. Nothing is downloaded."
+            )
+
+
+def _follow_progress(path: Path, stop: threading.Event, total_holder: list[int]) -> None:
+    """Draws a progress bar from rank 0's metrics file while the job runs (the ranks' output passes through)."""
+    from tqdm import tqdm
+
+    bar: Any = None
+    offset = 0
+    try:
+        while not stop.wait(0.3):
+            if not path.exists():
+                continue
+            with path.open(encoding="utf-8") as fh:
+                fh.seek(offset)
+                chunk = fh.read()
+            lines = chunk.split("\n")
+            offset += len(chunk) - len(lines[-1])
+            for line in lines[:-1]:
+                record = json.loads(line)
+                if record.get("kind") == "start":
+                    total_holder[0] = int(record["epochs"]) * int(record["steps_per_epoch"])
+                    bar = tqdm(total=total_holder[0], unit="step", desc="training (rank 0)", file=sys.stderr)
+                elif record.get("kind") == "step" and bar is not None:
+                    bar.update(int(record["step"]) - bar.n)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", epoch=record["epoch"], refresh=False)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
+    """Runs one job end to end and returns its summary (also written to ``<run_dir>/summary.json``)."""
+    from paratrain.cli.launch import run_launch
+    from paratrain.train.record import merge_run, plot_run
+
+    validate(job)
+    kind = job.strategy.partition(":")[0]
+    servers = job.servers if job.servers is not None else (1 if kind in ("bsp", "ssp", "asp") else 0)
+    run_dir = Path(job.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{job.strategy.replace(':', '')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for old in run_dir.glob("rank*.*"):
+        old.unlink()
+    argv = ["python", "-m", "paratrain.train.worker", "--run-dir", str(run_dir)]
+    for flag in ("model", "dataset", "strategy", "epochs", "batch_size", "lr", "seed"):
+        argv += [f"--{flag.replace('_', '-')}", str(getattr(job, flag))]
+    if job.data_dir:
+        argv += ["--data-dir", job.data_dir]
+    if job.straggler:
+        argv += ["--straggler", job.straggler]
+    stop = threading.Event()
+    total = [0]
+    follower = None
+    if not quiet:
+        follower = threading.Thread(
+            target=_follow_progress, args=(run_dir / "rank0.metrics.jsonl", stop, total), daemon=True
+        )
+        follower.start()
+    started = time.time()
+    try:
+        code = run_launch(argv, nproc=job.workers, servers=servers, faults=job.faults)
+    finally:
+        stop.set()
+        if follower is not None:
+            follower.join(5)
+    wall = time.time() - started
+    if code != 0:
+        raise SystemExit(f"paratrain train: the job failed (exit {code}); see the ranks' output above")
+    records = merge_run(run_dir)
+    title = f"{job.model} on {job.dataset}, {job.workers} workers, {job.strategy}"
+    plots = plot_run(records, run_dir, title=title)
+    summary = summarise(records, job=job, servers=servers, wall=wall, run_dir=run_dir)
+    summary["plots"] = [str(p) for p in plots]
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if job.json:
+        Path(job.json).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def summarise(
+    records: list[dict[str, Any]], *, job: TrainJob, servers: int, wall: float, run_dir: Path
+) -> dict[str, Any]:
+    """The summary of a run: accuracy, throughput, time split between compute and waiting, per rank."""
+    steps = [r for r in records if r.get("kind") == "step"]
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("rank") == 0]
+    if steps:
+        first = min(r["time"] - r["compute_s"] - r["wait_s"] for r in steps)
+        train_time = max(r["time"] for r in steps) - first
+        samples = sum(int(r["samples"]) for r in steps)
+    else:
+        train_time, samples = 0.0, 0
+    per_rank: dict[int, dict[str, float]] = {}
+    for r in steps:
+        entry = per_rank.setdefault(int(r["rank"]), {"compute_s": 0.0, "wait_s": 0.0, "bytes_sent": 0.0})
+        entry["compute_s"] += r["compute_s"]
+        entry["wait_s"] += r["wait_s"]
+        entry["bytes_sent"] = max(entry["bytes_sent"], float(r["bytes_sent"]))
+    return {
+        "strategy": job.strategy,
+        "workers": job.workers,
+        "servers": servers,
+        "model": job.model,
+        "dataset": job.dataset,
+        "epochs": job.epochs,
+        "batch_size": job.batch_size,
+        "lr": job.lr,
+        "seed": job.seed,
+        "test_accuracy": evals[-1]["test_accuracy"] if evals else None,
+        "accuracy_by_epoch": [e["test_accuracy"] for e in evals],
+        "samples_per_sec": samples / train_time if train_time > 0 else None,
+        "train_time_s": train_time,
+        "wall_time_s": wall,
+        "per_rank": {str(k): v for k, v in sorted(per_rank.items())},
+        "run_dir": str(run_dir),
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """A short human-readable report of a run."""
+    acc = summary["test_accuracy"]
+    sps = summary["samples_per_sec"]
+    print(
+        f"paratrain train: {summary['model']} on {summary['dataset']}, {summary['workers']} workers, "
+        f"{summary['strategy']}: test accuracy {acc:.4f}, {sps:,.0f} samples/s, wall time "
+        f"{summary['wall_time_s']:.1f} s"
+    )
+    for rank, entry in summary["per_rank"].items():
+        total = entry["compute_s"] + entry["wait_s"]
+        share = entry["wait_s"] / total if total else 0.0
+        print(
+            f"  rank {rank}: compute {entry['compute_s']:.2f} s, waiting for communication {entry['wait_s']:.2f} s "
+            f"({share:.0%}), {entry['bytes_sent'] / 1e6:.1f} MB sent"
+        )
+    print(f"  run directory: {summary['run_dir']} (metrics.jsonl, timeline.json, loss.png, accuracy.png, summary.json)")
+
+
+def _main(args: argparse.Namespace) -> int:
+    job = TrainJob(**vars(args))
+    try:
+        summary = run_training(job)
+    except ConfigError as exc:
+        print(f"paratrain train: error: {exc}", file=sys.stderr)
+        return 2
+    print_summary(summary)
+    return 0

@@ -1,0 +1,380 @@
+"""``DistributedOptimizer``: wraps a torch optimizer so that each step synchronises the workers.
+
+The training loop stays the one a user already has::
+
+    opt = pt.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()     # buckets leave as their gradients become ready
+        opt.step()                          # waits for the last ones, then updates the parameters
+
+What happens inside a step (see :mod:`.buckets`, :mod:`.fusion`, :mod:`.strategies`)::
+
+    backward    [grad p5 p4]   [grad p3 p2]   [grad p1 p0]
+    hooks            '-> launch(0)   '-> launch(1)  '-> launch(2)
+    comm thread           |== bucket 0 ==|== bucket 1 ==|== bucket 2 ==|
+    step()                                                         finish() apply()
+
+Thread model. Hooks run on the thread that executes backward. Asynchronous collectives (and parameter-server
+pushes) run in call order on one background thread per context, so the order in which buckets are *started*
+is the order in which ranks match them. That order is fixed by the plan, never by the order hooks fire: when
+bucket k is complete but bucket k-1 is not, bucket k waits. Buckets that never complete (a parameter got no
+gradient in this backward) are started by ``step()``, in plan order, so every rank sends the same messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, overload
+
+import torch
+
+from paratrain.errors import ConfigError
+from paratrain.runtime.context import Context, current
+from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
+from paratrain.torch.fusion import FusedBucket
+from paratrain.torch.hooks import GradientHooks
+from paratrain.torch.strategies import (
+    AllreduceStrategy,
+    ParameterServerStrategy,
+    Strategy,
+    StrategySpec,
+    parse_strategy,
+)
+
+__all__ = ["DistributedOptimizer"]
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """A torch optimizer whose steps are synchronised across the workers by a chosen strategy.
+
+    It *is* a ``torch.optim.Optimizer`` (so LR schedulers accept it) that delegates ``param_groups``, ``state``,
+    ``defaults``, ``zero_grad``, ``state_dict`` and ``load_state_dict`` to the optimizer it wraps.
+
+    Strategies:
+
+    - ``"allreduce"`` (default): after backward every worker holds the mean of all workers' gradients, and runs
+      the wrapped optimizer on it, so the workers stay identical, as with DDP or Horovod. With equal batches
+      per worker this is one process training on the concatenated batches with the mean loss. Start from
+      equal parameters: call :func:`~paratrain.torch.broadcast_parameters` first. Any torch optimizer works.
+    - ``"bsp"``, ``"ssp:S"``, ``"asp"``: gradients are pushed to parameter servers, which run the optimizer
+      (``torch.optim.SGD``, ``Adam`` or ``Adagrad``, translated with their hyperparameters) and the workers pull
+      the new parameters. BSP waits for every worker each step; SSP lets a worker run up to S steps ahead of the
+      slowest with parameters at most S steps stale; ASP never waits. The servers hold the parameters (rank
+      0's initial values win) and the optimizer state; the wrapped optimizer is never stepped.
+    - ``"gossip:TOPOLOGY"`` comes with decentralised training and raises ``NotImplementedError`` for now.
+
+    Gradients without a parameter: a parameter that no worker used this step keeps ``grad = None`` (so the
+    optimizer skips it, as in one process); one that only some workers used gets the mean with zeros from the
+    others. Under the parameter-server strategies, unused parameters push zeros.
+
+    Gradient accumulation: run extra backward passes inside :meth:`no_sync`; the next backward outside it sends
+    the accumulated gradients. Calling backward twice without ``step()`` otherwise raises.
+
+    With one worker, ``"allreduce"`` copies and sends nothing: a step costs what plain torch costs, so the same
+    script runs unchanged without a launcher.
+
+    ``zero_grad(set_to_none=False)`` keeps each gradient as a view of its fusion buffer and saves one copy per
+    parameter and step; the default ``set_to_none=True`` costs that copy and is equally correct.
+
+    Args:
+        optimizer: the torch optimizer to wrap; its parameters must all belong to ``model``.
+        model: the module being trained; every parameter that requires grad is synchronised.
+        strategy: ``"allreduce"``, ``"bsp"``, ``"ssp:S"`` or ``"asp"``.
+        bucket_bytes: fusion threshold: gradients are sent in flat buckets of at most this many bytes (a larger
+            parameter gets a bucket of its own). Smaller buckets start earlier and overlap more of backward but
+            pay one message latency each; see :data:`~paratrain.torch.buckets.DEFAULT_BUCKET_BYTES`.
+        context: the paratrain context (default: the current one).
+
+    Raises:
+        ConfigError: unknown strategy, bad ``bucket_bytes``, optimizer parameters outside ``model``, or (for
+            the parameter-server strategies) an optimizer the servers cannot run or a job without servers.
+        NotImplementedError: ``"gossip:..."``.
+        TypeError: ``optimizer`` is not a torch optimizer or ``model`` not a module.
+
+    Example:
+        Two workers (threads here) average their gradients; both end with the same weights.
+
+        >>> import torch, paratrain.torch as ptt
+        >>> from paratrain.testing import run_ranks
+        >>> def worker(ctx):
+        ...     model = torch.nn.Linear(2, 1)
+        ...     ptt.broadcast_parameters(model, context=ctx)      # same start everywhere
+        ...     opt = ptt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, context=ctx)
+        ...     model(torch.ones(4, 2) * ctx.rank).sum().backward()  # different data per worker
+        ...     opt.step()
+        ...     opt.close()
+        ...     return model.weight.detach().clone()
+        >>> a, b = run_ranks(2, worker)
+        >>> torch.equal(a, b)
+        True
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        model: torch.nn.Module,
+        strategy: str = "allreduce",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        context: Context | None = None,
+    ) -> None:
+        # torch.optim.Optimizer.__init__ is not called on purpose: param_groups and state are the wrapped
+        # optimizer's (see the properties below), and anything else is looked up there (__getattr__).
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.spec: StrategySpec = parse_strategy(strategy)
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ConfigError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
+        self._inner = optimizer
+        self.context: Context = context if context is not None else current()
+        self.strategy_name = strategy
+        self.bucket_bytes = bucket_bytes
+
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self._check_params(optimizer, model, named, servers=self.spec.uses_servers)
+        names = [name for name, _ in named]
+        params = [p for _, p in named]
+        infos = [ParamInfo(p.numel(), p.element_size(), f"{p.dtype}@{p.device}") for p in params]
+        self.plan: list[Bucket] = plan_buckets(infos, bucket_bytes)
+        self._where: dict[int, tuple[int, int]] = {}  # param index -> (bucket, position in it)
+        for k, bucket in enumerate(self.plan):
+            for j, i in enumerate(bucket.params):
+                self._where[i] = (k, j)
+        self._names = names
+        self._order = LaunchOrder([b.params for b in self.plan])
+        self._lock = threading.Lock()
+        self._synchronized = False
+        self._closed = False
+        # one worker and "allreduce": the mean of one gradient is itself, so nothing is copied or sent and a step
+        # costs what plain torch costs (the same script runs unchanged without a launcher)
+        self._local = not self.spec.uses_servers and self.context.world_size == 1
+        self._buckets = (
+            [] if self._local else [FusedBucket(b, params, names, flags=not self.spec.uses_servers) for b in self.plan]
+        )
+        self._strategy: Strategy
+        if self.spec.uses_servers:
+            self._strategy = ParameterServerStrategy(self.context, self._buckets, spec=self.spec, optimizer=optimizer)
+        else:
+            self._strategy = AllreduceStrategy(self.context, self._buckets)
+        self._hooks = GradientHooks(params, owner=self, on_ready=DistributedOptimizer._on_grad_ready)
+
+    @staticmethod
+    def _check_params(
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        named: Sequence[tuple[str, torch.Tensor]],
+        *,
+        servers: bool,
+    ) -> None:
+        in_model = {id(p) for p in model.parameters()}
+        in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+        strangers = sum(1 for p in in_optimizer if id(p) not in in_model)
+        if strangers:
+            raise ConfigError(
+                f"the optimizer holds {strangers} parameter(s) that are not in the model; their gradients would "
+                "never be synchronised. Build the optimizer from model.parameters()"
+            )
+        if not named:
+            raise ConfigError("the model has no parameter that requires grad: there is nothing to train")
+        if servers:
+            optimized = {id(p) for p in in_optimizer}
+            outside = [name for name, p in named if id(p) not in optimized]
+            if outside:
+                raise ConfigError(
+                    f"parameter(s) {', '.join(outside)} require grad but are not in the optimizer; the parameter "
+                    "servers would update them anyway. Freeze them (requires_grad_(False)) or add them to the optimizer"
+                )
+        for name, p in named:
+            if p.device.type == "meta":
+                raise ConfigError(f"parameter {name!r} is on the meta device; materialise the model first")
+
+    # -- the hook side -----------------------------------------------------------------------------------------
+
+    def _on_grad_ready(self, index: int) -> None:
+        """Hook: parameter ``index``'s gradient is final. Takes it into its bucket and starts what may start."""
+        with self._lock:
+            if self._closed:
+                return
+            self._synchronized = False
+            k, j = self._where[index]
+            try:
+                launch = self._order.ready(index)
+            except ValueError:
+                raise RuntimeError(
+                    f"parameter {self._names[index]!r} received a second gradient before step(): call step() (or "
+                    "synchronize()) after each backward, or run the extra backward passes inside "
+                    "`with opt.no_sync():` to accumulate gradients"
+                ) from None
+            if self._local:
+                return
+            self._buckets[k].take(j)
+            for b in launch:
+                self._strategy.launch(b)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without communicating (DDP's ``no_sync``).
+
+        Example::
+
+            with opt.no_sync():
+                loss_fn(model(x1), y1).backward()   # local only
+            loss_fn(model(x2), y2).backward()       # sends the sum of both micro-batches' gradients
+            opt.step()
+        """
+        self._hooks.enabled = False
+        try:
+            yield
+        finally:
+            self._hooks.enabled = True
+
+    # -- the step ----------------------------------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Finishes this step's communication without updating the parameters.
+
+        With ``"allreduce"``, ``param.grad`` holds the averaged gradients afterwards, e.g. to clip them
+        (``opt.synchronize(); clip_grad_norm_(...); opt.step()``); ``step()`` then does not communicate
+        again. Every rank must call it. Blocks.
+        """
+        self._check_open()
+        with self._lock:
+            if self._synchronized:
+                return
+            for k in self._order.rest():
+                if not self._local:
+                    self._buckets[k].take_rest()
+                    self._strategy.launch(k)
+            try:
+                self._strategy.finish()
+            finally:
+                self._order.reset()
+            self._synchronized = True
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Synchronises this step's gradients and updates the parameters. Every rank must call it. Blocks.
+
+        Args:
+            closure: re-evaluates the model and returns the loss; it is called once, before synchronising (so
+                optimizers that evaluate the closure several times, like LBFGS, are not supported).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.synchronize()
+        with self._lock:
+            self._strategy.apply(self._inner)
+            self._synchronized = False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad`` (``set_to_none=False`` keeps gradients in the fusion buffers)."""
+        self._inner.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def launched(self) -> int:
+        """How many buckets have started communicating in the current step (they start during backward)."""
+        return self._order.launched
+
+    # -- delegation --------------------------------------------------------------------------------------------
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer."""
+        return self._inner
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (change ``lr`` here or with an LR scheduler)."""
+        return self._inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._inner.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's state (empty under the parameter-server strategies: it lives on the servers)."""
+        return self._inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._inner.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's defaults."""
+        return self._inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._inner.defaults = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()`` (identical on every rank under ``"allreduce"``)."""
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads into the wrapped optimizer (load the same state on every rank)."""
+        self._inner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported: the buckets are planned at construction; add groups before wrapping."""
+        raise ConfigError(
+            "parameters cannot be added to a DistributedOptimizer: add the group to the torch optimizer first, "
+            "then wrap it"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        # only called when normal lookup fails: torch.optim.Optimizer internals (hook registries...) are the
+        # wrapped optimizer's, since Optimizer.__init__ never ran on this object
+        if name.startswith("__") or name == "_inner" or "_inner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a DistributedOptimizer holds hooks and connections and cannot be pickled; save state_dict()")
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedOptimizer(strategy={self.strategy_name!r}, buckets={len(self.plan)}, "
+            f"bucket_bytes={self.bucket_bytes}, optimizer={type(self._inner).__name__})"
+        )
+
+    # -- life cycle --------------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this DistributedOptimizer was closed; create a new one")
+
+    def close(self) -> None:
+        """Removes the hooks, waits for communication in flight and leaves the servers. Idempotent.
+
+        Every rank should call it (the parameter servers stop waiting for a worker once it has left).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._hooks.remove()
+        self._strategy.close()
+
+    def __enter__(self) -> DistributedOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

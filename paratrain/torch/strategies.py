@@ -1,0 +1,321 @@
+"""How a step's fused gradients become new parameters: allreduce (data parallel) or a parameter server.
+
+Both strategies see the same three calls from :class:`~paratrain.torch.DistributedOptimizer`, always in this
+order on every rank::
+
+    launch(0) launch(1) ... launch(B-1)     during backward, from the hooks (bucket order, never hook order)
+    finish()                                 in step(): wait for what was launched
+    apply(optimizer)                         in step(): update the parameters
+
+- ``"allreduce"`` (:class:`AllreduceStrategy`): each bucket is averaged over the workers with
+  ``allreduce_async(buffer, op="mean")``; ``finish`` writes the means into ``param.grad``; ``apply`` runs the
+  wrapped torch optimizer locally, identically on every rank (DDP, Horovod).
+- ``"bsp"``, ``"ssp:S"``, ``"asp"`` (:class:`ParameterServerStrategy`): each bucket is one key of a
+  :class:`~paratrain.ps.KVStore`; ``launch`` pushes its gradients, ``apply`` ends the clock and pulls the
+  parameters the servers computed with their own copy of the optimizer (Li et al. OSDI'14, Petuum).
+
+Threading: ``launch`` runs on the thread that runs backward, the others on the caller's; the optimizer holds
+a lock around every call. Asynchronous collectives run in call order on the context's one background thread,
+so issuing buckets in plan order is what keeps the ranks' messages matched.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from paratrain.errors import ConfigError
+from paratrain.ps.client import KVStore
+from paratrain.runtime.context import Context
+from paratrain.torch.fusion import FusedBucket
+from paratrain.transport.base import Handle
+
+__all__ = [
+    "STRATEGIES",
+    "AllreduceStrategy",
+    "ParameterServerStrategy",
+    "Strategy",
+    "StrategySpec",
+    "parse_strategy",
+    "server_optimizer_spec",
+]
+
+#: The strategy names :func:`parse_strategy` accepts (``S`` is SSP's staleness bound, an int >= 0).
+STRATEGIES = ("allreduce", "bsp", "ssp:S", "asp")
+
+Kind = Literal["allreduce", "bsp", "ssp", "asp"]
+
+
+@dataclass(frozen=True, slots=True)
+class StrategySpec:
+    """A parsed strategy name.
+
+    Attributes:
+        kind: ``"allreduce"``, ``"bsp"``, ``"ssp"`` or ``"asp"``.
+        staleness: SSP's bound s (None for the others).
+    """
+
+    kind: Kind
+    staleness: int | None = None
+
+    @property
+    def uses_servers(self) -> bool:
+        """True for the parameter-server strategies."""
+        return self.kind != "allreduce"
+
+
+def parse_strategy(name: str) -> StrategySpec:
+    """Parses ``"allreduce"``, ``"bsp"``, ``"ssp:S"`` or ``"asp"`` (case and spaces ignored).
+
+    Raises:
+        ConfigError: unknown name or bad staleness (the message lists the valid names).
+        NotImplementedError: ``"gossip:TOPOLOGY"``, which comes with decentralised training (D-PSGD).
+
+    Example:
+        >>> parse_strategy("ssp:2")
+        StrategySpec(kind='ssp', staleness=2)
+    """
+    if not isinstance(name, str):
+        raise ConfigError(f"strategy must be a string such as 'allreduce', got {type(name).__name__}")
+    text = name.strip().lower()
+    valid = ", ".join(repr(s) for s in STRATEGIES)
+    if text in ("allreduce", "bsp", "asp"):
+        return StrategySpec(kind=text)  # type: ignore[arg-type]
+    if text.startswith("gossip"):
+        raise NotImplementedError(
+            f"strategy {name!r}: gossip (decentralised D-PSGD) is not implemented yet; it comes with the gossip "
+            f"issue. Choose one of {valid}"
+        )
+    match = re.fullmatch(r"ssp\s*:\s*(\d+)", text)
+    if match:
+        return StrategySpec(kind="ssp", staleness=int(match.group(1)))
+    if text.startswith("ssp"):
+        raise ConfigError(
+            f"strategy {name!r}: SSP needs its staleness bound as an int >= 0, e.g. 'ssp:2' (0 behaves as 'bsp')"
+        )
+    raise ConfigError(f"unknown strategy {name!r}; choose one of {valid}")
+
+
+class Strategy(abc.ABC):
+    """What the optimizer does with the buckets of a step (see the module docstring for the call order)."""
+
+    def __init__(self, buckets: Sequence[FusedBucket]) -> None:
+        self.buckets = list(buckets)
+
+    @abc.abstractmethod
+    def launch(self, k: int) -> None:
+        """Starts sending bucket ``k``, whose gradients are all taken. Must not block on the network."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """Waits until every launched bucket is sent (and, for allreduce, writes the results into the grads)."""
+
+    @abc.abstractmethod
+    def apply(self, optimizer: torch.optim.Optimizer) -> None:
+        """Updates the parameters after :meth:`finish`."""
+
+    def close(self) -> None:  # noqa: B027 (a hook, empty by default)
+        """Releases what the strategy holds; the default has nothing to release."""
+
+
+class AllreduceStrategy(Strategy):
+    """Synchronous data parallelism: gradients averaged over the workers, then the same local step everywhere.
+
+    Args:
+        context: this rank's context.
+        buckets: the fusion buffers, in plan order.
+    """
+
+    def __init__(self, context: Context, buckets: Sequence[FusedBucket]) -> None:
+        super().__init__(buckets)
+        self._context = context
+        self._handles: list[Handle[torch.Tensor] | None] = [None] * len(self.buckets)
+
+    def launch(self, k: int) -> None:
+        """Starts the mean allreduce of bucket ``k`` (the buffer is snapshot by the call; returns at once)."""
+        self._handles[k] = self._context.allreduce_async(self.buckets[k].buffer, op="mean")
+
+    def finish(self) -> None:
+        """Waits for every bucket, in order, and writes the means into ``param.grad``."""
+        handles, self._handles = self._handles, [None] * len(self.buckets)
+        for bucket, handle in zip(self.buckets, handles, strict=True):
+            if handle is None:
+                raise RuntimeError("internal error: a bucket was never launched before finish()")
+            bucket.give(handle.wait())
+
+    def apply(self, optimizer: torch.optim.Optimizer) -> None:
+        """Runs the wrapped optimizer on the averaged gradients (identically on every rank)."""
+        optimizer.step()
+
+    def close(self) -> None:
+        """Waits for collectives still in flight, so that no rank leaves one half-done."""
+        for handle in self._handles:
+            if handle is not None:
+                handle.wait()
+        self._handles = [None] * len(self.buckets)
+
+
+def _number(value: Any) -> float:
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def _group_spec(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, Any]:
+    kind = type(optimizer)
+    name = kind.__name__
+
+    def refuse_unless(key: str, expected: object, why: str) -> None:
+        if key in group and group[key] != expected:
+            raise ConfigError(f"{name}({key}={group[key]!r}) has no server-side equivalent: {why}")
+
+    refuse_unless("maximize", False, "negate the loss instead")
+    if kind is torch.optim.SGD:
+        refuse_unless("dampening", 0, "the server's SGD has no dampening")
+        return {
+            "name": "sgd",
+            "lr": _number(group["lr"]),
+            "momentum": _number(group.get("momentum", 0.0)),
+            "weight_decay": _number(group.get("weight_decay", 0.0)),
+            "nesterov": bool(group.get("nesterov", False)),
+        }
+    if kind is torch.optim.Adam:
+        refuse_unless("amsgrad", False, "the server's Adam has no AMSGrad")
+        refuse_unless("decoupled_weight_decay", False, "the server's Adam has L2 decay, not AdamW's decoupled one")
+        beta1, beta2 = group.get("betas", (0.9, 0.999))
+        return {
+            "name": "adam",
+            "lr": _number(group["lr"]),
+            "betas": (_number(beta1), _number(beta2)),
+            "eps": _number(group.get("eps", 1e-8)),
+            "weight_decay": _number(group.get("weight_decay", 0.0)),
+        }
+    if kind is torch.optim.Adagrad:
+        refuse_unless("lr_decay", 0, "the server's Adagrad has no lr_decay")
+        return {
+            "name": "adagrad",
+            "lr": _number(group["lr"]),
+            "eps": _number(group.get("eps", 1e-10)),
+            "initial_accumulator_value": _number(group.get("initial_accumulator_value", 0.0)),
+            "weight_decay": _number(group.get("weight_decay", 0.0)),
+        }
+    raise ConfigError(
+        f"the parameter-server strategies run the optimizer on the servers, which implement torch.optim.SGD, "
+        f"Adam and Adagrad (exactly those classes); got {name}. Use one of them, or strategy='allreduce', which "
+        "runs any torch optimizer locally"
+    )
+
+
+def server_optimizer_spec(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The :mod:`paratrain.ps.optim` spec that does on a server what ``optimizer`` does locally.
+
+    ``torch.optim.SGD`` maps to ``sgd`` (lr, momentum, weight_decay, nesterov), ``Adam`` to ``adam`` (lr,
+    betas, eps, weight_decay) and ``Adagrad`` to ``adagrad`` (lr, eps, initial_accumulator_value,
+    weight_decay). The servers apply one rule to every key, so every param group must have the same values.
+
+    Raises:
+        ConfigError: another optimizer class, an option the servers lack (dampening, amsgrad, AdamW's
+            decoupled decay, lr_decay, maximize), or param groups with different hyperparameters.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(1))
+        >>> server_optimizer_spec(torch.optim.SGD([w], lr=0.1, momentum=0.9))
+        {'name': 'sgd', 'lr': 0.1, 'momentum': 0.9, 'weight_decay': 0.0, 'nesterov': False}
+    """
+    specs = [_group_spec(optimizer, group) for group in optimizer.param_groups]
+    for i, spec in enumerate(specs[1:], start=1):
+        if spec != specs[0]:
+            raise ConfigError(
+                f"param groups 0 and {i} have different hyperparameters ({specs[0]} vs {spec}), but the servers "
+                "apply one update rule to every parameter; use one group, or strategy='allreduce'"
+            )
+    return specs[0]
+
+
+class ParameterServerStrategy(Strategy):
+    """Gradients pushed to parameter servers, which run the optimizer; fresh parameters pulled back.
+
+    One key per bucket. At construction every worker initialises the keys with its parameters (rank 0's
+    values win) and pulls them, so all workers start from rank 0's model without a broadcast. A step pushes each
+    bucket as its hook completes it, then ``kv.clock()`` and pulls every key: under BSP the pull waits until every
+    worker's gradients of this clock are averaged and applied once (synchronous SGD); under SSP it may return
+    parameters up to ``s`` clocks stale, and under ASP whatever the servers hold.
+
+    The servers keep the hyperparameters of construction: later changes to ``param_groups`` (an LR scheduler)
+    are not applied there (a warning says so once). The local optimizer is never stepped and its state stays
+    empty; the real state (momentum, Adam moments) lives on the servers.
+
+    Args:
+        context: this rank's context (the job must have servers: ``run_ranks(..., servers=S)`` or
+            ``paratrain launch --servers S``).
+        buckets: the fusion buffers (without used-flags).
+        spec: the parsed strategy (bsp, ssp or asp).
+        optimizer: the wrapped torch optimizer, translated by :func:`server_optimizer_spec`.
+        key_prefix: prefix of the keys on the servers.
+    """
+
+    def __init__(
+        self,
+        context: Context,
+        buckets: Sequence[FusedBucket],
+        *,
+        spec: StrategySpec,
+        optimizer: torch.optim.Optimizer,
+        key_prefix: str = "paratrain.torch/bucket",
+    ) -> None:
+        super().__init__(buckets)
+        self._server_spec = server_optimizer_spec(optimizer)
+        self._warned = False
+        self._keys = [f"{key_prefix}{k}" for k in range(len(self.buckets))]
+        self.kv = KVStore(spec.kind, spec.staleness, optimizer=self._server_spec, context=context)
+        self._handles: list[Handle[None] | None] = [None] * len(self.buckets)
+        try:
+            for key, bucket in zip(self._keys, self.buckets, strict=True):
+                self.kv.init(key, bucket.read_params())
+            self._pull()
+        except BaseException:
+            self.kv.close()
+            raise
+
+    def _pull(self) -> None:
+        for key, bucket in zip(self._keys, self.buckets, strict=True):
+            flat = torch.from_numpy(self.kv.pull(key))
+            if flat.dtype != bucket.buffer.dtype:  # bfloat16 travels as its 16-bit pattern
+                flat = flat.view(bucket.buffer.dtype)
+            bucket.write_params(flat)
+
+    def launch(self, k: int) -> None:
+        """Pushes bucket ``k``'s gradients (asynchronous; the buffer is not touched until :meth:`finish`)."""
+        self._handles[k] = self.kv.push(self._keys[k], self.buckets[k].grads)
+
+    def finish(self) -> None:
+        """Waits until the servers have every bucket of this step."""
+        handles, self._handles = self._handles, [None] * len(self.buckets)
+        for bucket, handle in zip(self.buckets, handles, strict=True):
+            if handle is not None:
+                handle.wait(self.kv.timeout)
+            bucket.reset()
+
+    def apply(self, optimizer: torch.optim.Optimizer) -> None:
+        """Ends this worker's clock and pulls the parameters the servers computed."""
+        if not self._warned and server_optimizer_spec(optimizer) != self._server_spec:
+            self._warned = True
+            warnings.warn(
+                "the optimizer's hyperparameters changed (an LR scheduler?), but the parameter servers keep those "
+                f"of construction ({self._server_spec}); use strategy='allreduce' to schedule them",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.kv.clock()
+        self._pull()
+
+    def close(self) -> None:
+        """Leaves the servers (they stop waiting for this worker's clocks)."""
+        for handle in self._handles:
+            if handle is not None:
+                handle.wait(self.kv.timeout)
+        self.kv.close()

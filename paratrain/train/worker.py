@@ -1,0 +1,145 @@
+"""One rank of ``paratrain train``: ``python -m paratrain.train.worker ...`` under ``paratrain launch``.
+
+Every worker trains the same model on its shard of the training set (a fresh permutation each epoch, the same
+on every rank, cut into equal parts), with the chosen strategy doing the synchronisation. Each step is
+recorded as spans (forward and backward are compute; ``step`` is where the strategy waits for communication
+that backward did not hide) and a metrics line; each epoch ends with test accuracy on the rank's own model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+import paratrain as pt
+from paratrain.train.data import load_dataset
+from paratrain.train.models import build_model
+from paratrain.train.record import Recorder
+
+__all__ = ["add_training_args", "main"]
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> None:
+    """The options a training rank needs (shared with ``paratrain train``)."""
+    parser.add_argument("--model", default="mlp", help="mlp or lenet (default mlp)")
+    parser.add_argument("--dataset", default="digits", help="digits (bundled) or fashion-mnist (default digits)")
+    parser.add_argument("--data-dir", default=None, help="directory of the Fashion-MNIST IDX files")
+    parser.add_argument("--strategy", default="allreduce", help="allreduce, bsp, ssp:S or asp (default allreduce)")
+    parser.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
+    parser.add_argument("--batch-size", type=int, default=64, help="examples per worker per step (default 64)")
+    parser.add_argument("--lr", type=float, default=0.05, help="learning rate of SGD with momentum 0.9 (0.05)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and shuffling (default 0)")
+
+
+def _straggler(spec: str | None, rank: int) -> float:
+    if not spec:
+        return 1.0
+    who, _, factor = spec.partition(":")
+    return float(factor) if int(who) == rank else 1.0
+
+
+def evaluate(model: Any, x: np.ndarray, y: np.ndarray, batch: int = 1024) -> tuple[float, float]:
+    """Test accuracy and mean cross-entropy of ``model`` on ``(x, y)``."""
+    import torch
+    from torch.nn import functional
+
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    with torch.no_grad():
+        for start in range(0, len(y), batch):
+            xb = torch.from_numpy(x[start : start + batch])
+            yb = torch.from_numpy(y[start : start + batch])
+            out = model(xb)
+            loss_sum += float(functional.cross_entropy(out, yb, reduction="sum"))
+            correct += int((out.argmax(1) == yb).sum())
+    model.train()
+    return correct / len(y), loss_sum / len(y)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Trains this rank's part of the job and records everything in ``--run-dir``."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_training_args(parser)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--straggler", default=None, help="RANK:FACTOR slows that rank's compute by FACTOR")
+    args = parser.parse_args(argv)
+
+    import torch
+    from torch.nn import functional
+
+    import paratrain.torch as ptt
+
+    ctx = pt.init()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    torch.manual_seed(args.seed)
+    data = load_dataset(args.dataset, data_dir=args.data_dir)
+    model = build_model(args.model, side=data.side, classes=data.classes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    dopt = ptt.DistributedOptimizer(optimizer, model=model, strategy=args.strategy)
+    ptt.broadcast_parameters(model, root=0)
+    rec = Recorder(args.run_dir, rank=ctx.rank)
+    slow = _straggler(args.straggler, ctx.rank)
+    world, rank, batch = ctx.world_size, ctx.rank, args.batch_size
+    per_rank = len(data.y_train) // world
+    steps = per_rank // batch
+    if steps == 0:
+        raise SystemExit(f"batch size {batch} is larger than this worker's {per_rank} examples; lower --batch-size")
+    rec.log(kind="start", epochs=args.epochs, steps_per_epoch=steps, world_size=world, strategy=args.strategy)
+    step = 0
+    for epoch in range(args.epochs):
+        order = np.random.default_rng(args.seed * 1_000_003 + epoch).permutation(len(data.y_train))
+        mine = order[rank * per_rank : (rank + 1) * per_rank]
+        epoch_loss = 0.0
+        for i in range(steps):
+            idx = np.sort(mine[i * batch : (i + 1) * batch])
+            xb, yb = torch.from_numpy(data.x_train[idx]), torch.from_numpy(data.y_train[idx])
+            t0 = time.time()
+            loss = functional.cross_entropy(model(xb), yb)
+            t1 = time.time()
+            dopt.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            t2 = time.time()
+            if slow != 1.0:  # emulate a slower machine: its compute takes `slow` times as long
+                time.sleep((t2 - t0) * (slow - 1.0))
+                t2 = time.time()
+            dopt.step()
+            t3 = time.time()
+            step += 1
+            value = loss.item()
+            epoch_loss += value
+            rec.add_span("forward", "compute", t0, t1)
+            rec.add_span("backward", "compute", t1, t2)
+            rec.add_span("step (wait for communication)", "waiting", t2, t3)
+            rec.log(
+                kind="step",
+                epoch=epoch + 1,
+                step=step,
+                loss=value,
+                samples=batch,
+                compute_s=t2 - t0,
+                wait_s=t3 - t2,
+                bytes_sent=ctx.transport.stats.bytes_sent,
+            )
+        t4 = time.time()
+        accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
+        rec.add_span("evaluate", "eval", t4, time.time())
+        rec.log(kind="eval", epoch=epoch + 1, step=step, test_accuracy=accuracy, test_loss=test_loss)
+        if rank == 0:
+            print(
+                f"epoch {epoch + 1}/{args.epochs}: train loss {epoch_loss / steps:.4f}, "
+                f"test accuracy {accuracy:.4f}, test loss {test_loss:.4f}",
+                flush=True,
+            )
+    close = getattr(dopt, "close", None)
+    if callable(close):
+        close()
+    rec.close()
+    pt.shutdown()
+
+
+if __name__ == "__main__":
+    main()

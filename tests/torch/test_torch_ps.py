@@ -1,0 +1,150 @@
+"""The parameter-server strategies: BSP equals one process on the concatenated batches; SSP and ASP learn."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import paratrain.torch as ptt  # noqa: E402
+from paratrain import Context  # noqa: E402
+from paratrain.errors import ConfigError  # noqa: E402
+from paratrain.testing import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+IN, HID, OUT, BATCH, STEPS = 4, 6, 2, 5, 5
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_net(seed: int) -> Any:
+    gen = torch.Generator().manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.Tanh(), torch.nn.Linear(HID, OUT))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return net
+
+
+def make_data(world_size: int, steps: int = STEPS) -> tuple[Any, Any]:
+    gen = torch.Generator().manual_seed(99)
+    return torch.randn(steps, world_size, BATCH, IN, generator=gen), torch.randn(
+        steps, world_size, BATCH, OUT, generator=gen
+    )
+
+
+OPTIMIZERS: dict[str, Callable[[Any], Any]] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd-momentum-decay": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_bsp_equals_single_process_on_concatenated_batches(world_size: int, servers: int, optimizer: str) -> None:
+    """The servers average a clock's gradients and take one step: synchronous SGD (or Adam, Adagrad)."""
+    xs, ys = make_data(world_size)
+
+    def worker(ctx: Context) -> dict[str, Any]:
+        net = make_net(seed=20 + ctx.rank)  # different inits: the servers take rank 0's
+        opt = ptt.DistributedOptimizer(
+            OPTIMIZERS[optimizer](net.parameters()), model=net, strategy="bsp", bucket_bytes=64, context=ctx
+        )
+        assert len(opt.plan) > 1
+        for k in range(STEPS):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(xs[k, ctx.rank]), ys[k, ctx.rank]).backward()
+            opt.step()
+        # the local optimizer never stepped: its state lives on the servers (Adagrad makes its own at once)
+        assert all(float(state.get("step", 0)) == 0 for state in opt.state.values())
+        opt.close()
+        return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+    results = run_ranks(world_size, worker, servers=servers, timeout=30)
+    net = make_net(seed=20)
+    opt = OPTIMIZERS[optimizer](net.parameters())
+    for k in range(STEPS):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(xs[k].reshape(-1, IN)), ys[k].reshape(-1, OUT)).backward()
+        opt.step()
+    for result in results:
+        for name, p in net.named_parameters():
+            torch.testing.assert_close(result[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["ssp:2", "asp"])
+def test_ssp_and_asp_reduce_the_loss(strategy: str) -> None:
+    """A linear regression with a known answer: stale or not, the workers get much closer to it."""
+    world_size, steps = 2, 30
+    gen = torch.Generator().manual_seed(5)
+    true_w = torch.randn(OUT, IN, generator=gen)
+    xs = torch.randn(world_size, 64, IN, generator=gen)
+    ys = xs @ true_w.T
+
+    def loss(model: Any) -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.mse_loss(model(xs.reshape(-1, IN)), ys.reshape(-1, OUT)))
+
+    def worker(ctx: Context) -> tuple[float, float]:
+        model = torch.nn.Linear(IN, OUT, bias=False)
+        with torch.no_grad():
+            model.weight.zero_()
+        opt = ptt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model=model, strategy=strategy, context=ctx
+        )
+        before = loss(model)
+        for k in range(steps):
+            opt.zero_grad()
+            batch = slice(8 * (k % 8), 8 * (k % 8) + 8)
+            torch.nn.functional.mse_loss(model(xs[ctx.rank, batch]), ys[ctx.rank, batch]).backward()
+            opt.step()
+        opt.close()
+        return before, loss(model)
+
+    for before, after in run_ranks(world_size, worker, servers=1, timeout=30):
+        assert after < 0.2 * before
+
+
+def test_lr_change_warns_once_that_servers_keep_their_hyperparameters() -> None:
+    def worker(ctx: Context) -> int:
+        net = make_net(seed=1)
+        opt = ptt.DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.1), model=net, strategy="asp", context=ctx
+        )
+        opt.param_groups[0]["lr"] = 0.05
+        with pytest.warns(RuntimeWarning, match="keep those of construction"):
+            opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.step()  # no second warning
+        opt.close()
+        return 0
+
+    run_ranks(1, worker, servers=1)
+
+
+def test_server_strategies_refuse_optimizers_the_servers_lack() -> None:
+    def worker(ctx: Context) -> None:
+        net = make_net(seed=1)
+        with pytest.raises(ConfigError, match="AdamW"):
+            ptt.DistributedOptimizer(torch.optim.AdamW(net.parameters()), model=net, strategy="bsp", context=ctx)
+        with pytest.raises(ConfigError, match=r"2\.weight, 2\.bias require grad but are not in the optimizer"):
+            ptt.DistributedOptimizer(
+                torch.optim.SGD(net[0].parameters(), lr=0.1), model=net, strategy="bsp", context=ctx
+            )
+
+    run_ranks(1, worker, servers=1)
