@@ -1,4 +1,4 @@
-# Two commands do all the set-up: `make demo` (the main job) and `make test` (what CI runs).
+# Two commands do all the set-up: `make demo` (the main job: paratrain train) and `make test` (what CI runs).
 # Both create .venv on first use and install paratrain with the versions pinned in .ci/constraints.txt.
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +15,7 @@ $(BIN)/paratrain: pyproject.toml .ci/constraints.txt
 setup: $(BIN)/paratrain
 
 demo: setup
-	$(BIN)/paratrain demo -n 4
+	$(BIN)/paratrain train
 
 test: setup
 	$(BIN)/ruff check paratrain tests

@@ -201,10 +201,13 @@ def summarise(
         train_time, samples = 0.0, 0
     per_rank: dict[int, dict[str, float]] = {}
     for r in steps:
-        entry = per_rank.setdefault(int(r["rank"]), {"compute_s": 0.0, "wait_s": 0.0, "bytes_sent": 0.0})
+        entry = per_rank.setdefault(
+            int(r["rank"]), {"compute_s": 0.0, "wait_s": 0.0, "bytes_sent": 0.0, "allreduce_bytes": 0.0}
+        )
         entry["compute_s"] += r["compute_s"]
         entry["wait_s"] += r["wait_s"]
         entry["bytes_sent"] = max(entry["bytes_sent"], float(r["bytes_sent"]))
+        entry["allreduce_bytes"] = max(entry["allreduce_bytes"], float(r.get("allreduce_bytes", 0)))
     return {
         "strategy": job.strategy,
         "workers": job.workers,
@@ -239,7 +242,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         share = entry["wait_s"] / total if total else 0.0
         print(
             f"  rank {rank}: compute {entry['compute_s']:.2f} s, waiting for communication {entry['wait_s']:.2f} s "
-            f"({share:.0%}), {entry['bytes_sent'] / 1e6:.1f} MB sent"
+            f"({share:.0%}), {entry['bytes_sent'] / 1e6:.1f} MB sent over sockets, "
+            f"{entry['allreduce_bytes'] / 1e6:.1f} MB allreduced"
         )
     print(f"  run directory: {summary['run_dir']} (metrics.jsonl, timeline.json, loss.png, accuracy.png, summary.json)")
 

@@ -369,6 +369,8 @@ class Collectives:
         self.choose_allreduce: Callable[[int, int], str] = default_allreduce_choice
         self.choose_broadcast: Callable[[int, int], str] = default_broadcast_choice
         self._shm: Any = None
+        #: bytes this rank handed to allreduce calls (whatever path carried them: sockets or shared memory)
+        self.allreduce_bytes = 0
         if hosts is not None and HostLayout(hosts).is_hierarchical:
             self._enable_hierarchy(HostLayout(hosts))
 
@@ -442,6 +444,7 @@ class Collectives:
         sig = _signature("allreduce", op=op, dtype=dtype_name, shape=view.shape, requested=algorithm, resolved=name)
 
         def body(tag: int) -> Any:
+            self.allreduce_bytes += src.nbytes
             if self.world_size == 1:
                 if dst is not src:
                     np.copyto(dst, src)

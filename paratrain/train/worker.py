@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
                 compute_s=t2 - t0,
                 wait_s=t3 - t2,
                 bytes_sent=ctx.transport.stats.bytes_sent,
+                allreduce_bytes=ctx.collectives.allreduce_bytes,
             )
         t4 = time.time()
         accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
