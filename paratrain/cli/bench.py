@@ -93,6 +93,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a.add_argument("--timeout", type=float, default=600.0, help="seconds each engine may run (default 600)")
     a.add_argument("--json", metavar="FILE", default=None, help="write every number to FILE as JSON")
     a.set_defaults(func=_allreduce)
+    _add_ps_parser(bench_sub)
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -128,6 +129,114 @@ def _allreduce(args: argparse.Namespace) -> int:
                 fh.write("\n")
         except OSError as exc:
             print(f"paratrain bench allreduce: error: cannot write {args.json}: {exc}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.json}")
+    return code
+
+
+_PS_EPILOG = """\
+Two jobs run one after the other, never at the same time (with --repeat R, R times each, interleaved):
+  ps       'paratrain launch -n W --servers S': every worker makes a KVStore with --consistency, inits one
+           float32 key per size (cut into 1 MiB chunks over the servers), checks one round, warms up, passes a
+           barrier, then times ITERS iterations of push(key, grad) + clock() + pull(key);
+  ceiling  'paratrain launch -n W+S' with no parameter server: W ranks send the same chunks to S echo ranks and
+           receive them back with plain transport send/recv (same ZeroMQ ipc path, same process count);
+and, in this process, np.copyto of each size (memcpy: the bound of a shared-memory parameter server).
+
+columns (every worker pushes `size` bytes and pulls `size` bytes per iteration):
+  p50, p90     median / 90th percentile over iterations of the slowest worker's time for the iteration
+  mean         the slowest worker's loop time / ITERS (with --repeat R: the median of the R runs)
+  worker GB/s  bytes pushed + pulled per second by one worker: 2*size / mean (1 GB = 10^9 B)
+  total GB/s   all workers together: W * worker GB/s
+  % ceiling    ps total GB/s / ceiling total GB/s: what the parameter server keeps of its transport
+  % memcpy     ps worker GB/s / memcpy GB/s
+
+--json FILE writes: benchmark, workers, servers, consistency, dtype, sizes, iters, warmup, repeat,
+chunk_bytes, transport, date, machine (cpus, processor, platform, python, load_before, busy_before,
+others_busy_during, load_after), definitions, engines (ps|ceiling -> status ok|error, detail),
+memcpy (rows: bytes, size, gbps) and results (rows: engine, bytes, size, chunks, servers_used, iters,
+mean_ms, p50_ms, p90_ms, runs_ms, worker_gbps, aggregate_gbps, phases_ms, and for ps rows pct_of_ceiling,
+pct_of_memcpy).
+
+Sizes: 1024, 64KiB or 64K (x1024), 16MB (x1000), comma-separated for several; multiples of 4 bytes. Exit code:
+0, or 1 if a job failed, 2 for bad arguments. Timings are only meaningful on an otherwise idle machine.
+
+example:
+  paratrain bench ps --workers 2 --servers 2 --size 16MiB --repeat 3 --json ps.json
+"""
+
+
+def _consistency(text: str) -> str:
+    from paratrain.bench.ps import parse_consistency
+
+    try:
+        kind, bound = parse_consistency(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return kind if bound is None else f"{kind}:{bound}"
+
+
+def _add_ps_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Registers ``bench ps``."""
+    p = bench_sub.add_parser(
+        "ps",
+        help="parameter-server push/clock/pull latency and throughput vs the transport's ceiling",
+        description=(
+            "Time KVStore push+clock+pull of W workers against S parameter servers, and the same bytes moved by "
+            "the same transport without a parameter server (the ceiling), in one run."
+        ),
+        epilog=_PS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--workers", type=int, default=2, help="worker processes W (default 2)")
+    p.add_argument("--servers", type=int, default=1, help="parameter-server processes S (default 1)")
+    p.add_argument("--size", type=_sizes, default=None, help="key size(s), comma-separated (default 16MiB)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations per size (default: 300 small .. 10 large)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per size before timing (default 3)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run both jobs R times, interleaved, and report the median run (default 1; use 3+ on noisy machines)",
+    )
+    p.add_argument(
+        "--consistency",
+        type=_consistency,
+        default="bsp",
+        help="bsp (default), asp, or ssp:S with staleness bound S (pulls wait for the slowest worker under bsp)",
+    )
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds each job may run (default 300)")
+    p.add_argument("--json", metavar="FILE", default=None, help="write every number to FILE as JSON")
+    p.set_defaults(func=_ps)
+
+
+def _ps(args: argparse.Namespace) -> int:
+    from paratrain.bench.ps import PSBenchOptions, render_table, run_bench
+
+    try:
+        options = PSBenchOptions(
+            workers=args.workers,
+            servers=args.servers,
+            sizes=tuple(args.size or [16 << 20]),
+            consistency=args.consistency,
+            iters=args.iters,
+            warmup=args.warmup,
+            repeat=args.repeat,
+            timeout=args.timeout,
+        )
+    except ValueError as exc:
+        print(f"paratrain bench ps: error: {exc}", file=sys.stderr)
+        return 2
+    report, code = run_bench(options)
+    print()
+    print(render_table(report), flush=True)
+    if args.json:
+        try:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(report, fh, indent=2)
+                fh.write("\n")
+        except OSError as exc:
+            print(f"paratrain bench ps: error: cannot write {args.json}: {exc}", file=sys.stderr)
             return 1
         print(f"wrote {args.json}")
     return code

@@ -115,7 +115,9 @@ class KVStore:
         self._chunk_bytes = chunk_bytes
         self._use_cache = cache
         self._keys: dict[str | int, _Key] = {}
-        self._cache: dict[str | int, tuple[int, npt.NDArray[Any]]] = {}
+        # key -> (slowest clock when fetched, the received chunks): the chunks are the read-only frames the
+        # transport already holds, so caching costs no copy; a hit assembles a fresh array from them
+        self._cache: dict[str | int, tuple[int, list[npt.NDArray[Any]]]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._clock = 0
@@ -259,9 +261,13 @@ class KVStore:
         """The value of ``key`` as the consistency model allows at this worker's clock (a new array). Blocks."""
         info = self._key(key)
         if self._use_cache and key in self._cache:
-            cached_done, cached = self._cache[key]
+            cached_done, parts = self._cache[key]
             if self.policy.cache_fresh(cached_done, self._clock):
-                return cached.copy()
+                hit = np.empty(info.shape, dtype=info.storage)
+                hit_rows = _rows(hit)
+                for chunk, part in zip(info.chunks, parts, strict=True):
+                    hit_rows[chunk.row_start : chunk.row_stop] = part
+                return hit
         required = self.policy.required_done(self._clock)
         out = np.empty(info.shape, dtype=info.storage)
         rows = _rows(out)
@@ -275,13 +281,15 @@ class KVStore:
             for c in info.chunks
         ]
         done = None
+        parts = []
         for chunk, handle, server in pending:
             msg = self._wait(handle, server, f"pull of key {key!r}")
             rows[chunk.row_start : chunk.row_stop] = msg.arrays[0]
+            parts.append(msg.arrays[0])
             chunk_done = int(msg.meta.get("done", 0))
             done = chunk_done if done is None else min(done, chunk_done)
         if self._use_cache and self.policy.kind != "asp":
-            self._cache[key] = (done or 0, out.copy())
+            self._cache[key] = (done or 0, parts)
         return out
 
     def push_rows(self, key: str | int, row_ids: Any, values: Any) -> Handle[None]:

@@ -253,11 +253,13 @@ def test_worker_leaves_and_rejoins_between_clocks() -> None:
             kv = KVStore("bsp", context=ctx, join=True)
             kv.init("x", np.zeros(1, dtype=np.int64))
             joined_at = kv.clock_value
+            ctx.barrier()  # joined: the others may go on (else their next clock could race the join)
         else:
             ctx.barrier()
             for _ in range(3):
                 kv.push("x", np.ones(1, dtype=np.int64))
                 kv.clock()
+            ctx.barrier()
             ctx.barrier()
             joined_at = kv.clock_value
         kv.push("x", np.ones(1, dtype=np.int64))
