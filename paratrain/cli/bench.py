@@ -58,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     """Registers ``bench`` (and its subcommands) on the ``paratrain`` parser."""
     p = sub.add_parser(
         "bench",
-        help="measure paratrain's collectives against Gloo and OpenMPI on this machine",
+        help="measure paratrain against Gloo, OpenMPI, DDP and the hardware's ceilings on this machine",
         description="Benchmarks of paratrain against reference implementations, measured in the same run.",
     )
     p.set_defaults(func=lambda args: _usage(p))
@@ -94,6 +94,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a.add_argument("--json", metavar="FILE", default=None, help="write every number to FILE as JSON")
     a.set_defaults(func=_allreduce)
     _add_ps_parser(bench_sub)
+    _add_train_parser(bench_sub)
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -240,3 +241,47 @@ def _ps(args: argparse.Namespace) -> int:
             return 1
         print(f"wrote {args.json}")
     return code
+
+
+def _add_train_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Registers ``bench train``."""
+    p = bench_sub.add_parser(
+        "train",
+        help="training samples/s: paratrain allreduce vs torch DDP vs one process",
+        description=(
+            "Samples per second of data-parallel training with paratrain's DistributedOptimizer (allreduce), "
+            "torch DistributedDataParallel (Gloo), and one process without communication, in one command."
+        ),
+    )
+    p.add_argument("--model", default="mlp", help="mlp (784-512-512-10) or lenet (default mlp)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes for paratrain and DDP (default 2)")
+    p.add_argument("--batch-size", type=int, default=64, help="examples per worker per step (default 64)")
+    p.add_argument("--steps", type=int, default=200, help="timed steps (default 200)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps first (default 20)")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median is reported (default 3)")
+    p.add_argument("--json", default=None, help="write the report as JSON to this file")
+    p.set_defaults(func=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from paratrain.bench.train import TrainBenchOptions, render, run_train_bench
+    from paratrain.errors import ConfigError
+
+    try:
+        options = TrainBenchOptions(
+            model=args.model,
+            workers=args.workers,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            warmup=args.warmup,
+            repeat=args.repeat,
+        )
+    except ConfigError as exc:
+        print(f"paratrain bench train: error: {exc}", file=sys.stderr)
+        return 2
+    report = run_train_bench(options)
+    print(render(report), flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=2)
+    return 0
