@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from paratrain.cli import bench, compare, demo, launch, train
+from paratrain.cli import bench, compare, demo, launch, topology, train
 
 __all__ = ["build_parser", "main"]
 
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     train.add_parser(sub)
     compare.add_parser(sub)
+    topology.add_parser(sub)
     return parser
 
 

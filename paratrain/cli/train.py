@@ -20,7 +20,7 @@ from paratrain.errors import ConfigError
 
 __all__ = ["TrainJob", "add_parser", "run_training", "validate"]
 
-STRATEGIES_HELP = "allreduce, bsp, ssp:S (S = staleness bound), asp"
+STRATEGIES_HELP = "allreduce, bsp, ssp:S (S = staleness bound), asp, gossip:ring|torus|exponential|complete|FILE"
 
 
 class TrainJob(argparse.Namespace):
@@ -88,6 +88,14 @@ def validate(job: TrainJob) -> None:
     if kind == "allreduce" and not staleness:
         if job.servers:
             raise ConfigError("--servers is for the parameter-server strategies (bsp, ssp:S, asp), not allreduce")
+    elif kind == "gossip":
+        from paratrain.gossip.topology import resolve_topology
+
+        if not staleness:
+            raise ConfigError("--strategy gossip needs its graph: gossip:ring, gossip:torus, gossip:exponential, ...")
+        if job.servers:
+            raise ConfigError("--servers is for the parameter-server strategies, not gossip")
+        resolve_topology(staleness, job.workers)
     elif kind in ("bsp", "ssp", "asp"):
         if kind == "ssp" and not staleness.isdigit():
             raise ConfigError(f"--strategy {job.strategy!r}: write ssp:S with a staleness bound S >= 0, e.g. ssp:3")

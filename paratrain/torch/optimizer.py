@@ -38,6 +38,7 @@ from paratrain.torch.fusion import FusedBucket
 from paratrain.torch.hooks import GradientHooks
 from paratrain.torch.strategies import (
     AllreduceStrategy,
+    GossipStrategy,
     ParameterServerStrategy,
     Strategy,
     StrategySpec,
@@ -64,7 +65,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
       the new parameters. BSP waits for every worker each step; SSP lets a worker run up to S steps ahead of the
       slowest with parameters at most S steps stale; ASP never waits. The servers hold the parameters (rank
       0's initial values win) and the optimizer state; the wrapped optimizer is never stepped.
-    - ``"gossip:TOPOLOGY"`` comes with decentralised training and raises ``NotImplementedError`` for now.
+    - ``"gossip:TOPOLOGY"``: decentralised D-PSGD. Every worker runs the wrapped optimizer on its own gradients,
+      then averages its parameters with its neighbours in the graph (``ring``, ``torus``, ``exponential``,
+      ``complete`` or a graph file) by the Metropolis-Hastings weights; no global communication. Workers are not
+      identical but drift towards consensus; their mean follows SGD. See
+      :class:`~paratrain.torch.strategies.GossipStrategy`.
 
     Gradients without a parameter: a parameter that no worker used this step keeps ``grad = None`` (so the
     optimizer skips it, as in one process); one that only some workers used gets the mean with zeros from the
@@ -82,7 +87,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: the torch optimizer to wrap; its parameters must all belong to ``model``.
         model: the module being trained; every parameter that requires grad is synchronised.
-        strategy: ``"allreduce"``, ``"bsp"``, ``"ssp:S"`` or ``"asp"``.
+        strategy: ``"allreduce"``, ``"bsp"``, ``"ssp:S"``, ``"asp"`` or ``"gossip:TOPOLOGY"``.
         bucket_bytes: fusion threshold: gradients are sent in flat buckets of at most this many bytes (a larger
             parameter gets a bucket of its own). Smaller buckets start earlier and overlap more of backward but
             pay one message latency each; see :data:`~paratrain.torch.buckets.DEFAULT_BUCKET_BYTES`.
@@ -90,8 +95,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Raises:
         ConfigError: unknown strategy, bad ``bucket_bytes``, optimizer parameters outside ``model``, or (for
-            the parameter-server strategies) an optimizer the servers cannot run or a job without servers.
-        NotImplementedError: ``"gossip:..."``.
+            the parameter-server strategies) an optimizer the servers cannot run or a job without servers, or
+            (for gossip) an unknown topology or a graph invalid for the number of workers.
         TypeError: ``optimizer`` is not a torch optimizer or ``model`` not a module.
 
     Example:
@@ -153,13 +158,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._closed = False
         # one worker and "allreduce": the mean of one gradient is itself, so nothing is copied or sent and a step
-        # costs what plain torch costs (the same script runs unchanged without a launcher)
-        self._local = not self.spec.uses_servers and self.context.world_size == 1
-        self._buckets = (
-            [] if self._local else [FusedBucket(b, params, names, flags=not self.spec.uses_servers) for b in self.plan]
-        )
+        # costs what plain torch costs (the same script runs unchanged without a launcher). Gossip never sends
+        # gradients either (the hooks only track the launch order); its buckets serve as the parameter layout
+        gossip = self.spec.kind == "gossip"
+        self._local = gossip or (not self.spec.uses_servers and self.context.world_size == 1)
+        self._buckets: list[FusedBucket] = []
+        if gossip:
+            self._buckets = [FusedBucket(b, params, names, flags=False) for b in self.plan]
+        elif not self._local:
+            self._buckets = [FusedBucket(b, params, names, flags=not self.spec.uses_servers) for b in self.plan]
         self._strategy: Strategy
-        if self.spec.uses_servers:
+        if gossip:
+            assert self.spec.topology is not None  # parse_strategy always sets it for gossip
+            self._strategy = GossipStrategy(self.context, self._buckets, topology=self.spec.topology)
+        elif self.spec.uses_servers:
             self._strategy = ParameterServerStrategy(self.context, self._buckets, spec=self.spec, optimizer=optimizer)
         else:
             self._strategy = AllreduceStrategy(self.context, self._buckets)

@@ -1,4 +1,4 @@
-"""How a step's fused gradients become new parameters: allreduce (data parallel) or a parameter server.
+"""How a step's fused gradients become new parameters: allreduce, a parameter server, or gossip (D-PSGD).
 
 Both strategies see the same three calls from :class:`~paratrain.torch.DistributedOptimizer`, always in this
 order on every rank::
@@ -13,6 +13,9 @@ order on every rank::
 - ``"bsp"``, ``"ssp:S"``, ``"asp"`` (:class:`ParameterServerStrategy`): each bucket is one key of a
   :class:`~paratrain.ps.KVStore`; ``launch`` pushes its gradients, ``apply`` ends the clock and pulls the
   parameters the servers computed with their own copy of the optimizer (Li et al. OSDI'14, Petuum).
+- ``"gossip:TOPOLOGY"`` (:class:`GossipStrategy`): decentralised D-PSGD (Lian et al. NeurIPS'17). Gradients
+  stay local; ``apply`` runs the wrapped optimizer, then averages the parameters with the graph neighbours only,
+  weighted by the Metropolis-Hastings mixing matrix of :mod:`paratrain.gossip`.
 
 Threading: ``launch`` runs on the thread that runs backward, the others on the caller's; the optimizer holds
 a lock around every call. Asynchronous collectives run in call order on the context's one background thread,
@@ -31,6 +34,8 @@ from typing import Any, Literal
 import torch
 
 from paratrain.errors import ConfigError
+from paratrain.gossip.mixing import metropolis_hastings, neighbors
+from paratrain.gossip.topology import TOPOLOGIES, resolve_topology
 from paratrain.ps.client import KVStore
 from paratrain.runtime.context import Context
 from paratrain.torch.fusion import FusedBucket
@@ -39,6 +44,7 @@ from paratrain.transport.base import Handle
 __all__ = [
     "STRATEGIES",
     "AllreduceStrategy",
+    "GossipStrategy",
     "ParameterServerStrategy",
     "Strategy",
     "StrategySpec",
@@ -46,10 +52,11 @@ __all__ = [
     "server_optimizer_spec",
 ]
 
-#: The strategy names :func:`parse_strategy` accepts (``S`` is SSP's staleness bound, an int >= 0).
-STRATEGIES = ("allreduce", "bsp", "ssp:S", "asp")
+#: The strategy names :func:`parse_strategy` accepts (``S`` is SSP's staleness bound, an int >= 0;
+#: ``TOPOLOGY`` is ``ring``, ``torus``, ``exponential``, ``complete`` or the path of a graph file).
+STRATEGIES = ("allreduce", "bsp", "ssp:S", "asp", "gossip:TOPOLOGY")
 
-Kind = Literal["allreduce", "bsp", "ssp", "asp"]
+Kind = Literal["allreduce", "bsp", "ssp", "asp", "gossip"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,25 +64,31 @@ class StrategySpec:
     """A parsed strategy name.
 
     Attributes:
-        kind: ``"allreduce"``, ``"bsp"``, ``"ssp"`` or ``"asp"``.
+        kind: ``"allreduce"``, ``"bsp"``, ``"ssp"``, ``"asp"`` or ``"gossip"``.
         staleness: SSP's bound s (None for the others).
+        topology: gossip's graph: a name from :data:`paratrain.gossip.topology.TOPOLOGIES` or a file path
+            (None for the others).
     """
 
     kind: Kind
     staleness: int | None = None
+    topology: str | None = None
 
     @property
     def uses_servers(self) -> bool:
         """True for the parameter-server strategies."""
-        return self.kind != "allreduce"
+        return self.kind in ("bsp", "ssp", "asp")
 
 
 def parse_strategy(name: str) -> StrategySpec:
-    """Parses ``"allreduce"``, ``"bsp"``, ``"ssp:S"`` or ``"asp"`` (case and spaces ignored).
+    """Parses ``"allreduce"``, ``"bsp"``, ``"ssp:S"``, ``"asp"`` or ``"gossip:TOPOLOGY"`` (case and spaces ignored).
+
+    A gossip topology that is not a known name is kept as written (a graph file's path is case-sensitive); it
+    is read and checked against the number of workers when the optimizer is built.
 
     Raises:
-        ConfigError: unknown name or bad staleness (the message lists the valid names).
-        NotImplementedError: ``"gossip:TOPOLOGY"``, which comes with decentralised training (D-PSGD).
+        ConfigError: unknown name, bad staleness or a gossip strategy without topology (the message lists the
+            valid names).
 
     Example:
         >>> parse_strategy("ssp:2")
@@ -88,10 +101,16 @@ def parse_strategy(name: str) -> StrategySpec:
     if text in ("allreduce", "bsp", "asp"):
         return StrategySpec(kind=text)  # type: ignore[arg-type]
     if text.startswith("gossip"):
-        raise NotImplementedError(
-            f"strategy {name!r}: gossip (decentralised D-PSGD) is not implemented yet; it comes with the gossip "
-            f"issue. Choose one of {valid}"
-        )
+        head, sep, topology = name.strip().partition(":")
+        topology = topology.strip()
+        if head.strip().lower() != "gossip" or not sep or not topology:
+            raise ConfigError(
+                f"strategy {name!r}: gossip needs its graph, e.g. 'gossip:ring'; use one of "
+                f"{', '.join(TOPOLOGIES)} or a graph file ('gossip:path/to/edges.txt')"
+            )
+        if topology.lower() in TOPOLOGIES:
+            topology = topology.lower()
+        return StrategySpec(kind="gossip", topology=topology)
     match = re.fullmatch(r"ssp\s*:\s*(\d+)", text)
     if match:
         return StrategySpec(kind="ssp", staleness=int(match.group(1)))
@@ -319,3 +338,93 @@ class ParameterServerStrategy(Strategy):
             if handle is not None:
                 handle.wait(self.kv.timeout)
         self.kv.close()
+
+
+class GossipStrategy(Strategy):
+    """Decentralised parallel SGD (D-PSGD, Lian et al. NeurIPS'17): local steps, then mixing with neighbours.
+
+    Each step every worker runs the wrapped optimizer on its *own* gradients, then replaces its parameters by
+    ``x_i <- sum_j W_ij x_j`` over itself and its graph neighbours, with ``W`` the Metropolis-Hastings matrix
+    of the topology (symmetric, doubly stochastic, so the workers' mean is what plain SGD on the mean would
+    see). No rank ever talks to a non-neighbour and there is no global barrier: on a ring each worker sends
+    two messages per step whatever the number of workers, which is why D-PSGD wins on slow or high-latency
+    networks. The price is that workers disagree by a consensus distance that shrinks with the spectral gap.
+
+    Communication: one message per neighbour per step, holding every bucket's flat parameters, tagged with
+    ``context.next_collective_tag()`` (taken once per step on every rank, so ranks stay matched without a
+    handshake). All receives and sends are posted together before waiting on any, so the exchanges with the
+    different neighbours run concurrently and no pair of ranks can deadlock waiting for each other. The
+    exchange does not overlap backward: the parameters it sends exist only after the local step. (Lian's
+    formulation ``x_{k+1} = W x_k - lr * g(x_k)`` would let ``x_k`` travel during backward; that is a later
+    step.) Weights are computed in float64 and the result cast back to the parameters' dtype.
+
+    The wrapped optimizer's state (momentum, Adam moments) stays local and is not mixed.
+
+    Args:
+        context: this rank's context.
+        buckets: the fusion buffers, used only for their parameter layout (gradients are not fused).
+        topology: a topology name or a graph file (see :func:`paratrain.gossip.topology.resolve_topology`).
+
+    Raises:
+        ConfigError: unknown topology, unreadable file, or a graph invalid for ``context.world_size`` ranks.
+    """
+
+    def __init__(self, context: Context, buckets: Sequence[FusedBucket], *, topology: str) -> None:
+        super().__init__(buckets)
+        self._context = context
+        n = context.world_size
+        self.edges = resolve_topology(topology, n)
+        self.mixing = metropolis_hastings(n, self.edges)
+        self.neighbors = neighbors(self.mixing, context.rank)
+        self.self_weight = float(self.mixing[context.rank, context.rank])
+
+    def launch(self, k: int) -> None:
+        """Nothing to send during backward: D-PSGD steps on local gradients."""
+
+    def finish(self) -> None:
+        """Nothing to wait for before the local step."""
+        for bucket in self.buckets:
+            bucket.reset()
+
+    def apply(self, optimizer: torch.optim.Optimizer) -> None:
+        """The local optimizer step, then one gossip exchange with the neighbours (blocks until mixed)."""
+        optimizer.step()
+        self.gossip()
+
+    @torch.no_grad()
+    def gossip(self) -> None:
+        """One mixing step ``x_i <- sum_j W_ij x_j`` of the parameters with the neighbours. Every rank calls it.
+
+        Raises:
+            CommTimeoutError, PeerLostError: a neighbour did not answer within the context's timeout.
+        """
+        tag = self._context.next_collective_tag()  # taken even without neighbours, so every rank stays in step
+        if not self.neighbors:
+            return
+        transport = self._context.workers
+        timeout = self._context.settings.timeout
+        mine = [bucket.read_params() for bucket in self.buckets]
+        receives = [(peer, weight, transport.irecv(peer, tag)) for peer, weight in self.neighbors]
+        sends = [transport.isend(peer, tag, mine) for peer, _ in self.neighbors]
+        mixed = [flat.to(torch.float64) * self.self_weight for flat in mine]
+        for peer, weight, handle in receives:
+            message = handle.wait(timeout)
+            if len(message.arrays) != len(mine):
+                raise RuntimeError(
+                    f"gossip: rank {peer} sent {len(message.arrays)} buffers, expected {len(mine)}; every worker "
+                    "must build the same model and strategy"
+                )
+            for acc, flat, array in zip(mixed, mine, message.arrays, strict=True):
+                theirs = torch.from_numpy(array.copy())
+                if theirs.dtype != flat.dtype:  # bfloat16 travels as its 16-bit pattern
+                    theirs = theirs.view(flat.dtype)
+                if theirs.numel() != flat.numel():
+                    raise RuntimeError(
+                        f"gossip: rank {peer} sent {theirs.numel()} values for a bucket of {flat.numel()}; every "
+                        "worker must build the same model"
+                    )
+                acc.add_(theirs.to(torch.float64), alpha=weight)
+        for sent in sends:
+            sent.wait(timeout)
+        for bucket, flat, acc in zip(self.buckets, mine, mixed, strict=True):
+            bucket.write_params(acc.to(flat.dtype))

@@ -128,7 +128,7 @@ def test_parse_strategy(name: str, spec: StrategySpec) -> None:
         ("ring", ConfigError, "choose one of 'allreduce', 'bsp', 'ssp:S', 'asp'"),
         ("ssp", ConfigError, "ssp:2"),
         ("ssp:-1", ConfigError, "int >= 0"),
-        ("gossip:ring", NotImplementedError, "gossip issue"),
+        ("gossip", ConfigError, "gossip needs its graph"),
         (3, ConfigError, "must be a string"),
     ],
 )

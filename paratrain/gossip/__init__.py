@@ -1,0 +1,1 @@
+"""Decentralised training (D-PSGD): communication graphs and their doubly-stochastic mixing matrices."""

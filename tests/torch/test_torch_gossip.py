@@ -1,0 +1,175 @@
+"""The ``"gossip:TOPOLOGY"`` strategy (D-PSGD): workers reach consensus, the loss falls, ``complete`` = allreduce.
+
+Four workers (threads) each fit a shared linear-regression target on their own data, starting from different
+initialisations. Gossip must pull their parameters together (the consensus distance shrinks) while the loss
+falls; with the complete graph one mixing step is exactly the allreduce mean of the locally stepped parameters.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import paratrain.torch as ptt  # noqa: E402
+from paratrain import Context  # noqa: E402
+from paratrain.errors import ConfigError  # noqa: E402
+from paratrain.testing import run_ranks  # noqa: E402
+from paratrain.torch.strategies import StrategySpec, parse_strategy  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+WORKERS, IN, OUT, BATCH, STEPS, LR = 4, 6, 2, 16, 40, 0.05
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # ranks are threads: intra-op threads would oversubscribe the cores
+    yield
+    torch.set_num_threads(before)
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    """A linear model initialised from ``seed`` alone (no global RNG: ranks are threads)."""
+    model = torch.nn.Sequential(torch.nn.Linear(IN, 8), torch.nn.Tanh(), torch.nn.Linear(8, OUT))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return model
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker ``rank``'s batch of step ``step``: its own samples of one shared target."""
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(BATCH, IN, generator=gen)
+    target = torch.linspace(-1, 1, IN * OUT).reshape(IN, OUT)
+    return x, x @ target
+
+
+def test_parse_gossip() -> None:
+    assert parse_strategy("gossip:ring") == StrategySpec("gossip", topology="ring")
+    assert parse_strategy(" Gossip : Torus ") == StrategySpec("gossip", topology="torus")
+    assert parse_strategy("gossip:Graphs/Edges.txt") == StrategySpec("gossip", topology="Graphs/Edges.txt")
+    assert not parse_strategy("gossip:ring").uses_servers
+    for bad in ("gossip", "gossip:", "gossipy:ring"):
+        with pytest.raises(ConfigError, match="gossip needs its graph"):
+            parse_strategy(bad)
+
+
+def test_gossip_reaches_consensus_and_loss_falls() -> None:
+    def worker(ctx: Context) -> tuple[list[float], list[float]]:
+        model = make_model(seed=ctx.rank)  # different starts: only gossip can bring them together
+        opt = ptt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR), model=model, strategy="gossip:ring", context=ctx
+        )
+        assert [peer for peer, _ in opt._strategy.neighbors] == sorted({(ctx.rank - 1) % 4, (ctx.rank + 1) % 4})  # type: ignore[attr-defined]
+        distances, losses = [], []
+        for step in range(STEPS):
+            x, y = batch(ctx.rank, step)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            params = flat(model)
+            mean = ctx.allreduce(params, op="mean")  # only to measure: the strategy itself never allreduces
+            distances.append(float(ctx.allreduce((params - mean).pow(2).sum().reshape(1), op="sum")[0]))
+            losses.append(float(ctx.allreduce(loss.detach().reshape(1), op="mean")[0]))
+        opt.close()
+        return distances, losses
+
+    results = run_ranks(WORKERS, worker)
+    distances, losses = results[0]
+    assert all(r == results[0] for r in results)  # the measured quantities are global
+    assert distances[-1] < 1e-3 * distances[0]  # consensus: the workers' parameters converge to each other
+    # early on mixing dominates: the squared distance falls by about (1 - gap)^2 = 1/9 per step (ring of 4)
+    assert all(b <= 0.15 * a for a, b in itertools.pairwise(distances[:4]))
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5  # and they learn
+
+
+def test_complete_topology_equals_allreduce_mean() -> None:
+    def worker(ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        model = make_model(seed=ctx.rank)
+        # what the local step alone gives, on a copy, averaged by a real allreduce
+        shadow = make_model(seed=ctx.rank)
+        x, y = batch(ctx.rank, 0)
+        sgd = torch.optim.SGD(shadow.parameters(), lr=LR, momentum=0.9)
+        torch.nn.functional.mse_loss(shadow(x), y).backward()
+        sgd.step()
+        expected = ctx.allreduce(flat(shadow), op="mean")
+
+        opt = ptt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+            model=model,
+            strategy="gossip:complete",
+            bucket_bytes=64,  # several buckets in one message
+            context=ctx,
+        )
+        assert len(opt.plan) > 1
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.close()
+        return flat(model), expected
+
+    results = run_ranks(WORKERS, worker)
+    for got, expected in results:
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got, results[0][0], rtol=0, atol=1e-6)
+
+
+def test_gossip_with_a_graph_file_and_errors(tmp_path: Path) -> None:
+    path = tmp_path / "edges.txt"
+    path.write_text("0 1\n1 2\n")  # a path graph over 3 ranks
+
+    def worker(ctx: Context) -> list[int]:
+        model = make_model(seed=ctx.rank)
+        sgd = torch.optim.SGD(model.parameters(), lr=LR)
+        opt = ptt.DistributedOptimizer(sgd, model=model, strategy=f"gossip:{path}", context=ctx)
+        peers = [peer for peer, _ in opt._strategy.neighbors]  # type: ignore[attr-defined]
+        x, y = batch(ctx.rank, 0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.close()
+        with pytest.raises(ConfigError, match="neither one of ring"):
+            ptt.DistributedOptimizer(sgd, model=model, strategy="gossip:star", context=ctx)
+        return peers
+
+    assert run_ranks(3, worker) == [[1], [0, 2], [1]]
+
+    def too_many(ctx: Context) -> None:
+        model = make_model(seed=0)
+        ptt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR), model=model, strategy=f"gossip:{path}", context=ctx
+        )
+
+    with pytest.raises(ConfigError, match="not connected"):
+        run_ranks(4, too_many)
+
+
+def test_single_worker_gossip_is_plain_sgd() -> None:
+    def worker(ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        model, plain = make_model(seed=3), make_model(seed=3)
+        opt = ptt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR), model=model, strategy="gossip:ring", context=ctx
+        )
+        sgd = torch.optim.SGD(plain.parameters(), lr=LR)
+        for step in range(3):
+            x, y = batch(0, step)
+            for m, o in ((model, opt), (plain, sgd)):
+                o.zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+        opt.close()
+        return flat(model), flat(plain)
+
+    [(got, expected)] = run_ranks(1, worker)
+    assert torch.equal(got, expected)
