@@ -246,6 +246,7 @@ def test_under_torchrun(tmp_path: Path) -> None:
         text=True,
         timeout=60,
         check=False,
+        env={**os.environ, "PARATRAIN_RDZV_PORT": str(_free_port())},  # MASTER_PORT + 1 may be taken
     )
     assert out.returncode == 0, out.stderr
     for r in range(2):

@@ -13,6 +13,15 @@ pytestmark = pytest.mark.timeout(90)
 
 LAUNCH = [sys.executable, "-m", "paratrain.cli.main", "launch"]
 
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 JOB = """
 import os, signal, sys
 import numpy as np
@@ -101,7 +110,8 @@ def test_same_script_serves_every_role_under_torchrun(tmp_path: Path) -> None:
         text=True,
         timeout=60,
         check=False,
-        env={**os.environ, "PARATRAIN_SERVERS": "1"},
+        # the rendezvous port is reserved too: MASTER_PORT + 1 (the default) may be taken by another program
+        env={**os.environ, "PARATRAIN_SERVERS": "1", "PARATRAIN_RDZV_PORT": str(_free_port())},
     )
     assert out.returncode == 0, out.stderr
     assert sorted(p.read_text() for p in tmp_path.glob("job.py.*.out")) == ["0 2 2.0", "1 2 2.0"]
