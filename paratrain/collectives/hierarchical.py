@@ -19,13 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
 from paratrain.collectives.ops import Reducer
-from paratrain.collectives.plans import binomial_tree_reduce
 from paratrain.collectives.ring import ring_allreduce_run
-from paratrain.collectives.tree import Exchange, tree_broadcast
+from paratrain.collectives.tree import Exchange, tree_broadcast, tree_reduce
 from paratrain.transport.group import GroupTransport
 
 __all__ = ["HostLayout", "hierarchical_allreduce"]
@@ -57,23 +55,6 @@ class HostLayout:
         return 1 < len(self._groups) < len(self.hosts)
 
 
-def _tree_reduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], reducer: Reducer) -> None:
-    """Binomial reduce of ``src`` to group rank 0; the result is in rank 0's ``dst``."""
-    acc = src
-    steps = binomial_tree_reduce(ex.rank, ex.world_size, 0)
-    posted = {s.peer: ex.post(s.peer) for s in steps if s.direction == "recv"}
-    for step in steps:
-        if step.direction == "recv":
-            data = ex.recv_array(posted[step.peer], step.peer, dst.size, dst.dtype)
-            reducer.combine(acc, data, dst)
-            acc = dst
-        else:
-            ex.send(step.peer, [acc])
-    if ex.rank == 0 and acc is not dst:
-        np.copyto(dst, acc)
-    ex.finish()
-
-
 def hierarchical_allreduce(
     ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], reducer: Reducer, *, layout: HostLayout
 ) -> None:
@@ -88,7 +69,7 @@ def hierarchical_allreduce(
     is_leader = local[0] == transport.rank
     local_view = GroupTransport(transport, local)
     with Exchange(local_view, tag=ex.tag, timeout=ex.left(), label=f"{ex.label}, intra-host reduce") as lex:
-        _tree_reduce(lex, src, dst, partial)
+        tree_reduce(lex, src, dst, partial)
     if is_leader:  # dst now holds the host's partial result
         if len(layout.leaders) > 1:
             leaders = GroupTransport(transport, layout.leaders)

@@ -32,7 +32,7 @@ from paratrain.errors import CommTimeoutError, MessageError
 from paratrain.transport.base import Handle, Transport
 from paratrain.transport.wire import Message
 
-__all__ = ["Exchange", "agree", "direct_allreduce", "tree_allreduce", "tree_broadcast"]
+__all__ = ["Exchange", "agree", "direct_allreduce", "tree_allreduce", "tree_broadcast", "tree_reduce"]
 
 
 class Exchange:
@@ -308,7 +308,23 @@ def tree_allreduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], r
         [2.0, 1.0]
     """
     n, rank = ex.world_size, ex.rank
-    steps = binomial_tree_reduce(rank, n, 0)
+    tree_reduce(ex, src, dst, reducer)  # waits for its sends: the broadcast below overwrites dst
+    if rank == 0:
+        reducer.finish(dst, n)
+        _run_broadcast_steps(ex, binomial_tree_broadcast(rank, n, 0), dst, dst)
+    else:
+        _run_broadcast_steps(ex, binomial_tree_broadcast(rank, n, 0), None, dst)
+    ex.finish()
+
+
+def tree_reduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], reducer: Reducer) -> None:
+    """Binomial-tree reduce of flat ``src`` to rank 0 of ``ex``: the result lands in rank 0's ``dst``.
+
+    Partial results are combined in plan order (deterministic bits). ``mean`` is *not* finished here: the
+    caller divides once, by whatever count is right (the world, or every host's ranks in a hierarchy). Returns
+    when this rank's sends no longer read its buffers; other ranks' ``dst`` hold partial sums afterwards.
+    """
+    steps = binomial_tree_reduce(ex.rank, ex.world_size, 0)
     posted = {s.peer: ex.post(s.peer) for s in steps if s.direction == "recv"}
     acc = src
     for step in steps:
@@ -318,12 +334,6 @@ def tree_allreduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], r
             acc = dst
         else:
             ex.send(step.peer, [acc])
-    if rank == 0:
-        if acc is not dst:
-            np.copyto(dst, acc)
-        reducer.finish(dst, n)
-        _run_broadcast_steps(ex, binomial_tree_broadcast(rank, n, 0), dst, dst)
-    else:
-        ex.finish()  # the reduce send may still be reading from dst (in place); the broadcast overwrites it
-        _run_broadcast_steps(ex, binomial_tree_broadcast(rank, n, 0), None, dst)
+    if ex.rank == 0 and acc is not dst:
+        np.copyto(dst, acc)
     ex.finish()
