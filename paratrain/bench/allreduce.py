@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from paratrain.bench._timing import format_bytes
+from paratrain.bench._timing import cpu_model, format_bytes
 
 __all__ = [
     "ALGORITHMS",
@@ -506,14 +506,6 @@ def cpu_busy(seconds: float) -> float | None:
     return round(1 - idle / total, 3) if total > 0 else None
 
 
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as fh:
-        for line in fh:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def _labels(name: str, options: BenchOptions) -> list[str]:
     if name != "paratrain":
         return [name]
@@ -616,7 +608,7 @@ def run_bench(options: BenchOptions, *, out: TextIO | None = None) -> tuple[dict
         "machine": {
             "cpus": os.cpu_count() or 1,
             "platform": platform.platform(),
-            "processor": _cpu_model(),
+            "processor": cpu_model(),
             "python": platform.python_version(),
             "load_before": load_before,
             "busy_before": busy_before,

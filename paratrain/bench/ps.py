@@ -50,7 +50,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from paratrain.bench._timing import format_bytes
+from paratrain.bench._timing import cpu_model, format_bytes
 from paratrain.bench.allreduce import cpu_busy
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES
 
@@ -452,14 +452,6 @@ def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as fh:
-        for line in fh:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def _cpu_seconds() -> tuple[float, float] | None:
     """``(busy, total)`` CPU seconds of the whole machine since boot, steal included; None off Linux."""
     try:
@@ -569,7 +561,7 @@ def run_bench(options: PSBenchOptions, *, out: TextIO | None = None) -> tuple[di
         "machine": {
             "cpus": os.cpu_count() or 1,
             "platform": platform.platform(),
-            "processor": _cpu_model(),
+            "processor": cpu_model(),
             "python": platform.python_version(),
             "load_before": load_before,
             "busy_before": busy_before,
