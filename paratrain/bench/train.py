@@ -46,6 +46,8 @@ class TrainBenchOptions:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.warmup < 0:
             raise ConfigError("--warmup must be >= 0")
+        if self.timeout <= 0:
+            raise ConfigError("--timeout must be positive")
 
 
 def _worker(options: TrainBenchOptions, mode: str, out: str) -> list[str]:
@@ -130,11 +132,16 @@ def run_train_bench(options: TrainBenchOptions, *, out: TextIO | None = None) ->
                     continue
             runs[name].append(rate)
             print(f"  round {round_ + 1}/{options.repeat} {name:<10} {rate:10,.0f} samples/s", file=stream, flush=True)
-    missing = [name for name, values in runs.items() if not values]
+    # paratrain and the one-process anchor must succeed; an anchor from another project (DDP) may fail
+    # (a Gloo run was seen to hang here): it is then reported as missing, with why, instead of sinking the run
+    missing = [name for name in ("single", "single_1thread", "paratrain") if not runs[name]]
     if missing:
         raise RuntimeError(f"no successful run of {', '.join(missing)}: " + "; ".join(failures))
-    medians = {name: statistics.median(values) for name, values in runs.items()}
-    best_single = max(medians["single"], medians["single_1thread"])  # the anchor: one process at its best
+    medians: dict[str, float | None] = {
+        name: statistics.median(values) if values else None for name, values in runs.items()
+    }
+    best_single = max(statistics.median(runs["single"]), statistics.median(runs["single_1thread"]))
+    paratrain, ddp = statistics.median(runs["paratrain"]), medians["ddp"]
     return {
         "model": options.model,
         "workers": options.workers,
@@ -143,9 +150,9 @@ def run_train_bench(options: TrainBenchOptions, *, out: TextIO | None = None) ->
         "samples_per_sec": medians,
         "runs": runs,
         "best_single_samples_per_sec": best_single,
-        "paratrain_vs_single": medians["paratrain"] / best_single,
-        "paratrain_vs_ddp": medians["paratrain"] / medians["ddp"],
-        "ddp_vs_single": medians["ddp"] / best_single,
+        "paratrain_vs_single": paratrain / best_single,
+        "paratrain_vs_ddp": paratrain / ddp if ddp else None,
+        "ddp_vs_single": ddp / best_single if ddp else None,
         "cpu_count": os.cpu_count(),
         "failures": failures,
     }
@@ -167,6 +174,12 @@ def render(report: dict[str, Any]) -> str:
     }
     best = report["best_single_samples_per_sec"]
     for name in ("single", "single_1thread", "paratrain", "ddp"):
-        lines.append(f"{labels[name]:<34} {rates[name]:10,.0f} {rates[name] / best:19.2f}x")
-    lines.append(f"paratrain / DDP: {report['paratrain_vs_ddp']:.2f}x")
+        rate = rates[name]
+        if rate is None:
+            lines.append(f"{labels[name]:<34} {'failed':>10} {'(see failures)':>20}")
+        else:
+            lines.append(f"{labels[name]:<34} {rate:10,.0f} {rate / best:19.2f}x")
+    ratio = report["paratrain_vs_ddp"]
+    lines.append(f"paratrain / DDP: {ratio:.2f}x" if ratio is not None else "paratrain / DDP: no DDP run succeeded")
+    lines.extend(f"failed: {failure}" for failure in report["failures"])
     return "\n".join(lines)

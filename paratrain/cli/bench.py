@@ -259,6 +259,7 @@ def _add_train_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--steps", type=int, default=200, help="timed steps (default 200)")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps first (default 20)")
     p.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median is reported (default 3)")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds one engine run may take (default 180)")
     p.add_argument("--json", default=None, help="write the report as JSON to this file")
     p.set_defaults(func=_train)
 
@@ -275,11 +276,16 @@ def _train(args: argparse.Namespace) -> int:
             steps=args.steps,
             warmup=args.warmup,
             repeat=args.repeat,
+            timeout=args.timeout,
         )
     except ConfigError as exc:
         print(f"paratrain bench train: error: {exc}", file=sys.stderr)
         return 2
-    report = run_train_bench(options)
+    try:
+        report = run_train_bench(options)
+    except RuntimeError as exc:
+        print(f"paratrain bench train: error: {exc}", file=sys.stderr)
+        return 1
     print(render(report), flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

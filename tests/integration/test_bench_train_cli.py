@@ -17,7 +17,7 @@ CLI = [sys.executable, "-m", "paratrain.cli.main", "bench", "train"]
 
 def test_bench_train_runs_every_engine(tmp_path: Path) -> None:
     out = subprocess.run(
-        [*CLI, "--steps", "3", "--warmup", "1", "--repeat", "1", "--json", str(tmp_path / "r.json")],
+        [*CLI, "--steps", "3", "--warmup", "1", "--repeat", "1", "--timeout", "60", "--json", str(tmp_path / "r.json")],
         capture_output=True,
         text=True,
         timeout=170,
@@ -26,9 +26,16 @@ def test_bench_train_runs_every_engine(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "paratrain allreduce" in out.stdout and "torch DDP (Gloo)" in out.stdout
     report = json.loads((tmp_path / "r.json").read_text())
-    assert set(report["samples_per_sec"]) == {"single", "single_1thread", "paratrain", "ddp"}
-    assert all(v > 0 for v in report["samples_per_sec"].values())
-    assert report["paratrain_vs_ddp"] > 0
+    rates = report["samples_per_sec"]
+    assert set(rates) == {"single", "single_1thread", "paratrain", "ddp"}
+    assert rates["single"] > 0 and rates["single_1thread"] > 0 and rates["paratrain"] > 0
+    # DDP is another project's anchor: a Gloo run was seen to hang on this VM; then it must be reported as
+    # failed (with the reason), not silently dropped or allowed to sink the whole benchmark
+    if rates["ddp"] is None:
+        assert report["failures"] and "ddp" in report["failures"][0]
+        assert "failed" in out.stdout
+    else:
+        assert rates["ddp"] > 0 and report["paratrain_vs_ddp"] > 0
 
 
 @pytest.mark.parametrize(
