@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from paratrain.bench._timing import cpu_model, format_bytes
+from paratrain.launch.procs import die_with_parent
 
 __all__ = [
     "ALGORITHMS",
@@ -288,7 +289,11 @@ def _run_processes(commands: Sequence[tuple[list[str], dict[str, str]]], timeout
     problem: str | None = None
     try:
         for argv, env in commands:
-            procs.append(subprocess.Popen(argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL))
+            # die_with_parent makes two system calls in the child; prctl is resolved before the fork
+            setup = die_with_parent()
+            procs.append(
+                subprocess.Popen(argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL, preexec_fn=setup)  # noqa: PLW1509
+            )
         deadline = time.monotonic() + timeout
         while problem is None:
             codes = [p.poll() for p in procs]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from paratrain.errors import ConfigError
+from paratrain.launch.procs import die_with_parent
 
 __all__ = ["TrainBenchOptions", "run_train_bench"]
 
@@ -70,7 +71,7 @@ def _env(threads: int) -> dict[str, str]:
 
 def _run_single(options: TrainBenchOptions, out: str, threads: int) -> float:
     subprocess.run([sys.executable, *_worker(options, "single", out)], env=_env(threads), check=True,
-                   timeout=options.timeout, stdout=subprocess.DEVNULL)  # fmt: skip
+                   timeout=options.timeout, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent())  # fmt: skip
     return _throughput(out, "single", 1)
 
 
@@ -85,7 +86,7 @@ def _run_single_one_thread(options: TrainBenchOptions, out: str) -> float:
 def _run_paratrain(options: TrainBenchOptions, out: str) -> float:
     cmd = [sys.executable, "-m", "paratrain.cli.main", "launch", "-n", str(options.workers), "--", "python",
            *_worker(options, "paratrain", out)]  # fmt: skip
-    subprocess.run(cmd, check=True, timeout=options.timeout, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, timeout=options.timeout, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent())
     return _throughput(out, "paratrain", options.workers)
 
 
@@ -99,7 +100,7 @@ def _run_ddp(options: TrainBenchOptions, out: str) -> float:
         env = _env(threads) | {"RANK": str(rank), "WORLD_SIZE": str(options.workers), "MASTER_ADDR": "127.0.0.1",
                                "MASTER_PORT": str(port)}  # fmt: skip
         procs.append(subprocess.Popen([sys.executable, *_worker(options, "ddp", out)], env=env,
-                                      stdout=subprocess.DEVNULL))  # fmt: skip
+                                      stdout=subprocess.DEVNULL, preexec_fn=die_with_parent()))  # fmt: skip  # noqa: PLW1509 (two syscalls, prctl resolved before fork)
     try:
         for p in procs:
             if p.wait(timeout=options.timeout) != 0:

@@ -32,7 +32,7 @@ from typing import Any, TextIO
 
 from paratrain.errors import ConfigError
 
-__all__ = ["Outcome", "ProcFailure", "ProcSpec", "Supervisor"]
+__all__ = ["Outcome", "ProcFailure", "ProcSpec", "Supervisor", "die_with_parent"]
 
 _TAG = "paratrain launch: "
 
@@ -171,6 +171,15 @@ def _child_setup(parent_pid: int, prctl: _Prctl) -> Callable[[], None]:
             os.kill(os.getpid(), sigkill)
 
     return setup
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` making a child die when this process dies (Linux), for any ``subprocess`` call.
+
+    Benchmarks and tools that start helper processes outside a :class:`Supervisor` use it so that a killed
+    parent (a test's timeout, say) leaves no orphan. Returns None where ``prctl`` is unavailable.
+    """
+    return _child_setup(os.getpid(), _PRCTL) if _PRCTL is not None else None
 
 
 def _describe_returncode(returncode: int) -> str:
@@ -557,7 +566,7 @@ class Supervisor:
     # -- the job -------------------------------------------------------------------------------------------
 
     def _spawn_all(self) -> None:
-        setup = _child_setup(os.getpid(), _PRCTL) if _PRCTL is not None else None
+        setup = die_with_parent()
         for spec in self._specs:
             if self._signals:
                 self._note_stop_signal()
