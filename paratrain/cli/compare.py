@@ -2,8 +2,9 @@
 
 Each strategy runs as a full ``paratrain train`` job (same model, data, seed, workers, emulated network and
 straggler), one after the other so that they never share the CPUs. The figure puts training loss against wall
-time and against steps, one line per strategy; the table gives final accuracy, throughput and the time each
-strategy took to first reach ``--target-accuracy``.
+time and against steps, and test accuracy against wall time, one line per strategy; the table (Markdown) gives
+final accuracy, throughput, the share of time spent waiting for communication and the time each strategy took
+to first reach ``--target-accuracy``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from paratrain.errors import ConfigError
 
-__all__ = ["add_parser", "time_to_accuracy"]
+__all__ = ["add_parser", "format_table", "time_to_accuracy"]
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,13 +49,39 @@ def time_to_accuracy(records: list[dict[str, Any]], target: float) -> float | No
     return None
 
 
+def format_table(rows: list[dict[str, Any]], target: float) -> str:
+    """The comparison as a Markdown table (it reads as plain text too, and pastes into a README).
+
+    Columns: rank 0's final test accuracy, the workers' average model's (gossip only: the others' workers are
+    identical), throughput, the share of step time spent waiting for communication (mean over ranks), the
+    wall time of the whole job and the training time until rank 0 first reached ``target``.
+    """
+    lines = [
+        f"| strategy | test acc | avg-model acc | samples/s | comm wait | wall s | time to {target} |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        tta = row["time_to_accuracy_s"]
+        reached = f"{tta:.1f} s" if tta is not None else "not reached"
+        consensus = row.get("consensus_accuracy")
+        ranks = list(row["per_rank"].values())
+        total = sum(r["compute_s"] + r["wait_s"] for r in ranks)
+        wait = sum(r["wait_s"] for r in ranks) / total if total else 0.0
+        lines.append(
+            f"| {row['strategy']} | {row['test_accuracy']:.4f} | "
+            + (f"{consensus:.4f}" if consensus is not None else "-")
+            + f" | {row['samples_per_sec']:,.0f} | {wait:.0%} | {row['wall_time_s']:.1f} | {reached} |"
+        )
+    return "\n".join(lines)
+
+
 def _plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
     for name, records in runs.items():
         steps = [r for r in records if r.get("kind") == "step" and r.get("rank") == 0]
         if not steps:
@@ -62,11 +89,16 @@ def _plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None
         start = steps[0]["time"] - steps[0]["compute_s"] - steps[0]["wait_s"]
         axes[0].plot([r["time"] - start for r in steps], [r["loss"] for r in steps], lw=0.8, label=name)
         axes[1].plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8, label=name)
+        evals = [r for r in records if r.get("kind") == "eval" and r.get("rank") == 0]
+        axes[2].plot([r["time"] - start for r in evals], [r["test_accuracy"] for r in evals], "o-", ms=3, label=name)
     axes[0].set_xlabel("wall time (s)")
     axes[1].set_xlabel("step")
-    for ax in axes:
+    axes[2].set_xlabel("wall time (s)")
+    for ax in axes[:2]:
         ax.set_ylabel("training loss (rank 0)")
         ax.set_yscale("log")
+    axes[2].set_ylabel("test accuracy (rank 0, after each epoch)")
+    for ax in axes:
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
@@ -105,20 +137,10 @@ def _main(args: argparse.Namespace) -> int:
     title = (
         f"{args.model} on {args.dataset}, {args.workers} workers"
         + (f", straggler {args.straggler}" if args.straggler else "")
-        + (f", network {args.faults}" if args.faults else "")
+        + (f", network {jobs[0].network()}" if jobs[0].network() else "")
     )
     _plot(runs, out / "compare.png", title)
-    header = (
-        f"{'strategy':<12} {'test acc':>9} {'samples/s':>10} {'wall s':>8} {'time to ' + str(args.target_accuracy):>14}"
-    )
-    print(header)
-    for row in rows:
-        tta = row["time_to_accuracy_s"]
-        reached = f"{tta:.1f} s" if tta is not None else "not reached"
-        print(
-            f"{row['strategy']:<12} {row['test_accuracy']:9.4f} {row['samples_per_sec']:10,.0f} "
-            f"{row['wall_time_s']:8.1f} {reached:>14}"
-        )
+    print(format_table(rows, args.target_accuracy))
     print(f"figure: {out / 'compare.png'}")
     result = {"target_accuracy": args.target_accuracy, "runs": rows, "figure": str(out / "compare.png")}
     (out / "compare.json").write_text(json.dumps(result, indent=2))

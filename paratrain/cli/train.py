@@ -40,6 +40,31 @@ class TrainJob(argparse.Namespace):
     json: str | None
     straggler: str | None
     faults: str | None
+    latency: str | None
+    bandwidth: str | None
+
+    def network(self) -> str | None:
+        """The fault spec every rank gets: ``--faults`` plus ``--latency`` and ``--bandwidth`` (None: real network).
+
+        Raises:
+            ConfigError: a key given twice (``--latency`` and ``--faults latency=...``), or a bad value.
+        """
+        from paratrain.transport.faults import FaultSpec
+
+        parts = [p.strip() for p in (getattr(self, "faults", None) or "").split(",") if p.strip()]
+        given = {p.partition("=")[0].strip() for p in parts}
+        for key in ("latency", "bandwidth"):
+            value = getattr(self, key, None)
+            if value is None:
+                continue
+            if key in given:
+                raise ConfigError(f"--{key} and --faults {key}=... both given; keep one")
+            parts.append(f"{key}={value}")
+        if not parts:
+            return None
+        spec = ",".join(parts)
+        FaultSpec.parse(spec)
+        return spec
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -50,7 +75,11 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--servers", type=int, default=None, help="parameter servers for bsp/ssp/asp (default 1)")
     p.add_argument("--straggler", default=None, help="RANK:FACTOR makes that worker's compute FACTOR times slower")
-    p.add_argument("--faults", default=None, help="emulated network, e.g. latency=2ms,bandwidth=100Mbit")
+    p.add_argument(
+        "--faults", default=None, help="emulated network and faults, e.g. latency=2ms,bandwidth=100Mbit,drop=0.01"
+    )
+    p.add_argument("--latency", default=None, help="emulated one-way latency of every message, e.g. 2ms")
+    p.add_argument("--bandwidth", default=None, help="emulated link of every process (in and out), e.g. 100Mbit")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -102,6 +131,7 @@ def validate(job: TrainJob) -> None:
         Policy.parse(kind, int(staleness) if staleness else None)
     else:
         raise ConfigError(f"unknown --strategy {job.strategy!r}; choose one of: {STRATEGIES_HELP}")
+    job.network()
     if job.straggler:
         who, _, factor = job.straggler.partition(":")
         try:
@@ -176,7 +206,7 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
         follower.start()
     started = time.time()
     try:
-        code = run_launch(argv, nproc=job.workers, servers=servers, faults=job.faults)
+        code = run_launch(argv, nproc=job.workers, servers=servers, faults=job.network())
     finally:
         stop.set()
         if follower is not None:
@@ -226,8 +256,11 @@ def summarise(
         "batch_size": job.batch_size,
         "lr": job.lr,
         "seed": job.seed,
+        "network": job.network(),
         "test_accuracy": evals[-1]["test_accuracy"] if evals else None,
         "accuracy_by_epoch": [e["test_accuracy"] for e in evals],
+        "consensus_accuracy": evals[-1].get("consensus_accuracy") if evals else None,
+        "consensus_distance_by_epoch": [e["consensus_distance"] for e in evals if "consensus_distance" in e],
         "samples_per_sec": samples / train_time if train_time > 0 else None,
         "train_time_s": train_time,
         "wall_time_s": wall,
@@ -245,6 +278,11 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"{summary['strategy']}: test accuracy {acc:.4f}, {sps:,.0f} samples/s, wall time "
         f"{summary['wall_time_s']:.1f} s"
     )
+    if summary.get("consensus_accuracy") is not None:
+        print(
+            f"  the workers' average model: test accuracy {summary['consensus_accuracy']:.4f} (consensus distance "
+            f"{summary['consensus_distance_by_epoch'][-1]:.3g})"
+        )
     for rank, entry in summary["per_rank"].items():
         total = entry["compute_s"] + entry["wait_s"]
         share = entry["wait_s"] / total if total else 0.0

@@ -65,11 +65,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
       the new parameters. BSP waits for every worker each step; SSP lets a worker run up to S steps ahead of the
       slowest with parameters at most S steps stale; ASP never waits. The servers hold the parameters (rank
       0's initial values win) and the optimizer state; the wrapped optimizer is never stepped.
-    - ``"gossip:TOPOLOGY"``: decentralised D-PSGD. Every worker runs the wrapped optimizer on its own gradients,
-      then averages its parameters with its neighbours in the graph (``ring``, ``torus``, ``exponential``,
-      ``complete`` or a graph file) by the Metropolis-Hastings weights; no global communication. Workers are not
-      identical but drift towards consensus; their mean follows SGD. See
-      :class:`~paratrain.torch.strategies.GossipStrategy`.
+    - ``"gossip:TOPOLOGY"``: decentralised D-PSGD. Every worker runs the wrapped optimizer on its own gradients
+      and mixes its parameters with its neighbours' in the graph (``ring``, ``torus``, ``exponential``,
+      ``complete`` or a graph file) by the Metropolis-Hastings weights; no global communication, and the
+      exchange of a step's parameters overlaps the next forward and backward. Workers are not identical but
+      drift towards consensus; their mean follows SGD. See :class:`~paratrain.torch.strategies.GossipStrategy`.
 
     Gradients without a parameter: a parameter that no worker used this step keeps ``grad = None`` (so the
     optimizer skips it, as in one process); one that only some workers used gets the mean with zeros from the

@@ -1,6 +1,6 @@
 """How a step's fused gradients become new parameters: allreduce, a parameter server, or gossip (D-PSGD).
 
-Both strategies see the same three calls from :class:`~paratrain.torch.DistributedOptimizer`, always in this
+Every strategy sees the same three calls from :class:`~paratrain.torch.DistributedOptimizer`, always in this
 order on every rank::
 
     launch(0) launch(1) ... launch(B-1)     during backward, from the hooks (bucket order, never hook order)
@@ -14,8 +14,8 @@ order on every rank::
   :class:`~paratrain.ps.KVStore`; ``launch`` pushes its gradients, ``apply`` ends the clock and pulls the
   parameters the servers computed with their own copy of the optimizer (Li et al. OSDI'14, Petuum).
 - ``"gossip:TOPOLOGY"`` (:class:`GossipStrategy`): decentralised D-PSGD (Lian et al. NeurIPS'17). Gradients
-  stay local; ``apply`` runs the wrapped optimizer, then averages the parameters with the graph neighbours only,
-  weighted by the Metropolis-Hastings mixing matrix of :mod:`paratrain.gossip`.
+  stay local; each step's parameters leave for the graph neighbours as the step ends and travel during the
+  next forward and backward; ``apply`` adds the Metropolis-Hastings weighted mix of them to the local step.
 
 Threading: ``launch`` runs on the thread that runs backward, the others on the caller's; the optimizer holds
 a lock around every call. Asynchronous collectives run in call order on the context's one background thread,
@@ -40,6 +40,7 @@ from paratrain.ps.client import KVStore
 from paratrain.runtime.context import Context
 from paratrain.torch.fusion import FusedBucket
 from paratrain.transport.base import Handle
+from paratrain.transport.wire import Message
 
 __all__ = [
     "STRATEGIES",
@@ -341,24 +342,31 @@ class ParameterServerStrategy(Strategy):
 
 
 class GossipStrategy(Strategy):
-    """Decentralised parallel SGD (D-PSGD, Lian et al. NeurIPS'17): local steps, then mixing with neighbours.
+    """Decentralised parallel SGD (D-PSGD, Lian et al. NeurIPS'17), with the exchange hidden behind compute.
 
-    Each step every worker runs the wrapped optimizer on its *own* gradients, then replaces its parameters by
-    ``x_i <- sum_j W_ij x_j`` over itself and its graph neighbours, with ``W`` the Metropolis-Hastings matrix
-    of the topology (symmetric, doubly stochastic, so the workers' mean is what plain SGD on the mean would
-    see). No rank ever talks to a non-neighbour and there is no global barrier: on a ring each worker sends
-    two messages per step whatever the number of workers, which is why D-PSGD wins on slow or high-latency
-    networks. The price is that workers disagree by a consensus distance that shrinks with the spectral gap.
+    Worker ``i`` holds its own parameters ``x_i``. Step ``k`` is Lian's update
 
-    Communication: one message per neighbour per step, holding every bucket's flat parameters, tagged with
-    ``context.next_collective_tag()`` (taken once per step on every rank, so ranks stay matched without a
-    handshake). All receives and sends are posted together before waiting on any, so the exchanges with the
-    different neighbours run concurrently and no pair of ranks can deadlock waiting for each other. The
-    exchange does not overlap backward: the parameters it sends exist only after the local step. (Lian's
-    formulation ``x_{k+1} = W x_k - lr * g(x_k)`` would let ``x_k`` travel during backward; that is a later
-    step.) Weights are computed in float64 and the result cast back to the parameters' dtype.
+        x_i(k+1) = sum_j W_ij x_j(k)  +  u_i(k)
 
-    The wrapped optimizer's state (momentum, Adam moments) stays local and is not mixed.
+    where ``W`` is the Metropolis-Hastings matrix of the topology (symmetric, doubly stochastic: the workers'
+    mean moves exactly as SGD on the mean gradient would) and ``u_i(k)`` is what the wrapped optimizer does to
+    ``x_i(k)`` with worker ``i``'s own gradient at ``x_i(k)`` (``-lr * g`` for plain SGD; momentum and Adam state
+    stay local and are not mixed). No rank ever talks to a non-neighbour and there is no global barrier: on a
+    ring a worker sends two messages per step whatever the number of workers. The price is that workers
+    disagree by a consensus distance that shrinks with the spectral gap.
+
+    Overlap. Both terms depend only on ``x(k)``, so the mixing need not wait for the gradient: at the end of
+    every step the new parameters are posted to the neighbours at once (non-blocking sends and receives), and
+    they travel while the next forward and backward run. ``step()`` then waits only for what has not yet
+    arrived, runs the local optimizer step and adds the mixing correction ``sum_j W_ij x_j(k) - x_i(k)``. The
+    very first step has nothing in flight, so its exchange starts in ``step()`` (after any
+    ``broadcast_parameters``). Parameters changed outside ``step()`` between two steps reach the neighbours
+    one step late.
+
+    Communication: one message per neighbour per step holding every bucket's flat parameters, tagged with
+    ``context.next_collective_tag()`` (taken at the same point on every rank, so ranks stay matched without a
+    handshake). Receives and sends are posted together, so exchanges with different neighbours run
+    concurrently and no pair of ranks can deadlock. Mixing is computed in float64 and cast back.
 
     Args:
         context: this rank's context.
@@ -377,36 +385,36 @@ class GossipStrategy(Strategy):
         self.mixing = metropolis_hastings(n, self.edges)
         self.neighbors = neighbors(self.mixing, context.rank)
         self.self_weight = float(self.mixing[context.rank, context.rank])
+        self._sent: list[torch.Tensor] | None = None  # x_i(k) as posted to the neighbours
+        self._receives: list[tuple[int, float, Handle[Message]]] = []
+        self._sends: list[Handle[None]] = []
 
     def launch(self, k: int) -> None:
-        """Nothing to send during backward: D-PSGD steps on local gradients."""
+        """Nothing to send during backward: the parameters left at the end of the previous step."""
 
     def finish(self) -> None:
-        """Nothing to wait for before the local step."""
+        """Starts this step's exchange if none is in flight (the first step)."""
         for bucket in self.buckets:
             bucket.reset()
+        if self._sent is None:
+            self._post()
 
-    def apply(self, optimizer: torch.optim.Optimizer) -> None:
-        """The local optimizer step, then one gossip exchange with the neighbours (blocks until mixed)."""
-        optimizer.step()
-        self.gossip()
-
-    @torch.no_grad()
-    def gossip(self) -> None:
-        """One mixing step ``x_i <- sum_j W_ij x_j`` of the parameters with the neighbours. Every rank calls it.
-
-        Raises:
-            CommTimeoutError, PeerLostError: a neighbour did not answer within the context's timeout.
-        """
+    def _post(self) -> None:
+        """Posts ``x_i`` to every neighbour and a receive from each; returns at once."""
         tag = self._context.next_collective_tag()  # taken even without neighbours, so every rank stays in step
-        if not self.neighbors:
-            return
+        self._sent = [bucket.read_params() for bucket in self.buckets]
         transport = self._context.workers
+        self._receives = [(peer, weight, transport.irecv(peer, tag)) for peer, weight in self.neighbors]
+        self._sends = [transport.isend(peer, tag, self._sent) for peer, _ in self.neighbors]
+
+    def _mixed(self) -> list[torch.Tensor]:
+        """``sum_j W_ij x_j(k)`` per bucket in float64; waits for the neighbours' messages."""
+        mine = self._sent
+        if mine is None:
+            raise RuntimeError("internal error: gossip step without an exchange in flight")
         timeout = self._context.settings.timeout
-        mine = [bucket.read_params() for bucket in self.buckets]
-        receives = [(peer, weight, transport.irecv(peer, tag)) for peer, weight in self.neighbors]
-        sends = [transport.isend(peer, tag, mine) for peer, _ in self.neighbors]
         mixed = [flat.to(torch.float64) * self.self_weight for flat in mine]
+        receives, self._receives = self._receives, []
         for peer, weight, handle in receives:
             message = handle.wait(timeout)
             if len(message.arrays) != len(mine):
@@ -424,7 +432,36 @@ class GossipStrategy(Strategy):
                         "worker must build the same model"
                     )
                 acc.add_(theirs.to(torch.float64), alpha=weight)
+        sends, self._sends = self._sends, []
         for sent in sends:
             sent.wait(timeout)
-        for bucket, flat, acc in zip(self.buckets, mine, mixed, strict=True):
-            bucket.write_params(acc.to(flat.dtype))
+        return mixed
+
+    @torch.no_grad()
+    def apply(self, optimizer: torch.optim.Optimizer) -> None:
+        """Local optimizer step plus mixing correction, then posts the new parameters for the next step.
+
+        Raises:
+            CommTimeoutError, PeerLostError: a neighbour did not answer within the context's timeout.
+        """
+        mixed = self._mixed()
+        sent, self._sent = self._sent, None
+        assert sent is not None  # _mixed() checked it
+        optimizer.step()
+        for bucket, before, avg in zip(self.buckets, sent, mixed, strict=True):
+            stepped = bucket.read_params()
+            bucket.write_params((stepped.to(torch.float64) + (avg - before.to(torch.float64))).to(stepped.dtype))
+        self._post()
+
+    def close(self) -> None:
+        """Completes the exchange posted after the last step, whose result is not used.
+
+        It is waited for, not cancelled: a rank that left before its neighbours' last messages arrived would
+        make their sends fail with ``PeerLostError``.
+
+        Raises:
+            CommTimeoutError, PeerLostError: a neighbour did not send its last parameters (it stopped early).
+        """
+        if self._sent is not None:
+            self._mixed()
+        self._receives, self._sends, self._sent = [], [], None

@@ -3,7 +3,8 @@
 Every worker trains the same model on its shard of the training set (a fresh permutation each epoch, the same
 on every rank, cut into equal parts), with the chosen strategy doing the synchronisation. Each step is
 recorded as spans (forward and backward are compute; ``step`` is where the strategy waits for communication
-that backward did not hide) and a metrics line; each epoch ends with test accuracy on the rank's own model.
+that backward did not hide) and a metrics line; each epoch ends with test accuracy on the rank's own model
+(and, for gossip, on the workers' average model, with their consensus distance).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="mlp", help="mlp or lenet (default mlp)")
     parser.add_argument("--dataset", default="digits", help="digits (bundled) or fashion-mnist (default digits)")
     parser.add_argument("--data-dir", default=None, help="directory of the Fashion-MNIST IDX files")
-    parser.add_argument("--strategy", default="allreduce", help="allreduce, bsp, ssp:S or asp (default allreduce)")
+    parser.add_argument(
+        "--strategy", default="allreduce", help="allreduce, bsp, ssp:S, asp or gossip:TOPOLOGY (default allreduce)"
+    )
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
     parser.add_argument("--batch-size", type=int, default=64, help="examples per worker per step (default 64)")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate of SGD with momentum 0.9 (0.05)")
@@ -58,6 +61,26 @@ def evaluate(model: Any, x: np.ndarray, y: np.ndarray, batch: int = 1024) -> tup
             correct += int((out.argmax(1) == yb).sum())
     model.train()
     return correct / len(y), loss_sum / len(y)
+
+
+def consensus_eval(ctx: pt.Context, model: Any, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """For gossip, whose workers differ: the workers' average model's accuracy and the consensus distance.
+
+    D-PSGD's guarantees are about the average of the workers' parameters (Lian et al.), which no worker holds;
+    one allreduce per evaluation computes it, on a copy, so training itself is not changed. The consensus
+    distance is the mean over workers of the squared distance ``|x_i - mean|^2``. Every rank must call it.
+    """
+    import copy
+
+    import torch
+
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    mean = ctx.allreduce(params, op="mean")
+    distance = float(ctx.allreduce((params - mean).pow(2).sum().reshape(1), op="mean")[0])
+    average = copy.deepcopy(model)
+    torch.nn.utils.vector_to_parameters(mean, average.parameters())
+    accuracy, _ = evaluate(average, x, y)
+    return {"consensus_accuracy": accuracy, "consensus_distance": distance}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,7 +151,10 @@ def main(argv: list[str] | None = None) -> None:
         t4 = time.time()
         accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
         rec.add_span("evaluate", "eval", t4, time.time())
-        rec.log(kind="eval", epoch=epoch + 1, step=step, test_accuracy=accuracy, test_loss=test_loss)
+        extra: dict[str, float] = {}
+        if args.strategy.strip().lower().startswith("gossip"):
+            extra = consensus_eval(ctx, model, data.x_test, data.y_test)
+        rec.log(kind="eval", epoch=epoch + 1, step=step, test_accuracy=accuracy, test_loss=test_loss, **extra)
         if rank == 0:
             print(
                 f"epoch {epoch + 1}/{args.epochs}: train loss {epoch_loss / steps:.4f}, "

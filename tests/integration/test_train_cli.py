@@ -67,6 +67,9 @@ def test_parameter_server_strategy_runs(tmp_path: Path) -> None:
         (["--model", "resnet"], "unknown --model"),
         (["--straggler", "5:2"], "RANK:FACTOR"),
         (["--dataset", "fashion-mnist", "--data-dir", "/nonexistent"], "apt-get install dataset-fashion-mnist"),
+        (["--latency", "2ms", "--faults", "latency=1ms"], "both given"),
+        (["--bandwidth", "fast"], "is not a bandwidth"),
+        (["--strategy", "gossip:star"], "neither one of ring"),
     ],
 )
 def test_bad_flags_give_a_clear_message(tmp_path: Path, flags: list[str], message: str) -> None:
@@ -77,12 +80,20 @@ def test_bad_flags_give_a_clear_message(tmp_path: Path, flags: list[str], messag
 
 def test_compare_draws_the_strategies_together(tmp_path: Path) -> None:
     out = subprocess.run(
-        [*CLI, "compare", "--strategies", "allreduce,asp", "--epochs", "1", "--out", str(tmp_path / "cmp"),
-         "--target-accuracy", "0.5", "--straggler", "1:2"],
+        [*CLI, "compare", "--strategies", "allreduce,gossip:ring", "--workers", "3", "--epochs", "1",
+         "--out", str(tmp_path / "cmp"), "--target-accuracy", "0.5", "--straggler", "1:2", "--latency", "1ms",
+         "--bandwidth", "1Gbit"],
         capture_output=True, text=True, timeout=170, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "cmp" / "compare.png").exists()
     result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
-    assert [r["strategy"] for r in result["runs"]] == ["allreduce", "asp"]
-    assert "allreduce" in out.stdout and "asp" in out.stdout
+    allreduce, gossip = result["runs"]
+    assert allreduce["strategy"] == "allreduce" and gossip["strategy"] == "gossip:ring"
+    assert allreduce["network"] == gossip["network"] == "latency=1ms,bandwidth=1Gbit"
+    # gossip's workers differ, so its average model is evaluated too; allreduce's workers are identical
+    assert allreduce["consensus_accuracy"] is None
+    assert 0.0 <= gossip["consensus_accuracy"] <= 1.0 and len(gossip["consensus_distance_by_epoch"]) == 1
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| strategy |") and rows[1].startswith("| allreduce |")
+    assert rows[2].startswith("| gossip:ring |") and " - |" not in rows[2]
