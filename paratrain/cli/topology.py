@@ -20,12 +20,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "topology",
         help="show a gossip graph's mixing matrix, spectral gap and traffic per step",
         description=(
-            "Build the Metropolis-Hastings mixing matrix W of a gossip graph over N workers and print W, its "
-            "spectral gap (1 - second largest |eigenvalue|: the larger, the faster workers agree) and what each "
-            "worker sends per gossip step for a model of --bytes bytes."
+            "Build the Metropolis-Hastings mixing matrix W of a gossip graph over N workers (or check a W you "
+            "give in a JSON file with 'mixing_matrix', the format --json writes) and print W, its spectral gap "
+            "(1 - second largest |eigenvalue|: the larger, the faster workers agree) and what each worker sends "
+            "per gossip step for a model of --bytes bytes."
         ),
     )
-    p.add_argument("graph", help="ring, torus, exponential, complete, or a graph file ('u v' per line or JSON pairs)")
+    p.add_argument(
+        "graph",
+        help="ring, torus, exponential, complete, a graph file ('u v' per line or JSON pairs), or a JSON file "
+        "with a 'mixing_matrix'",
+    )
     p.add_argument(
         "-n", "--workers", type=int, default=None, help="number of workers (default for a file: highest rank + 1)"
     )
@@ -63,28 +68,35 @@ def _human(nbytes: float) -> str:
 
 def _report(args: argparse.Namespace) -> dict[str, Any]:
     from paratrain.errors import ConfigError
-    from paratrain.gossip.mixing import metropolis_hastings, per_node_traffic, spectral_gap
-    from paratrain.gossip.topology import TOPOLOGIES, load_edges, resolve_topology, torus_shape
+    from paratrain.gossip.mixing import load_mixing, per_node_traffic, resolve_mixing, spectral_gap
+    from paratrain.gossip.topology import TOPOLOGIES, load_edges, torus_shape
 
     nbytes = _parse_bytes(args.bytes)
     name = args.graph.strip().lower()
     n = args.workers
+    weights = "Metropolis-Hastings"
     if name not in TOPOLOGIES:
         if not Path(args.graph).is_file():
-            raise ConfigError(f"{args.graph!r} is neither one of {', '.join(TOPOLOGIES)} nor an existing graph file")
-        if n is None:
+            raise ConfigError(
+                f"{args.graph!r} is neither one of {', '.join(TOPOLOGIES)} nor an existing graph or matrix file"
+            )
+        given = load_mixing(args.graph)
+        if given is not None:
+            weights = f"given in {args.graph}"
+            n = given.shape[0] if n is None else n
+        elif n is None:
             edges = load_edges(args.graph)
             n = max((v for _, v in edges), default=0) + 1
     elif n is None:
         raise ConfigError(f"--workers N is needed for the {name!r} topology")
     if n < 1:
         raise ConfigError(f"--workers must be >= 1, got {n}")
-    edges = resolve_topology(name if name in TOPOLOGIES else args.graph, n)
-    w = metropolis_hastings(n, edges)
+    w, edges = resolve_mixing(name if name in TOPOLOGIES else args.graph, n)
     traffic = per_node_traffic(w, nbytes)
     report: dict[str, Any] = {
         "topology": name if name in TOPOLOGIES else str(args.graph),
         "workers": n,
+        "weights": weights,
         "edges": [list(e) for e in edges],
         "spectral_gap": spectral_gap(w),
         "mixing_matrix": w.tolist(),
@@ -104,7 +116,7 @@ def _print(report: dict[str, Any], decimals: int) -> None:
     shape = f" ({report['torus_shape'][0]} x {report['torus_shape'][1]})" if "torus_shape" in report else ""
     print(f"topology {report['topology']}{shape}, {n} workers, {len(report['edges'])} edges")
     if n <= _SHOW_MATRIX_UP_TO:
-        print(f"mixing matrix W (Metropolis-Hastings, rounded to {decimals} decimals):")
+        print(f"mixing matrix W ({report['weights']}, rounded to {decimals} decimals):")
         width = decimals + 3
         for row in report["mixing_matrix"]:
             print("  " + " ".join(f"{x:{width}.{decimals}f}" for x in row))

@@ -20,7 +20,10 @@ from paratrain.errors import ConfigError
 
 __all__ = ["TrainJob", "add_parser", "run_training", "validate"]
 
-STRATEGIES_HELP = "allreduce, bsp, ssp:S (S = staleness bound), asp, gossip:ring|torus|exponential|complete|FILE"
+STRATEGIES_HELP = (
+    "allreduce, bsp, ssp:S (S = staleness bound), asp, gossip:ring|torus|exponential|complete|FILE (a graph, or a "
+    "JSON mixing matrix)"
+)
 
 
 class TrainJob(argparse.Namespace):
@@ -113,22 +116,22 @@ def validate(job: TrainJob) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(job, name)}")
     if not job.lr > 0:
         raise ConfigError(f"--lr must be positive, got {job.lr}")
-    kind, _, staleness = job.strategy.partition(":")
-    if kind == "allreduce" and not staleness:
+    kind, _, arg = job.strategy.partition(":")
+    if kind == "allreduce" and not arg:
         if job.servers:
             raise ConfigError("--servers is for the parameter-server strategies (bsp, ssp:S, asp), not allreduce")
     elif kind == "gossip":
-        from paratrain.gossip.topology import resolve_topology
+        from paratrain.gossip.mixing import resolve_mixing
 
-        if not staleness:
+        if not arg:
             raise ConfigError("--strategy gossip needs its graph: gossip:ring, gossip:torus, gossip:exponential, ...")
         if job.servers:
             raise ConfigError("--servers is for the parameter-server strategies, not gossip")
-        resolve_topology(staleness, job.workers)
+        resolve_mixing(arg.strip(), job.workers)
     elif kind in ("bsp", "ssp", "asp"):
-        if kind == "ssp" and not staleness.isdigit():
+        if kind == "ssp" and not arg.isdigit():
             raise ConfigError(f"--strategy {job.strategy!r}: write ssp:S with a staleness bound S >= 0, e.g. ssp:3")
-        Policy.parse(kind, int(staleness) if staleness else None)
+        Policy.parse(kind, int(arg) if arg else None)
     else:
         raise ConfigError(f"unknown --strategy {job.strategy!r}; choose one of: {STRATEGIES_HELP}")
     job.network()

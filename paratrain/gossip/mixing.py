@@ -9,21 +9,25 @@ al. NeurIPS'17 bound D-PSGD's convergence with it). All functions are pure (NumP
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from paratrain.errors import ConfigError
-from paratrain.gossip.topology import validate_edges
+from paratrain.gossip.topology import Edge, resolve_topology, validate_edges
 
 __all__ = [
     "NodeTraffic",
+    "load_mixing",
     "metropolis_hastings",
     "neighbors",
     "per_node_traffic",
+    "resolve_mixing",
     "spectral_gap",
     "validate_mixing",
 ]
@@ -155,3 +159,62 @@ def per_node_traffic(w: Any, nbytes: int) -> list[NodeTraffic]:
         k = len(neighbors(w, rank))
         out.append(NodeTraffic(rank=rank, neighbors=k, bytes_sent=k * nbytes, bytes_received=k * nbytes))
     return out
+
+
+def load_mixing(source: str | Path) -> Matrix | None:
+    """A user-given ``W`` from a JSON file holding an object with ``"mixing_matrix"`` (None for other files).
+
+    That is the format ``paratrain topology --json`` writes, so a matrix can be printed, edited (say, to give
+    a fast link more weight) and trained with. The matrix is validated (:func:`validate_mixing`).
+
+    Raises:
+        ConfigError: unreadable file, invalid JSON, or an invalid matrix.
+    """
+    path = Path(source)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    if not text.lstrip().startswith("{"):
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict) or "mixing_matrix" not in data:
+        raise ConfigError(
+            f"{path}: a JSON object must hold 'mixing_matrix' (a square list of lists, as written by "
+            "'paratrain topology --json'); a graph file is a list of [u, v] pairs or 'u v' lines"
+        )
+    try:
+        matrix = np.asarray(data["mixing_matrix"], dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: 'mixing_matrix' is not a matrix of numbers ({exc})") from None
+    try:
+        return validate_mixing(matrix)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def resolve_mixing(spec: str | Path | Any, n: int) -> tuple[Matrix, list[Edge]]:
+    """The mixing matrix and graph of a gossip strategy over ``n`` ranks.
+
+    ``spec`` is a topology name, a graph file or networkx graph (Metropolis-Hastings weights on its edges), a
+    JSON file with a user-given ``"mixing_matrix"`` (see :func:`load_mixing`), or a matrix itself. A user's
+    matrix must be ``n x n``, valid, and connect the ranks (its non-zero off-diagonal entries are the edges).
+
+    Raises:
+        ConfigError: any invalid graph or matrix, with what is wrong.
+    """
+    w: Matrix | None = None
+    if isinstance(spec, np.ndarray) or (isinstance(spec, list) and spec and isinstance(spec[0], list)):
+        w = validate_mixing(np.array(spec, dtype=np.float64))  # a copy: later edits of the caller's do not leak in
+    elif isinstance(spec, (str, Path)) and Path(spec).is_file():
+        w = load_mixing(spec)
+    if w is None:
+        edges = resolve_topology(spec, n)
+        return metropolis_hastings(n, edges), edges
+    if w.shape[0] != n:
+        raise ConfigError(f"the mixing matrix is {w.shape[0]} x {w.shape[0]} but the job has {n} workers")
+    edges = validate_edges(n, [(i, j) for i in range(n) for j in range(i + 1, n) if w[i, j] > 0.0])
+    return w, edges

@@ -34,8 +34,8 @@ from typing import Any, Literal
 import torch
 
 from paratrain.errors import ConfigError
-from paratrain.gossip.mixing import metropolis_hastings, neighbors
-from paratrain.gossip.topology import TOPOLOGIES, resolve_topology
+from paratrain.gossip.mixing import neighbors, resolve_mixing
+from paratrain.gossip.topology import TOPOLOGIES
 from paratrain.ps.client import KVStore
 from paratrain.runtime.context import Context
 from paratrain.torch.fusion import FusedBucket
@@ -371,18 +371,19 @@ class GossipStrategy(Strategy):
     Args:
         context: this rank's context.
         buckets: the fusion buffers, used only for their parameter layout (gradients are not fused).
-        topology: a topology name or a graph file (see :func:`paratrain.gossip.topology.resolve_topology`).
+        topology: a topology name, a graph file, or a JSON file with a user-given ``"mixing_matrix"`` (see
+            :func:`paratrain.gossip.mixing.resolve_mixing`); otherwise ``W`` has Metropolis-Hastings weights.
 
     Raises:
-        ConfigError: unknown topology, unreadable file, or a graph invalid for ``context.world_size`` ranks.
+        ConfigError: unknown topology, unreadable file, or a graph or matrix invalid for ``context.world_size``
+            ranks.
     """
 
     def __init__(self, context: Context, buckets: Sequence[FusedBucket], *, topology: str) -> None:
         super().__init__(buckets)
         self._context = context
         n = context.world_size
-        self.edges = resolve_topology(topology, n)
-        self.mixing = metropolis_hastings(n, self.edges)
+        self.mixing, self.edges = resolve_mixing(topology, n)
         self.neighbors = neighbors(self.mixing, context.rank)
         self.self_weight = float(self.mixing[context.rank, context.rank])
         self._sent: list[torch.Tensor] | None = None  # x_i(k) as posted to the neighbours

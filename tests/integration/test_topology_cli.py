@@ -85,3 +85,33 @@ def test_file_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     path.write_text("0 1\n1 oops\n")
     assert main(["topology", str(path), "-n", "2"]) == 2
     assert "line 2" in capsys.readouterr().err
+
+
+def test_a_given_mixing_matrix_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--json output, edited to a lazier ring, goes back in as a user-given W; bad matrices are refused."""
+    path = tmp_path / "w.json"
+    assert main(["topology", "ring", "-n", "4", "--json", str(path)]) == 0
+    capsys.readouterr()
+    report = json.loads(path.read_text())
+    report["mixing_matrix"] = [[0.5 if i == j else 0.25 if (i - j) % 4 in (1, 3) else 0.0 for j in range(4)]
+                               for i in range(4)]  # fmt: skip
+    path.write_text(json.dumps(report))
+    assert main(["topology", str(path), "--json", "-"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert given["workers"] == 4 and given["weights"] == f"given in {path}"
+    assert given["edges"] == [[0, 1], [0, 3], [1, 2], [2, 3]]
+    assert given["spectral_gap"] == pytest.approx(0.5, abs=1e-12)  # 1 - (1/2 + 1/2 cos(pi/2))
+    for matrix, message in [
+        ([[0.5, 0.6], [0.5, 0.4]], "not symmetric"),
+        ([[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0], [0, 0, 0.5, 0.5], [0, 0, 0.5, 0.5]], "not connected"),
+        ([[1, "a"]], "not a matrix of numbers"),
+    ]:
+        path.write_text(json.dumps({"mixing_matrix": matrix}))
+        assert main(["topology", str(path)]) == 2
+        assert message in capsys.readouterr().err
+    path.write_text(json.dumps({"mixing_matrix": report["mixing_matrix"]}))
+    assert main(["topology", str(path), "-n", "5"]) == 2
+    assert "4 x 4 but the job has 5 workers" in capsys.readouterr().err
+    path.write_text('{"w": 1}')
+    assert main(["topology", str(path)]) == 2
+    assert "must hold 'mixing_matrix'" in capsys.readouterr().err

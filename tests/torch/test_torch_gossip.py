@@ -8,6 +8,7 @@ falls, and every worker's parameters must equal those of D-PSGD simulated in one
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,10 +100,9 @@ def test_gossip_reaches_consensus_and_loss_falls() -> None:
 
 def reference_dpsgd(topology: str, steps: int) -> list[torch.Tensor]:
     """D-PSGD simulated in one process: ``x_i <- sum_j W_ij x_j + (local momentum-SGD step of x_i)``."""
-    from paratrain.gossip.mixing import metropolis_hastings
-    from paratrain.gossip.topology import resolve_topology
+    from paratrain.gossip.mixing import resolve_mixing
 
-    w = torch.from_numpy(metropolis_hastings(WORKERS, resolve_topology(topology, WORKERS)))
+    w = torch.from_numpy(resolve_mixing(topology, WORKERS)[0])
     models = [make_model(seed=r) for r in range(WORKERS)]
     sgds = [torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in models]
     for step in range(steps):
@@ -119,9 +119,15 @@ def reference_dpsgd(topology: str, steps: int) -> list[torch.Tensor]:
     return [flat(m) for m in models]
 
 
-@pytest.mark.parametrize(("topology", "transport"), [("ring", "inproc"), ("complete", "inproc"), ("ring", "zmq")])
-def test_gossip_equals_single_process_dpsgd(topology: str, transport: str) -> None:
+@pytest.mark.parametrize(
+    ("topology", "transport"), [("ring", "inproc"), ("complete", "inproc"), ("ring", "zmq"), ("given", "inproc")]
+)
+def test_gossip_equals_single_process_dpsgd(topology: str, transport: str, tmp_path: Path) -> None:
     steps = 5
+    if topology == "given":  # a user's W (as `paratrain topology --json` writes it): a lazy path 0-1-2-3
+        w = [[0.7, 0.3, 0, 0], [0.3, 0.4, 0.3, 0], [0, 0.3, 0.4, 0.3], [0, 0, 0.3, 0.7]]
+        topology = str(tmp_path / "w.json")
+        Path(topology).write_text(json.dumps({"mixing_matrix": w}))
 
     def worker(ctx: Context) -> torch.Tensor:
         model = make_model(seed=ctx.rank)

@@ -14,6 +14,7 @@ from paratrain.gossip.mixing import (
     metropolis_hastings,
     neighbors,
     per_node_traffic,
+    resolve_mixing,
     spectral_gap,
     validate_mixing,
 )
@@ -231,3 +232,19 @@ def test_gossip_converges_at_the_spectral_gap_rate(name: str) -> None:
     for _ in range(10):
         y = w @ y
     assert np.linalg.norm(y) == pytest.approx(rate**10 * np.linalg.norm(slow), rel=1e-9)
+
+
+def test_resolve_mixing_names_graphs_and_matrices() -> None:
+    w, edges = resolve_mixing("ring", 5)
+    assert edges == ring(5)
+    np.testing.assert_array_equal(w, metropolis_hastings(5, ring(5)))
+    given = np.array([[0.6, 0.4, 0.0], [0.4, 0.2, 0.4], [0.0, 0.4, 0.6]])
+    w, edges = resolve_mixing(given, 3)
+    assert edges == [(0, 1), (1, 2)] and w is not given
+    np.testing.assert_array_equal(w, given)
+    w, _ = resolve_mixing(given.tolist(), 3)
+    np.testing.assert_array_equal(w, given)
+    with pytest.raises(ConfigError, match="3 x 3 but the job has 4 workers"):
+        resolve_mixing(given, 4)
+    with pytest.raises(ConfigError, match="not doubly stochastic"):
+        resolve_mixing(given * 0.5, 3)
