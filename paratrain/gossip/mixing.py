@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paratrain.errors import ConfigError
-from paratrain.gossip.topology import Edge, resolve_topology, validate_edges
+from paratrain.gossip.topology import Edge, normalize_edges, resolve_topology, validate_edges
 
 __all__ = [
     "NodeTraffic",
@@ -199,16 +199,21 @@ def load_mixing(source: str | Path) -> Matrix | None:
 def resolve_mixing(spec: str | Path | Any, n: int) -> tuple[Matrix, list[Edge]]:
     """The mixing matrix and graph of a gossip strategy over ``n`` ranks.
 
-    ``spec`` is a topology name, a graph file or networkx graph (Metropolis-Hastings weights on its edges), a
-    JSON file with a user-given ``"mixing_matrix"`` (see :func:`load_mixing`), or a matrix itself. A user's
-    matrix must be ``n x n``, valid, and connect the ranks (its non-zero off-diagonal entries are the edges).
+    ``spec`` is a topology name, a graph file, a networkx graph or a list of edges ``(u, v)``
+    (Metropolis-Hastings weights on its edges), a JSON file with a user-given ``"mixing_matrix"`` (see
+    :func:`load_mixing`), or a NumPy matrix (a nested list is read as edges: ``[[0, 1], [1, 0]]`` is both). A
+    user's matrix must be ``n x n``, valid, and connect the ranks (its non-zero off-diagonal entries are the
+    edges).
 
     Raises:
         ConfigError: any invalid graph or matrix, with what is wrong.
     """
     w: Matrix | None = None
-    if isinstance(spec, np.ndarray) or (isinstance(spec, list) and spec and isinstance(spec[0], list)):
+    if isinstance(spec, np.ndarray):
         w = validate_mixing(np.array(spec, dtype=np.float64))  # a copy: later edits of the caller's do not leak in
+    elif isinstance(spec, (list, tuple)):
+        edges = validate_edges(n, normalize_edges(spec))
+        return metropolis_hastings(n, edges), edges
     elif isinstance(spec, (str, Path)) and Path(spec).is_file():
         w = load_mixing(spec)
     if w is None:

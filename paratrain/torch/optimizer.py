@@ -92,6 +92,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             parameter gets a bucket of its own). Smaller buckets start earlier and overlap more of backward but
             pay one message latency each; see :data:`~paratrain.torch.buckets.DEFAULT_BUCKET_BYTES`.
         context: the paratrain context (default: the current one).
+        topology: with ``strategy="gossip"``: the graph as an object rather than a name, i.e. a list of edges
+            ``[(0, 1), (1, 2), ...]``, a networkx graph, or a NumPy mixing matrix ``W`` (validated).
 
     Raises:
         ConfigError: unknown strategy, bad ``bucket_bytes``, optimizer parameters outside ``model``, or (for
@@ -125,6 +127,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         strategy: str = "allreduce",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         context: Context | None = None,
+        topology: Any = None,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called on purpose: param_groups and state are the wrapped
         # optimizer's (see the properties below), and anything else is looked up there (__getattr__).
@@ -134,6 +137,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if topology is not None:
+            if not isinstance(strategy, str) or strategy.strip().lower() != "gossip":
+                raise ConfigError(
+                    f"topology= is gossip's graph: use strategy='gossip' with it, not {strategy!r} (or write the "
+                    "graph into the name, 'gossip:ring', and leave topology out)"
+                )
+            strategy = "gossip:<given>"
         self.spec: StrategySpec = parse_strategy(strategy)
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
@@ -170,7 +180,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._strategy: Strategy
         if gossip:
             assert self.spec.topology is not None  # parse_strategy always sets it for gossip
-            self._strategy = GossipStrategy(self.context, self._buckets, topology=self.spec.topology)
+            graph = topology if topology is not None else self.spec.topology
+            self._strategy = GossipStrategy(self.context, self._buckets, topology=graph)
         elif self.spec.uses_servers:
             self._strategy = ParameterServerStrategy(self.context, self._buckets, spec=self.spec, optimizer=optimizer)
         else:

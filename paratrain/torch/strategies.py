@@ -371,15 +371,16 @@ class GossipStrategy(Strategy):
     Args:
         context: this rank's context.
         buckets: the fusion buffers, used only for their parameter layout (gradients are not fused).
-        topology: a topology name, a graph file, or a JSON file with a user-given ``"mixing_matrix"`` (see
-            :func:`paratrain.gossip.mixing.resolve_mixing`); otherwise ``W`` has Metropolis-Hastings weights.
+        topology: a topology name, a graph file, a JSON file with a user-given ``"mixing_matrix"``, a list of
+            edges, a networkx graph or a NumPy matrix (see :func:`paratrain.gossip.mixing.resolve_mixing`); a
+            graph gets Metropolis-Hastings weights.
 
     Raises:
         ConfigError: unknown topology, unreadable file, or a graph or matrix invalid for ``context.world_size``
             ranks.
     """
 
-    def __init__(self, context: Context, buckets: Sequence[FusedBucket], *, topology: str) -> None:
+    def __init__(self, context: Context, buckets: Sequence[FusedBucket], *, topology: Any) -> None:
         super().__init__(buckets)
         self._context = context
         n = context.world_size

@@ -97,3 +97,16 @@ def test_compare_draws_the_strategies_together(tmp_path: Path) -> None:
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| strategy |") and rows[1].startswith("| allreduce |")
     assert rows[2].startswith("| gossip:ring |") and " - |" not in rows[2]
+
+
+def test_gossip_on_a_ring_of_4_matches_allreduce_accuracy(tmp_path: Path) -> None:
+    """Issue 6's bar: D-PSGD on a ring of 4 workers ends within 1 % of allreduce's test accuracy (digits, 10
+    epochs, seed 0; both runs are deterministic). Over seeds 0-4 the largest gap measured was 0.56 %."""
+    accuracy = {}
+    for strategy in ("allreduce", "gossip:ring"):
+        summary_path = tmp_path / f"{strategy.replace(':', '')}.json"
+        out = _train(tmp_path, strategy.replace(":", ""), "--workers", "4", "--strategy", strategy,
+                     "--json", str(summary_path))  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        accuracy[strategy] = json.loads(summary_path.read_text())["test_accuracy"]
+    assert accuracy["gossip:ring"] >= accuracy["allreduce"] - 0.01, accuracy

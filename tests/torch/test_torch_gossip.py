@@ -178,6 +178,27 @@ def test_gossip_with_a_graph_file_and_errors(tmp_path: Path) -> None:
 
     assert run_ranks(3, worker) == [[1], [0, 2], [1]]
 
+    class Graph:  # what paratrain reads of a networkx graph
+        def edges(self) -> list[tuple[int, int]]:
+            return [(0, 1), (1, 2)]
+
+    def objects(ctx: Context) -> list[list[int]]:
+        model = make_model(seed=ctx.rank)
+        sgd = torch.optim.SGD(model.parameters(), lr=LR)
+        peers = []
+        for graph in (Graph(), [(0, 2), (2, 1)]):
+            opt = ptt.DistributedOptimizer(sgd, model=model, strategy="gossip", topology=graph, context=ctx)
+            peers.append([peer for peer, _ in opt._strategy.neighbors])  # type: ignore[attr-defined]
+            x, y = batch(ctx.rank, 0)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.close()
+        with pytest.raises(ConfigError, match="use strategy='gossip' with it"):
+            ptt.DistributedOptimizer(sgd, model=model, strategy="allreduce", topology=[(0, 1)], context=ctx)
+        return peers
+
+    assert run_ranks(3, objects) == [[[1], [2]], [[0, 2], [2]], [[1], [0, 1]]]
+
     def too_many(ctx: Context) -> None:
         model = make_model(seed=0)
         ptt.DistributedOptimizer(

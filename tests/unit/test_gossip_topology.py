@@ -242,8 +242,9 @@ def test_resolve_mixing_names_graphs_and_matrices() -> None:
     w, edges = resolve_mixing(given, 3)
     assert edges == [(0, 1), (1, 2)] and w is not given
     np.testing.assert_array_equal(w, given)
-    w, _ = resolve_mixing(given.tolist(), 3)
-    np.testing.assert_array_equal(w, given)
+    w, edges = resolve_mixing([[1, 0], (1, 2)], 3)  # lists are edges
+    assert edges == [(0, 1), (1, 2)]
+    np.testing.assert_array_equal(w, metropolis_hastings(3, edges))
     with pytest.raises(ConfigError, match="3 x 3 but the job has 4 workers"):
         resolve_mixing(given, 4)
     with pytest.raises(ConfigError, match="not doubly stochastic"):
