@@ -56,12 +56,14 @@ __all__ = [
     "AUTO_TREE_MAX_BYTES",
     "DEFAULT_ALLREDUCE_ALGORITHMS",
     "DEFAULT_BROADCAST_ALGORITHMS",
+    "LOOPBACK_BYTES_PER_SECOND",
     "AllreduceAlgorithm",
     "AllreduceRun",
     "BroadcastAlgorithm",
     "Collectives",
     "default_allreduce_choice",
     "default_broadcast_choice",
+    "network_allreduce_choice",
 ]
 
 A = TypeVar("A")
@@ -148,6 +150,46 @@ def default_allreduce_choice(nbytes: int, world_size: int) -> str:
     if (world_size - 1) * nbytes <= AUTO_DIRECT_MAX_BYTES:
         return "direct"
     return "tree" if nbytes <= AUTO_TREE_MAX_BYTES else "ring"
+
+
+#: Bytes per second assumed for a link whose bandwidth the emulated network leaves unlimited: the loopback TCP
+#: throughput measured on the 2-core development machine (2.2-3.8 GB/s), its lower end.
+LOOPBACK_BYTES_PER_SECOND = 2.2e9
+
+
+def network_allreduce_choice(latency: float, bandwidth: float | None) -> Callable[[int, int], str]:
+    """An ``algorithm="auto"`` policy for a network whose per-node links are known (the fault injector's).
+
+    The measured crossovers behind :func:`default_allreduce_choice` come from loopback, where bandwidth is
+    almost free; on a slow emulated link they pick the tree for a 1 MiB gradient and pay 2 log2 N full copies.
+    This policy instead takes the cheapest by the alpha-beta model of one full-duplex link per node, latency
+    ``a`` and ``b`` bytes/s (``b`` = :data:`LOOPBACK_BYTES_PER_SECOND` when unlimited), with ``L = ceil(log2
+    N)`` rounds of argument agreement before every call (``direct`` carries its data in them)::
+
+        direct  L a + (N - 1) n / b               every rank gets every array, reduces locally
+        tree    L a + 2 L (a + n / b)             binomial reduce, then broadcast
+        ring    L a + 2 (N - 1) (a + n / (N b))   reduce-scatter, then allgather
+
+    Example:
+        >>> choose = network_allreduce_choice(0.002, 12.5e6)   # 2 ms, 100 Mbit/s
+        >>> choose(1 << 20, 4), choose(1 << 10, 4)
+        ('ring', 'direct')
+    """
+    beta = bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND
+
+    def choose(nbytes: int, world_size: int) -> str:
+        n = world_size
+        if n <= 1:
+            return "direct"
+        rounds = math.ceil(math.log2(n))
+        costs = {
+            "direct": rounds * latency + (n - 1) * nbytes / beta,
+            "tree": rounds * latency + 2 * rounds * (latency + nbytes / beta),
+            "ring": rounds * latency + 2 * (n - 1) * (latency + nbytes / (n * beta)),
+        }
+        return min(costs, key=lambda name: costs[name])
+
+    return choose
 
 
 def default_broadcast_choice(nbytes: int, world_size: int) -> str:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import NoReturn, TypeVar
 
-from paratrain.collectives.api import Collectives
+from paratrain.collectives.api import Collectives, network_allreduce_choice
 from paratrain.collectives.barrier import barrier as _barrier
 from paratrain.config import Settings
 from paratrain.errors import ConfigError, NotInitializedError, RendezvousError
@@ -125,6 +125,14 @@ class Context:
                 if hosts is not None and len(set(hosts)) == 1 and self.settings.faults is None:
                     # one host: allreduce through shared memory (no fault injection: it bypasses the network)
                     self._collectives.enable_shared_memory(self.settings.run_id)
+                elif self.settings.faults is not None and (hosts is None or len(set(hosts)) == 1):
+                    # an emulated network on one host: its links are known, so "auto" picks by the alpha-beta
+                    # model (across hosts the hierarchical algorithm stays)
+                    from paratrain.transport.faults import FaultSpec
+
+                    spec = FaultSpec.parse(self.settings.faults)
+                    if spec.latency > 0 or spec.bandwidth is not None:
+                        self._collectives.choose_allreduce = network_allreduce_choice(spec.latency, spec.bandwidth)
             return self._collectives
 
     def allreduce(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
