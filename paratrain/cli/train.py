@@ -263,7 +263,7 @@ def summarise(
         "test_accuracy": evals[-1]["test_accuracy"] if evals else None,
         "accuracy_by_epoch": [e["test_accuracy"] for e in evals],
         "consensus_accuracy": evals[-1].get("consensus_accuracy") if evals else None,
-        "consensus_distance_by_epoch": [e["consensus_distance"] for e in evals if "consensus_distance" in e],
+        "consensus_distance": evals[-1].get("consensus_distance") if evals else None,
         "samples_per_sec": samples / train_time if train_time > 0 else None,
         "train_time_s": train_time,
         "wall_time_s": wall,
@@ -284,7 +284,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     if summary.get("consensus_accuracy") is not None:
         print(
             f"  the workers' average model: test accuracy {summary['consensus_accuracy']:.4f} (consensus distance "
-            f"{summary['consensus_distance_by_epoch'][-1]:.3g})"
+            f"{summary['consensus_distance']:.3g})"
         )
     for rank, entry in summary["per_rank"].items():
         total = entry["compute_s"] + entry["wait_s"]
