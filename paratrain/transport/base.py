@@ -188,7 +188,9 @@ class Transport(abc.ABC):
                     f"{'any rank' if src == ANY_SOURCE else f'rank {src}'} with tag {tag} within "
                     f"{self._timeout(timeout)}s; the peer may be slow, stuck, or calling something else"
                 ) from None
-            return handle.wait(0)
+            # too late to withdraw: a message is claimed for this receive and must come out of it, or it is
+            # lost. Usually it is already here; a wrapper (an emulated link) may still be carrying it
+            return handle.wait(self._timeout(None))
 
     @abc.abstractmethod
     def irecv(self, src: int = ANY_SOURCE, tag: int = ANY_TAG) -> Handle[Message]:

@@ -258,11 +258,14 @@ class FaultyTransport(Transport):
         self.inner.close()
 
     def abort(self, reason: BaseException | None = None) -> None:
-        """Crashes: queued messages are lost and the inner transport is aborted."""
+        """Crashes: queued messages are lost, receives waiting on the link fail, the inner transport is aborted."""
         with self._lock:
             self._closed = True
+            held = [payload[0] for _, _, kind, payload in self._heap if kind == "recv"]
             self._heap.clear()
             self._lock.notify()
+        for handle in held:
+            handle.set_error(TransportClosedError(f"rank {self.rank}: transport aborted ({reason or 'no reason'})"))
         self.inner.abort(reason)
 
 

@@ -100,3 +100,39 @@ def test_many_senders_share_the_receivers_link() -> None:
     finally:
         for t in links:
             t.close()
+
+
+def test_a_recv_that_times_out_while_its_message_is_on_the_link_still_returns_it() -> None:
+    """A server polls with short timeouts. A message already taken from the inner transport but still held back
+    by the receiver's link must come out of that recv (it used to raise and the message was lost)."""
+    fabric = InprocFabric(2, timeout=5)
+    receiver = FaultyTransport(fabric.transport(1), FaultSpec(bandwidth=1e5))  # 1 kB takes 10 ms on the link
+    sender = fabric.transport(0)
+    try:
+        sender.send(1, 1, [np.zeros(1000, np.uint8)], meta={"i": 0})
+        sender.send(1, 1, [np.zeros(1000, np.uint8)], meta={"i": 1})
+        assert receiver.recv(0, 1, timeout=5).meta["i"] == 0  # released at once: the link was idle
+        # the second was delivered by the inner transport together with the first, and is released 10 ms after
+        # it: a 1 ms timeout expires while it is on the link
+        assert receiver.recv(0, 1, timeout=0.001).meta["i"] == 1
+        with pytest.raises(CommTimeoutError):
+            receiver.recv(0, 1, timeout=0.001)  # and nothing else is pending
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_abort_fails_receives_whose_message_is_still_on_the_link() -> None:
+    fabric = InprocFabric(2, timeout=5)
+    receiver = FaultyTransport(fabric.transport(1), FaultSpec(bandwidth=1e3))  # 1 kB takes 1 s on the link
+    sender = fabric.transport(0)
+    try:
+        for i in range(2):
+            sender.send(1, 1, [np.zeros(1000, np.uint8)], meta={"i": i})
+        assert receiver.recv(0, 1, timeout=5).meta["i"] == 0
+        held = receiver.irecv(0, 1)  # the second message is on the link for another second
+        receiver.abort(RuntimeError("test"))
+        with pytest.raises(TransportClosedError, match="aborted"):
+            held.wait(1)
+    finally:
+        sender.close()
