@@ -27,13 +27,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "compare",
         help="run the same training job under several strategies and plot them together",
-        description="Run one training job per strategy and draw loss against wall time and steps on one figure.",
+        description=(
+            "Run one training job per strategy (the same model, data, seed and emulated network) and draw loss "
+            "against wall time and steps, and test accuracy against wall time, on one figure, with a table."
+        ),
     )
-    p.add_argument("--strategies", default="allreduce,bsp,ssp:3,asp", help="comma-separated (allreduce,bsp,ssp:3,asp)")
+    p.add_argument(
+        "--strategies",
+        default="allreduce,bsp,ssp:3,asp",
+        help="comma-separated: allreduce, bsp, ssp:S, asp, gossip:GRAPH (default allreduce,bsp,ssp:3,asp)",
+    )
     p.add_argument("--target-accuracy", type=float, default=0.9, help="for the time-to-accuracy column (0.9)")
     p.add_argument("--out", default=None, help="output directory (default runs/compare-<time>)")
     p.add_argument("--json", default=None, help="also write the comparison to this JSON file")
-    add_common(p)
+    add_common(p, strategy=False)
     p.set_defaults(func=_main)
 
 

@@ -70,11 +70,11 @@ class TrainJob(argparse.Namespace):
         return spec
 
 
-def add_common(p: argparse.ArgumentParser) -> None:
-    """Options shared by ``train`` and ``compare``."""
+def add_common(p: argparse.ArgumentParser, *, strategy: bool = True) -> None:
+    """Options shared by ``train`` and ``compare`` (which takes ``--strategies`` instead of ``--strategy``)."""
     from paratrain.train.worker import add_training_args
 
-    add_training_args(p)
+    add_training_args(p, strategy=strategy)
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--servers", type=int, default=None, help="parameter servers for bsp/ssp/asp (default 1)")
     p.add_argument("--straggler", default=None, help="RANK:FACTOR makes that worker's compute FACTOR times slower")

@@ -24,14 +24,15 @@ from paratrain.train.record import Recorder
 __all__ = ["add_training_args", "main"]
 
 
-def add_training_args(parser: argparse.ArgumentParser) -> None:
-    """The options a training rank needs (shared with ``paratrain train``)."""
+def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True) -> None:
+    """The options a training rank needs (shared with ``paratrain train``; ``compare`` has its ``--strategies``)."""
     parser.add_argument("--model", default="mlp", help="mlp or lenet (default mlp)")
     parser.add_argument("--dataset", default="digits", help="digits (bundled) or fashion-mnist (default digits)")
     parser.add_argument("--data-dir", default=None, help="directory of the Fashion-MNIST IDX files")
-    parser.add_argument(
-        "--strategy", default="allreduce", help="allreduce, bsp, ssp:S, asp or gossip:TOPOLOGY (default allreduce)"
-    )
+    if strategy:
+        parser.add_argument(
+            "--strategy", default="allreduce", help="allreduce, bsp, ssp:S, asp or gossip:TOPOLOGY (default allreduce)"
+        )
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
     parser.add_argument("--batch-size", type=int, default=64, help="examples per worker per step (default 64)")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate of SGD with momentum 0.9 (0.05)")
