@@ -142,7 +142,7 @@ def _main(args: argparse.Namespace) -> int:
         runs[job.strategy] = records
         rows.append({**summary, "time_to_accuracy_s": time_to_accuracy(records, args.target_accuracy)})
     title = (
-        f"{args.model} on {args.dataset}, {args.workers} workers"
+        f"{args.model} on {args.dataset}, {args.workers} worker{'s' if args.workers != 1 else ''}"
         + (f", straggler {args.straggler}" if args.straggler else "")
         + (f", network {jobs[0].network()}" if jobs[0].network() else "")
     )

@@ -218,7 +218,7 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
     if code != 0:
         raise SystemExit(f"paratrain train: the job failed (exit {code}); see the ranks' output above")
     records = merge_run(run_dir)
-    title = f"{job.model} on {job.dataset}, {job.workers} workers, {job.strategy}"
+    title = f"{job.model} on {job.dataset}, {job.workers} worker{'s' if job.workers != 1 else ''}, {job.strategy}"
     plots = plot_run(records, run_dir, title=title)
     summary = summarise(records, job=job, servers=servers, wall=wall, run_dir=run_dir)
     summary["plots"] = [str(p) for p in plots]
@@ -276,8 +276,9 @@ def print_summary(summary: dict[str, Any]) -> None:
     """A short human-readable report of a run."""
     acc = summary["test_accuracy"]
     sps = summary["samples_per_sec"]
+    workers = f"{summary['workers']} worker{'s' if summary['workers'] != 1 else ''}"
     print(
-        f"paratrain train: {summary['model']} on {summary['dataset']}, {summary['workers']} workers, "
+        f"paratrain train: {summary['model']} on {summary['dataset']}, {workers}, "
         f"{summary['strategy']}: test accuracy {acc:.4f}, {sps:,.0f} samples/s, wall time "
         f"{summary['wall_time_s']:.1f} s"
     )
