@@ -137,7 +137,7 @@ def _main(args: argparse.Namespace) -> int:
     rows = []
     for job in jobs:
         print(f"paratrain compare: running {job.strategy} ...", file=sys.stderr, flush=True)
-        summary = run_training(job, quiet=True)
+        summary = run_training(job)  # with its progress bar: a throttled job can take a minute
         records = merge_run(summary["run_dir"])
         runs[job.strategy] = records
         rows.append({**summary, "time_to_accuracy_s": time_to_accuracy(records, args.target_accuracy)})

@@ -152,7 +152,7 @@ def validate(job: TrainJob) -> None:
             )
 
 
-def _follow_progress(path: Path, stop: threading.Event, total_holder: list[int]) -> None:
+def _follow_progress(path: Path, stop: threading.Event, total_holder: list[int], desc: str) -> None:
     """Draws a progress bar from rank 0's metrics file while the job runs (the ranks' output passes through)."""
     from tqdm import tqdm
 
@@ -171,7 +171,7 @@ def _follow_progress(path: Path, stop: threading.Event, total_holder: list[int])
                 record = json.loads(line)
                 if record.get("kind") == "start":
                     total_holder[0] = int(record["epochs"]) * int(record["steps_per_epoch"])
-                    bar = tqdm(total=total_holder[0], unit="step", desc="training (rank 0)", file=sys.stderr)
+                    bar = tqdm(total=total_holder[0], unit="step", desc=desc, file=sys.stderr)
                 elif record.get("kind") == "step" and bar is not None:
                     bar.update(int(record["step"]) - bar.n)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", epoch=record["epoch"], refresh=False)
@@ -204,7 +204,9 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
     follower = None
     if not quiet:
         follower = threading.Thread(
-            target=_follow_progress, args=(run_dir / "rank0.metrics.jsonl", stop, total), daemon=True
+            target=_follow_progress,
+            args=(run_dir / "rank0.metrics.jsonl", stop, total, f"{job.strategy} (rank 0)"),
+            daemon=True,
         )
         follower.start()
     started = time.time()
