@@ -341,6 +341,11 @@ class ParameterServerStrategy(Strategy):
         self.kv.close()
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16- and 32-bit parameters, float64 for float64 ones."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class GossipStrategy(Strategy):
     """Decentralised parallel SGD (D-PSGD, Lian et al. NeurIPS'17), with the exchange hidden behind compute.
 
@@ -366,7 +371,9 @@ class GossipStrategy(Strategy):
     Communication: one message per neighbour per step holding every bucket's flat parameters, tagged with
     ``context.next_collective_tag()`` (taken at the same point on every rank, so ranks stay matched without a
     handshake). Receives and sends are posted together, so exchanges with different neighbours run
-    concurrently and no pair of ranks can deadlock. Mixing is computed in float64 and cast back.
+    concurrently and no pair of ranks can deadlock. Mixing is computed in float32 (float64 for float64
+    parameters; 16-bit parameters are widened) and cast back: float64 throughout cost about 1 ms per step
+    for a 1.2 MB model on this machine.
 
     Args:
         context: this rank's context.
@@ -410,12 +417,12 @@ class GossipStrategy(Strategy):
         self._sends = [transport.isend(peer, tag, self._sent) for peer, _ in self.neighbors]
 
     def _mixed(self) -> list[torch.Tensor]:
-        """``sum_j W_ij x_j(k)`` per bucket in float64; waits for the neighbours' messages."""
+        """``sum_j W_ij x_j(k)`` per bucket, in the accumulation dtype; waits for the neighbours' messages."""
         mine = self._sent
         if mine is None:
             raise RuntimeError("internal error: gossip step without an exchange in flight")
         timeout = self._context.settings.timeout
-        mixed = [flat.to(torch.float64) * self.self_weight for flat in mine]
+        mixed = [flat.to(_accumulation_dtype(flat.dtype), copy=True).mul_(self.self_weight) for flat in mine]
         receives, self._receives = self._receives, []
         for peer, weight, handle in receives:
             message = handle.wait(timeout)
@@ -433,7 +440,7 @@ class GossipStrategy(Strategy):
                         f"gossip: rank {peer} sent {theirs.numel()} values for a bucket of {flat.numel()}; every "
                         "worker must build the same model"
                     )
-                acc.add_(theirs.to(torch.float64), alpha=weight)
+                acc.add_(theirs.to(acc.dtype), alpha=weight)
         sends, self._sends = self._sends, []
         for sent in sends:
             sent.wait(timeout)
@@ -452,7 +459,8 @@ class GossipStrategy(Strategy):
         optimizer.step()
         for bucket, before, avg in zip(self.buckets, sent, mixed, strict=True):
             stepped = bucket.read_params()
-            bucket.write_params((stepped.to(torch.float64) + (avg - before.to(torch.float64))).to(stepped.dtype))
+            correction = avg.sub_(before.to(avg.dtype))  # sum_j W_ij x_j(k) - x_i(k)
+            bucket.write_params(correction.add_(stepped.to(avg.dtype)).to(stepped.dtype))
         self._post()
 
     def close(self) -> None:
