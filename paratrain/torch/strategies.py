@@ -353,11 +353,12 @@ class GossipStrategy(Strategy):
 
         x_i(k+1) = sum_j W_ij x_j(k)  +  u_i(k)
 
-    where ``W`` is the Metropolis-Hastings matrix of the topology (symmetric, doubly stochastic: the workers'
-    mean moves exactly as SGD on the mean gradient would) and ``u_i(k)`` is what the wrapped optimizer does to
-    ``x_i(k)`` with worker ``i``'s own gradient at ``x_i(k)`` (``-lr * g`` for plain SGD; momentum and Adam state
-    stay local and are not mixed). No rank ever talks to a non-neighbour and there is no global barrier: on a
-    ring a worker sends two messages per step whatever the number of workers. The price is that workers
+    where ``W`` is the mixing matrix (the topology's Metropolis-Hastings weights, or the user's; always symmetric
+    and doubly stochastic, so the workers' mean moves exactly as SGD on the mean gradient would) and ``u_i(k)``
+    is what the wrapped optimizer does to ``x_i(k)`` with worker ``i``'s own gradient at ``x_i(k)`` (``-lr * g``
+    for plain SGD; momentum and Adam state stay local and are not mixed). No rank ever talks to a non-neighbour
+    and there is no global barrier: on a ring a worker sends two messages per step whatever the number of
+    workers. The price is that workers
     disagree by a consensus distance that shrinks with the spectral gap.
 
     Overlap. Both terms depend only on ``x(k)``, so the mixing need not wait for the gradient: at the end of
