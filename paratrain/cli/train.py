@@ -45,6 +45,7 @@ class TrainJob(argparse.Namespace):
     faults: str | None
     latency: str | None
     bandwidth: str | None
+    no_overlap: bool
 
     def network(self) -> str | None:
         """The fault spec every rank gets: ``--faults`` plus ``--latency`` and ``--bandwidth`` (None: real network).
@@ -135,6 +136,8 @@ def validate(job: TrainJob) -> None:
     else:
         raise ConfigError(f"unknown --strategy {job.strategy!r}; choose one of: {STRATEGIES_HELP}")
     job.network()
+    if getattr(job, "no_overlap", False) and kind != "gossip":
+        raise ConfigError("--no-overlap is for gossip strategies (allreduce and bsp/ssp/asp always overlap)")
     if job.straggler:
         who, _, factor = job.straggler.partition(":")
         try:
@@ -199,6 +202,8 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
         argv += ["--data-dir", job.data_dir]
     if job.straggler:
         argv += ["--straggler", job.straggler]
+    if getattr(job, "no_overlap", False):
+        argv += ["--no-overlap"]
     stop = threading.Event()
     total = [0]
     follower = None
@@ -261,6 +266,7 @@ def summarise(
         "batch_size": job.batch_size,
         "lr": job.lr,
         "seed": job.seed,
+        "overlap": not getattr(job, "no_overlap", False),
         "network": job.network(),
         "test_accuracy": evals[-1]["test_accuracy"] if evals else None,
         "accuracy_by_epoch": [e["test_accuracy"] for e in evals],

@@ -94,6 +94,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         context: the paratrain context (default: the current one).
         topology: with ``strategy="gossip"``: the graph as an object rather than a name, i.e. a list of edges
             ``[(0, 1), (1, 2), ...]``, a networkx graph, or a NumPy mixing matrix ``W`` (validated).
+        overlap: gossip only: ``False`` sends a step's parameters in the next ``step()`` instead of as soon as
+            they exist (same update, no overlap with forward and backward), to measure what overlapping saves.
 
     Raises:
         ConfigError: unknown strategy, bad ``bucket_bytes``, optimizer parameters outside ``model``, or (for
@@ -128,6 +130,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         context: Context | None = None,
         topology: Any = None,
+        overlap: bool = True,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called on purpose: param_groups and state are the wrapped
         # optimizer's (see the properties below), and anything else is looked up there (__getattr__).
@@ -145,6 +148,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             strategy = "gossip:<given>"
         self.spec: StrategySpec = parse_strategy(strategy)
+        if not overlap and self.spec.kind != "gossip":
+            raise ConfigError(
+                "overlap=False is for gossip, whose exchange can be delayed; allreduce and the parameter-server "
+                "strategies always start sending during backward"
+            )
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
         self._inner = optimizer
@@ -181,7 +189,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if gossip:
             assert self.spec.topology is not None  # parse_strategy always sets it for gossip
             graph = topology if topology is not None else self.spec.topology
-            self._strategy = GossipStrategy(self.context, self._buckets, topology=graph)
+            self._strategy = GossipStrategy(self.context, self._buckets, topology=graph, overlap=overlap)
         elif self.spec.uses_servers:
             self._strategy = ParameterServerStrategy(self.context, self._buckets, spec=self.spec, optimizer=optimizer)
         else:

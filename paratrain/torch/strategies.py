@@ -382,14 +382,19 @@ class GossipStrategy(Strategy):
         topology: a topology name, a graph file, a JSON file with a user-given ``"mixing_matrix"``, a list of
             edges, a networkx graph or a NumPy matrix (see :func:`paratrain.gossip.mixing.resolve_mixing`); a
             graph gets Metropolis-Hastings weights.
+        overlap: False posts each exchange in ``step()`` instead of at the end of the previous one: the same
+            update, computed later, for measuring what the overlap saves.
 
     Raises:
         ConfigError: unknown topology, unreadable file, or a graph or matrix invalid for ``context.world_size``
             ranks.
     """
 
-    def __init__(self, context: Context, buckets: Sequence[FusedBucket], *, topology: Any) -> None:
+    def __init__(
+        self, context: Context, buckets: Sequence[FusedBucket], *, topology: Any, overlap: bool = True
+    ) -> None:
         super().__init__(buckets)
+        self.overlap = bool(overlap)
         self._context = context
         n = context.world_size
         self.mixing, self.edges = resolve_mixing(topology, n)
@@ -462,7 +467,8 @@ class GossipStrategy(Strategy):
             stepped = bucket.read_params()
             correction = avg.sub_(before.to(avg.dtype))  # sum_j W_ij x_j(k) - x_i(k)
             bucket.write_params(correction.add_(stepped.to(avg.dtype)).to(stepped.dtype))
-        self._post()
+        if self.overlap:
+            self._post()
 
     def close(self) -> None:
         """Completes the exchange posted after the last step, whose result is not used.

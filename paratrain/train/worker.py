@@ -37,6 +37,11 @@ def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True)
     parser.add_argument("--batch-size", type=int, default=64, help="examples per worker per step (default 64)")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate of SGD with momentum 0.9 (0.05)")
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and shuffling (default 0)")
+    parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="gossip only: send a step's parameters in the next step() instead of during forward/backward",
+    )
 
 
 def _straggler(spec: str | None, rank: int) -> float:
@@ -103,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     data = load_dataset(args.dataset, data_dir=args.data_dir)
     model = build_model(args.model, side=data.side, classes=data.classes)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    dopt = ptt.DistributedOptimizer(optimizer, model=model, strategy=args.strategy)
+    dopt = ptt.DistributedOptimizer(optimizer, model=model, strategy=args.strategy, overlap=not args.no_overlap)
     ptt.broadcast_parameters(model, root=0)
     rec = Recorder(args.run_dir, rank=ctx.rank)
     slow = _straggler(args.straggler, ctx.rank)
