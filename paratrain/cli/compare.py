@@ -37,6 +37,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default="allreduce,bsp,ssp:3,asp",
         help="comma-separated: allreduce, bsp, ssp:S, asp, gossip:GRAPH (default allreduce,bsp,ssp:3,asp)",
     )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of the whole comparison (strategies interleaved); the table shows median (min-max) samples/s",
+    )
     p.add_argument("--target-accuracy", type=float, default=0.9, help="for the time-to-accuracy column (0.9)")
     p.add_argument("--out", default=None, help="output directory (default runs/compare-<time>)")
     p.add_argument("--json", default=None, help="also write the comparison to this JSON file")
@@ -60,8 +66,9 @@ def format_table(rows: list[dict[str, Any]], target: float) -> str:
     """The comparison as a Markdown table (it reads as plain text too, and pastes into a README).
 
     Columns: rank 0's final test accuracy, the workers' average model's (gossip only: the others' workers are
-    identical), throughput, the share of step time spent waiting for communication (mean over ranks), the
-    wall time of the whole job and the training time until rank 0 first reached ``target``.
+    identical), throughput (with ``--repeat``: the median round's, and the min-max over rounds), the share of
+    step time spent waiting for communication (mean over ranks), the wall time of the whole job and the
+    training time until rank 0 first reached ``target``.
     """
     lines = [
         f"| strategy | test acc | avg-model acc | samples/s | comm wait | wall s | time to {target} |",
@@ -74,10 +81,12 @@ def format_table(rows: list[dict[str, Any]], target: float) -> str:
         ranks = list(row["per_rank"].values())
         total = sum(r["compute_s"] + r["wait_s"] for r in ranks)
         wait = sum(r["wait_s"] for r in ranks) / total if total else 0.0
+        rounds = [x for x in row.get("samples_per_sec_rounds", []) if x is not None]
+        spread = f" ({min(rounds):,.0f}-{max(rounds):,.0f})" if len(rounds) > 1 else ""
         lines.append(
             f"| {row['strategy']} | {row['test_accuracy']:.4f} | "
             + (f"{consensus:.4f}" if consensus is not None else "-")
-            + f" | {row['samples_per_sec']:,.0f} | {wait:.0%} | {row['wall_time_s']:.1f} | {reached} |"
+            + f" | {row['samples_per_sec']:,.0f}{spread} | {wait:.0%} | {row['wall_time_s']:.1f} | {reached} |"
         )
     return "\n".join(lines)
 
@@ -121,26 +130,48 @@ def _main(args: argparse.Namespace) -> int:
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
-    base = {k: v for k, v in vars(args).items() if k not in ("strategies", "target_accuracy", "out", "func")}
+    skip = ("strategies", "target_accuracy", "out", "func", "repeat")
+    base = {k: v for k, v in vars(args).items() if k not in skip}
     try:
-        jobs = []
-        for strategy in strategies:
-            job = TrainJob(
-                **{**base, "strategy": strategy, "run_dir": str(out / strategy.replace(":", "")), "json": None}
-            )
-            validate(job)
-            jobs.append(job)
+        if args.repeat < 1:
+            raise ConfigError(f"--repeat must be at least 1, got {args.repeat}")
+        if not strategies:
+            raise ConfigError("--strategies is empty; name at least one, e.g. allreduce,gossip:ring")
+        twice = sorted({name for name in strategies if strategies.count(name) > 1})
+        if twice:
+            raise ConfigError(f"--strategies lists {', '.join(twice)} more than once; use --repeat for rounds")
+        rounds: list[list[TrainJob]] = []
+        for r in range(args.repeat):
+            jobs = []
+            for strategy in strategies:
+                run_dir = out / strategy.replace(":", "")
+                if args.repeat > 1:
+                    run_dir = run_dir / f"round{r + 1}"
+                job = TrainJob(**{**base, "strategy": strategy, "run_dir": str(run_dir), "json": None})
+                validate(job)
+                jobs.append(job)
+            rounds.append(jobs)
     except ConfigError as exc:
         print(f"paratrain compare: error: {exc}", file=sys.stderr)
         return 2
+    done: dict[str, list[tuple[dict[str, Any], list[dict[str, Any]]]]] = {s: [] for s in strategies}
+    for r, jobs in enumerate(rounds):
+        for job in jobs:
+            where = f" (round {r + 1} of {args.repeat})" if args.repeat > 1 else ""
+            print(f"paratrain compare: running {job.strategy}{where} ...", file=sys.stderr, flush=True)
+            summary = run_training(job)  # with its progress bar: a throttled job can take a minute
+            records = merge_run(summary["run_dir"])
+            row = {**summary, "time_to_accuracy_s": time_to_accuracy(records, args.target_accuracy)}
+            done[job.strategy].append((row, records))
+    jobs = rounds[0]
     runs: dict[str, list[dict[str, Any]]] = {}
     rows = []
-    for job in jobs:
-        print(f"paratrain compare: running {job.strategy} ...", file=sys.stderr, flush=True)
-        summary = run_training(job)  # with its progress bar: a throttled job can take a minute
-        records = merge_run(summary["run_dir"])
-        runs[job.strategy] = records
-        rows.append({**summary, "time_to_accuracy_s": time_to_accuracy(records, args.target_accuracy)})
+    for strategy, results in done.items():
+        # the round with the median throughput stands for the strategy (table, figure); all rounds are kept
+        ordered = sorted(results, key=lambda item: item[0]["samples_per_sec"] or 0.0)
+        row, records = ordered[(len(ordered) - 1) // 2]
+        runs[strategy] = records
+        rows.append({**row, "samples_per_sec_rounds": [item[0]["samples_per_sec"] for item in results]})
     title = (
         f"{args.model} on {args.dataset}, {args.workers} worker{'s' if args.workers != 1 else ''}"
         + (f", straggler {args.straggler}" if args.straggler else "")
@@ -149,7 +180,13 @@ def _main(args: argparse.Namespace) -> int:
     _plot(runs, out / "compare.png", title)
     print(format_table(rows, args.target_accuracy))
     print(f"figure: {out / 'compare.png'}")
-    result = {"target_accuracy": args.target_accuracy, "runs": rows, "figure": str(out / "compare.png")}
+    result = {
+        "target_accuracy": args.target_accuracy,
+        "repeat": args.repeat,
+        "runs": rows,
+        "all_rounds": {strategy: [row for row, _ in results] for strategy, results in done.items()},
+        "figure": str(out / "compare.png"),
+    }
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

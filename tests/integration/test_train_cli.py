@@ -111,3 +111,22 @@ def test_gossip_on_a_ring_of_4_matches_allreduce_accuracy(tmp_path: Path) -> Non
         assert out.returncode == 0, out.stderr
         accuracy[strategy] = json.loads(summary_path.read_text())["test_accuracy"]
     assert accuracy["gossip:ring"] >= accuracy["allreduce"] - 0.01, accuracy
+
+
+def test_compare_repeats_rounds_and_reports_the_spread(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [*CLI, "compare", "--strategies", "allreduce", "--repeat", "2", "--epochs", "1", "--out", str(tmp_path / "c")],
+        capture_output=True, text=True, timeout=170, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "c" / "compare.json").read_text())
+    [row] = result["runs"]
+    assert result["repeat"] == 2 and len(result["all_rounds"]["allreduce"]) == 2
+    rounds = row["samples_per_sec_rounds"]
+    assert len(rounds) == 2 and row["samples_per_sec"] in rounds  # the median round (of two: the slower) stands
+    assert (tmp_path / "c" / "allreduce" / "round1" / "summary.json").exists()
+    assert (tmp_path / "c" / "allreduce" / "round2" / "summary.json").exists()
+    table_row = next(line for line in out.stdout.splitlines() if line.startswith("| allreduce |"))
+    assert f"({min(rounds):,.0f}-{max(rounds):,.0f})" in table_row
+    bad = subprocess.run([*CLI, "compare", "--strategies", "asp,asp"], capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "more than once" in bad.stderr
