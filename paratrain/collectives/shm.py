@@ -132,11 +132,16 @@ _W_MAGIC, _W_VERSION, _W_NRANKS, _W_CAPACITY, _W_ABORT, _W_ABORT_WHY = range(6)
 # Words of a control line (relative to its first word).
 _C_COUNTER, _C_SLEEP, _C_PID, _C_LEFT, _C_DESC = 0, 1, 2, 3, 4  # descriptor: 2 positions x (nbytes, code)
 _WHY_ERROR, _WHY_MISMATCH = 1, 2
-_KIND_ALLREDUCE, _KIND_BROADCAST, _KIND_BARRIER = 1, 2, 3
+_KIND_ALLREDUCE, _KIND_BROADCAST, _KIND_BARRIER, _KIND_EXCHANGE = 1, 2, 3, 4
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_NAMES))}
 _DTYPE_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
 _OP_CODES = {name: i + 1 for i, name in enumerate(OPS)}
-_KIND_NAMES = {_KIND_ALLREDUCE: "allreduce", _KIND_BROADCAST: "broadcast", _KIND_BARRIER: "barrier"}
+_KIND_NAMES = {
+    _KIND_ALLREDUCE: "allreduce",
+    _KIND_BROADCAST: "broadcast",
+    _KIND_BARRIER: "barrier",
+    _KIND_EXCHANGE: "a neighbour exchange",
+}
 _PLAN_CACHE = 16
 _NAMES: dict[np.dtype[Any], str] = {}  # dtype -> wire name (computing it costs ~4 µs, a fifth of a small call)
 
@@ -244,6 +249,7 @@ class ShmGroup:
         self._broken: str | None = None  # the error text only: the exception's frames would pin views of the mmap
         self._closed = False
         self._k = 0  # next block number
+        self._x = 0  # neighbour exchanges published (a group does collectives or exchanges, never both)
         self._plans: OrderedDict[tuple[np.dtype[Any], int], _Plan] = OrderedDict()
         self._reducers: dict[tuple[str, str], Reducer] = {}
         self._mm = mm
@@ -482,7 +488,7 @@ class ShmGroup:
         """
         self._enter()
         try:
-            self._check_usable()
+            self._check_collective()
             if self._mm is None:
                 return
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -491,6 +497,88 @@ class ShmGroup:
             self._signal(2 * k + 1)
             self._wait_all(2 * k + 1, k, deadline, check=(0, _KIND_BARRIER))
             self._k = k + 1
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self._lock.release()
+
+    # -- neighbour exchange (gossip) ---------------------------------------------------------------------------
+
+    def publish(self, arr: _Array) -> None:
+        """Posts ``arr`` for this rank's graph neighbours (exchange number k, counting from 0). Never waits.
+
+        A neighbour exchange is not a collective: each rank reads only the peers it names in :meth:`peer_array`,
+        and nobody waits for anyone else, so a slow rank delays its neighbours only. Every member publishes once
+        per exchange, in the same sequence, and the array goes to slot ``k % 2`` of this rank. Why two slots are
+        enough: a rank overwrites slot ``k % 2`` at exchange ``k + 2``, after reading its neighbours' exchange
+        ``k + 1``, which each neighbour publishes only after it has read this rank's exchange ``k``. That holds
+        when neighbourhoods are symmetric (a rank reads its readers) and each rank finishes with the views of
+        exchange ``k`` before it publishes ``k + 1`` — exactly D-PSGD's step. A group used for exchanges must
+        not run collectives (their counters mean something else): use a group of its own.
+
+        Raises:
+            ValueError: ``arr`` is larger than the group's ``capacity``.
+            RuntimeError: the group already ran collectives.
+        """
+        self._enter()
+        try:
+            self._check_usable()
+            if self._k:
+                raise RuntimeError("this ShmGroup runs collectives; neighbour exchanges need a group of their own")
+            if self._mm is None:
+                return
+            flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+            if flat.nbytes > self.capacity:
+                raise ValueError(f"{flat.nbytes} bytes do not fit the group's capacity of {self.capacity} bytes")
+            k = self._x
+            start = self._slot_offset(self.index, k & 1)
+            self._u8[start : start + flat.nbytes] = flat
+            self._describe(k, flat.nbytes, _KIND_EXCHANGE)
+            self._x = k + 1
+            self._signal(k + 1)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self._lock.release()
+
+    def peer_array(self, peer: int, dtype: npt.DTypeLike, count: int, *, timeout: float | None = None) -> _Array:
+        """What ``peer`` (a transport rank of the group) published in this rank's latest exchange. Blocks.
+
+        Returns a view into shared memory of ``count`` items of ``dtype``, valid until this rank's next
+        :meth:`publish` (see there why); copy it to keep it longer.
+
+        Raises:
+            CollectiveMismatchError: ``peer`` published a different number of bytes.
+            PeerLostError: ``peer`` died, left the group, or failed.
+            CommTimeoutError: ``peer`` did not publish within the timeout.
+        """
+        self._check_usable()
+        if peer not in self.ranks or peer == self.rank:  # a wrong argument: the group stays usable
+            raise ValueError(f"peer {peer} is not another member of the group {list(self.ranks)}")
+        if self._x == 0:
+            raise RuntimeError("peer_array() before publish(): publish this rank's exchange first")
+        self._enter()
+        try:
+            k = self._x - 1
+            dt = np.dtype(dtype)
+            nbytes = count * dt.itemsize
+            q = self.ranks.index(peer)
+            if self._mm is None:  # pragma: no cover - a one-member group has no peers
+                raise ValueError("a one-member group has no peers")
+            word = self._line[q]
+            if self._w[word] < k + 1:
+                self._wait_one(q, word, k + 1, time.monotonic() + (self.timeout if timeout is None else timeout))
+            base = self._line[q] + _C_DESC + 2 * (k & 1)
+            theirs = (int(self._w[base]), int(self._w[base + 1]))
+            if theirs != (nbytes, _KIND_EXCHANGE):
+                raise CollectiveMismatchError(
+                    f"rank {self.rank} expected {nbytes} bytes from rank {peer} in neighbour exchange {k}, but it "
+                    f"published {_describe_code(*theirs)}; every rank must build the same model"
+                )
+            start = self._slot_offset(q, k & 1)
+            return self._u8[start : start + nbytes].view(dt)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -633,8 +721,13 @@ class ShmGroup:
         if self._broken is not None:
             raise TransportError(f"this ShmGroup is broken by an earlier error ({self._broken}); close it")
 
-    def _check_array(self, arr: _Array, dtype_name: str | None) -> tuple[_Array, str]:
+    def _check_collective(self) -> None:
         self._check_usable()
+        if self._x:
+            raise RuntimeError("this ShmGroup carries neighbour exchanges; collectives need a group of their own")
+
+    def _check_array(self, arr: _Array, dtype_name: str | None) -> tuple[_Array, str]:
+        self._check_collective()
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"ShmGroup collectives take numpy arrays, got {type(arr).__name__}")
         flags = arr.flags
@@ -798,6 +891,8 @@ def _describe_code(nbytes: int, code: int) -> str:
     kind = _KIND_NAMES.get(code & 0xFF, "nothing yet")
     if kind == "barrier":
         return "barrier"
+    if code & 0xFF == _KIND_EXCHANGE:
+        return f"{nbytes} bytes"
     op = OPS[(code >> 8 & 0xFF) - 1] if kind == "allreduce" and 0 < (code >> 8 & 0xFF) <= len(OPS) else None
     dtype = _DTYPE_BY_CODE.get(code >> 16 & 0xFF, "?")
     detail = f"op={op}, " if op else f"root index {code >> 24}, " if kind == "broadcast" else ""

@@ -109,6 +109,24 @@ class Context:
         self._check_open()
         _barrier(self.workers, tag=self.next_collective_tag(), timeout=timeout or self.settings.timeout)
 
+    def workers_share_memory(self) -> bool:
+        """True when every worker runs on this host and nothing emulates a network between them.
+
+        Then shared memory may carry their data instead of sockets (the collectives and gossip use it); with a
+        fault injector it must not, or the emulated links would be bypassed.
+        """
+        from paratrain.transport.faults import FaultyTransport
+
+        hosts = _workers_hosts(self.transport, self.workers.world_size)
+        if hosts is None or len(set(hosts)) != 1 or self.settings.faults is not None:
+            return False
+        seen: Transport | None = self.transport
+        while seen is not None:
+            if isinstance(seen, FaultyTransport):
+                return False
+            seen = getattr(seen, "inner", None)
+        return True
+
     @property
     def collectives(self) -> Collectives:
         """This rank's :class:`~paratrain.collectives.api.Collectives` (where algorithms are registered)."""

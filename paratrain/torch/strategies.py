@@ -31,8 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
+from paratrain.collectives.shm import ShmGroup
 from paratrain.errors import ConfigError
 from paratrain.gossip.mixing import neighbors, resolve_mixing
 from paratrain.gossip.topology import TOPOLOGIES
@@ -341,6 +344,11 @@ class ParameterServerStrategy(Strategy):
         self.kv.close()
 
 
+def _bytes(flat: torch.Tensor) -> npt.NDArray[np.uint8]:
+    """A flat CPU tensor's bytes as a numpy view (any dtype, bfloat16 included)."""
+    return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for 16- and 32-bit parameters, float64 for float64 ones."""
     return torch.promote_types(dtype, torch.float32)
@@ -391,7 +399,13 @@ class GossipStrategy(Strategy):
     """
 
     def __init__(
-        self, context: Context, buckets: Sequence[FusedBucket], *, topology: Any, overlap: bool = True
+        self,
+        context: Context,
+        buckets: Sequence[FusedBucket],
+        *,
+        topology: Any,
+        overlap: bool = True,
+        shared_memory: bool | None = None,
     ) -> None:
         super().__init__(buckets)
         self.overlap = bool(overlap)
@@ -403,6 +417,19 @@ class GossipStrategy(Strategy):
         self._sent: list[torch.Tensor] | None = None  # x_i(k) as posted to the neighbours
         self._receives: list[tuple[int, float, Handle[Message]]] = []
         self._sends: list[Handle[None]] = []
+        self._group: ShmGroup | None = None
+        if shared_memory is None:
+            shared_memory = n > 1 and ShmGroup.supported() and context.workers_share_memory()
+        if shared_memory:
+            nbytes = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+            self._group = ShmGroup.create(
+                context.workers,
+                ranks=list(range(n)),
+                run_id=context.settings.run_id,
+                timeout=context.settings.timeout,
+                tag=context.next_collective_tag(),
+                capacity=max(4096, -(-nbytes // 4096) * 4096),
+            )
 
     def launch(self, k: int) -> None:
         """Nothing to send during backward: the parameters left at the end of the previous step."""
@@ -418,6 +445,9 @@ class GossipStrategy(Strategy):
         """Posts ``x_i`` to every neighbour and a receive from each; returns at once."""
         tag = self._context.next_collective_tag()  # taken even without neighbours, so every rank stays in step
         self._sent = [bucket.read_params() for bucket in self.buckets]
+        if self._group is not None:
+            self._group.publish(np.concatenate([_bytes(flat) for flat in self._sent]))
+            return
         transport = self._context.workers
         self._receives = [(peer, weight, transport.irecv(peer, tag)) for peer, weight in self.neighbors]
         self._sends = [transport.isend(peer, tag, self._sent) for peer, _ in self.neighbors]
@@ -429,6 +459,17 @@ class GossipStrategy(Strategy):
             raise RuntimeError("internal error: gossip step without an exchange in flight")
         timeout = self._context.settings.timeout
         mixed = [flat.to(_accumulation_dtype(flat.dtype), copy=True).mul_(self.self_weight) for flat in mine]
+        if self._group is not None:  # read straight from the neighbours' slots; valid until our next publish
+            total = sum(flat.numel() * flat.element_size() for flat in mine)
+            for peer, weight in self.neighbors:
+                raw = self._group.peer_array(peer, np.uint8, total, timeout=timeout)
+                offset = 0
+                for acc, flat in zip(mixed, mine, strict=True):
+                    size = flat.numel() * flat.element_size()
+                    theirs = torch.from_numpy(raw[offset : offset + size]).view(flat.dtype)
+                    acc.add_(theirs.to(acc.dtype), alpha=weight)
+                    offset += size
+            return mixed
         receives, self._receives = self._receives, []
         for peer, weight, handle in receives:
             message = handle.wait(timeout)
@@ -479,6 +520,8 @@ class GossipStrategy(Strategy):
         Raises:
             CommTimeoutError, PeerLostError: a neighbour did not send its last parameters (it stopped early).
         """
-        if self._sent is not None:
+        if self._group is not None:  # publishing never waits, so nothing is in flight: just leave the group
+            self._group.close()
+        elif self._sent is not None:
             self._mixed()
         self._receives, self._sends, self._sent = [], [], None

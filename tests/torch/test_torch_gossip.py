@@ -124,13 +124,18 @@ def reference_dpsgd(topology: str, steps: int) -> list[torch.Tensor]:
     [
         ("ring", "inproc", True),
         ("complete", "inproc", True),
-        ("ring", "zmq", True),
+        ("ring", "zmq", True),  # one host: the parameters travel through a shared-memory segment
+        ("ring", "sockets", True),  # the same over ZeroMQ messages
         ("given", "inproc", True),
         ("ring", "inproc", False),  # the exchange posted in step(): the same update
     ],
 )
-def test_gossip_equals_single_process_dpsgd(topology: str, transport: str, overlap: bool, tmp_path: Path) -> None:
+def test_gossip_equals_single_process_dpsgd(
+    topology: str, transport: str, overlap: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     steps = 5
+    if transport == "sockets":
+        monkeypatch.setattr(Context, "workers_share_memory", lambda self: False)
     if topology == "given":  # a user's W (as `paratrain topology --json` writes it): a lazy path 0-1-2-3
         w = [[0.7, 0.3, 0, 0], [0.3, 0.4, 0.3, 0], [0, 0.3, 0.4, 0.3], [0, 0, 0.3, 0.7]]
         topology = str(tmp_path / "w.json")
@@ -147,6 +152,7 @@ def test_gossip_equals_single_process_dpsgd(topology: str, transport: str, overl
             overlap=overlap,
         )
         assert len(opt.plan) > 1
+        assert (opt._strategy._group is not None) == (transport == "zmq")  # type: ignore[attr-defined]
         for step in range(steps):
             x, y = batch(ctx.rank, step)
             opt.zero_grad()
@@ -164,7 +170,7 @@ def test_gossip_equals_single_process_dpsgd(topology: str, transport: str, overl
         return flat(model)
 
     expected = reference_dpsgd(topology, steps)
-    got = run_ranks(WORKERS, worker, transport=transport)
+    got = run_ranks(WORKERS, worker, transport="zmq" if transport == "sockets" else transport)
     for rank in range(WORKERS):
         torch.testing.assert_close(got[rank], expected[rank], rtol=0, atol=1e-5)
 
