@@ -377,12 +377,16 @@ class GossipStrategy(Strategy):
     ``broadcast_parameters``). Parameters changed outside ``step()`` between two steps reach the neighbours
     one step late.
 
-    Communication: one message per neighbour per step holding every bucket's flat parameters, tagged with
-    ``context.next_collective_tag()`` (taken at the same point on every rank, so ranks stay matched without a
-    handshake). Receives and sends are posted together, so exchanges with different neighbours run
-    concurrently and no pair of ranks can deadlock. Mixing is computed in float32 (float64 for float64
-    parameters; 16-bit parameters are widened) and cast back: float64 throughout cost about 1 ms per step
-    for a 1.2 MB model on this machine.
+    Communication: when every worker runs on this host and no network is emulated
+    (``context.workers_share_memory()``), a step's parameters go into this worker's slot of a shared-memory
+    segment of its own (:meth:`~paratrain.collectives.shm.ShmGroup.publish`) and the neighbours read them in
+    place; a worker waits only for its neighbours' counters. Otherwise: one message per neighbour per step
+    holding every bucket's flat parameters, tagged with ``context.next_collective_tag()`` (taken at the same
+    point on every rank, so ranks stay matched without a handshake); receives and sends are posted together,
+    so exchanges with different neighbours run concurrently and no pair of ranks can deadlock.
+
+    Mixing is computed in float32 (float64 for float64 parameters; 16-bit parameters are widened) and cast
+    back: float64 throughout cost about 1 ms per step for a 1.2 MB model on this machine.
 
     Args:
         context: this rank's context.
@@ -392,6 +396,8 @@ class GossipStrategy(Strategy):
             graph gets Metropolis-Hastings weights.
         overlap: False posts each exchange in ``step()`` instead of at the end of the previous one: the same
             update, computed later, for measuring what the overlap saves.
+        shared_memory: force the shared-memory path on (all workers must share this host) or off; None
+            decides from the context.
 
     Raises:
         ConfigError: unknown topology, unreadable file, or a graph or matrix invalid for ``context.world_size``
