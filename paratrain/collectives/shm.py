@@ -128,10 +128,10 @@ _VERSION = 1
 _HEADER = 4096
 _LINE = 128
 _ALIGN = 64
-_W_MAGIC, _W_VERSION, _W_NRANKS, _W_CAPACITY, _W_ABORT, _W_ABORT_WHY = range(6)
+_W_MAGIC, _W_VERSION, _W_NRANKS, _W_CAPACITY, _W_ABORT, _W_ABORT_WHY, _W_ABORT_LOST = range(7)
 # Words of a control line (relative to its first word).
 _C_COUNTER, _C_SLEEP, _C_PID, _C_LEFT, _C_DESC = 0, 1, 2, 3, 4  # descriptor: 2 positions x (nbytes, code)
-_WHY_ERROR, _WHY_MISMATCH = 1, 2
+_WHY_ERROR, _WHY_MISMATCH, _WHY_LOST = 1, 2, 3
 _KIND_ALLREDUCE, _KIND_BROADCAST, _KIND_BARRIER, _KIND_EXCHANGE = 1, 2, 3, 4
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_NAMES))}
 _DTYPE_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
@@ -758,7 +758,11 @@ class ShmGroup:
         """Marks the group broken and wakes every peer with the abort word, so that nobody waits for us."""
         if self._broken is None and not self._closed:
             self._broken = f"{type(exc).__name__}: {exc}"
-        self._abort(_WHY_MISMATCH if isinstance(exc, CollectiveMismatchError) else _WHY_ERROR)
+        if isinstance(exc, PeerLostError) and exc.peer in self.ranks and exc.peer != self.rank:
+            # pass on who was lost, not who noticed: the others should name the root cause
+            self._abort(_WHY_LOST, lost=self.ranks.index(exc.peer))
+        else:
+            self._abort(_WHY_MISMATCH if isinstance(exc, CollectiveMismatchError) else _WHY_ERROR)
 
     def _describe(self, k: int, nbytes: int, code: int) -> None:
         base = self._me + _C_DESC + 2 * (k & 1)
@@ -862,12 +866,13 @@ class ShmGroup:
                     f"{_describe_code(*theirs)}; every rank must call the same collectives in the same order"
                 )
 
-    def _abort(self, why: int) -> None:
+    def _abort(self, why: int, lost: int | None = None) -> None:
         if self._mm is None or self._closed:
             return
         if not self._w[_W_ABORT]:
             self._w[_W_ABORT_WHY] = why
-            self._w[_W_ABORT] = self.index + 1
+            self._w[_W_ABORT_LOST] = 0 if lost is None else lost + 1
+            self._w[_W_ABORT] = self.index + 1  # last: a reader that sees it sees the words above (x86 TSO)
         self._wake_all()
 
     def _wake_all(self) -> None:
@@ -883,6 +888,12 @@ class ShmGroup:
             raise CollectiveMismatchError(
                 f"rank {peer} found that the ranks called different collectives (see its error); every rank must "
                 "call the same collectives with the same sizes, dtypes and ops"
+            )
+        lost = int(self._w[_W_ABORT_LOST]) - 1
+        if int(self._w[_W_ABORT_WHY]) == _WHY_LOST and 0 <= lost < self.size and lost != self.index:
+            gone = self.ranks[lost]
+            raise PeerLostError(
+                f"rank {gone} was lost (rank {peer} saw it first and stopped the shared-memory group)", peer=gone
             )
         raise PeerLostError(f"rank {peer} failed inside a shared-memory collective; see its error", peer=peer)
 

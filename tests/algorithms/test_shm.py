@@ -470,3 +470,26 @@ def test_neighbour_exchange_errors() -> None:
             group.barrier()
 
     _with_groups(2, mixed_use)
+
+
+def test_a_lost_peer_is_named_by_everyone_not_the_rank_that_noticed() -> None:
+    """A path 0 - 2 - 1: rank 0 reads only rank 2. Rank 1 leaves; rank 2 notices and aborts the group; rank 0
+    must be told that rank 1 was lost (the root cause), not that rank 2 failed."""
+
+    def body(ctx: Context, group: ShmGroup) -> str:
+        reads = {0: [2], 1: [2], 2: [0, 1]}[ctx.rank]
+        try:
+            for k in range(5):
+                if ctx.rank == 1 and k == 2:
+                    return "left"  # _with_groups closes the group: its peers see it leave
+                group.publish(np.full(4, float(k)))
+                for peer in reads:
+                    assert group.peer_array(peer, np.float64, 4)[0] == k
+        except PeerLostError as exc:
+            return f"lost {exc.peer}: {exc}"
+        return "finished"
+
+    results = _with_groups(3, body)
+    assert results[1] == "left"
+    assert results[2].startswith("lost 1: ") and "closed its shared-memory group" in results[2]
+    assert results[0].startswith("lost 1: ") and "rank 2 saw it first" in results[0]
