@@ -62,7 +62,10 @@ class _SendHandle(Handle[None]):
         return super().done()
 
     def _resolve(self) -> None:
-        if self._tracker.done:
+        if self._tracker.done or self._peer in self._transport._said_bye:
+            # a peer that shut down cleanly took what it wanted: the ring's last segment, say, arrives, the peer
+            # finishes and says goodbye before ZeroMQ has released our buffer. Not an error. (The buffer stays
+            # alive while ZeroMQ holds it: the frame keeps a reference.)
             self.set_result(None)
         else:
             error = self._transport._lost_error(self._peer)
