@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 __all__ = ["add_parser"]
 
@@ -102,6 +103,22 @@ def _usage(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
+def _report(command: str, table: str, report: dict[str, Any], json_path: str | None, code: int) -> int:
+    """Prints a benchmark's table, writes its JSON if asked, and returns the exit code (1 if the JSON failed)."""
+    print()
+    print(table, flush=True)
+    if json_path:
+        try:
+            with open(json_path, "w", encoding="utf-8") as fh:
+                json.dump(report, fh, indent=2)
+                fh.write("\n")
+        except OSError as exc:
+            print(f"paratrain bench {command}: error: cannot write {json_path}: {exc}", file=sys.stderr)
+            return 1
+        print(f"wrote {json_path}")
+    return code
+
+
 def _allreduce(args: argparse.Namespace) -> int:
     from paratrain.bench.allreduce import ANCHORS, DEFAULT_SIZES, BenchOptions, parse_sizes, render_table, run_bench
 
@@ -121,18 +138,7 @@ def _allreduce(args: argparse.Namespace) -> int:
         print(f"paratrain bench allreduce: error: {exc}", file=sys.stderr)
         return 2
     report, code = run_bench(options)
-    print()
-    print(render_table(report), flush=True)
-    if args.json:
-        try:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump(report, fh, indent=2)
-                fh.write("\n")
-        except OSError as exc:
-            print(f"paratrain bench allreduce: error: cannot write {args.json}: {exc}", file=sys.stderr)
-            return 1
-        print(f"wrote {args.json}")
-    return code
+    return _report("allreduce", render_table(report), report, args.json, code)
 
 
 _PS_EPILOG = """\
@@ -229,18 +235,7 @@ def _ps(args: argparse.Namespace) -> int:
         print(f"paratrain bench ps: error: {exc}", file=sys.stderr)
         return 2
     report, code = run_bench(options)
-    print()
-    print(render_table(report), flush=True)
-    if args.json:
-        try:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump(report, fh, indent=2)
-                fh.write("\n")
-        except OSError as exc:
-            print(f"paratrain bench ps: error: cannot write {args.json}: {exc}", file=sys.stderr)
-            return 1
-        print(f"wrote {args.json}")
-    return code
+    return _report("ps", render_table(report), report, args.json, code)
 
 
 def _add_train_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -286,8 +281,4 @@ def _train(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"paratrain bench train: error: {exc}", file=sys.stderr)
         return 1
-    print(render(report), flush=True)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=2)
-    return 0
+    return _report("train", render(report), report, args.json, 0)

@@ -55,10 +55,10 @@ class TrainJob(argparse.Namespace):
         """
         from paratrain.transport.faults import FaultSpec
 
-        parts = [p.strip() for p in (getattr(self, "faults", None) or "").split(",") if p.strip()]
+        parts = [p.strip() for p in (self.faults or "").split(",") if p.strip()]
         given = {p.partition("=")[0].strip() for p in parts}
         for key in ("latency", "bandwidth"):
-            value = getattr(self, key, None)
+            value = getattr(self, key)
             if value is None:
                 continue
             if key in given:
@@ -136,7 +136,7 @@ def validate(job: TrainJob) -> None:
     else:
         raise ConfigError(f"unknown --strategy {job.strategy!r}; choose one of: {STRATEGIES_HELP}")
     job.network()
-    if getattr(job, "no_overlap", False) and kind != "gossip":
+    if job.no_overlap and kind != "gossip":
         raise ConfigError("--no-overlap is for gossip strategies (allreduce and bsp/ssp/asp always overlap)")
     if job.straggler:
         who, _, factor = job.straggler.partition(":")
@@ -202,7 +202,7 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
         argv += ["--data-dir", job.data_dir]
     if job.straggler:
         argv += ["--straggler", job.straggler]
-    if getattr(job, "no_overlap", False):
+    if job.no_overlap:
         argv += ["--no-overlap"]
     stop = threading.Event()
     total = [0]
@@ -266,7 +266,7 @@ def summarise(
         "batch_size": job.batch_size,
         "lr": job.lr,
         "seed": job.seed,
-        "overlap": not getattr(job, "no_overlap", False),
+        "overlap": not job.no_overlap,
         "network": job.network(),
         "test_accuracy": evals[-1]["test_accuracy"] if evals else None,
         "accuracy_by_epoch": [e["test_accuracy"] for e in evals],

@@ -505,8 +505,10 @@ class ShmGroup:
 
     # -- neighbour exchange (gossip) ---------------------------------------------------------------------------
 
-    def publish(self, arr: _Array) -> None:
+    def publish(self, arr: _Array | Sequence[_Array]) -> None:
         """Posts ``arr`` for this rank's graph neighbours (exchange number k, counting from 0). Never waits.
+
+        A sequence of arrays is laid out back to back, as their concatenated bytes (without a concatenated copy).
 
         A neighbour exchange is not a collective: each rank reads only the peers it names in :meth:`peer_array`,
         and nobody waits for anyone else, so a slow rank delays its neighbours only. Every member publishes once
@@ -528,13 +530,17 @@ class ShmGroup:
                 raise RuntimeError("this ShmGroup runs collectives; neighbour exchanges need a group of their own")
             if self._mm is None:
                 return
-            flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-            if flat.nbytes > self.capacity:
-                raise ValueError(f"{flat.nbytes} bytes do not fit the group's capacity of {self.capacity} bytes")
+            parts = [arr] if isinstance(arr, np.ndarray) else list(arr)
+            flats = [np.ascontiguousarray(part).reshape(-1).view(np.uint8) for part in parts]
+            nbytes = sum(flat.nbytes for flat in flats)
+            if nbytes > self.capacity:
+                raise ValueError(f"{nbytes} bytes do not fit the group's capacity of {self.capacity} bytes")
             k = self._x
             start = self._slot_offset(self.index, k & 1)
-            self._u8[start : start + flat.nbytes] = flat
-            self._describe(k, flat.nbytes, _KIND_EXCHANGE)
+            for flat in flats:
+                self._u8[start : start + flat.nbytes] = flat
+                start += flat.nbytes
+            self._describe(k, nbytes, _KIND_EXCHANGE)
             self._x = k + 1
             self._signal(k + 1)
         except BaseException as exc:

@@ -452,7 +452,7 @@ class GossipStrategy(Strategy):
         tag = self._context.next_collective_tag()  # taken even without neighbours, so every rank stays in step
         self._sent = [bucket.read_params() for bucket in self.buckets]
         if self._group is not None:
-            self._group.publish(np.concatenate([_bytes(flat) for flat in self._sent]))
+            self._group.publish([_bytes(flat) for flat in self._sent])
             return
         transport = self._context.workers
         self._receives = [(peer, weight, transport.irecv(peer, tag)) for peer, weight in self.neighbors]

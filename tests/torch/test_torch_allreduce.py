@@ -9,7 +9,6 @@ and parameters only some workers use.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,18 +20,10 @@ from paratrain import Context  # noqa: E402
 from paratrain.errors import ConfigError  # noqa: E402
 from paratrain.testing import run_ranks  # noqa: E402
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_thread")]
 
 IN, HID, OUT, BATCH, STEPS = 5, 7, 3, 4, 5
 LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 0.01
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # ranks are threads: intra-op threads would oversubscribe the cores
-    yield
-    torch.set_num_threads(before)
 
 
 class Net(torch.nn.Module):  # type: ignore[misc]

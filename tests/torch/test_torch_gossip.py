@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,17 +21,9 @@ from paratrain.errors import ConfigError  # noqa: E402
 from paratrain.testing import run_ranks  # noqa: E402
 from paratrain.torch.strategies import StrategySpec, parse_strategy  # noqa: E402
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_thread")]
 
 WORKERS, IN, OUT, BATCH, STEPS, LR = 4, 6, 2, 16, 40, 0.05
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # ranks are threads: intra-op threads would oversubscribe the cores
-    yield
-    torch.set_num_threads(before)
 
 
 def make_model(seed: int) -> torch.nn.Module:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,17 +15,9 @@ from paratrain import Context  # noqa: E402
 from paratrain.errors import ConfigError  # noqa: E402
 from paratrain.testing import run_ranks  # noqa: E402
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_thread")]
 
 IN, HID, OUT, BATCH, STEPS = 4, 6, 2, 5, 5
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_net(seed: int) -> Any:
