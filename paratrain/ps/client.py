@@ -57,8 +57,12 @@ class KVStore:
             cost of staler parameters; s = 0 is BSP.
         optimizer: server-side update rule: None (servers add pushed arrays into the values), a name
             (``"adam"``, ``"adagrad"``), a spec dict (``{"name": "sgd", "lr": 0.1, "momentum": 0.9}``) or an
-            optimizer from :mod:`paratrain.ps.optim`. With an optimizer pushes are gradients; under BSP the
-            gradients of a clock are averaged over workers and applied once per clock.
+            optimizer from :mod:`paratrain.ps.optim`. With an optimizer pushes are gradients, applied as one
+            optimizer step on the mean of each round of pushes (a clock under BSP/SSP, every N pushes under
+            ASP: :mod:`paratrain.ps.rounds`), so every model takes the same step per clock.
+        staleness_lr: scale each gradient by ``1 / max(1, τ)``, τ the rounds between the parameters it was
+            computed on and the round it joins (Zhang et al. 2016's staleness-aware learning rate). Off by
+            default; it changes nothing under BSP (τ = 0).
         context: the paratrain context (default: the current one).
         timeout: seconds any call may wait (default: the context's timeout).
         chunk_bytes: target chunk size; smaller balances servers better and overlaps more, at more messages.
@@ -91,6 +95,7 @@ class KVStore:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         cache: bool = True,
         join: bool = False,
+        staleness_lr: bool = False,
     ) -> None:
         from paratrain.runtime.context import Context, current
 
@@ -114,10 +119,13 @@ class KVStore:
         self.timeout = settings.timeout if timeout is None else timeout
         self._chunk_bytes = chunk_bytes
         self._use_cache = cache
+        self._staleness_lr = bool(staleness_lr)
+        # key -> the version (rounds applied) of each chunk as last read: pushes say what they were computed on
+        self._versions: dict[str | int, list[int | None]] = {}
         self._keys: dict[str | int, _Key] = {}
-        # key -> (slowest clock when fetched, the received chunks): the chunks are the read-only frames the
-        # transport already holds, so caching costs no copy; a hit assembles a fresh array from them
-        self._cache: dict[str | int, tuple[int, list[npt.NDArray[Any]]]] = {}
+        # key -> (slowest clock when fetched, the received chunks, their versions): the chunks are the read-only
+        # frames the transport already holds, so caching costs no copy; a hit assembles a fresh array from them
+        self._cache: dict[str | int, tuple[int, list[npt.NDArray[Any]], list[int | None]]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._clock = 0
@@ -229,12 +237,14 @@ class KVStore:
                 "shape": list(part.shape),
                 "key_shape": list(shape),
                 "optimizer": spec,
-                "sync": self.policy.kind == "bsp",
+                "consistency": self.policy.kind,
+                "staleness_lr": self._staleness_lr,
             }
             pending.append(self._request(self._servers[chunk.server], meta, [part] if self.rank == 0 else []))
         for handle, server in pending:
             self._wait(handle, server, f"init of key {key!r}")
         self._keys[key] = _Key(shape, dtype_name, chunks)
+        self._versions[key] = [None] * len(chunks)
         self._cache.pop(key, None)
 
     def push(self, key: str | int, array: Any) -> Handle[None]:
@@ -247,10 +257,11 @@ class KVStore:
         self._check(key, info, arr, dtype_name, None)
         rows = _rows(arr)
         self._cache.pop(key, None)
+        versions = self._versions[key]
         pending = [
             self._request(
                 self._servers[c.server],
-                {"op": "push", "key": key, "chunk": c.index},
+                {"op": "push", "key": key, "chunk": c.index, "version": versions[c.index]},
                 [rows[c.row_start : c.row_stop]],
             )
             for c in info.chunks
@@ -261,8 +272,9 @@ class KVStore:
         """The value of ``key`` as the consistency model allows at this worker's clock (a new array). Blocks."""
         info = self._key(key)
         if self._use_cache and key in self._cache:
-            cached_done, parts = self._cache[key]
+            cached_done, parts, cached_versions = self._cache[key]
             if self.policy.cache_fresh(cached_done, self._clock):
+                self._versions[key] = list(cached_versions)
                 hit = np.empty(info.shape, dtype=info.storage)
                 hit_rows = _rows(hit)
                 for chunk, part in zip(info.chunks, parts, strict=True):
@@ -282,14 +294,17 @@ class KVStore:
         ]
         done = None
         parts = []
+        versions = self._versions[key]
         for chunk, handle, server in pending:
             msg = self._wait(handle, server, f"pull of key {key!r}")
             rows[chunk.row_start : chunk.row_stop] = msg.arrays[0]
             parts.append(msg.arrays[0])
             chunk_done = int(msg.meta.get("done", 0))
             done = chunk_done if done is None else min(done, chunk_done)
+            version = msg.meta.get("version")
+            versions[chunk.index] = version if isinstance(version, int) else None
         if self._use_cache and self.policy.kind != "asp":
-            self._cache[key] = (done or 0, parts)
+            self._cache[key] = (done or 0, parts, list(versions))
         return out
 
     def push_rows(self, key: str | int, row_ids: Any, values: Any) -> Handle[None]:
@@ -304,7 +319,7 @@ class KVStore:
         pending = [
             self._request(
                 self._servers[c.server],
-                {"op": "push", "key": key, "chunk": c.index, "rows": True},
+                {"op": "push", "key": key, "chunk": c.index, "rows": True, "version": self._versions[key][c.index]},
                 [local.astype(np.int64), vals[positions]],
             )
             for c, positions, local in split_rows(info.chunks, ids)
@@ -321,6 +336,7 @@ class KVStore:
         required = self.policy.required_done(self._clock)
         pending = [
             (
+                c.index,
                 positions,
                 *self._request(
                     self._servers[c.server],
@@ -330,9 +346,12 @@ class KVStore:
             )
             for c, positions, local in split_rows(info.chunks, ids)
         ]
-        for positions, handle, server in pending:
+        versions = self._versions[key]
+        for index, positions, handle, server in pending:
             msg = self._wait(handle, server, f"pull_rows of key {key!r}")
             out[positions] = msg.arrays[0]
+            version = msg.meta.get("version")
+            versions[index] = version if isinstance(version, int) else None
         return out
 
     def clock(self) -> None:

@@ -8,9 +8,10 @@ in order with that worker's pushes, so "worker w completed clock k" means "every
 has been applied here".
 
 Server-side update rules (``optimizer`` of the key): ``None`` adds the pushed array into the stored value; an
-optimizer (SGD, Adam, Adagrad from :mod:`.optim`) treats pushes as gradients. Under BSP the gradients of one
-clock are averaged over the workers that pushed and applied once, when every live worker has completed that
-clock — synchronous data-parallel SGD; otherwise each push is one step (asynchronous SGD).
+optimizer (SGD, Adam, Adagrad from :mod:`.optim`) treats pushes as gradients and applies them in *rounds*, one
+optimizer step on the mean gradient of a round, in every consistency model (:mod:`.rounds` states the rule and
+why): under BSP and SSP a round is a clock, applied when every live worker has completed it; under ASP a round
+is every N pushes as they arrive, N the live workers.
 
 Robustness: a malformed or invalid request is answered with an error and the loop goes on; a worker whose
 process dies (its connection drops, or heartbeats stop) is removed from the clock bookkeeping and logged, so
@@ -33,6 +34,7 @@ from paratrain._arrays import DTYPE_NAMES, dtype_from_name
 from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
 from paratrain.ps.protocol import REQUEST_TAG, reply_tag
+from paratrain.ps.rounds import Mode, RoundSum, commit_ready, mode_of, round_of_push, staleness_weight
 from paratrain.transport.base import ANY_SOURCE, Handle, Transport
 from paratrain.transport.wire import Message
 
@@ -52,8 +54,11 @@ class _Chunk:
     key_shape: tuple[int, ...]
     optimizer: ServerOptimizer | None
     state: dict[str, npt.NDArray[Any]]
-    sync: bool
-    pending: dict[int, list[Any]] = field(default_factory=dict)  # clock -> [grad sum, pushes]
+    consistency: str  # the workers' model: bsp, ssp or asp (the first init's; the others must agree)
+    mode: Mode
+    staleness_lr: bool
+    pending: dict[int, RoundSum] = field(default_factory=dict)  # open rounds by id
+    version: int = 0  # rounds applied so far (clock mode: every clock < version is applied)
     sends: list[Handle[None]] = field(default_factory=list)  # replies still reading `value`
 
 
@@ -67,7 +72,7 @@ class ServerStats:
     rejected: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
-    workers_lost: list[int] = field(default_factory=list)
+    workers_lost: list[int] = field(default_factory=list)  # crashed or killed (not those that shut down cleanly)
 
 
 class ParameterServer:
@@ -184,15 +189,25 @@ class ParameterServer:
 
     def _check_lost(self) -> None:
         lost = self.transport.lost_peers() & self.live
+        departed = self.transport.departed_peers() if lost else frozenset()
         for worker in sorted(lost):
-            log.warning(
-                "server %d: worker %d is gone (crashed, killed or disconnected); removed from the clock "
-                "bookkeeping at clock %d so that the others go on",
-                self.transport.rank,
-                worker,
-                self.done[worker],
-            )
-            self.stats.workers_lost.append(worker)
+            if worker in departed:
+                log.info(
+                    "server %d: worker %d shut down without kv.close() at clock %d; it leaves the clock "
+                    "bookkeeping as close() would have",
+                    self.transport.rank,
+                    worker,
+                    self.done[worker],
+                )
+            else:
+                log.warning(
+                    "server %d: worker %d is gone (crashed, killed or disconnected); removed from the clock "
+                    "bookkeeping at clock %d so that the others go on",
+                    self.transport.rank,
+                    worker,
+                    self.done[worker],
+                )
+                self.stats.workers_lost.append(worker)
             self.live.discard(worker)
         if lost:
             self._advance()
@@ -202,12 +217,7 @@ class ParameterServer:
         if self.live:
             self._min_done = max(self._min_done, min(self.done[w] for w in self.live))
         for chunk in self._chunks.values():
-            for clock in sorted(c for c in chunk.pending if c < self._min_done):
-                grad_sum, count = chunk.pending.pop(clock)
-                self._quiesce(chunk)
-                np.divide(grad_sum, count, out=grad_sum)
-                assert chunk.optimizer is not None
-                chunk.optimizer.step(chunk.value, grad_sum, chunk.state)
+            self._commit(chunk)
         still: list[tuple[int, Mapping[str, Any], Message]] = []
         for worker, meta, msg in self._waiting_pulls:
             if worker in self.done and self._ready(meta):
@@ -221,6 +231,22 @@ class ParameterServer:
                 self._reply(worker, meta["id"])
             else:
                 self._waiting_clocks.append((worker, meta))
+
+    def _commit(self, chunk: _Chunk) -> None:
+        """Takes the step of every complete round of ``chunk``, oldest first (the rule of :mod:`.rounds`)."""
+        if chunk.optimizer is None:
+            return
+        for round_id in sorted(chunk.pending):
+            open_round = chunk.pending[round_id]
+            if not commit_ready(chunk.mode, round_id, open_round.count, self._min_done, len(self.live)):
+                break
+            del chunk.pending[round_id]
+            self._quiesce(chunk)
+            open_round.apply(chunk.optimizer, chunk.value, chunk.state)
+            if chunk.mode == "arrival":
+                chunk.version += 1
+        if chunk.mode == "clock":
+            chunk.version = max(chunk.version, self._min_done)
 
     def _ready(self, meta: Mapping[str, Any]) -> bool:
         required = meta.get("required")
@@ -278,12 +304,20 @@ class ParameterServer:
             raise _RejectedError("init without a valid key and chunk index")
         if dtype_name not in DTYPE_NAMES or not isinstance(shape, list) or not isinstance(key_shape, list):
             raise _RejectedError("init without a valid dtype and shape")
+        consistency = meta.get("consistency", "bsp")
+        if consistency not in ("bsp", "ssp", "asp"):
+            raise _RejectedError(f"init with an unknown consistency {consistency!r}")
         existing = self._chunks.get((key, index))
         if existing is not None:
             if existing.dtype_name != dtype_name or list(existing.key_shape) != key_shape:
                 raise _RejectedError(
                     f"key {key!r} exists as {tuple(existing.key_shape)} {existing.dtype_name}, but rank {msg.src} "
                     f"initialises it as {tuple(key_shape)} {dtype_name}: every worker must init a key alike"
+                )
+            if existing.optimizer is not None and existing.consistency != consistency:
+                raise _RejectedError(
+                    f"key {key!r} is updated under {existing.consistency}, but rank {msg.src} uses {consistency}: "
+                    "every worker of a key must use the same consistency model"
                 )
             self._reply(msg.src, meta["id"])
             return
@@ -305,7 +339,9 @@ class ParameterServer:
             key_shape=tuple(key_shape),
             optimizer=optimizer,
             state=optimizer.init_state(stored) if optimizer is not None else {},
-            sync=bool(meta.get("sync", False)),
+            consistency=str(consistency),
+            mode=mode_of(str(consistency)),
+            staleness_lr=bool(meta.get("staleness_lr", False)),
         )
         self._reply(msg.src, meta["id"])
         for worker, waiting in self._waiting_inits.pop((key, index), []):
@@ -337,34 +373,18 @@ class ParameterServer:
             )
         self.stats.pushes += 1
         self.stats.bytes_in += data.nbytes
-        self._quiesce(chunk)
         if chunk.optimizer is None:
+            self._quiesce(chunk)
             if rows is None:
                 np.add(chunk.value, data, out=chunk.value)
             else:
                 np.add.at(chunk.value, rows, data)
         else:
-            if not chunk.sync and rows is not None:
-                # lazy sparse step (like torch's SparseAdam): only the pushed rows and their state move
-                chunk.optimizer.step_rows(chunk.value, np.asarray(data, dtype=chunk.value.dtype), rows, chunk.state)
-                self._reply(msg.src, msg.meta["id"])
-                return
-            grad: npt.NDArray[Any]
-            if rows is None:
-                grad = data
-            else:  # a synchronous step sums the clock's pushes first, densely
-                grad = np.zeros_like(chunk.value)
-                np.add.at(grad, rows, data)
-            if chunk.sync:
-                clock = self.done[msg.src]
-                slot = chunk.pending.get(clock)
-                if slot is None:
-                    chunk.pending[clock] = [np.array(grad, dtype=chunk.value.dtype, copy=True), 1]
-                else:
-                    np.add(slot[0], grad, out=slot[0])
-                    slot[1] += 1
-            else:
-                chunk.optimizer.step(chunk.value, np.asarray(grad, dtype=chunk.value.dtype), chunk.state)
+            read = msg.meta.get("version")
+            round_id = round_of_push(chunk.mode, self.done[msg.src], chunk.version)
+            weight = staleness_weight(round_id, read if isinstance(read, int) else None, aware=chunk.staleness_lr)
+            chunk.pending.setdefault(round_id, RoundSum()).add(data, rows, weight, chunk.value)
+            self._commit(chunk)
         self._reply(msg.src, msg.meta["id"])
 
     def _op_pull(self, msg: Message) -> None:
@@ -384,9 +404,9 @@ class ParameterServer:
             return
         self.stats.pulls += 1
         if rows is None:
-            self._reply(msg.src, msg.meta["id"], [chunk.value], chunk=chunk)
+            self._reply(msg.src, msg.meta["id"], [chunk.value], chunk=chunk, version=chunk.version)
         else:
-            self._reply(msg.src, msg.meta["id"], [chunk.value[rows]])
+            self._reply(msg.src, msg.meta["id"], [chunk.value[rows]], version=chunk.version)
 
     def idle_since(self) -> float:
         """Monotonic time now (a hook for tests that want to see the loop is alive)."""

@@ -96,6 +96,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``[(0, 1), (1, 2), ...]``, a networkx graph, or a NumPy mixing matrix ``W`` (validated).
         overlap: gossip only: ``False`` sends a step's parameters in the next ``step()`` instead of as soon as
             they exist (same update, no overlap with forward and backward), to measure what overlapping saves.
+        staleness_lr: ``ssp:S`` and ``asp`` only: the servers scale each gradient by ``1 / max(1, τ)``, τ how many
+            update rounds the parameters it was computed on were behind (Zhang et al. 2016). Off by default.
 
     Raises:
         ConfigError: unknown strategy, bad ``bucket_bytes``, optimizer parameters outside ``model``, or (for
@@ -131,6 +133,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         context: Context | None = None,
         topology: Any = None,
         overlap: bool = True,
+        staleness_lr: bool = False,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called on purpose: param_groups and state are the wrapped
         # optimizer's (see the properties below), and anything else is looked up there (__getattr__).
@@ -152,6 +155,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 "overlap=False is for gossip, whose exchange can be delayed; allreduce and the parameter-server "
                 "strategies always start sending during backward"
+            )
+        if staleness_lr and not self.spec.uses_servers:
+            raise ConfigError(
+                f"staleness_lr=True scales stale gradients on the parameter servers: use it with strategy 'ssp:S' "
+                f"or 'asp', not {strategy!r}"
             )
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
@@ -191,7 +199,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             graph = topology if topology is not None else self.spec.topology
             self._strategy = GossipStrategy(self.context, self._buckets, topology=graph, overlap=overlap)
         elif self.spec.uses_servers:
-            self._strategy = ParameterServerStrategy(self.context, self._buckets, spec=self.spec, optimizer=optimizer)
+            self._strategy = ParameterServerStrategy(
+                self.context, self._buckets, spec=self.spec, optimizer=optimizer, staleness_lr=staleness_lr
+            )
         else:
             self._strategy = AllreduceStrategy(self.context, self._buckets)
         self._hooks = GradientHooks(params, owner=self, on_ready=DistributedOptimizer._on_grad_ready)

@@ -264,9 +264,10 @@ class ParameterServerStrategy(Strategy):
 
     One key per bucket. At construction every worker initialises the keys with its parameters (rank 0's
     values win) and pulls them, so all workers start from rank 0's model without a broadcast. A step pushes each
-    bucket as its hook completes it, then ``kv.clock()`` and pulls every key: under BSP the pull waits until every
-    worker's gradients of this clock are averaged and applied once (synchronous SGD); under SSP it may return
-    parameters up to ``s`` clocks stale, and under ASP whatever the servers hold.
+    bucket as its hook completes it, then ``kv.clock()`` and pulls every key. The servers take one optimizer step
+    per round of pushes, on their mean gradient (:mod:`paratrain.ps.rounds`): under BSP the pull waits until every
+    worker's gradients of this clock are applied (synchronous SGD); under SSP it may return parameters up to ``s``
+    rounds stale, and under ASP whatever the servers hold (rounds of N pushes as they arrive).
 
     The servers keep the hyperparameters of construction: later changes to ``param_groups`` (an LR scheduler)
     are not applied there (a warning says so once). The local optimizer is never stepped and its state stays
@@ -279,6 +280,7 @@ class ParameterServerStrategy(Strategy):
         spec: the parsed strategy (bsp, ssp or asp).
         optimizer: the wrapped torch optimizer, translated by :func:`server_optimizer_spec`.
         key_prefix: prefix of the keys on the servers.
+        staleness_lr: scale stale gradients by ``1 / staleness`` on the servers (see :class:`KVStore`).
     """
 
     def __init__(
@@ -289,12 +291,15 @@ class ParameterServerStrategy(Strategy):
         spec: StrategySpec,
         optimizer: torch.optim.Optimizer,
         key_prefix: str = "paratrain.torch/bucket",
+        staleness_lr: bool = False,
     ) -> None:
         super().__init__(buckets)
         self._server_spec = server_optimizer_spec(optimizer)
         self._warned = False
         self._keys = [f"{key_prefix}{k}" for k in range(len(self.buckets))]
-        self.kv = KVStore(spec.kind, spec.staleness, optimizer=self._server_spec, context=context)
+        self.kv = KVStore(
+            spec.kind, spec.staleness, optimizer=self._server_spec, context=context, staleness_lr=staleness_lr
+        )
         self._handles: list[Handle[None] | None] = [None] * len(self.buckets)
         try:
             for key, bucket in zip(self._keys, self.buckets, strict=True):

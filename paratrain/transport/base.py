@@ -212,6 +212,13 @@ class Transport(abc.ABC):
     def lost_peers(self) -> frozenset[int]:
         """Ranks known to be gone (crashed, killed, or shut down)."""
 
+    def departed_peers(self) -> frozenset[int]:
+        """The subset of :meth:`lost_peers` that shut down cleanly (said goodbye) rather than crashed.
+
+        A transport that cannot tell says none (the default), so callers treat every loss as a crash.
+        """
+        return frozenset()
+
     def __enter__(self) -> Transport:
         return self
 

@@ -247,6 +247,10 @@ class FaultyTransport(Transport):
         """Peers the inner transport knows to be gone."""
         return self.inner.lost_peers()
 
+    def departed_peers(self) -> frozenset[int]:
+        """Peers the inner transport saw shut down cleanly."""
+        return self.inner.departed_peers()
+
     def close(self) -> None:
         """Delivers what is still on the link, then closes the inner transport."""
         with self._lock:

@@ -88,6 +88,10 @@ class GroupTransport(Transport):
         """Group ranks whose process is gone."""
         return frozenset(self._index[g] for g in self.inner.lost_peers() if g in self._index)
 
+    def departed_peers(self) -> frozenset[int]:
+        """Group ranks whose process shut down cleanly."""
+        return frozenset(self._index[g] for g in self.inner.departed_peers() if g in self._index)
+
     def close(self) -> None:
         """A view owns nothing: closing it leaves ``inner`` open."""
 

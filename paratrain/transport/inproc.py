@@ -56,6 +56,10 @@ class InprocFabric:
             raise PeerLostError(f"rank {msg.src}: cannot send to rank {dst}, which {gone}", peer=dst)
         self._mailboxes[dst].deliver(msg)
 
+    def _departed(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(r for r, how in self._gone.items() if how == "has shut down")
+
     def _leave(self, rank: int, how: str) -> None:
         with self._lock:
             if rank in self._gone:
@@ -123,6 +127,10 @@ class InprocTransport(Transport):
     def lost_peers(self) -> frozenset[int]:
         """Ranks that closed or crashed."""
         return self._box.lost()
+
+    def departed_peers(self) -> frozenset[int]:
+        """Ranks that closed (rather than aborted)."""
+        return self._fabric._departed()
 
     def close(self) -> None:
         """Leaves the fabric; peers waiting on this rank get PeerLostError ("shut down")."""

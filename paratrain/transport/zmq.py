@@ -248,6 +248,11 @@ class ZmqTransport(Transport):
         with self._state_lock:
             return frozenset(self._lost)
 
+    def departed_peers(self) -> frozenset[int]:
+        """Peers that said goodbye (``bye``) before their connection closed."""
+        with self._state_lock:
+            return frozenset(self._said_bye)
+
     def _declare_lost(self, peer: int, why: str, *, expected: bool = False) -> None:
         info = self._peer_info.get(peer, {})
         error = PeerLostError(

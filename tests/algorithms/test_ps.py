@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -195,29 +196,89 @@ def test_init_mismatch_and_missing_servers() -> None:
         run_ranks(1, lambda ctx: KVStore(context=ctx))
 
 
-@pytest.mark.parametrize("consistency", ["bsp", "ssp"])
-def test_server_side_optimizer_bsp_averages_gradients(consistency: str) -> None:
-    # Under BSP the server averages a clock's gradients and takes one SGD step; the result equals a single
-    # process doing SGD on the mean gradient.
+@pytest.mark.parametrize(("consistency", "staleness"), [("bsp", None), ("ssp", 0), ("ssp", 2)])
+def test_server_side_optimizer_takes_one_step_per_clock(consistency: str, staleness: int | None) -> None:
+    # In every model the server averages a clock's gradients and takes one SGD step; the result equals a single
+    # process doing SGD on the mean gradient (SSP(2) only reads staler values, and these gradients are constant).
     lr, clocks, workers = 0.1, 4, 3
 
     def worker(ctx: Context) -> np.ndarray:
-        kv = KVStore(consistency, 0 if consistency == "ssp" else None, {"name": "sgd", "lr": lr}, context=ctx)
+        kv = KVStore(consistency, staleness, {"name": "sgd", "lr": lr, "momentum": 0.5}, context=ctx)
         kv.init("w", np.ones(5))
         for _ in range(clocks):
             kv.push("w", np.full(5, float(ctx.rank + 1))).wait(20)
+            kv.clock()
+        ctx.barrier()  # every clock message is on its way; a pull after it at clock 4 + s sees all 4 rounds
+        for _ in range(staleness or 0):
             kv.clock()
         out = kv.pull("w")
         kv.close()
         return out
 
     results = run_ranks(workers, worker, servers=2)
-    if consistency == "bsp":
-        expected = np.ones(5) - clocks * lr * np.mean([r + 1 for r in range(workers)])
-    else:  # asynchronous steps: each push is one step with its own gradient
-        expected = np.ones(5) - clocks * lr * sum(r + 1 for r in range(workers))
+    w, buf, g = np.ones(5), np.zeros(5), np.mean([r + 1 for r in range(workers)])
+    for k in range(clocks):
+        buf = g if k == 0 else 0.5 * buf + g
+        w = w - lr * buf
     for r in results:
-        np.testing.assert_allclose(r, expected)
+        np.testing.assert_allclose(r, w, rtol=1e-12)
+
+
+def test_asp_takes_one_step_per_round_of_n_pushes() -> None:
+    # Two workers, pushes ordered by barriers: worker 0 pushes twice before worker 1 pushes at all. Rounds close
+    # every 2 pushes in arrival order, so 4 pushes are 2 momentum steps, each on the mean of its round.
+    lr = 0.1
+
+    def worker(ctx: Context) -> np.ndarray:
+        kv = KVStore("asp", optimizer={"name": "sgd", "lr": lr, "momentum": 0.9}, context=ctx)
+        kv.init("w", np.zeros(2))
+        if ctx.rank == 0:
+            kv.push("w", np.array([1.0, 0.0])).wait(20)
+            kv.push("w", np.array([3.0, 0.0])).wait(20)
+        ctx.barrier()
+        if ctx.rank == 1:
+            kv.push("w", np.array([0.0, 2.0])).wait(20)
+            kv.push("w", np.array([0.0, 4.0])).wait(20)
+        ctx.barrier()
+        out = kv.pull("w")
+        kv.close()
+        return out
+
+    first, second = np.array([2.0, 0.0]), np.array([0.0, 3.0])  # the means of the two rounds
+    expected = -lr * first - lr * (0.9 * first + second)
+    for r in run_ranks(2, worker, servers=1):
+        np.testing.assert_allclose(r, expected, rtol=1e-12)
+
+
+def test_staleness_aware_lr_scales_by_rounds_behind() -> None:
+    # SSP(3), 2 workers; worker 1 waits (barrier) until worker 0 has pushed at clocks 0..2 having read version 0
+    # once. Worker 0's gradients of clocks 1 and 2 were computed on version 0: 1 and 2 rounds stale, weights 1
+    # and 1/2. Worker 1 then reads version 0 too and pushes at clock 0, 1, 2 without pulling again: the same.
+    lr = 1.0
+
+    def worker(ctx: Context, aware: bool) -> np.ndarray:
+        kv = KVStore("ssp", 3, {"name": "sgd", "lr": lr}, context=ctx, staleness_lr=aware, cache=False)
+        kv.init("w", np.zeros(1))
+        if ctx.rank == 1:
+            ctx.barrier()
+        kv.pull("w")
+        for _ in range(3):
+            kv.push("w", np.ones(1)).wait(20)
+            kv.clock()
+        if ctx.rank == 0:
+            ctx.barrier()
+        for _ in range(3):
+            kv.clock()
+        out = kv.pull("w")  # at clock 6 with s = 3 it needs min(done) >= 3: all three rounds applied
+        kv.close()
+        return out
+
+    plain = run_ranks(2, lambda ctx: worker(ctx, False), servers=1)
+    aware = run_ranks(2, lambda ctx: worker(ctx, True), servers=1)
+    for r in plain:
+        np.testing.assert_allclose(r, [-3.0])  # three rounds, each the mean of two gradients of 1
+    for r in aware:
+        np.testing.assert_allclose(r, [-(1.0 + 1.0 + 0.5)])
 
 
 def test_over_real_sockets() -> None:
@@ -285,4 +346,25 @@ def test_sparse_rows_with_an_async_optimizer_move_only_those_rows() -> None:
     for out in run_ranks(2, worker, servers=2):
         untouched = [0, 2, 3, 5]
         np.testing.assert_array_equal(out[untouched], np.ones((4, 2), dtype=np.float32))
-        assert np.all(out[[1, 4]] < 1.0)  # two Adam steps against a positive gradient
+        # one round of two pushes: one lazy Adam step on rows 1 and 4, whose first step moves each by lr
+        np.testing.assert_allclose(out[[1, 4]], np.full((2, 2), 0.9, dtype=np.float32), rtol=1e-6)
+
+
+def test_a_worker_that_shuts_down_without_close_is_not_reported_as_crashed(caplog: pytest.LogCaptureFixture) -> None:
+    def worker(ctx: Context) -> int:
+        kv = KVStore("bsp", context=ctx)
+        kv.init("w", np.zeros(2))
+        kv.push("w", np.ones(2)).wait(20)
+        kv.clock()
+        if ctx.rank == 1:
+            ctx.transport.close()  # leaves without kv.close(): says goodbye, as a process exiting normally does
+            return -1
+        kv.clock()  # the server lets worker 0 go on without worker 1
+        out = int(kv.pull("w")[0])
+        kv.close()
+        return out
+
+    with caplog.at_level(logging.INFO, logger="paratrain.ps.server"):
+        assert run_ranks(2, worker, servers=1, transport="zmq") == [2, -1]
+    assert "worker 1 shut down without kv.close()" in caplog.text
+    assert "crashed" not in caplog.text

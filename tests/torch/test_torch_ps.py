@@ -78,6 +78,46 @@ def test_bsp_equals_single_process_on_concatenated_batches(world_size: int, serv
             torch.testing.assert_close(result[name], p.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("strategy", ["ssp:3", "asp"])
+@pytest.mark.parametrize("optimizer", ["sgd-momentum-decay", "adam"])
+def test_one_worker_ssp_and_asp_equal_plain_torch(strategy: str, optimizer: str) -> None:
+    """With one worker there is nothing stale: every round is one push, one server step, as torch's own step."""
+    xs, ys = make_data(1)
+
+    def worker(ctx: Context) -> dict[str, Any]:
+        net = make_net(seed=3)
+        opt = ptt.DistributedOptimizer(
+            OPTIMIZERS[optimizer](net.parameters()), model=net, strategy=strategy, bucket_bytes=64, context=ctx
+        )
+        for k in range(STEPS):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(xs[k, 0]), ys[k, 0]).backward()
+            opt.step()
+        opt.close()
+        return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+    (result,) = run_ranks(1, worker, servers=2, timeout=30)
+    net = make_net(seed=3)
+    opt = OPTIMIZERS[optimizer](net.parameters())
+    for k in range(STEPS):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(xs[k, 0]), ys[k, 0]).backward()
+        opt.step()
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(result[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_staleness_lr_is_for_the_server_strategies_only() -> None:
+    def worker(ctx: Context) -> None:
+        net = make_net(seed=1)
+        with pytest.raises(ConfigError, match="staleness_lr"):
+            ptt.DistributedOptimizer(
+                torch.optim.SGD(net.parameters(), lr=0.1), model=net, strategy="allreduce", staleness_lr=True
+            )
+
+    run_ranks(1, worker)
+
+
 @pytest.mark.parametrize("strategy", ["ssp:2", "asp"])
 def test_ssp_and_asp_reduce_the_loss(strategy: str) -> None:
     """A linear regression with a known answer: stale or not, the workers get much closer to it."""
