@@ -239,6 +239,7 @@ class KVStore:
                 "optimizer": spec,
                 "consistency": self.policy.kind,
                 "staleness_lr": self._staleness_lr,
+                "eager": self.policy.kind == "asp" or self.policy.staleness > 0,
             }
             pending.append(self._request(self._servers[chunk.server], meta, [part] if self.rank == 0 else []))
         for handle, server in pending:

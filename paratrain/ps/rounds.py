@@ -21,6 +21,14 @@ staleness-aware learning rate (off by default; Zhang, Gupta, Lian & Liu, IJCAI 2
 where τ_i is how many rounds separate the version the worker read from the round its gradient lands in
 (0 under BSP, up to s under SSP, about 1 under ASP): staler gradients take smaller steps.
 
+What a read sees. Under BSP (and SSP(0)) a pull is answered only when every round it needs is applied,
+and it sees exactly those. Under SSP(s > 0) and ASP a pull is answered while rounds are still open; holding
+their gradients back would make every read s rounds stale for as long as one worker runs s clocks ahead,
+which with momentum costs accuracy (Dai et al. 2015, "eager" SSP: fresher reads converge faster). So such a
+read sees a *preview*: the applied value with each open round's step taken on a copy, on the mean of the
+gradients it holds so far — the worker's own included (read-my-writes). A preview is never stored: the
+optimizer state still advances once per round, and SSP's guarantee (every round < c - s) is unchanged.
+
 A round made only of row pushes (``push_rows``) is a lazy sparse step (only those rows and their state move,
 as torch's SparseAdam); a dense push in the round makes it dense. Pushes without an optimizer are added into
 the value at once in every mode: addition commutes, so there is nothing to order.
@@ -38,7 +46,7 @@ import numpy.typing as npt
 
 from paratrain.ps.optim import ServerOptimizer
 
-__all__ = ["Mode", "RoundSum", "commit_ready", "mode_of", "round_of_push", "staleness_weight"]
+__all__ = ["Mode", "RoundSum", "commit_ready", "mode_of", "preview", "round_of_push", "staleness_weight"]
 
 #: ``"clock"``: rounds are clocks (BSP, SSP); ``"arrival"``: rounds are every N pushes (ASP).
 Mode = Literal["clock", "arrival"]
@@ -143,14 +151,41 @@ class RoundSum:
         else:
             np.add.at(self.dense, rows, term)
 
-    def apply(self, optimizer: ServerOptimizer, value: Array, state: dict[str, Array]) -> None:
-        """Takes the round's one step on the mean gradient, ``sum / count``, in place on ``value``."""
+    def apply(self, optimizer: ServerOptimizer, value: Array, state: dict[str, Array], *, keep: bool = False) -> None:
+        """Takes the round's one step on the mean gradient, ``sum / count``, in place on ``value`` and ``state``.
+
+        ``keep=True`` leaves this sum as it was (for a preview, on copies of ``value`` and ``state``); otherwise
+        the sum's buffer is reused for the mean.
+        """
         if self.count == 0:
             return
         if self.dense is not None:
-            np.divide(self.dense, self.count, out=self.dense)
-            optimizer.step(value, self.dense, state)
+            if keep:
+                optimizer.step(value, self.dense / self.count, state)
+            else:
+                np.divide(self.dense, self.count, out=self.dense)
+                optimizer.step(value, self.dense, state)
             return
         rows = np.concatenate(self.rows)
         grads = np.concatenate(self.parts) / value.dtype.type(self.count)
         optimizer.step_rows(value, grads, rows, state)
+
+
+def preview(
+    optimizer: ServerOptimizer, value: Array, state: dict[str, Array], open_rounds: dict[int, RoundSum]
+) -> Array:
+    """``value`` after every open round's step, oldest first, computed on copies: what an eager read sees.
+
+    Example:
+        >>> from paratrain.ps.optim import SGD
+        >>> opt, w = SGD(lr=0.5), np.zeros(2)
+        >>> r = RoundSum()
+        >>> r.add(np.array([1.0, 3.0]), None, 1.0, w)
+        >>> preview(opt, w, opt.init_state(w), {0: r}).tolist(), w.tolist()
+        ([-0.5, -1.5], [0.0, 0.0])
+    """
+    out = value.copy()
+    scratch = {name: array.copy() for name, array in state.items()}
+    for round_id in sorted(open_rounds):
+        open_rounds[round_id].apply(optimizer, out, scratch, keep=True)
+    return out

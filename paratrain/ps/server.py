@@ -34,7 +34,7 @@ from paratrain._arrays import DTYPE_NAMES, dtype_from_name
 from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
 from paratrain.ps.protocol import REQUEST_TAG, reply_tag
-from paratrain.ps.rounds import Mode, RoundSum, commit_ready, mode_of, round_of_push, staleness_weight
+from paratrain.ps.rounds import Mode, RoundSum, commit_ready, mode_of, preview, round_of_push, staleness_weight
 from paratrain.transport.base import ANY_SOURCE, Handle, Transport
 from paratrain.transport.wire import Message
 
@@ -57,7 +57,9 @@ class _Chunk:
     consistency: str  # the workers' model: bsp, ssp or asp (the first init's; the others must agree)
     mode: Mode
     staleness_lr: bool
+    eager: bool  # reads see a preview of the open rounds (SSP with s > 0, ASP)
     pending: dict[int, RoundSum] = field(default_factory=dict)  # open rounds by id
+    view: npt.NDArray[Any] | None = None  # the preview while no push or step changes it (never modified)
     version: int = 0  # rounds applied so far (clock mode: every clock < version is applied)
     sends: list[Handle[None]] = field(default_factory=list)  # replies still reading `value`
 
@@ -241,6 +243,7 @@ class ParameterServer:
             if not commit_ready(chunk.mode, round_id, open_round.count, self._min_done, len(self.live)):
                 break
             del chunk.pending[round_id]
+            chunk.view = None
             self._quiesce(chunk)
             open_round.apply(chunk.optimizer, chunk.value, chunk.state)
             if chunk.mode == "arrival":
@@ -342,6 +345,7 @@ class ParameterServer:
             consistency=str(consistency),
             mode=mode_of(str(consistency)),
             staleness_lr=bool(meta.get("staleness_lr", False)),
+            eager=bool(meta.get("eager", False)),
         )
         self._reply(msg.src, meta["id"])
         for worker, waiting in self._waiting_inits.pop((key, index), []):
@@ -384,6 +388,7 @@ class ParameterServer:
             round_id = round_of_push(chunk.mode, self.done[msg.src], chunk.version)
             weight = staleness_weight(round_id, read if isinstance(read, int) else None, aware=chunk.staleness_lr)
             chunk.pending.setdefault(round_id, RoundSum()).add(data, rows, weight, chunk.value)
+            chunk.view = None
             self._commit(chunk)
         self._reply(msg.src, msg.meta["id"])
 
@@ -403,7 +408,12 @@ class ParameterServer:
             self._reject(msg, str(exc))
             return
         self.stats.pulls += 1
-        if rows is None:
+        if chunk.eager and chunk.pending and chunk.optimizer is not None:
+            if chunk.view is None:
+                chunk.view = preview(chunk.optimizer, chunk.value, chunk.state, chunk.pending)
+            view = chunk.view  # a fresh array, never modified afterwards: sent without waiting
+            self._reply(msg.src, msg.meta["id"], [view if rows is None else view[rows]], version=chunk.version)
+        elif rows is None:
             self._reply(msg.src, msg.meta["id"], [chunk.value], chunk=chunk, version=chunk.version)
         else:
             self._reply(msg.src, msg.meta["id"], [chunk.value[rows]], version=chunk.version)

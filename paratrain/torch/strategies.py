@@ -267,7 +267,9 @@ class ParameterServerStrategy(Strategy):
     bucket as its hook completes it, then ``kv.clock()`` and pulls every key. The servers take one optimizer step
     per round of pushes, on their mean gradient (:mod:`paratrain.ps.rounds`): under BSP the pull waits until every
     worker's gradients of this clock are applied (synchronous SGD); under SSP it may return parameters up to ``s``
-    rounds stale, and under ASP whatever the servers hold (rounds of N pushes as they arrive).
+    rounds stale, and under ASP whatever the servers hold (rounds of N pushes as they arrive). Every step pulls
+    (no worker-side cache): under SSP(s > 0) and ASP the servers answer with a preview of the open rounds, which is
+    fresher than any cached copy, and fresher reads converge faster.
 
     The servers keep the hyperparameters of construction: later changes to ``param_groups`` (an LR scheduler)
     are not applied there (a warning says so once). The local optimizer is never stepped and its state stays
@@ -298,7 +300,12 @@ class ParameterServerStrategy(Strategy):
         self._warned = False
         self._keys = [f"{key_prefix}{k}" for k in range(len(self.buckets))]
         self.kv = KVStore(
-            spec.kind, spec.staleness, optimizer=self._server_spec, context=context, staleness_lr=staleness_lr
+            spec.kind,
+            spec.staleness,
+            optimizer=self._server_spec,
+            context=context,
+            staleness_lr=staleness_lr,
+            cache=False,
         )
         self._handles: list[Handle[None] | None] = [None] * len(self.buckets)
         try:

@@ -368,3 +368,38 @@ def test_a_worker_that_shuts_down_without_close_is_not_reported_as_crashed(caplo
         assert run_ranks(2, worker, servers=1, transport="zmq") == [2, -1]
     assert "worker 1 shut down without kv.close()" in caplog.text
     assert "crashed" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("consistency", "staleness", "eager"),
+    [("ssp", 0, False), ("bsp", None, False), ("ssp", 2, True), ("asp", None, True)],
+)
+def test_reads_preview_open_rounds_only_when_staleness_is_allowed(
+    consistency: str, staleness: int | None, eager: bool
+) -> None:
+    # Worker 0 pushes at clock 0 while worker 1 has not pushed: the round is open. Under SSP(2) and ASP worker
+    # 0's read previews it (its own gradient, read-my-writes), without applying it; under BSP/SSP(0) the read
+    # waits, so it is made only after worker 1's push and clock, and sees the applied round.
+    def worker(ctx: Context) -> tuple[float, float]:
+        kv = KVStore(consistency, staleness, {"name": "sgd", "lr": 1.0}, context=ctx, cache=False)
+        kv.init("w", np.zeros(1))
+        first = -1.0
+        if eager and ctx.rank == 1:
+            ctx.barrier()  # worker 0 pushes, clocks and reads first
+        kv.push("w", np.array([4.0 if ctx.rank == 0 else 2.0])).wait(20)
+        kv.clock()
+        if eager and ctx.rank == 0:
+            first = float(kv.pull("w")[0])
+            ctx.barrier()
+        for _ in range(2):
+            kv.clock()  # to clock 3: the round of clock 0 is complete under every model before the last read
+        ctx.barrier()
+        last = float(kv.pull("w")[0])
+        kv.close()
+        return first, last
+
+    results = run_ranks(2, worker, servers=1)
+    if eager:
+        assert results[0][0] == -4.0  # the preview: one step on the mean of what the open round holds
+    for _, last in results:
+        assert last == -3.0  # the round applied once, on the mean (4 + 2) / 2
