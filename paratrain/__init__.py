@@ -10,15 +10,29 @@ Example:
     (0, 1)
     >>> pt.barrier()
     >>> pt.shutdown()
+
+Subpackages load on first use, so ``import paratrain`` stays light (no torch): ``pt.torch.DistributedOptimizer``
+imports :mod:`paratrain.torch` (and torch) the first time it is touched; likewise ``pt.gossip``, ``pt.train``,
+``pt.collectives``, ``pt.transport``, ``pt.config`` and ``pt.testing``.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+import importlib
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from paratrain import errors, ps
 from paratrain.runtime.context import Context, current, init, shutdown
 from paratrain.transport.base import Handle
+
+if TYPE_CHECKING:  # for type checkers: at run time these load on first use, through __getattr__ below
+    from paratrain import collectives as collectives
+    from paratrain import config as config
+    from paratrain import gossip as gossip
+    from paratrain import testing as testing
+    from paratrain import torch as torch
+    from paratrain import train as train
+    from paratrain import transport as transport
 
 __all__ = [
     "Context",
@@ -45,6 +59,20 @@ __all__ = [
 __version__ = "0.1.0"
 
 A = TypeVar("A")
+
+# subpackages that ``pt.NAME`` imports on first use (not in __all__: ``from paratrain import *`` stays torch-free)
+_LAZY = frozenset({"collectives", "config", "gossip", "testing", "torch", "train", "transport"})
+
+
+def __getattr__(name: str) -> Any:
+    """Imports the subpackage ``paratrain.NAME`` on first access (``pt.torch`` imports torch only then)."""
+    if name in _LAZY:
+        return importlib.import_module(f"paratrain.{name}")
+    raise AttributeError(f"module 'paratrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def rank() -> int:

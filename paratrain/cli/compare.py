@@ -125,9 +125,11 @@ def _plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None
 def _main(args: argparse.Namespace) -> int:
     import time
 
-    from paratrain.cli.train import TrainJob, run_training, validate
+    from paratrain.cli.train import TrainJob, require_train_extra, run_training, validate
     from paratrain.train.record import merge_run
 
+    if not require_train_extra("compare"):
+        return 2
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     skip = ("strategies", "target_accuracy", "out", "func", "repeat")

@@ -18,12 +18,51 @@ from typing import Any
 
 from paratrain.errors import ConfigError
 
-__all__ = ["TrainJob", "add_parser", "run_training", "validate"]
+__all__ = [
+    "TRAIN_EXTRA",
+    "TrainJob",
+    "add_parser",
+    "missing_train_extra",
+    "require_train_extra",
+    "run_training",
+    "validate",
+]
 
 STRATEGIES_HELP = (
     "allreduce, bsp, ssp:S (S = staleness bound), asp, gossip:ring|torus|exponential|complete|FILE (a graph, or a "
     "JSON mixing matrix)"
 )
+
+
+# what the 'train' extra of pyproject.toml installs: import name -> distribution name
+TRAIN_EXTRA = {"torch": "torch", "sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
+
+
+def missing_train_extra() -> list[str]:
+    """The distributions of the ``train`` extra that cannot be imported here (found, not imported: cheap)."""
+    import importlib.util
+
+    missing = []
+    for module, distribution in TRAIN_EXTRA.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # ValueError: in sys.modules without a spec, i.e. importable
+            found = module in sys.modules
+        if not found:
+            missing.append(distribution)
+    return missing
+
+
+def require_train_extra(command: str) -> bool:
+    """Says once, before any worker starts, which part of the ``train`` extra is missing; False if any is."""
+    missing = missing_train_extra()
+    if missing:
+        print(
+            f"paratrain {command} needs the 'train' extra: pip install 'paratrain[train]' "
+            f"(missing: {', '.join(missing)})",
+            file=sys.stderr,
+        )
+    return not missing
 
 
 class TrainJob(argparse.Namespace):
@@ -73,12 +112,13 @@ class TrainJob(argparse.Namespace):
 
 def add_common(p: argparse.ArgumentParser, *, strategy: bool = True) -> None:
     """Options shared by ``train`` and ``compare`` (which takes ``--strategies`` instead of ``--strategy``)."""
+    from paratrain.train import stragglers
     from paratrain.train.worker import add_training_args
 
     add_training_args(p, strategy=strategy)
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--servers", type=int, default=None, help="parameter servers for bsp/ssp/asp (default 1)")
-    p.add_argument("--straggler", default=None, help="RANK:FACTOR makes that worker's compute FACTOR times slower")
+    p.add_argument("--straggler", default=None, help=stragglers.HELP)
     p.add_argument(
         "--faults", default=None, help="emulated network and faults, e.g. latency=2ms,bandwidth=100Mbit,drop=0.01"
     )
@@ -139,13 +179,9 @@ def validate(job: TrainJob) -> None:
     if job.no_overlap and kind != "gossip":
         raise ConfigError("--no-overlap is for gossip strategies (allreduce and bsp/ssp/asp always overlap)")
     if job.straggler:
-        who, _, factor = job.straggler.partition(":")
-        try:
-            ok = 0 <= int(who) < job.workers and float(factor) >= 1.0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ConfigError(f"--straggler {job.straggler!r}: write RANK:FACTOR with 0 <= RANK < workers, FACTOR >= 1")
+        from paratrain.train import stragglers
+
+        stragglers.parse(job.straggler, seed=job.seed).check_workers(job.workers)
     if job.dataset == "fashion-mnist":
         directory = Path(job.data_dir or FASHION_MNIST_DIR)
         if any(_find(directory, stem) is None for stem in _FILES.values()):
@@ -156,14 +192,24 @@ def validate(job: TrainJob) -> None:
 
 
 def _follow_progress(path: Path, stop: threading.Event, total_holder: list[int], desc: str) -> None:
-    """Draws a progress bar from rank 0's metrics file while the job runs (the ranks' output passes through)."""
+    """Draws a progress bar from rank 0's metrics file while the job runs (the ranks' output passes through).
+
+    Rank 0's line per epoch is printed from here, through the bar (``tqdm.write``: the bar is cleared, the line
+    goes to stdout, the bar is redrawn below it); printed by the rank itself it would cut the bar in two. After
+    ``stop`` the file is read once more, so that the last epoch's line is not lost.
+    """
     from tqdm import tqdm
+
+    from paratrain.train.worker import epoch_line
 
     bar: Any = None
     offset = 0
     try:
-        while not stop.wait(0.3):
+        while True:
+            stopped = stop.wait(0.3)
             if not path.exists():
+                if stopped:
+                    break
                 continue
             with path.open(encoding="utf-8") as fh:
                 fh.seek(offset)
@@ -178,6 +224,17 @@ def _follow_progress(path: Path, stop: threading.Event, total_holder: list[int],
                 elif record.get("kind") == "step" and bar is not None:
                     bar.update(int(record["step"]) - bar.n)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", epoch=record["epoch"], refresh=False)
+                elif record.get("kind") == "eval" and "train_loss" in record:
+                    text = epoch_line(
+                        record["epoch"],
+                        record["epochs"],
+                        record["train_loss"],
+                        record["test_accuracy"],
+                        record["test_loss"],
+                    )
+                    tqdm.write(text, file=sys.stdout)
+            if stopped:
+                break
     finally:
         if bar is not None:
             bar.close()
@@ -195,7 +252,7 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     for old in run_dir.glob("rank*.*"):
         old.unlink()
-    argv = ["python", "-m", "paratrain.train.worker", "--run-dir", str(run_dir)]
+    argv = ["python", "-m", "paratrain.train.worker", "--run-dir", str(run_dir), "--quiet"]
     for flag in ("model", "dataset", "strategy", "epochs", "batch_size", "lr", "seed"):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(job, flag))]
     if job.data_dir:
@@ -307,6 +364,8 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if not require_train_extra("train"):
+        return 2
     job = TrainJob(**vars(args))
     try:
         summary = run_training(job)

@@ -1,12 +1,12 @@
 """The PyTorch front end: ``DistributedOptimizer``, ``broadcast_parameters`` and ``shard``.
 
-Importing this package imports torch (the communication core does not). After ``import paratrain.torch`` it is
-also reachable as ``paratrain.torch``.
+Importing this package imports torch (the communication core does not). ``import paratrain as pt`` is enough:
+the first use of ``pt.torch`` imports it.
 
 Example:
     A data-parallel training script, run with ``paratrain launch -n 2 -- python train.py``::
 
-        import torch, paratrain as pt, paratrain.torch  # noqa: F401  (makes pt.torch available)
+        import torch, paratrain as pt
 
         pt.init()
         model = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))

@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 
 import paratrain as pt
+from paratrain.train import stragglers
 from paratrain.train.data import load_dataset
 from paratrain.train.models import build_model
 from paratrain.train.record import Recorder
 
-__all__ = ["add_training_args", "main"]
+__all__ = ["add_training_args", "epoch_line", "main"]
 
 
 def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True) -> None:
@@ -44,11 +45,11 @@ def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True)
     )
 
 
-def _straggler(spec: str | None, rank: int) -> float:
-    if not spec:
-        return 1.0
-    who, _, factor = spec.partition(":")
-    return float(factor) if int(who) == rank else 1.0
+def epoch_line(epoch: int, epochs: int, train_loss: float, accuracy: float, test_loss: float) -> str:
+    """The line rank 0 prints after each epoch (``paratrain train`` prints it through its progress bar)."""
+    return (
+        f"epoch {epoch}/{epochs}: train loss {train_loss:.4f}, test accuracy {accuracy:.4f}, test loss {test_loss:.4f}"
+    )
 
 
 def evaluate(model: Any, x: np.ndarray, y: np.ndarray, batch: int = 1024) -> tuple[float, float]:
@@ -94,7 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_training_args(parser)
     parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--straggler", default=None, help="RANK:FACTOR slows that rank's compute by FACTOR")
+    parser.add_argument("--straggler", default=None, help=stragglers.HELP)
+    parser.add_argument(
+        "--quiet", action="store_true", help="no line per epoch from rank 0 (paratrain train prints them itself)"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     dopt = ptt.DistributedOptimizer(optimizer, model=model, strategy=args.strategy, overlap=not args.no_overlap)
     ptt.broadcast_parameters(model, root=0)
     rec = Recorder(args.run_dir, rank=ctx.rank)
-    slow = _straggler(args.straggler, ctx.rank)
+    straggler = stragglers.parse(args.straggler, seed=args.seed) if args.straggler else None
     world, rank, batch = ctx.world_size, ctx.rank, args.batch_size
     per_rank = len(data.y_train) // world
     steps = per_rank // batch
@@ -132,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
             dopt.zero_grad()
             loss.backward()  # type: ignore[no-untyped-call]
             t2 = time.time()
-            if slow != 1.0:  # emulate a slower machine: its compute takes `slow` times as long
+            slow = straggler.factor(rank, step + 1) if straggler is not None else 1.0  # the step it is recorded as
+            if slow != 1.0:  # emulate a straggler: this step's compute takes `slow` times as long
                 time.sleep((t2 - t0) * (slow - 1.0))
                 t2 = time.time()
             dopt.step()
@@ -153,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                 wait_s=t3 - t2,
                 bytes_sent=ctx.transport.stats.bytes_sent,
                 allreduce_bytes=ctx.collectives.allreduce_bytes,
+                **({"straggler_factor": slow} if straggler is not None else {}),
             )
         t4 = time.time()
         accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
@@ -161,13 +167,19 @@ def main(argv: list[str] | None = None) -> None:
         if args.strategy.strip().lower().startswith("gossip") and epoch == args.epochs - 1:
             # once, at the end: on a slow network the allreduce it needs would cost gossip's throughput
             extra = consensus_eval(ctx, model, data.x_test, data.y_test)
-        rec.log(kind="eval", epoch=epoch + 1, step=step, test_accuracy=accuracy, test_loss=test_loss, **extra)
-        if rank == 0:
-            print(
-                f"epoch {epoch + 1}/{args.epochs}: train loss {epoch_loss / steps:.4f}, "
-                f"test accuracy {accuracy:.4f}, test loss {test_loss:.4f}",
-                flush=True,
-            )
+        train_loss = epoch_loss / steps
+        rec.log(
+            kind="eval",
+            epoch=epoch + 1,
+            epochs=args.epochs,
+            step=step,
+            train_loss=train_loss,
+            test_accuracy=accuracy,
+            test_loss=test_loss,
+            **extra,
+        )
+        if rank == 0 and not args.quiet:
+            print(epoch_line(epoch + 1, args.epochs, train_loss, accuracy, test_loss), flush=True)
     close = getattr(dopt, "close", None)
     if callable(close):
         close()
