@@ -17,7 +17,7 @@ from typing import Any
 
 from paratrain.errors import ConfigError
 
-__all__ = ["add_parser", "format_table", "time_to_accuracy"]
+__all__ = ["accuracy_curve", "add_parser", "format_table", "time_to_accuracy"]
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,15 +50,29 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_main)
 
 
-def time_to_accuracy(records: list[dict[str, Any]], target: float) -> float | None:
-    """Seconds from the first training step until rank 0's test accuracy first reached ``target`` (or None)."""
+def accuracy_curve(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """Rank 0's (training time, test accuracy) points, from its probes (``--eval-every``) or else its epochs.
+
+    Training time runs from the job's first step and leaves out the time rank 0 spent evaluating up to that
+    point, so that evaluating more often does not make a strategy look slower.
+    """
     steps = [r for r in records if r.get("kind") == "step"]
     if not steps:
-        return None
+        return []
     start = min(r["time"] - r["compute_s"] - r["wait_s"] for r in steps)
-    for r in records:
-        if r.get("kind") == "eval" and r.get("rank") == 0 and r["test_accuracy"] >= target:
-            return float(r["time"] - start)
+    probes = [r for r in records if r.get("kind") == "probe" and r.get("rank") == 0]
+    points = probes or [r for r in records if r.get("kind") == "eval" and r.get("rank") == 0]
+    return [
+        (float(r["time"] - r.get("eval_s", 0.0) - r.get("eval_before_s", 0.0) - start), float(r["test_accuracy"]))
+        for r in points
+    ]
+
+
+def time_to_accuracy(records: list[dict[str, Any]], target: float) -> float | None:
+    """Training time until rank 0's test accuracy first reached ``target`` (None if never): see accuracy_curve."""
+    for when, accuracy in accuracy_curve(records):
+        if accuracy >= target:
+            return when
     return None
 
 

@@ -81,6 +81,7 @@ class TrainJob(argparse.Namespace):
     run_dir: str | None
     json: str | None
     straggler: str | None
+    eval_every: int
     faults: str | None
     latency: str | None
     bandwidth: str | None
@@ -155,6 +156,8 @@ def validate(job: TrainJob) -> None:
     for name in ("epochs", "batch_size", "workers"):
         if getattr(job, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(job, name)}")
+    if job.eval_every < 0:
+        raise ConfigError(f"--eval-every must be 0 (off) or a number of steps, got {job.eval_every}")
     if not job.lr > 0:
         raise ConfigError(f"--lr must be positive, got {job.lr}")
     kind, _, arg = job.strategy.partition(":")
@@ -261,6 +264,8 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
         argv += ["--straggler", job.straggler]
     if job.no_overlap:
         argv += ["--no-overlap"]
+    if job.eval_every:
+        argv += ["--eval-every", str(job.eval_every)]
     stop = threading.Event()
     total = [0]
     follower = None

@@ -22,7 +22,10 @@ from paratrain.train.data import load_dataset
 from paratrain.train.models import build_model
 from paratrain.train.record import Recorder
 
-__all__ = ["add_training_args", "epoch_line", "main"]
+__all__ = ["PROBE_EXAMPLES", "add_training_args", "epoch_line", "main"]
+
+#: Test examples a ``--eval-every`` probe evaluates (a fixed prefix of the test set: the same for every run).
+PROBE_EXAMPLES = 2000
 
 
 def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True) -> None:
@@ -38,6 +41,14 @@ def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True)
     parser.add_argument("--batch-size", type=int, default=64, help="examples per worker per step (default 64)")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate of SGD with momentum 0.9 (0.05)")
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and shuffling (default 0)")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help=f"also probe test accuracy every K steps on the first {PROBE_EXAMPLES:,} test examples, for "
+        "time-to-accuracy at a finer grain than epochs; probe time is excluded from training time (default 0: off)",
+    )
     parser.add_argument(
         "--no-overlap",
         action="store_true",
@@ -123,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"batch size {batch} is larger than this worker's {per_rank} examples; lower --batch-size")
     rec.log(kind="start", epochs=args.epochs, steps_per_epoch=steps, world_size=world, strategy=args.strategy)
     step = 0
+    evaluating = 0.0  # seconds this rank has spent evaluating: excluded from time-to-accuracy
     for epoch in range(args.epochs):
         order = np.random.default_rng(args.seed * 1_000_003 + epoch).permutation(len(data.y_train))
         mine = order[rank * per_rank : (rank + 1) * per_rank]
@@ -160,9 +172,17 @@ def main(argv: list[str] | None = None) -> None:
                 allreduce_bytes=ctx.collectives.allreduce_bytes,
                 **({"straggler_factor": slow} if straggler is not None else {}),
             )
+            if args.eval_every > 0 and step % args.eval_every == 0:
+                t5 = time.time()
+                probe, _ = evaluate(model, data.x_test[:PROBE_EXAMPLES], data.y_test[:PROBE_EXAMPLES])
+                spent = time.time() - t5
+                rec.add_span("probe accuracy", "eval", t5, t5 + spent)
+                rec.log(kind="probe", step=step, test_accuracy=probe, eval_s=spent, eval_before_s=evaluating)
+                evaluating += spent
         t4 = time.time()
         accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
         rec.add_span("evaluate", "eval", t4, time.time())
+        eval_before, evaluating = evaluating, evaluating + time.time() - t4
         extra: dict[str, float] = {}
         if args.strategy.strip().lower().startswith("gossip") and epoch == args.epochs - 1:
             # once, at the end: on a slow network the allreduce it needs would cost gossip's throughput
@@ -176,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
             train_loss=train_loss,
             test_accuracy=accuracy,
             test_loss=test_loss,
+            eval_s=evaluating - eval_before,
+            eval_before_s=eval_before,
             **extra,
         )
         if rank == 0 and not args.quiet:
