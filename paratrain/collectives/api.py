@@ -2,12 +2,17 @@
 
 :class:`Collectives` binds the executors of :mod:`.ring` and :mod:`.tree` to one rank's transport. Each call
 
-1. validates its arguments locally (``ValueError``/``TypeError`` before anything is sent),
+1. validates its arguments locally (``ValueError``/``TypeError`` before any data moves; with several ranks the
+   rejecting rank still takes part in step 3 as "invalid", so that the others fail at once instead of waiting
+   for it, and the tags stay in step),
 2. takes the context's next collective tag (the same on every rank, since every rank calls collectives in
    the same order),
-3. runs the agreement (:func:`~paratrain.collectives.tree.agree`): every rank learns every rank's op, dtype,
-   shape, algorithm and root, and on any difference all of them raise the same
-   :class:`~paratrain.errors.CollectiveMismatchError` before data moves, and stay usable,
+3. runs the agreement: every rank learns every rank's :class:`~paratrain.collectives.signature.Signature` (op,
+   dtype, shape, algorithm, root), and on any difference all of them raise the same
+   :class:`~paratrain.errors.CollectiveMismatchError` before data moves, and stay usable. Over sockets that is
+   :func:`~paratrain.collectives.tree.agree`; when all ranks share a host (:meth:`Collectives.enable_shared_memory`)
+   it goes through the shared-memory segment for every call and algorithm (microseconds), and the shared-memory
+   allreduce folds it into its first synchronisation,
 4. runs the chosen algorithm on flat views of the data, writing into a fresh result (or in place for
    ``allreduce_``), and returns the result as the caller's type: numpy in, numpy out; torch in, torch out.
 
@@ -29,9 +34,10 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -46,9 +52,13 @@ from paratrain.collectives.ring import (
     ring_allreduce_run,
     ring_reduce_scatter_run,
 )
+from paratrain.collectives.signature import INVALID, Signature, mismatch_error
 from paratrain.collectives.tree import Exchange, agree, direct_allreduce, tree_allreduce, tree_broadcast
-from paratrain.errors import CollectiveMismatchError, MessageError, TransportClosedError
+from paratrain.errors import CollectiveMismatchError, ParatrainError, TransportClosedError
 from paratrain.transport.base import Handle, Transport
+
+if TYPE_CHECKING:
+    from paratrain.collectives.shm import ShmAllreduce
 
 __all__ = [
     "AUTO_BROADCAST_TREE_MAX_BYTES",
@@ -113,7 +123,9 @@ class AllreduceAlgorithm:
             (its tag, deadline and bookkeeping) and leave no send pending when it returns.
         data_in_agreement: the agreement also gathers every rank's ``src`` into ``exchange.gathered``.
         agreement: False for algorithms that check, themselves, that all ranks called them alike (the shared-
-            memory one does, in the segment, in microseconds); the API then skips its own agreement round.
+            memory one does, in the segment, folded into its first synchronisation); the API then skips its own
+            agreement and passes the call's signature as ``exchange.signature``. Such an algorithm must raise the
+            same ``CollectiveMismatchError`` on every rank, before data moves, when the signatures differ.
     """
 
     run: AllreduceRun
@@ -202,77 +214,15 @@ def default_broadcast_choice(nbytes: int, world_size: int) -> str:
     return "tree" if nbytes <= AUTO_BROADCAST_TREE_MAX_BYTES else "chain"
 
 
-# -- signatures and their agreement ---------------------------------------------------------------------------
-
-# A signature is [kind, op, dtype, shape, requested algorithm, resolved algorithm, root] (msgpack-able lists).
-_SIG_LEN = 7
+# -- the socket agreement ------------------------------------------------------------------------------------
 
 
-def _signature(
-    kind: str,
-    *,
-    op: str | None,
-    dtype: str,
-    shape: tuple[int, ...],
-    requested: str,
-    resolved: str,
-    root: int | None = None,
-) -> list[Any]:
-    return [kind, op, dtype, [int(d) for d in shape], requested, resolved, root]
-
-
-def _fmt_shape(shape: list[int]) -> str:
-    return str(tuple(shape))
-
-
-def _mismatch(kind: str, sigs: list[list[Any]]) -> str | None:
-    """The message every rank raises when the signatures differ (computed identically everywhere), or None."""
-    for j, sig in enumerate(sigs):
-        if not (isinstance(sig, list) and len(sig) == _SIG_LEN and isinstance(sig[3], list)):
-            raise MessageError(f"{kind}: rank {j} sent a malformed signature {sig!r}; same paratrain version?")
-    ref = sigs[0]
-    for j, sig in enumerate(sigs[1:], start=1):
-        if sig == ref:
-            continue
-        if sig[0] != ref[0]:
-            return f"rank 0 called {ref[0]} but rank {j} called {sig[0]}"
-        mine: list[str] = []
-        theirs: list[str] = []
-        ref_shape, shape = ref[3], sig[3]
-        if kind == "allgather":
-            shapes_differ = len(ref_shape) != len(shape) or ref_shape[1:] != shape[1:]
-        else:
-            shapes_differ = ref_shape != shape
-        data_differs = shapes_differ or sig[2] != ref[2]
-        if data_differs:
-            mine.append(f"shape {_fmt_shape(ref_shape)} {ref[2]}")
-            theirs.append(f"{_fmt_shape(shape)} {sig[2]}")
-        if sig[1] != ref[1]:
-            mine.append(f"op {ref[1]!r}")
-            theirs.append(f"op {sig[1]!r}")
-        if sig[6] != ref[6]:
-            mine.append(f"root {ref[6]}")
-            theirs.append(f"root {sig[6]}")
-        # Only the algorithm actually run matters; "auto" choosing differently for different sizes is noise.
-        if sig[5] != ref[5] and not (data_differs and ref[4] == sig[4] == "auto"):
-            mine.append(f"algorithm {ref[5]!r}" + (" (auto)" if ref[4] == "auto" else ""))
-            theirs.append(f"algorithm {sig[5]!r}" + (" (auto)" if sig[4] == "auto" else ""))
-        if not mine:
-            continue  # only first dimensions differ, which allgather allows
-        note = " (allgather needs equal trailing dimensions)" if kind == "allgather" and shapes_differ else ""
-        return f"rank 0 has {', '.join(mine)} but rank {j} has {', '.join(theirs)}{note}"
-    return None
-
-
-def _agree(ex: Exchange, kind: str, signature: list[Any], payload: npt.NDArray[Any] | None = None) -> list[list[Any]]:
-    sigs = agree(ex, signature, payload)
-    problem = _mismatch(kind, sigs)
-    if problem is not None:
-        raise CollectiveMismatchError(
-            f"{sigs[0][0]} called with different arguments: {problem}. Every rank must call the same collectives "
-            "in the same order with the same shapes, dtypes and options. No rank computed a result, and all "
-            "remain usable"
-        )
+def _socket_agree(ex: Exchange, sig: Signature, payload: npt.NDArray[Any] | None = None) -> list[Signature]:
+    """Every rank's signature through :func:`agree`; raises the same ``CollectiveMismatchError`` on every rank."""
+    sigs = [Signature.from_wire(wire, q) for q, wire in enumerate(agree(ex, sig.to_wire(), payload))]
+    error = mismatch_error(sigs)
+    if error is not None:
+        raise error
     return sigs
 
 
@@ -410,7 +360,7 @@ class Collectives:
         self.broadcast_algorithms: dict[str, BroadcastAlgorithm] = dict(DEFAULT_BROADCAST_ALGORITHMS)
         self.choose_allreduce: Callable[[int, int], str] = default_allreduce_choice
         self.choose_broadcast: Callable[[int, int], str] = default_broadcast_choice
-        self._shm: Any = None
+        self._shm: ShmAllreduce | None = None
         #: bytes this rank handed to allreduce calls (whatever path carried them: sockets or shared memory)
         self.allreduce_bytes = 0
         if hosts is not None and HostLayout(hosts).is_hierarchical:
@@ -467,9 +417,51 @@ class Collectives:
     def _exchange(self, tag: int, timeout: float | None, label: str) -> Exchange:
         return Exchange(self.transport, tag=tag, timeout=self.timeout if timeout is None else timeout, label=label)
 
+    def _agree(self, ex: Exchange, sig: Signature, payload: npt.NDArray[Any] | None = None) -> list[Signature]:
+        """Every rank's signature, by rank; the same ``CollectiveMismatchError`` on every rank if they differ.
+
+        Through the shared-memory segment when it is enabled (every rank is on this host), else over sockets.
+        A ``payload`` (for ``"direct"``) always rides on the socket rounds, after the agreement proper.
+        """
+        if self._shm is None:
+            return _socket_agree(ex, sig, payload)
+        sigs: list[Signature] = self._shm.agree(ex, sig)
+        if payload is not None:
+            agree(ex, sig.to_wire(), payload)
+        return sigs
+
+    def _checked(
+        self, prepare: Callable[[], Callable[[int], T]], timeout: float | None, mode: str = ""
+    ) -> Callable[[int], T]:
+        """``prepare()``: the call's local checks, which return its body. When they raise ``ValueError`` or
+        ``TypeError`` with several ranks, this rank first takes the call's tag and joins its agreement as
+        "invalid" (the others raise ``CollectiveMismatchError`` at once instead of waiting for it until their
+        timeout, and every rank's tags stay in step), then raises the error. Blocks for that round, which runs on
+        the background thread instead for ``mode="snapshot"`` (the async calls)."""
+        try:
+            return prepare()
+        except (ValueError, TypeError):
+            if self.world_size > 1:
+
+                def reject(tag: int) -> None:
+                    with self._exchange(tag, timeout, "a rejected call") as ex, suppress(CollectiveMismatchError):
+                        self._agree(ex, INVALID)  # raises the mismatch it causes, which is no news here
+
+                if mode == "snapshot":
+                    self._submit(reject)
+                else:
+                    with suppress(ParatrainError):  # the caller's own error, raised next, says more
+                        self._run(reject)
+            raise
+
     # -- allreduce
 
     def _allreduce(self, x: Any, op: str, algorithm: str, timeout: float | None, *, mode: str) -> Callable[[int], Any]:
+        return self._checked(lambda: self._prepare_allreduce(x, op, algorithm, timeout, mode), timeout, mode)
+
+    def _prepare_allreduce(
+        self, x: Any, op: str, algorithm: str, timeout: float | None, mode: str
+    ) -> Callable[[int], Any]:
         view, dtype_name = _as_array(x)
         reducer = Reducer(op, dtype_name)
         name = self._resolve(algorithm, self.allreduce_algorithms, self.choose_allreduce, view.nbytes)
@@ -483,7 +475,10 @@ class Collectives:
         else:
             src = view.reshape(-1)
             dst = src if in_place else np.empty_like(src)
-        sig = _signature("allreduce", op=op, dtype=dtype_name, shape=view.shape, requested=algorithm, resolved=name)
+        sig = Signature("allreduce", op, dtype_name, view.shape, algorithm, name)
+        # the algorithm agrees itself (folded into its own synchronisation), unless shared memory is on and it is
+        # not the shared-memory one: then every call agrees through the segment
+        agrees_itself = not impl.agreement and (self._shm is None or impl.run is self._shm)
 
         def body(tag: int) -> Any:
             self.allreduce_bytes += src.nbytes
@@ -492,8 +487,10 @@ class Collectives:
                     np.copyto(dst, src)
             else:
                 with self._exchange(tag, timeout, f"allreduce ({name})") as ex:
-                    if impl.agreement:
-                        _agree(ex, "allreduce", sig, src if impl.data_in_agreement else None)
+                    if agrees_itself:
+                        ex.signature = sig
+                    else:
+                        self._agree(ex, sig, src if impl.data_in_agreement else None)
                     impl.run(ex, src, dst, reducer)
             result = dst.reshape(view.shape)
             if mode == "in_place":
@@ -520,8 +517,10 @@ class Collectives:
             timeout: seconds the call may take (default: the context's timeout).
 
         Raises:
-            ValueError: unknown op or algorithm. TypeError: unsupported type or dtype for the op.
-            CollectiveMismatchError: ranks passed different shapes, dtypes, ops or algorithms (on every rank).
+            ValueError: unknown op or algorithm. TypeError: unsupported type or dtype for the op. (With several
+                ranks, the others then raise ``CollectiveMismatchError`` at once; see the module notes.)
+            CollectiveMismatchError: ranks passed different shapes, dtypes, ops or algorithms, or one rejected
+                its own arguments (the same error on every rank, before data moves; all stay usable).
             PeerLostError: a rank died. CommTimeoutError: a rank did not take part in time.
 
         Example:
@@ -592,6 +591,10 @@ class Collectives:
             >>> run_ranks(3, lambda ctx: ctx.broadcast(np.array([ctx.rank]), root=2).tolist())
             [[2], [2], [2]]
         """
+        result: A = self._run(self._checked(lambda: self._prepare_broadcast(x, root, algorithm, timeout), timeout))
+        return result
+
+    def _prepare_broadcast(self, x: Any, root: int, algorithm: str, timeout: float | None) -> Callable[[int], Any]:
         if type(root) is not int or not 0 <= root < self.world_size:
             raise ValueError(f"root {root!r} outside 0..{self.world_size - 1}")
         view, dtype_name = _as_array(x)
@@ -599,21 +602,18 @@ class Collectives:
         impl = self.broadcast_algorithms[name]
         src = view.reshape(-1)
         dst = np.empty_like(src)
-        sig = _signature(
-            "broadcast", op=None, dtype=dtype_name, shape=view.shape, requested=algorithm, resolved=name, root=root
-        )
+        sig = Signature("broadcast", None, dtype_name, view.shape, algorithm, name, root)
 
         def body(tag: int) -> Any:
             if self.world_size == 1:
                 np.copyto(dst, src)
             else:
                 with self._exchange(tag, timeout, f"broadcast ({name})") as ex:
-                    _agree(ex, "broadcast", sig)
+                    self._agree(ex, sig)
                     impl(ex, dst, root=root, source=src)
             return _wrap(x, dst.reshape(view.shape), dtype_name)
 
-        result: A = self._run(body)
-        return result
+        return body
 
     # -- allgather
 
@@ -629,11 +629,15 @@ class Collectives:
             >>> run_ranks(2, lambda ctx: ctx.allgather(np.arange(ctx.rank + 1)).tolist())
             [[0, 0, 1], [0, 0, 1]]
         """
+        result: A = self._run(self._checked(lambda: self._prepare_allgather(x, timeout), timeout))
+        return result
+
+    def _prepare_allgather(self, x: Any, timeout: float | None) -> Callable[[int], Any]:
         view, dtype_name = _as_array(x)
         trailing = view.shape[1:]
         row = math.prod(trailing)
         src = view.reshape(-1)
-        sig = _signature("allgather", op=None, dtype=dtype_name, shape=view.shape, requested="ring", resolved="ring")
+        sig = Signature("allgather", None, dtype_name, view.shape, "ring", "ring")
 
         def body(tag: int) -> Any:
             if self.world_size == 1:
@@ -641,8 +645,8 @@ class Collectives:
                 rows = [1 if view.ndim == 0 else view.shape[0]]
             else:
                 with self._exchange(tag, timeout, "allgather (ring)") as ex:
-                    sigs = _agree(ex, "allgather", sig)
-                    rows = [int(s[3][0]) if s[3] else 1 for s in sigs]
+                    sigs = self._agree(ex, sig)
+                    rows = [s.shape[0] if s.shape else 1 for s in sigs]
                     offsets = np.cumsum([0, *rows]) * row
                     bounds = [(int(offsets[i]), int(offsets[i + 1])) for i in range(len(rows))]
                     out = np.empty(int(offsets[-1]), dtype=src.dtype)
@@ -651,8 +655,7 @@ class Collectives:
                     ring_allgather_run(ex, out, bounds)
             return _wrap(x, out.reshape((sum(rows), *trailing)), dtype_name)
 
-        result: A = self._run(body)
-        return result
+        return body
 
     # -- reduce_scatter
 
@@ -672,6 +675,10 @@ class Collectives:
             >>> run_ranks(2, lambda ctx: ctx.reduce_scatter(np.arange(5)).tolist())
             [[0, 2, 4], [6, 8]]
         """
+        result: A = self._run(self._checked(lambda: self._prepare_reduce_scatter(x, op, timeout), timeout))
+        return result
+
+    def _prepare_reduce_scatter(self, x: Any, op: str, timeout: float | None) -> Callable[[int], Any]:
         view, dtype_name = _as_array(x)
         if view.ndim == 0:
             raise ValueError("reduce_scatter splits along axis 0; a 0-d array has none (use allreduce)")
@@ -683,7 +690,7 @@ class Collectives:
         row_bounds = chunk_bounds(view.shape[0], n)
         bounds = [(a * row, b * row) for a, b in row_bounds]
         shape = (row_bounds[rank][1] - row_bounds[rank][0], *trailing)
-        sig = _signature("reduce_scatter", op=op, dtype=dtype_name, shape=view.shape, requested="ring", resolved="ring")
+        sig = Signature("reduce_scatter", op, dtype_name, view.shape, "ring", "ring")
 
         def body(tag: int) -> Any:
             if n == 1:
@@ -691,13 +698,12 @@ class Collectives:
             else:
                 dst = np.empty_like(src)
                 with self._exchange(tag, timeout, "reduce_scatter (ring)") as ex:
-                    _agree(ex, "reduce_scatter", sig)
+                    self._agree(ex, sig)
                     ring_reduce_scatter_run(ex, src, dst, bounds, reducer)
                 part = dst[bounds[rank][0] : bounds[rank][1]].copy()
             return _wrap(x, part.reshape(shape), dtype_name)
 
-        result: A = self._run(body)
-        return result
+        return body
 
     # -- life cycle
 
@@ -709,6 +715,11 @@ class Collectives:
 
     def enable_shared_memory(self, run_id: str) -> bool:
         """Registers ``"shm"`` and makes ``auto`` use it for every size: all ranks must share this host.
+
+        From then on every call of every collective, whatever its algorithm, runs its agreement through the
+        shared-memory segment (created collectively by the first call): a few microseconds instead of
+        ceil(log2 N) socket round trips, and ranks that call different collectives or algorithms (shm on one,
+        ring on another) still meet in one agreement step and raise the same ``CollectiveMismatchError``.
 
         Returns False (and changes nothing) where the shared-memory path is unsupported (not x86-64 Linux).
         """

@@ -1,4 +1,4 @@
-"""Allreduce, broadcast and barrier through one shared-memory segment, for the ranks of one host.
+"""Allreduce, broadcast, barrier and argument agreement through one shared-memory segment, for the ranks of one host.
 
 Why: between processes of one host, TCP or ipc sockets copy every byte twice through the kernel and wake the
 receiver through the scheduler (~40 µs per hop here). A segment mapped by every rank needs one copy in and one
@@ -8,9 +8,22 @@ This is how MPI's shared-memory transports beat sockets inside a host.
 Segment layout (all offsets 8-byte aligned; one 128-byte control line per rank, so that a rank's writes never
 share a cache line with another rank's)::
 
-    [ header 4 KiB | control line of rank 0 .. N-1 | slot (rank 0, pos 0), (0, 1), (1, 0), ... ]
-    control line of rank r: counter | sleeping-on | pid | left | descriptor pos 0 | descriptor pos 1
+    [ header 4 KiB | control line of rank 0 .. N-1 | descriptor (rank 0, pos 0), (0, 1), (1, 0), ...
+      | slot (rank 0, pos 0), (0, 1), (1, 0), ... ]
+    control line of rank r: counter | sleeping-on | pid | left
+    descriptor: the call's signature (kind, op, dtype, shape, algorithm, root), Signature.encode()
     slot: input area (capacity bytes) | result area (capacity / N bytes)
+
+Agreement: the first block of every call (and every barrier) is also its agreement step. Each rank writes its
+call's signature into its descriptor of that block's position before it publishes the block, and after the
+wait for every peer's ``in(k)`` compares every rank's descriptor with its own (byte compare; decoded only when
+they differ). On a difference every rank computes the same :func:`~paratrain.collectives.signature.mismatch`
+from the same descriptors and raises the same ``CollectiveMismatchError``, before reading any peer's data: all
+ranks leave the call at the same step (counter ``2k+1``, next block ``k+1``), exactly as after a one-block
+call on the one-phase path, so the group stays usable and the next call needs nothing special. A rank that
+rejects its own arguments (ValueError, TypeError) takes part in that step with an "invalid" signature before it
+raises, so its peers fail at once too. Only a lost peer, a timeout, or an error in the middle of the data phase
+breaks the group (the abort word, below).
 
 Each rank owns two slots (positions 0 and 1, used by alternate blocks, so that a rank can fill the next block
 while slower peers still read the previous one). Arrays larger than ``capacity`` go through in blocks of
@@ -60,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import mmap
 import os
 import platform
@@ -70,15 +84,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
 
-from paratrain._arrays import DTYPE_NAMES
 from paratrain._arrays import dtype_name as _wire_dtype_name
 from paratrain.collectives import futex
-from paratrain.collectives.ops import OPS, Reducer
+from paratrain.collectives.ops import Reducer
+from paratrain.collectives.signature import DESCRIPTOR_BYTES, INVALID, Signature, mismatch_error
 from paratrain.errors import (
     CollectiveMismatchError,
     CommTimeoutError,
@@ -124,25 +138,19 @@ DEFAULT_SPIN_MAX_S = 5e-3
 SLICE_S = 0.05
 
 _MAGIC = 0x3130304D48535450  # b"PTSHM001" little-endian
-_VERSION = 1
+_VERSION = 2  # 2: descriptors are whole signatures, in an area of their own
 _HEADER = 4096
 _LINE = 128
 _ALIGN = 64
 _W_MAGIC, _W_VERSION, _W_NRANKS, _W_CAPACITY, _W_ABORT, _W_ABORT_WHY, _W_ABORT_LOST = range(7)
 # Words of a control line (relative to its first word).
-_C_COUNTER, _C_SLEEP, _C_PID, _C_LEFT, _C_DESC = 0, 1, 2, 3, 4  # descriptor: 2 positions x (nbytes, code)
+_C_COUNTER, _C_SLEEP, _C_PID, _C_LEFT = 0, 1, 2, 3
 _WHY_ERROR, _WHY_MISMATCH, _WHY_LOST = 1, 2, 3
-_KIND_ALLREDUCE, _KIND_BROADCAST, _KIND_BARRIER, _KIND_EXCHANGE = 1, 2, 3, 4
-_DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_NAMES))}
-_DTYPE_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
-_OP_CODES = {name: i + 1 for i, name in enumerate(OPS)}
-_KIND_NAMES = {
-    _KIND_ALLREDUCE: "allreduce",
-    _KIND_BROADCAST: "broadcast",
-    _KIND_BARRIER: "barrier",
-    _KIND_EXCHANGE: "a neighbour exchange",
-}
 _PLAN_CACHE = 16
+_DESC_CACHE = 64  # encoded signatures kept per group (encoding costs ~1 µs, a lookup ~0.1 µs)
+#: The algorithm name in the signatures of the group's own calls (the API passes its own signatures instead).
+ALGORITHM = "shm"
+_BARRIER = Signature("barrier", None, "", (), ALGORITHM, ALGORITHM)
 _NAMES: dict[np.dtype[Any], str] = {}  # dtype -> wire name (computing it costs ~4 µs, a fifth of a small call)
 
 _Array = npt.NDArray[Any]
@@ -157,8 +165,16 @@ def _result_bytes(nranks: int, capacity: int) -> int:
     return (-(-capacity // nranks) + 4095) // 4096 * 4096
 
 
+def _pages(nbytes: int) -> int:
+    return (nbytes + 4095) // 4096 * 4096
+
+
+def _descriptors_offset(nranks: int) -> int:
+    return _HEADER + _pages(nranks * _LINE)
+
+
 def _segment_bytes(nranks: int, capacity: int) -> int:
-    data = _HEADER + (nranks * _LINE + 4095) // 4096 * 4096
+    data = _descriptors_offset(nranks) + _pages(nranks * 2 * DESCRIPTOR_BYTES)
     return data + nranks * 2 * (capacity + _result_bytes(nranks, capacity))
 
 
@@ -198,8 +214,14 @@ class ShmGroup:
     Create it collectively with :meth:`create` (or :meth:`from_context`); every member then calls the same
     collectives in the same order. Calls block until the collective completes on this rank, and raise instead of
     hanging when a peer dies, leaves, fails, or exceeds the timeout. Not thread-safe: one thread per rank uses
-    a group (concurrent use raises ``RuntimeError``). After an error the group is broken: close it. Memory is
-    fixed: ``2 * (capacity + capacity / N)`` bytes of shared memory per rank, whatever the array sizes.
+    a group (concurrent use raises ``RuntimeError``). Memory is fixed: ``2 * (capacity + capacity / N)`` bytes
+    of shared memory per rank, whatever the array sizes.
+
+    Every call starts with an agreement (see the module notes): when members pass different kinds, shapes,
+    dtypes, ops or roots, every member raises the same ``CollectiveMismatchError`` and the group stays usable;
+    so does it when a member rejects its own arguments (it raises its ``ValueError``, the others
+    ``CollectiveMismatchError``). After any other error (a peer lost, a timeout, an interrupt in mid-call) the
+    group is broken: close it.
 
     Attributes:
         ranks: the member ranks (transport ranks), sorted.
@@ -252,11 +274,13 @@ class ShmGroup:
         self._x = 0  # neighbour exchanges published (a group does collectives or exchanges, never both)
         self._plans: OrderedDict[tuple[np.dtype[Any], int], _Plan] = OrderedDict()
         self._reducers: dict[tuple[str, str], Reducer] = {}
+        self._descs: dict[tuple[Any, ...], bytes] = {}  # signature (or its key) -> encoded descriptor
         self._mm = mm
         if mm is None:
             self.capacity = 0
             self.small_bytes = 0
             return
+        self._seg = mm
         self._u8: _Array = np.frombuffer(mm, dtype=np.uint8)
         self._w: memoryview = memoryview(mm).cast("Q")
         self._addr = int(self._u8.ctypes.data)
@@ -268,6 +292,8 @@ class ShmGroup:
         self._data0 = _segment_bytes(self.size, 0)
         self._stride = self.capacity + _result_bytes(self.size, self.capacity)
         self._line = [(_HEADER + q * _LINE) // 8 for q in range(self.size)]
+        d0 = _descriptors_offset(self.size)
+        self._desc_at = [(d0 + 2 * q * DESCRIPTOR_BYTES, d0 + (2 * q + 1) * DESCRIPTOR_BYTES) for q in range(self.size)]
         self._me = self._line[self.index]
         self._others = [q for q in range(self.size) if q != self.index]
         self._sleep_words = [self._line[q] + _C_SLEEP for q in range(self.size)]
@@ -421,7 +447,13 @@ class ShmGroup:
     # -- public collectives ------------------------------------------------------------------------------------
 
     def allreduce_(
-        self, arr: _Array, op: str = "sum", *, dtype_name: str | None = None, timeout: float | None = None
+        self,
+        arr: _Array,
+        op: str = "sum",
+        *,
+        dtype_name: str | None = None,
+        timeout: float | None = None,
+        signature: Signature | None = None,
     ) -> None:
         """Reduces ``arr`` element-wise across the group, in place, on every rank. Collective; blocks.
 
@@ -432,47 +464,77 @@ class ShmGroup:
             dtype_name: ``"bfloat16"`` when ``arr`` holds bfloat16 bit patterns as uint16 (each combine goes
                 through float32, as in :mod:`paratrain.collectives.ops`); otherwise None or the array's dtype name.
             timeout: seconds for the whole call (default ``self.timeout``).
+            signature: what the ranks compare, if not ``arr``'s own shape, dtype and ``op`` with algorithm
+                ``"shm"``: the collectives API passes the caller's signature here (``arr`` is then a flat view).
 
         Raises:
-            CollectiveMismatchError: ranks passed different sizes, dtypes or ops.
+            CollectiveMismatchError: ranks passed different shapes, dtypes or ops, or one called another
+                collective, or one rejected its arguments; raised on every rank, and the group stays usable.
+            ValueError, TypeError: this rank's arguments are invalid (the peers learn it; the group stays usable).
             PeerLostError: a peer died, left, or failed inside the collective.
             CommTimeoutError: a peer did not take part within the timeout.
         """
         self._enter()
         try:
-            flat, name = self._check_array(arr, dtype_name)
-            red = self._reducer(op, name)
-            if self._mm is None or flat.size == 0:
-                return
+            self._check_collective()
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-            code = _KIND_ALLREDUCE | _OP_CODES[op] << 8 | _DTYPE_CODES[name] << 16
-            if flat.nbytes <= self.small_bytes:
-                self._allreduce_small(flat, red, code, deadline)
+            try:
+                flat, name = self._check_array(arr, dtype_name)
+                red = self._reducer(op, name)
+                if signature is None:
+                    desc = self._own_descriptor("allreduce", op, name, arr.shape, None)
+                else:
+                    desc = self._descriptor(signature, name, flat.size)
+            except (ValueError, TypeError) as exc:
+                self._reject(exc, deadline)
+            if self._mm is None:
+                return
+            if flat.size == 0:
+                self._agree(desc, deadline)
+            elif flat.nbytes <= self.small_bytes:
+                self._allreduce_small(flat, red, desc, deadline)
             else:
-                self._allreduce_blocks(flat, red, code, deadline)
+                self._allreduce_blocks(flat, red, desc, deadline)
+        except _SettledError as settled:
+            raise settled.error from None
         except BaseException as exc:
             self._fail(exc)
             raise
         finally:
             self._lock.release()
 
-    def broadcast_(self, arr: _Array, root: int, *, timeout: float | None = None) -> None:
+    def broadcast_(
+        self, arr: _Array, root: int, *, timeout: float | None = None, signature: Signature | None = None
+    ) -> None:
         """Copies ``arr`` of rank ``root`` (a transport rank in ``ranks``) into ``arr`` of every rank. Blocks.
 
         Raises:
-            CollectiveMismatchError: ranks passed different sizes, dtypes or roots.
-            PeerLostError, CommTimeoutError: as for :meth:`allreduce_`.
+            CollectiveMismatchError: ranks passed different shapes, dtypes or roots (on every rank; the group
+                stays usable).
+            ValueError, TypeError, PeerLostError, CommTimeoutError: as for :meth:`allreduce_`.
         """
         self._enter()
         try:
-            if root not in self.ranks:
-                raise ValueError(f"root {root} is not a member of the group {list(self.ranks)}")
-            flat, name = self._check_array(arr, None)
-            if self._mm is None or flat.size == 0:
-                return
+            self._check_collective()
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-            code = _KIND_BROADCAST | _DTYPE_CODES[name] << 16 | self.ranks.index(root) << 24
-            self._broadcast(flat, self.ranks.index(root), code, deadline)
+            try:
+                if root not in self.ranks:
+                    raise ValueError(f"root {root} is not a member of the group {list(self.ranks)}")
+                flat, name = self._check_array(arr, None)
+                if signature is None:
+                    desc = self._own_descriptor("broadcast", None, name, arr.shape, root)
+                else:
+                    desc = self._descriptor(signature, name, flat.size)
+            except (ValueError, TypeError) as exc:
+                self._reject(exc, deadline)
+            if self._mm is None:
+                return
+            if flat.size == 0:
+                self._agree(desc, deadline)
+            else:
+                self._broadcast(flat, self.ranks.index(root), desc, deadline)
+        except _SettledError as settled:
+            raise settled.error from None
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -483,20 +545,40 @@ class ShmGroup:
         """Blocks until every member has entered the barrier (one counter store and one wait).
 
         Raises:
-            CollectiveMismatchError: a member called another collective instead.
+            CollectiveMismatchError: a member called another collective instead (on every rank; the group stays
+                usable).
+            PeerLostError, CommTimeoutError: as for :meth:`allreduce_`.
+        """
+        self.agree(_BARRIER, timeout=timeout)
+
+    def agree(self, signature: Signature, *, timeout: float | None = None) -> list[Signature]:
+        """The agreement step alone: every member's signature, in member order, once all have arrived. Blocks.
+
+        A barrier that also compares the calls: the collectives API runs it before the socket algorithms of a
+        host whose ranks share this group (a few microseconds, instead of log2 N socket round trips).
+
+        Returns:
+            ``signature`` of every member (``[signature] * size`` when all are equal; the decoded descriptors when
+            they differ only where :func:`~paratrain.collectives.signature.mismatch` allows, e.g. the first
+            dimension of an allgather).
+
+        Raises:
+            CollectiveMismatchError: the signatures differ (on every member; the group stays usable).
             PeerLostError, CommTimeoutError: as for :meth:`allreduce_`.
         """
         self._enter()
         try:
             self._check_collective()
             if self._mm is None:
-                return
+                return [signature]
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-            k = self._k
-            self._describe(k, 0, _KIND_BARRIER)
-            self._signal(2 * k + 1)
-            self._wait_all(2 * k + 1, k, deadline, check=(0, _KIND_BARRIER))
-            self._k = k + 1
+            try:
+                desc = self._descriptor(signature)
+            except (ValueError, TypeError) as exc:
+                self._reject(exc, deadline)
+            return self._agree(desc, deadline) or [signature] * self.size
+        except _SettledError as settled:
+            raise settled.error from None
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -540,7 +622,7 @@ class ShmGroup:
             for flat in flats:
                 self._u8[start : start + flat.nbytes] = flat
                 start += flat.nbytes
-            self._describe(k, nbytes, _KIND_EXCHANGE)
+            self._describe(k, self._own_descriptor("exchange", None, "uint8", (nbytes,), None))
             self._x = k + 1
             self._signal(k + 1)
         except BaseException as exc:
@@ -576,12 +658,14 @@ class ShmGroup:
             word = self._line[q]
             if self._w[word] < k + 1:
                 self._wait_one(q, word, k + 1, time.monotonic() + (self.timeout if timeout is None else timeout))
-            base = self._line[q] + _C_DESC + 2 * (k & 1)
-            theirs = (int(self._w[base]), int(self._w[base + 1]))
-            if theirs != (nbytes, _KIND_EXCHANGE):
+            expected = self._own_descriptor("exchange", None, "uint8", (nbytes,), None)
+            at = self._desc_at[q][k & 1]
+            if self._seg[at : at + len(expected)] != expected:
+                theirs = Signature.decode(self._seg[at : at + DESCRIPTOR_BYTES])
+                what = f"{theirs.shape[0]} bytes" if theirs.kind == "exchange" and theirs.shape else theirs.kind
                 raise CollectiveMismatchError(
                     f"rank {self.rank} expected {nbytes} bytes from rank {peer} in neighbour exchange {k}, but it "
-                    f"published {_describe_code(*theirs)}; every rank must build the same model"
+                    f"published {what}; every rank must build the same model"
                 )
             start = self._slot_offset(q, k & 1)
             return self._u8[start : start + nbytes].view(dt)
@@ -593,35 +677,38 @@ class ShmGroup:
 
     # -- the algorithms ----------------------------------------------------------------------------------------
 
-    def _allreduce_small(self, flat: _Array, red: Reducer, code: int, deadline: float) -> None:
+    def _allreduce_small(self, flat: _Array, red: Reducer, desc: bytes, deadline: float) -> None:
         k = self._k
         pos = k & 1
         plan = self._plan(flat.dtype, flat.size)
         slots = plan.whole[pos]
         np.copyto(slots[self.index], flat)
-        self._describe(k, flat.nbytes, code)
+        self._describe(k, desc)
         self._signal(2 * k + 1)
-        self._wait_all(2 * k + 1, k, deadline, check=(flat.nbytes, code))
+        self._wait_all(2 * k + 1, deadline)
+        self._check_descriptors(k, desc)
         self._k = k + 1
         red.combine(slots[0], slots[1], flat)  # in rank order on every rank: bitwise equal results
         for q in range(2, self.size):
             red.combine(flat, slots[q], flat)
         red.finish(flat, self.size)
 
-    def _allreduce_blocks(self, flat: _Array, red: Reducer, code: int, deadline: float) -> None:
+    def _allreduce_blocks(self, flat: _Array, red: Reducer, desc: bytes, deadline: float) -> None:
         me, size = self.index, self.size
         per_block = self._block_elems(flat.dtype, parts=size)
         total = flat.size
         starts = range(0, total, per_block)
         k0 = self._k
         last = len(starts) - 1
-        self._copy_in(flat, 0, min(per_block, total), k0, code)
+        self._copy_in(flat, 0, min(per_block, total), k0, desc)
         for i, start in enumerate(starts):
             k = k0 + i
             n = min(per_block, total - start)
             plan = self._plan(flat.dtype, n)
             pos = k & 1
-            self._wait_all(2 * k + 1, k, deadline, check=(flat.nbytes, code) if i == 0 else None)
+            self._wait_all(2 * k + 1, deadline)
+            if i == 0:
+                self._check_descriptors(k, desc)
             lo, hi = plan.bounds[me]
             if hi > lo:
                 mine = flat[start + lo : start + hi]
@@ -630,14 +717,15 @@ class ShmGroup:
             self._signal(2 * k + 2)
             if i < last:
                 nxt = start + per_block
-                self._copy_in(flat, nxt, min(per_block, total - nxt), k + 1, code)
-            self._wait_all(2 * k + 2, k, deadline)
+                self._copy_in(flat, nxt, min(per_block, total - nxt), k + 1, None)
+            self._wait_all(2 * k + 2, deadline)
             for src, qlo, qhi in plan.peer_own[pos]:
                 np.copyto(flat[start + qlo : start + qhi], src)
         self._k = k0 + last + 1
 
-    def _copy_in(self, flat: _Array, start: int, n: int, k: int, code: int) -> None:
-        """``in(k)``: copies the parts of block ``k`` that peers reduce into my slot, then signals."""
+    def _copy_in(self, flat: _Array, start: int, n: int, k: int, desc: bytes | None) -> None:
+        """``in(k)``: copies the parts of block ``k`` that peers reduce into my slot (and the call's descriptor, for
+        its first block), then signals."""
         plan = self._plan(flat.dtype, n)
         slot = plan.whole[k & 1][self.index]
         lo, hi = plan.bounds[self.index]
@@ -645,7 +733,8 @@ class ShmGroup:
             np.copyto(slot[:lo], flat[start : start + lo])
         if hi < n:
             np.copyto(slot[hi:], flat[start + hi : start + n])
-        self._describe(k, flat.nbytes, code)
+        if desc is not None:
+            self._describe(k, desc)
         self._signal(2 * k + 1)
 
     def _reduce_part(self, mine: _Array, sources: Sequence[_Array], red: Reducer) -> None:
@@ -653,7 +742,7 @@ class ShmGroup:
             red.combine(mine, src, mine)
         red.finish(mine, self.size)
 
-    def _broadcast(self, flat: _Array, root: int, code: int, deadline: float) -> None:
+    def _broadcast(self, flat: _Array, root: int, desc: bytes, deadline: float) -> None:
         per_block = self._block_elems(flat.dtype, parts=1)
         k0 = self._k
         for i, start in enumerate(range(0, flat.size, per_block)):
@@ -662,9 +751,12 @@ class ShmGroup:
             slots = self._plan(flat.dtype, n).whole[k & 1]
             if self.index == root:
                 np.copyto(slots[root], flat[start : start + n])
-            self._describe(k, flat.nbytes, code)
+            if i == 0:
+                self._describe(k, desc)
             self._signal(2 * k + 1)
-            self._wait_all(2 * k + 1, k, deadline, check=(flat.nbytes, code) if i == 0 else None)
+            self._wait_all(2 * k + 1, deadline)
+            if i == 0:
+                self._check_descriptors(k, desc)
             if self.index != root:
                 np.copyto(flat[start : start + n], slots[root])
             self._k = k + 1
@@ -733,7 +825,6 @@ class ShmGroup:
             raise RuntimeError("this ShmGroup carries neighbour exchanges; collectives need a group of their own")
 
     def _check_array(self, arr: _Array, dtype_name: str | None) -> tuple[_Array, str]:
-        self._check_collective()
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"ShmGroup collectives take numpy arrays, got {type(arr).__name__}")
         flags = arr.flags
@@ -770,10 +861,59 @@ class ShmGroup:
         else:
             self._abort(_WHY_MISMATCH if isinstance(exc, CollectiveMismatchError) else _WHY_ERROR)
 
-    def _describe(self, k: int, nbytes: int, code: int) -> None:
-        base = self._me + _C_DESC + 2 * (k & 1)
-        self._w[base] = nbytes
-        self._w[base + 1] = code
+    def _descriptor(self, signature: Signature, dtype: str = "", size: int = -1) -> bytes:
+        """``signature`` encoded (cached: encoding costs ~1 µs, a lookup ~0.1 µs).
+
+        Raises:
+            ValueError: with ``dtype``: ``signature`` does not describe an array of ``size`` items of ``dtype``.
+        """
+        if dtype and (signature.dtype != dtype or math.prod(signature.shape) != size):
+            raise ValueError(f"signature {signature} does not describe the array ({size} items of {dtype})")
+        desc = self._descs.get(signature)
+        if desc is None:
+            desc = self._cache_descriptor(signature, signature)
+        return desc
+
+    def _own_descriptor(self, kind: str, op: str | None, dtype: str, shape: tuple[int, ...], root: int | None) -> bytes:
+        """The encoded signature of this group's own call (algorithm ``"shm"``); cached by a cheaper key."""
+        key = (kind, op, dtype, shape, root)
+        desc = self._descs.get(key)
+        if desc is None:
+            desc = self._cache_descriptor(key, Signature(kind, op, dtype, shape, ALGORITHM, ALGORITHM, root))
+        return desc
+
+    def _cache_descriptor(self, key: tuple[Any, ...], signature: Signature) -> bytes:
+        if len(self._descs) >= _DESC_CACHE:
+            self._descs.clear()
+        desc = self._descs[key] = signature.encode()
+        return desc
+
+    def _describe(self, k: int, desc: bytes) -> None:
+        """Writes my descriptor of block ``k`` (before the counter store that publishes the block)."""
+        at = self._desc_at[self.index][k & 1]
+        self._seg[at : at + len(desc)] = desc
+
+    def _agree(self, desc: bytes, deadline: float) -> list[Signature] | None:
+        """An agreement step without data: see :meth:`_check_descriptors` for what it returns and raises."""
+        k = self._k
+        self._describe(k, desc)
+        self._signal(2 * k + 1)
+        self._wait_all(2 * k + 1, deadline)
+        sigs = self._check_descriptors(k, desc)
+        self._k = k + 1
+        return sigs
+
+    def _reject(self, error: ValueError | TypeError, deadline: float) -> NoReturn:
+        """This rank's arguments are invalid: it takes part in the agreement step with the "invalid" signature,
+        so that the peers raise ``CollectiveMismatchError`` at once instead of waiting for it, then raises
+        ``error`` (as :class:`_SettledError`: the group stays usable). Called inside the handler of ``error``."""
+        if self._mm is not None:
+            k = self._k
+            self._describe(k, self._descriptor(INVALID))
+            self._signal(2 * k + 1)
+            self._wait_all(2 * k + 1, deadline)
+            self._k = k + 1
+        raise _SettledError(error)
 
     def _signal(self, value: int) -> None:
         """Publishes my counter; wakes sleepers if any may be asleep.
@@ -790,7 +930,7 @@ class ShmGroup:
                 futex.wake(self._addr + self._me * 8)
                 return
 
-    def _wait_all(self, value: int, k: int, deadline: float, check: tuple[int, int] | None = None) -> None:
+    def _wait_all(self, value: int, deadline: float) -> None:
         w = self._w
         for q in self._others:
             word = self._line[q]
@@ -798,8 +938,6 @@ class ShmGroup:
                 self._wait_one(q, word, value, deadline)
         if w[_W_ABORT]:
             self._raise_aborted()
-        if check is not None:
-            self._check_descriptors(k, *check)
 
     def _wait_one(self, q: int, word: int, value: int, deadline: float) -> None:
         w = self._w
@@ -861,16 +999,29 @@ class ShmGroup:
                 "it may be slow, stuck, or calling another collective — raise the timeout or check that rank"
             )
 
-    def _check_descriptors(self, k: int, nbytes: int, code: int) -> None:
-        w = self._w
-        off = _C_DESC + 2 * (k & 1)
+    def _check_descriptors(self, k: int, desc: bytes) -> list[Signature] | None:
+        """The agreement of block ``k``, once every member has published it: None if every descriptor equals
+        mine (a byte compare per peer), else every member's decoded signature if they differ only where that is
+        allowed.
+
+        Raises:
+            _SettledError: with the ``CollectiveMismatchError`` that every member raises (they all compute it from the
+                same descriptors), after moving past block ``k`` like every other member: nobody reads any peer's
+                data of this call, and all leave at the same step, so the group stays usable.
+        """
+        seg, pos, n = self._seg, k & 1, len(desc)
         for q in self._others:
-            theirs = (int(w[self._line[q] + off]), int(w[self._line[q] + off + 1]))
-            if theirs != (nbytes, code):
-                raise CollectiveMismatchError(
-                    f"rank {self.rank} called {_describe_code(nbytes, code)} but rank {self.ranks[q]} called "
-                    f"{_describe_code(*theirs)}; every rank must call the same collectives in the same order"
-                )
+            at = self._desc_at[q][pos]
+            if seg[at : at + n] != desc:
+                break
+        else:
+            return None
+        sigs = [Signature.decode(seg[at[pos] : at[pos] + DESCRIPTOR_BYTES]) for at in self._desc_at]
+        error = mismatch_error(sigs)
+        if error is not None:
+            self._k = k + 1
+            raise _SettledError(error)
+        return sigs
 
     def _abort(self, why: int, lost: int | None = None) -> None:
         if self._mm is None or self._closed:
@@ -892,8 +1043,8 @@ class ShmGroup:
         peer = self.ranks[who] if 0 <= who < self.size else -1
         if int(self._w[_W_ABORT_WHY]) == _WHY_MISMATCH:
             raise CollectiveMismatchError(
-                f"rank {peer} found that the ranks called different collectives (see its error); every rank must "
-                "call the same collectives with the same sizes, dtypes and ops"
+                f"rank {peer} found that its neighbours published different sizes (see its error); every rank must "
+                "publish the same layout"
             )
         lost = int(self._w[_W_ABORT_LOST]) - 1
         if int(self._w[_W_ABORT_WHY]) == _WHY_LOST and 0 <= lost < self.size and lost != self.index:
@@ -904,16 +1055,13 @@ class ShmGroup:
         raise PeerLostError(f"rank {peer} failed inside a shared-memory collective; see its error", peer=peer)
 
 
-def _describe_code(nbytes: int, code: int) -> str:
-    kind = _KIND_NAMES.get(code & 0xFF, "nothing yet")
-    if kind == "barrier":
-        return "barrier"
-    if code & 0xFF == _KIND_EXCHANGE:
-        return f"{nbytes} bytes"
-    op = OPS[(code >> 8 & 0xFF) - 1] if kind == "allreduce" and 0 < (code >> 8 & 0xFF) <= len(OPS) else None
-    dtype = _DTYPE_BY_CODE.get(code >> 16 & 0xFF, "?")
-    detail = f"op={op}, " if op else f"root index {code >> 24}, " if kind == "broadcast" else ""
-    return f"{kind}({detail}{dtype}, {nbytes} bytes)"
+class _SettledError(Exception):
+    """Carries an error that every member accounted for in the agreement step (a mismatch, or arguments one member
+    rejected): the public method raises ``error`` without breaking the group."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _cpu_count() -> int:
@@ -1021,7 +1169,8 @@ def _join_as_member(transport: Transport, leader: int, index: int, tag: int, dea
 
 class ShmAllreduce:
     """The shared-memory allreduce as the ``run`` of an ``AllreduceAlgorithm`` in ``Collectives.allreduce_algorithms``
-    (``run(ex, src, dst, reducer)``); the group is created collectively on first use, over that call's tag.
+    (``run(ex, src, dst, reducer)``), and the agreement step of every other collective of the same ranks
+    (:meth:`agree`); the group is created collectively on first use, over that call's tag.
 
     Every rank must be on this host (or pass the host's ``ranks``). Not thread-safe, like the group.
 
@@ -1059,7 +1208,28 @@ class ShmAllreduce:
         self.group: ShmGroup | None = None
 
     def __call__(self, ex: Exchange, src: _Array, dst: _Array, reducer: Reducer) -> None:
-        """Reduces ``src`` of every rank into ``dst`` (which may be ``src``). Collective; blocks."""
+        """Reduces ``src`` of every rank into ``dst`` (which may be ``src``). Collective; blocks.
+
+        Compares ``ex.signature`` (the caller's shape, algorithm names...) if the API set it, else the flat
+        arrays' own, in the group's agreement step.
+        """
+        group = self._group(ex)
+        if dst is not src:
+            np.copyto(dst, src)
+        group.allreduce_(
+            dst, reducer.op, dtype_name=reducer.dtype_name, timeout=max(ex.left(), 0.001), signature=ex.signature
+        )
+
+    def agree(self, ex: Exchange, signature: Signature) -> list[Signature]:
+        """Every member's ``signature`` through the segment (:meth:`ShmGroup.agree`). Collective; blocks.
+
+        Raises:
+            CollectiveMismatchError: they differ (on every member; the group stays usable).
+        """
+        return self._group(ex).agree(signature, timeout=max(ex.left(), 0.001))
+
+    def _group(self, ex: Exchange) -> ShmGroup:
+        """The group, created collectively (over ``ex``'s tag) by the first call."""
         if self.group is None:
             self.group = ShmGroup.create(
                 ex.transport,
@@ -1069,9 +1239,7 @@ class ShmAllreduce:
                 tag=ex.tag,
                 **self._options,
             )
-        if dst is not src:
-            np.copyto(dst, src)
-        self.group.allreduce_(dst, reducer.op, dtype_name=reducer.dtype_name, timeout=max(ex.left(), 0.001))
+        return self.group
 
     def close(self) -> None:
         """Closes the group if one was created. Idempotent."""

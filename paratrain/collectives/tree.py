@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.plans import TreeStep, binomial_tree_broadcast, binomial_tree_reduce, dissemination_barrier
+from paratrain.collectives.signature import Signature
 from paratrain.errors import CommTimeoutError, MessageError
 from paratrain.transport.base import Handle, Transport
 from paratrain.transport.wire import Message
@@ -65,6 +66,7 @@ class Exchange:
         "gathered",
         "label",
         "rank",
+        "signature",
         "tag",
         "timeout",
         "transport",
@@ -83,6 +85,9 @@ class Exchange:
         self._sends: list[Handle[None]] = []
         #: Payloads the agreement carried, by rank (see :func:`agree`); None if it carried none.
         self.gathered: list[npt.NDArray[Any] | None] | None = None
+        #: The call's signature, for an algorithm that runs the agreement itself (``AllreduceAlgorithm.agreement``
+        #: False, like the shared-memory one); None otherwise.
+        self.signature: Signature | None = None
 
     def left(self) -> float:
         """Seconds left of the call's time budget (never negative)."""

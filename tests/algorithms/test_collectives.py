@@ -411,6 +411,12 @@ def test_reduce_scatter_large_and_torch() -> None:
 
 Call = Callable[[Context], Any]
 
+
+def _equal_bytes_allreduce(ctx: Context, algorithm: str) -> Any:
+    """Arrays of equal byte counts but different shapes: the flat data would fit, the call must still fail."""
+    return ctx.allreduce(np.zeros((17, 1311) if ctx.rank == 0 else (17, 23, 57), np.float32), algorithm=algorithm)
+
+
 MISMATCHES: list[tuple[str, Call, str]] = [
     (
         "shape",
@@ -439,6 +445,34 @@ MISMATCHES: list[tuple[str, Call, str]] = [
         lambda ctx: ctx.allreduce(np.zeros(4)) if ctx.rank == 0 else ctx.broadcast(np.zeros(4)),
         "rank 0 called allreduce but rank 1 called broadcast",
     ),
+    *[
+        (
+            f"same bytes, other shape ({algorithm})",
+            functools.partial(_equal_bytes_allreduce, algorithm=algorithm),
+            "rank 0 has shape (17, 1311) float32 but rank 1 has (17, 23, 57) float32",
+        )
+        for algorithm in ("ring", "tree", "direct")
+    ],
+    (
+        "broadcast, same bytes, other shape",
+        lambda ctx: ctx.broadcast(np.zeros((6, 4) if ctx.rank == 0 else (4, 6)), algorithm="chain"),
+        "rank 0 has shape (6, 4) float64 but rank 1 has (4, 6) float64",
+    ),
+    (
+        "reduce_scatter, same bytes, other shape",
+        lambda ctx: ctx.reduce_scatter(np.zeros((6, 4) if ctx.rank == 0 else (4, 6))),
+        "rank 0 has shape (6, 4) float64 but rank 1 has (4, 6) float64",
+    ),
+    (
+        "reduce_scatter op",
+        lambda ctx: ctx.reduce_scatter(np.zeros(4), op=OPS[ctx.rank]),
+        "rank 0 has op 'sum' but rank 1 has op 'mean'",
+    ),
+    (
+        "allgather dtype",
+        lambda ctx: ctx.allgather(np.zeros(3, dtype=np.int64 if ctx.rank == 0 else np.float64)),
+        "rank 0 has shape (3,) int64 but rank 1 has (3,) float64",
+    ),
 ]
 
 
@@ -465,6 +499,41 @@ def test_mismatch_on_a_middle_rank_of_four() -> None:
 
     messages = run_ranks(4, rank_fn)
     assert len(set(messages)) == 1 and "rank 0 has shape (3,) float64 but rank 2 has (2,) float64" in messages[0]
+
+
+REJECTIONS: list[tuple[str, Call]] = [
+    ("allreduce op", lambda ctx: ctx.allreduce(np.ones(2), op="average" if ctx.rank == 1 else "sum")),
+    ("allreduce algorithm", lambda ctx: ctx.allreduce(np.ones(2), algorithm="butterfly" if ctx.rank == 1 else "ring")),
+    ("broadcast root", lambda ctx: ctx.broadcast(np.ones(2), root=9 if ctx.rank == 1 else 0)),
+    ("reduce_scatter 0-d", lambda ctx: ctx.reduce_scatter(np.array(1.0) if ctx.rank == 1 else np.ones(3))),
+    ("allgather type", lambda ctx: ctx.allgather([1.0] if ctx.rank == 1 else np.ones(1))),
+    (
+        "async allreduce op",
+        lambda ctx: ctx.allreduce_async(np.ones(2), op="average" if ctx.rank == 1 else "sum").wait(20),
+    ),
+]
+
+
+@pytest.mark.parametrize(("what", "call"), REJECTIONS, ids=[r[0] for r in REJECTIONS])
+def test_a_rank_rejecting_its_arguments_fails_the_others_at_once(what: str, call: Call) -> None:
+    """Rank 1's own checks fail: it raises its ValueError/TypeError, the others a CollectiveMismatchError from the
+    agreement (not a timeout: the call's timeout is 60 s), and the tags stay in step for the next calls."""
+
+    def rank_fn(ctx: Context) -> str:
+        try:
+            call(ctx)
+        except (ValueError, TypeError) as exc:
+            message = f"{type(exc).__name__}: {exc}"
+        else:
+            message = "no error"
+        assert ctx.allreduce(np.ones(3), algorithm="ring").tolist() == [3.0, 3.0, 3.0]
+        assert ctx.broadcast(np.full(2, ctx.rank), root=2).tolist() == [2, 2]
+        return message
+
+    messages = run_ranks(3, rank_fn, timeout=60)
+    assert messages[1].startswith(("ValueError: ", "TypeError: ")), messages
+    for message in (messages[0], messages[2]):
+        assert message.startswith("CollectiveMismatchError: ") and "rank 1 rejected its own arguments" in message
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])

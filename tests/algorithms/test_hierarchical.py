@@ -8,6 +8,7 @@ import pytest
 from paratrain import Context
 from paratrain.collectives.api import Collectives
 from paratrain.collectives.hierarchical import HostLayout
+from paratrain.errors import CollectiveMismatchError
 from paratrain.testing import run_ranks
 from paratrain.transport.group import GroupTransport
 from paratrain.transport.inproc import InprocFabric
@@ -45,6 +46,46 @@ def test_matches_numpy_reference(layout: str, op: str, dtype: str, size: int) ->
     for r in results:
         np.testing.assert_allclose(r, expected, rtol=1e-6)
         np.testing.assert_array_equal(r, results[0])  # identical bits on every rank
+
+
+HIERARCHICAL_MISMATCHES = [
+    (
+        lambda c, bad: c.allreduce(np.zeros((17, 23, 57) if bad else (17, 1311), np.float32), algorithm="hierarchical"),
+        "rank 0 has shape (17, 1311) float32 but rank 3 has (17, 23, 57) float32",
+    ),
+    (
+        lambda c, bad: c.allreduce(np.zeros(8, np.int32 if bad else np.float32), algorithm="hierarchical"),
+        "rank 0 has shape (8,) float32 but rank 3 has (8,) int32",
+    ),
+    (
+        lambda c, bad: c.allreduce(np.zeros(8), "max" if bad else "sum", algorithm="hierarchical"),
+        "rank 0 has op 'sum' but rank 3 has op 'max'",
+    ),
+    (
+        lambda c, bad: c.allreduce(np.zeros(8), algorithm="ring" if bad else "hierarchical"),
+        "rank 0 has algorithm 'hierarchical' but rank 3 has algorithm 'ring'",
+    ),
+]
+
+
+def test_mismatch_raises_on_every_rank_and_ranks_stay_usable() -> None:
+    """Rank 3 (on the second host, not a leader) deviates: all four raise the same error, then work on."""
+
+    def rank_fn(ctx: Context) -> list[str]:
+        coll = _collectives(ctx, LAYOUTS["2x2"])
+        messages = []
+        for call, _ in HIERARCHICAL_MISMATCHES:
+            with pytest.raises(CollectiveMismatchError) as info:
+                call(coll, ctx.rank == 3)
+            messages.append(str(info.value))
+            assert coll.allreduce(np.full(3, ctx.rank + 1.0), algorithm="hierarchical").tolist() == [10.0] * 3
+        coll.close()
+        return messages
+
+    per_rank = run_ranks(4, rank_fn)
+    for i, (_, difference) in enumerate(HIERARCHICAL_MISMATCHES):
+        assert len({messages[i] for messages in per_rank}) == 1, "every rank must raise the same error"
+        assert difference in per_rank[0][i]
 
 
 def test_auto_uses_hierarchy_only_when_it_helps() -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import secrets
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,9 +17,10 @@ import numpy.typing as npt
 import pytest
 
 from paratrain import Context
+from paratrain.collectives.api import Collectives
 from paratrain.collectives.ops import bf16_to_f32, f32_to_bf16
 from paratrain.collectives.shm import ShmAllreduce, ShmGroup
-from paratrain.errors import CollectiveMismatchError, CommTimeoutError, ConfigError, PeerLostError
+from paratrain.errors import CollectiveMismatchError, CommTimeoutError, ConfigError, PeerLostError, TransportError
 from paratrain.testing import run_ranks
 
 pytestmark = [
@@ -221,49 +224,256 @@ def test_registered_in_the_api_as_an_algorithm() -> None:
 # -- misuse and failures: errors on every rank, never a hang -------------------------------------------------------
 
 
-def test_different_sizes_raise_mismatch_on_every_rank() -> None:
-    def body(ctx: Context, group: ShmGroup) -> str:
+# -- mismatches: every rank raises the same CollectiveMismatchError, and the group stays usable -------------------
+
+#: (what, the call, with ``bad`` True on rank 1 only, the difference the message must name). Rank 1 of 3 deviates:
+#: a mismatch on some ranks only. Sizes cover both paths: one-phase (up to SMALL bytes) and pipelined blocks.
+ShmCall = Callable[[ShmGroup, bool], None]
+SHM_MISMATCHES: list[tuple[str, ShmCall, str]] = [
+    (
+        "same bytes, other shape (pipelined)",
+        lambda g, bad: g.allreduce_(np.zeros((17, 23, 57) if bad else (17, 1311), np.float32)),
+        "rank 0 has shape (17, 1311) float32 but rank 1 has (17, 23, 57) float32",
+    ),
+    (
+        "same bytes, other shape (one-phase)",
+        lambda g, bad: g.allreduce_(np.zeros((4, 6) if bad else (6, 4), np.float32)),
+        "rank 0 has shape (6, 4) float32 but rank 1 has (4, 6) float32",
+    ),
+    (
+        "dtype of the same size",
+        lambda g, bad: g.allreduce_(np.zeros(8, np.int32 if bad else np.float32)),
+        "rank 0 has shape (8,) float32 but rank 1 has (8,) int32",
+    ),
+    (
+        "op",
+        lambda g, bad: g.allreduce_(np.zeros(8), "max" if bad else "sum"),
+        "rank 0 has op 'sum' but rank 1 has op 'max'",
+    ),
+    (
+        "root",
+        lambda g, bad: g.broadcast_(np.zeros(5000), 2 if bad else 0),
+        "rank 0 has root 0 but rank 1 has root 2",
+    ),
+    (
+        "one-phase against pipelined",
+        lambda g, bad: g.allreduce_(np.zeros(5000 if bad else 10, np.float32)),
+        "rank 0 has shape (10,) float32 but rank 1 has (5000,) float32",
+    ),
+    (
+        "empty against not",
+        lambda g, bad: g.allreduce_(np.zeros(3 if bad else 0)),
+        "rank 0 has shape (0,) float64 but rank 1 has (3,) float64",
+    ),
+    (
+        "kind",
+        lambda g, bad: g.broadcast_(np.zeros(8), 0) if bad else g.allreduce_(np.zeros(8)),
+        "rank 0 called allreduce but rank 1 called broadcast",
+    ),
+    (
+        "barrier",
+        lambda g, bad: g.barrier() if bad else g.allreduce_(np.zeros(5000)),
+        "rank 0 called allreduce but rank 1 called barrier",
+    ),
+]
+
+
+def _good_calls(group: ShmGroup, rank: int) -> tuple[list[float], list[float], list[float]]:
+    """Correct calls after a mismatch: both allreduce paths and a broadcast, on the same group."""
+    big, small, sent = np.full(5000, rank + 1.0), np.full(3, rank + 1.0), np.arange(3.0) * rank
+    group.allreduce_(big, "sum")
+    group.allreduce_(small, "max")
+    group.broadcast_(sent, 2)
+    group.barrier()
+    return [float(big[0]), float(big[-1])], small.tolist(), sent.tolist()
+
+
+def _shm_mismatches(group: ShmGroup, rank: int) -> list[tuple[str, Any]]:
+    """Every case of SHM_MISMATCHES on one group, each followed by correct calls: (message, their results)."""
+    out: list[tuple[str, Any]] = []
+    for what, call, _ in SHM_MISMATCHES:
         try:
-            group.allreduce_(np.zeros(10 + ctx.rank, dtype=np.float32), "sum")
+            call(group, rank == 1)
         except CollectiveMismatchError as exc:
-            return str(exc)
-        return "no error"
+            out.append((str(exc), _good_calls(group, rank)))
+        else:
+            out.append((f"{what}: no error", None))
+    return out
 
-    messages = _with_groups(2, body)
-    assert any("40 bytes" in m and "44 bytes" in m for m in messages), messages
+
+def _assert_mismatches_reported(per_rank: list[list[tuple[str, Any]]], cases: list[tuple[str, Any, str]]) -> None:
+    world = len(per_rank)
+    for i, (what, _, difference) in enumerate(cases):
+        messages = {per_rank[r][i][0] for r in range(world)}
+        assert len(messages) == 1, f"{what}: the ranks raised different errors: {messages}"
+        message = messages.pop()
+        assert difference in message, f"{what}: {message}"
+        assert "all remain usable" in message
 
 
-def test_different_collectives_raise_mismatch() -> None:
-    def body(ctx: Context, group: ShmGroup) -> type[BaseException] | None:
+def _assert_good_results(per_rank: list[list[tuple[str, Any]]]) -> None:
+    world = len(per_rank)
+    total = float(sum(range(1, world + 1)))
+    for r in range(world):
+        for message, results in per_rank[r]:
+            assert results == ([total, total], [float(world)] * 3, [0.0, 2.0, 4.0]), (r, message)
+
+
+def test_mismatches_raise_on_every_rank_and_the_group_stays_usable() -> None:
+    per_rank = _with_groups(3, lambda ctx, group: _shm_mismatches(group, ctx.rank))
+    _assert_mismatches_reported(per_rank, SHM_MISMATCHES)
+    _assert_good_results(per_rank)
+
+
+def test_a_rank_rejecting_its_arguments_fails_its_peers_at_once_and_the_group_stays_usable() -> None:
+    # Rank 0 passes an array that cannot be updated in place: it raises its ValueError, its peers learn it in the
+    # agreement step (not at their timeout of 60 s), and nobody breaks the group.
+    def body(ctx: Context, group: ShmGroup) -> tuple[str, Any]:
+        x = np.zeros((4, 4), dtype=np.float32)
         try:
-            if ctx.rank == 0:
-                group.allreduce_(np.zeros(5000, dtype=np.float32), "max")
-            else:
-                group.broadcast_(np.zeros(5000, dtype=np.float32), 0)
-        except CollectiveMismatchError as exc:
-            return type(exc)
-        return None
-
-    assert _with_groups(2, body) == [CollectiveMismatchError, CollectiveMismatchError]
-
-
-def test_local_error_wakes_the_peers() -> None:
-    # Rank 0 passes an array that cannot be updated in place; rank 1 must learn at once, not at its timeout.
-    def body(ctx: Context, group: ShmGroup) -> tuple[str, float]:
-        start = time.monotonic()
-        try:
-            x = np.zeros((4, 4), dtype=np.float32)
             group.allreduce_(x.T if ctx.rank == 0 else x, "sum", timeout=60)
-        except (ValueError, PeerLostError) as exc:
-            return type(exc).__name__, time.monotonic() - start
-        return "no error", 0.0
+        except (ValueError, TypeError) as exc:
+            return f"{type(exc).__name__}: {exc}", _good_calls(group, ctx.rank)
+        return "no error", None
 
-    (err0, _), (err1, waited) = _with_groups(2, body, timeout=60)
-    assert (err0, err1) == ("ValueError", "PeerLostError")
-    assert waited < 30, "the peer was not woken by the abort"
+    results = _with_groups(3, body, timeout=60)
+    assert results[0][0].startswith("ValueError: the array must be C-contiguous")
+    for message, _ in results[1:]:
+        assert message.startswith("CollectiveMismatchError: ") and "rank 0 rejected its own arguments" in message
+    _assert_good_results([[r] for r in results])
 
 
-def test_absent_peer_times_out() -> None:
+def test_argument_errors_of_every_rank_leave_the_group_usable() -> None:
+    def body(ctx: Context, group: ShmGroup) -> list[float]:
+        with pytest.raises(ValueError, match="unknown reduction op"):
+            group.allreduce_(np.ones(3), "average")
+        with pytest.raises(ValueError, match="not a member"):
+            group.broadcast_(np.ones(3), 7)
+        x = np.ones(3)
+        group.allreduce_(x, "sum")
+        return x.tolist()
+
+    assert _with_groups(2, body) == [[2.0] * 3] * 2
+    assert _with_groups(1, body) == [[1.0] * 3]
+
+
+# The collectives API on one host: shm enabled, every call (whatever its algorithm) agrees through the segment.
+ApiCall = Callable[[Collectives, bool], Any]
+API_MISMATCHES: list[tuple[str, ApiCall, str]] = [
+    (
+        "allreduce, same bytes, other shape",
+        lambda c, bad: c.allreduce(np.zeros((17, 23, 57) if bad else (17, 1311), np.float32)),
+        "rank 0 has shape (17, 1311) float32 but rank 1 has (17, 23, 57) float32",
+    ),
+    (
+        "allreduce dtype",
+        lambda c, bad: c.allreduce(np.zeros(8, np.int32 if bad else np.float32)),
+        "rank 0 has shape (8,) float32 but rank 1 has (8,) int32",
+    ),
+    (
+        "allreduce op",
+        lambda c, bad: c.allreduce_(np.zeros(8), op="max" if bad else "sum"),
+        "rank 0 has op 'sum' but rank 1 has op 'max'",
+    ),
+    (
+        "shm against a socket algorithm",
+        lambda c, bad: c.allreduce(np.zeros(8), algorithm="ring" if bad else "auto"),
+        "rank 0 has algorithm 'shm' (auto) but rank 1 has algorithm 'ring'",
+    ),
+    (
+        "async allreduce",
+        lambda c, bad: c.allreduce_async(np.zeros(3 if bad else 2)).wait(20),
+        "rank 0 has shape (2,) float64 but rank 1 has (3,) float64",
+    ),
+    (
+        "broadcast root",
+        lambda c, bad: c.broadcast(np.zeros(8), root=2 if bad else 0),
+        "rank 0 has root 0 but rank 1 has root 2",
+    ),
+    (
+        "kind",
+        lambda c, bad: c.broadcast(np.zeros(8)) if bad else c.allreduce(np.zeros(8)),
+        "rank 0 called allreduce but rank 1 called broadcast",
+    ),
+    (
+        "allgather trailing dimensions",
+        lambda c, bad: c.allgather(np.zeros((2, 4 if bad else 3))),
+        "rank 0 has shape (2, 3) float64 but rank 1 has (2, 4) float64 (allgather needs equal trailing dimensions)",
+    ),
+    (
+        "reduce_scatter, same bytes, other shape",
+        lambda c, bad: c.reduce_scatter(np.zeros((6, 4) if bad else (4, 6))),
+        "rank 0 has shape (4, 6) float64 but rank 1 has (6, 4) float64",
+    ),
+]
+
+
+def _api_good_calls(c: Collectives, rank: int) -> tuple[list[float], list[float], list[int]]:
+    """Correct calls after a mismatch: allreduce (shm), broadcast (tree), allgather with unequal first dimensions."""
+    summed = c.allreduce(np.full(3, rank + 1.0))
+    sent = c.broadcast(np.arange(3.0) * rank, root=2)
+    rows = c.allgather(np.full((rank + 1, 2), rank))
+    return summed.tolist(), sent.tolist(), rows[:, 0].tolist()
+
+
+def _api_mismatches(c: Collectives, rank: int) -> list[tuple[str, Any]]:
+    assert c.choose_allreduce(8, 3) == "shm", "shared memory is not enabled: this would test the socket path"
+    out: list[tuple[str, Any]] = []
+    for what, call, _ in API_MISMATCHES:
+        try:
+            call(c, rank == 1)
+        except CollectiveMismatchError as exc:
+            out.append((str(exc), _api_good_calls(c, rank)))
+        else:
+            out.append((f"{what}: no error", None))
+    # rank 1 rejects its own arguments: it raises its error, the others fail at once (not at their timeout)
+    for call in (
+        lambda bad: c.allreduce(np.ones(2), op="average" if bad else "sum"),
+        lambda bad: c.broadcast(np.ones(2), root=9 if bad else 0),
+        lambda bad: c.allreduce_async(np.ones(2), op="average" if bad else "sum").wait(20),
+    ):
+        try:
+            call(rank == 1)
+        except (ValueError, TypeError) as exc:
+            out.append((f"{type(exc).__name__}: {exc}", _api_good_calls(c, rank)))
+        else:
+            out.append(("rejection: no error", None))
+    return out
+
+
+def _assert_api_results(per_rank: list[list[tuple[str, Any]]]) -> None:
+    n = len(API_MISMATCHES)
+    _assert_mismatches_reported([r[:n] for r in per_rank], API_MISMATCHES)
+    for r, results in enumerate(per_rank):
+        for i, (message, good) in enumerate(results):
+            assert good == ([6.0] * 3, [0.0, 2.0, 4.0], [0, 1, 1, 2, 2, 2]), (r, message)
+            if i >= n:  # the rejections
+                if r == 1:
+                    assert message.startswith(("ValueError: ", "TypeError: ")), message
+                else:
+                    assert message.startswith("CollectiveMismatchError: "), message
+                    assert "rank 1 rejected its own arguments" in message
+
+
+def test_api_on_one_host_reports_mismatches_of_every_collective_and_stays_usable() -> None:
+    per_rank = run_ranks(3, lambda ctx: _api_mismatches(ctx.collectives, ctx.rank), transport="zmq", timeout=60)
+    _assert_api_results(per_rank)
+
+
+def test_api_on_one_host_creates_the_group_in_whichever_collective_comes_first() -> None:
+    # The group is created over the first call's tag, here a tree broadcast whose messages use that tag too.
+    def rank_fn(ctx: Context) -> tuple[list[int], list[int], list[float]]:
+        assert ctx.collectives.choose_allreduce(8, 3) == "shm"
+        sent = ctx.broadcast(np.arange(4) * ctx.rank, root=2)
+        rows = ctx.allgather(np.full((ctx.rank + 1, 2), ctx.rank))
+        summed = ctx.allreduce(np.ones(3), algorithm="direct")  # shm agreement, then the data over sockets
+        return sent.tolist(), rows[:, 0].tolist(), summed.tolist()
+
+    for result in run_ranks(3, rank_fn, transport="zmq", timeout=60):
+        assert result == ([0, 2, 4, 6], [0, 1, 1, 2, 2, 2], [3.0] * 3)
+
+
+def test_absent_peer_times_out_and_breaks_the_group() -> None:
     gave_up = threading.Event()
 
     def body(ctx: Context, group: ShmGroup) -> str:
@@ -273,10 +483,12 @@ def test_absent_peer_times_out() -> None:
         try:
             group.allreduce_(np.ones(8), "sum", timeout=0.3)
         except CommTimeoutError as exc:
-            return str(exc)
+            message = str(exc)
         finally:
             gave_up.set()
-        return "no error"
+        with pytest.raises(TransportError, match="broken by an earlier error"):  # a timeout does break it
+            group.allreduce_(np.ones(8), "sum")
+        return message
 
     message, _ = _with_groups(2, body)
     assert "did not reach" in message
@@ -293,17 +505,6 @@ def test_peer_that_closes_fails_the_waiter() -> None:
         return "no error"
 
     assert "closed its shared-memory group" in _with_groups(2, body, timeout=30)[0]
-
-
-def test_broken_group_refuses_further_calls() -> None:
-    def body(ctx: Context, group: ShmGroup) -> str:
-        with pytest.raises(ValueError, match="unknown reduction op"):
-            group.allreduce_(np.ones(3), "average")
-        with pytest.raises(Exception, match="broken"):
-            group.allreduce_(np.ones(3), "sum")
-        return "ok"
-
-    assert _with_groups(1, body) == ["ok"]
 
 
 def test_bad_arguments() -> None:
@@ -353,6 +554,18 @@ def _proc_rank(rank: int, world: int, conn: Any, scenario: str) -> None:
                 group.allreduce_(x, op)
                 out.append(x)
             conn.send(("ok", out))
+        elif scenario == "mismatch":  # the mismatch tables, on the group itself and through the collectives API
+            try:
+                shm_results = _shm_mismatches(group, rank)
+                api = Collectives(transport=transport, next_tag=itertools.count(1000).__next__, timeout=20)
+                try:
+                    assert api.enable_shared_memory(RUN_ID)
+                    api_results = _api_mismatches(api, rank)
+                finally:
+                    api.close()
+                conn.send(("ok", shm_results, api_results))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
         else:  # "die": the last rank exits right after publishing its first block, in the middle of the call
             if rank == world - 1:
                 signal = group._signal
@@ -405,6 +618,14 @@ def test_allreduce_across_processes() -> None:
     assert all(r is not None and r[0] == "ok" for r in results), results
     for i, (n, name, op) in enumerate(PROC_CASES):
         _check([results[r][1][i] for r in range(world)], [_inputs(r, n, name) for r in range(world)], op, name)
+
+
+def test_mismatches_across_processes_raise_on_every_rank_and_groups_stay_usable() -> None:
+    results = _run_processes(3, "mismatch")
+    assert all(r is not None and r[0] == "ok" for r in results), results
+    _assert_mismatches_reported([r[1] for r in results], SHM_MISMATCHES)
+    _assert_good_results([r[1] for r in results])
+    _assert_api_results([r[2] for r in results])
 
 
 def test_peer_dying_mid_collective_is_reported_not_hung() -> None:
