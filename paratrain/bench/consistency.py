@@ -91,16 +91,9 @@ def _cell_dir(out: Path, scenario: str, strategy: str, round_index: int) -> Path
     return out / clean / strategy.replace(":", "") / f"round{round_index + 1}"
 
 
-def _curve(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """Rank 0's (training time, probed accuracy) points: what the figure draws."""
-    from paratrain.cli.compare import accuracy_curve
-
-    return accuracy_curve(records)
-
-
 def run_consistency_bench(options: ConsistencyBenchOptions, *, log: Any = sys.stderr) -> dict[str, Any]:
     """Runs every cell ``repeat`` times, interleaved; returns the report (also written as JSON under ``out``)."""
-    from paratrain.cli.compare import time_to_accuracy
+    from paratrain.cli.compare import accuracy_curve, time_to_accuracy
     from paratrain.cli.train import run_training
     from paratrain.train.record import merge_run
 
@@ -127,7 +120,7 @@ def run_consistency_bench(options: ConsistencyBenchOptions, *, log: Any = sys.st
                 "samples_per_sec": summary["samples_per_sec"],
                 "train_time_s": summary["train_time_s"],
                 "wait_share": _wait_share(summary),
-                "curve": _curve(records),
+                "curve": accuracy_curve(records),  # what the figure draws
                 "run_dir": summary["run_dir"],
             }
         )

@@ -5,6 +5,11 @@ receiver through the scheduler (~40 µs per hop here). A segment mapped by every
 copy out, and a waiter that spins on its peers' counters sees their progress within a cache-line transfer.
 This is how MPI's shared-memory transports beat sockets inside a host.
 
+Why one module of this size: the segment layout, the per-rank counters, the call-description agreement and the
+collectives that move data all read and write the same offsets under the same protocol (who may write which
+slot at which sequence number); splitting them would spread one memory protocol over files that must change
+together. The pure parts (call descriptions and their encoding) live in :mod:`.signature`.
+
 Segment layout (all offsets 8-byte aligned; one 128-byte control line per rank, so that a rank's writes never
 share a cache line with another rank's)::
 
