@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from paratrain.bench._timing import cpu_model, format_bytes
-from paratrain.launch.procs import die_with_parent
+from paratrain.launch.groups import die_with_parent
 
 __all__ = [
     "ALGORITHMS",
@@ -237,8 +237,8 @@ def _collect(out_dir: str, engine: str, nproc: int) -> _EngineRun:
 
 
 def _run_paratrain(options: BenchOptions, out_dir: str) -> dict[str, _EngineRun]:
-    from paratrain.cli.launch import run_launch
     from paratrain.errors import ConfigError
+    from paratrain.launch.run import run_launch
 
     engines = ["paratrain", *(["paratrain-shm"] if options.shm else [])]
     cmd = [

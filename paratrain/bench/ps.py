@@ -226,8 +226,8 @@ def _collect(out_dir: str, engine: str, workers: int) -> _EngineRun:
 
 def _run_engine(engine: str, options: PSBenchOptions, out_dir: str) -> _EngineRun:
     """Runs one engine's job under ``paratrain launch`` and collects what its workers wrote."""
-    from paratrain.cli.launch import run_launch
     from paratrain.errors import ConfigError
+    from paratrain.launch.run import run_launch
 
     args = [
         "--sizes",

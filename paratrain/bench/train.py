@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from paratrain.errors import ConfigError
-from paratrain.launch.procs import die_with_parent
+from paratrain.launch.groups import die_with_parent
 
 __all__ = ["TrainBenchOptions", "run_train_bench"]
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from paratrain.errors import ConfigError
-from paratrain.launch.procs import Outcome, ProcSpec, Supervisor
+from paratrain.launch.procs import EXIT_TIMED_OUT, Outcome, ProcSpec, Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -363,6 +363,37 @@ def test_run_twice_and_bad_arguments_are_refused(supervisors: list[Supervisor]) 
         Supervisor([spec(0, "pass")], grace_s=-1)
     with pytest.raises(ConfigError):
         Supervisor([ProcSpec("rank 0", [], {}, "")])
+    with pytest.raises(ConfigError):
+        Supervisor([spec(0, "pass")], deadline_s=0)
+
+
+@pytest.mark.timeout(30)
+def test_a_job_past_its_deadline_is_stopped_even_a_child_ignoring_sigterm(supervisors: list[Supervisor]) -> None:
+    # The story: benchmarks guarded their jobs with a timer that walked /proc and SIGKILLed their own children,
+    # because a PS server loop could hang after its workers exited and the supervisor waited for it for ever.
+    out, err = WatchedStream(), io.StringIO()
+    specs = [spec(0, IGNORES_SIGTERM), spec(1, SLEEPER)]
+    supervisor = make(supervisors, specs, grace_s=0.3, deadline_s=4.0, stdout=out, stderr=err)
+    started = time.monotonic()
+    running = Background(supervisor)
+    out.wait_for(lambda text: count(text, "ready") == 2)  # both children are up (rank 0 ignores SIGTERM now)
+    outcome = running.join(timeout=15)
+    elapsed = time.monotonic() - started
+
+    assert outcome.timed_out and outcome.exit_code == EXIT_TIMED_OUT == 124
+    assert outcome.first_failure is None and outcome.interrupted_by is None
+    messages = err.getvalue()
+    assert "still running after the job's deadline of 4 s; stopping 2 processes" in messages
+    assert "the processes of rank 0 did not stop within 0.3 s of SIGTERM; sending SIGKILL" in messages
+    assert not any(alive(pid) for pid in supervisor.pids())
+    assert 4.0 <= elapsed < 10, elapsed
+
+
+@pytest.mark.timeout(30)
+def test_a_job_within_its_deadline_ends_as_usual(supervisors: list[Supervisor]) -> None:
+    supervisor = make(supervisors, [spec(0, "pass")], deadline_s=20, stdout=io.StringIO(), stderr=io.StringIO())
+    outcome = supervisor.run()
+    assert outcome == Outcome(0, None, None) and not outcome.timed_out
 
 
 # A supervisor in a process of its own, so that it runs on its main thread and owns its signal handlers.

@@ -1,0 +1,166 @@
+"""A supervised run: start a job's processes under one deadline, stop them together, and clean up after them.
+
+Two entry points over one :class:`~paratrain.launch.procs.Supervisor`: :func:`run_launch` starts N ranks of a
+paratrain job (rendezvous hosted here, torchrun variables, parameter servers), and :func:`run_commands` runs any
+list of commands, each with its own environment (Gloo or MPI processes, a one-process reference run). Both may
+be given a deadline, past which every process group is stopped (SIGTERM, grace, SIGKILL), so that a caller such
+as a benchmark never walks ``/proc`` or kills processes itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import TextIO
+
+from paratrain.errors import ConfigError
+from paratrain.launch.env import child_environments
+from paratrain.launch.failures import explain_failure
+from paratrain.launch.plan import LaunchPlan, free_port, resolve_command
+from paratrain.launch.procs import Outcome, ProcSpec, Supervisor
+
+__all__ = ["run_commands", "run_launch", "sweep_run"]
+
+
+def sweep_run(run_id: str, scratch_dir: str | None) -> None:
+    """Removes what ranks of ``run_id`` may have left: the scratch directory and shared-memory segments."""
+    if scratch_dir:
+        shutil.rmtree(scratch_dir, ignore_errors=True)
+    shm = "/dev/shm"
+    if os.path.isdir(shm):
+        for name in os.listdir(shm):
+            if name.startswith(f"paratrain-{run_id}"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(shm, name))
+
+
+def run_commands(
+    commands: Sequence[tuple[Sequence[str], Mapping[str, str]]],
+    *,
+    deadline_s: float | None = None,
+    grace_s: float = 3.0,
+    stdout: TextIO | None = None,
+) -> Outcome:
+    """Runs ``(argv, env)`` commands together as one job: all succeed, or all are stopped; blocks until done.
+
+    The processes are named ``process 0``, ``process 1``... in messages; their output is relayed unprefixed.
+    ``env`` is each process's complete environment (see :func:`~paratrain.launch.env.process_environment`).
+
+    Args:
+        commands: what to run, in order; argv[0] is looked up on the PATH of its env.
+        deadline_s: stop the job if it is still running this many seconds after it started (None: no limit).
+        grace_s: seconds between SIGTERM and SIGKILL when stopping.
+        stdout: where the processes' stdout goes (``sys.stdout`` if None); stderr goes to ``sys.stderr``.
+
+    Returns:
+        How the job ended: ``timed_out``, ``first_failure`` (a command that could not be started is a failure
+        with exit code 127), ``interrupted_by`` (Ctrl-C stops the processes and is reported here).
+
+    Example:
+        >>> run_commands([(["true"], dict(os.environ))], deadline_s=30).exit_code
+        0
+    """
+    specs = [
+        ProcSpec(name=f"process {index}", argv=list(argv), env=dict(env), prefix="")
+        for index, (argv, env) in enumerate(commands)
+    ]
+    return Supervisor(specs, grace_s=grace_s, deadline_s=deadline_s, stdout=stdout).run()
+
+
+def run_launch(
+    cmd: Sequence[str],
+    *,
+    nproc: int,
+    grace: float = 3.0,
+    master_port: int = 0,
+    prefix: bool = True,
+    faults: str | None = None,
+    timeout: float | None = None,
+    servers: int = 0,
+    keep_going: bool = False,
+    deadline_s: float | None = None,
+    stdout: TextIO | None = None,
+) -> int:
+    """Starts ``nproc`` ranks of ``cmd``, supervises them, cleans up; returns the exit code for the shell.
+
+    Args:
+        cmd: the command every worker runs; 'python' or a ``.py`` file runs under this interpreter.
+        nproc: worker processes.
+        grace: seconds between SIGTERM and SIGKILL when stopping.
+        master_port: ``MASTER_PORT`` for torch (0: a free port).
+        prefix: prefix every output line with ``[rankK]: `` / ``[serverK]: ``.
+        faults: a fault spec for every rank's transport, checked here once.
+        timeout: ``PARATRAIN_TIMEOUT`` of the ranks' blocking calls (not a limit on the job; see ``deadline_s``).
+        servers: parameter-server processes started beside the workers (they run ``paratrain.ps.serve``).
+        keep_going: a failed worker does not stop the others; servers stay essential.
+        deadline_s: stop the whole job if it still runs this many seconds after it started (None: no limit).
+        stdout: where the ranks' stdout goes (``sys.stdout`` if None).
+
+    Returns:
+        0 if every process exited 0; 124 (:data:`~paratrain.launch.procs.EXIT_TIMED_OUT`) if the deadline
+        stopped the job; 130 or 143 if SIGINT or SIGTERM did; otherwise 1.
+
+    Raises:
+        ConfigError: a bad argument or fault spec, or no command.
+    """
+    from paratrain.runtime.rendezvous import RendezvousServer
+
+    if nproc < 1:
+        raise ConfigError(f"-n must be at least 1, got {nproc}")
+    if servers < 0:
+        raise ConfigError(f"--servers must be >= 0, got {servers}")
+    if grace < 0:
+        raise ConfigError(f"--grace must be >= 0, got {grace}")
+    if faults:
+        from paratrain.transport.faults import FaultSpec
+
+        FaultSpec.parse(faults)  # refuse a bad spec here, once, not in every rank
+    argv = resolve_command(cmd)
+    run_id = secrets.token_hex(4)
+    scratch = tempfile.mkdtemp(prefix=f"paratrain-{run_id}-")
+    server = RendezvousServer(world_size=nproc + servers, bind_addr="127.0.0.1", port=0, timeout=24 * 3600.0)
+    try:
+        plan = LaunchPlan(
+            nproc=nproc,
+            argv=argv,
+            run_id=run_id,
+            master_port=master_port or free_port(),
+            rdzv_port=server.port,
+            scratch_dir=scratch,
+            faults=faults,
+            timeout=timeout,
+            servers=servers,
+        )
+        server.start()
+        specs = []
+        for index, env in enumerate(child_environments(plan, os.environ)):
+            if index < nproc:
+                specs.append(
+                    ProcSpec(
+                        name=f"rank {index}",
+                        argv=argv,
+                        env=env,
+                        prefix=f"[rank{index}]: " if prefix else "",
+                        essential=not keep_going,
+                    )
+                )
+            else:
+                s = index - nproc
+                serve = [sys.executable, "-m", "paratrain.ps.serve"]
+                specs.append(
+                    ProcSpec(name=f"server {s}", argv=serve, env=env, prefix=f"[server{s}]: " if prefix else "")
+                )
+        outcome = Supervisor(specs, grace_s=grace, deadline_s=deadline_s, stdout=stdout).run()
+        if outcome.first_failure is not None:
+            note = explain_failure(outcome.first_failure.name, scratch)
+            if note:
+                print(f"paratrain launch: {note}", file=sys.stderr, flush=True)
+    finally:
+        server.close()
+        sweep_run(run_id, scratch)
+    return outcome.exit_code
