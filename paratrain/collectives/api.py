@@ -44,6 +44,7 @@ import numpy.typing as npt
 
 from paratrain._arrays import as_numpy_view, is_torch_tensor
 from paratrain.collectives.hierarchical import HostLayout, hierarchical_allreduce
+from paratrain.collectives.lower import allreduce_plan
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.plans import chunk_bounds
 from paratrain.collectives.ring import (
@@ -55,6 +56,7 @@ from paratrain.collectives.ring import (
 from paratrain.collectives.signature import INVALID, Signature, mismatch_error
 from paratrain.collectives.tree import Exchange, agree, direct_allreduce, tree_allreduce, tree_broadcast
 from paratrain.errors import CollectiveMismatchError, ParatrainError, TransportClosedError
+from paratrain.plan.cost import simulate
 from paratrain.transport.base import Handle, Transport
 
 if TYPE_CHECKING:
@@ -174,32 +176,35 @@ def network_allreduce_choice(latency: float, bandwidth: float | None) -> Callabl
 
     The measured crossovers behind :func:`default_allreduce_choice` come from loopback, where bandwidth is
     almost free; on a slow emulated link they pick the tree for a 1 MiB gradient and pay 2 log2 N full copies.
-    This policy instead takes the cheapest by the alpha-beta model of one full-duplex link per node, latency
-    ``a`` and ``b`` bytes/s (``b`` = :data:`LOOPBACK_BYTES_PER_SECOND` when unlimited), with ``L = ceil(log2
-    N)`` rounds of argument agreement before every call (``direct`` carries its data in them)::
+    This policy instead takes the cheapest call plan (:func:`~paratrain.collectives.lower.allreduce_plan`: the
+    agreement, then the algorithm) by the alpha-beta model of one full-duplex link per node
+    (:func:`paratrain.plan.cost.simulate`), latency ``a`` and ``b`` bytes/s (``b`` =
+    :data:`LOOPBACK_BYTES_PER_SECOND` when unlimited). The replay reproduces the textbook costs, with
+    ``L = ceil(log2 N)`` agreement rounds before every call (``direct`` carries its data in them)::
 
         direct  L a + (N - 1) n / b               every rank gets every array, reduces locally
         tree    L a + 2 L (a + n / b)             binomial reduce, then broadcast
         ring    L a + 2 (N - 1) (a + n / (N b))   reduce-scatter, then allgather
+
+    Ties (within a part in a million) go to the simpler algorithm, in the order direct, tree, ring.
 
     Example:
         >>> choose = network_allreduce_choice(0.002, 12.5e6)   # 2 ms, 100 Mbit/s
         >>> choose(1 << 20, 4), choose(1 << 10, 4)
         ('ring', 'direct')
     """
-    beta = bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND
+    beta = 1.0 / (bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND)
 
+    @functools.lru_cache(maxsize=1024)
     def choose(nbytes: int, world_size: int) -> str:
-        n = world_size
-        if n <= 1:
+        if world_size <= 1:
             return "direct"
-        rounds = math.ceil(math.log2(n))
         costs = {
-            "direct": rounds * latency + (n - 1) * nbytes / beta,
-            "tree": rounds * latency + 2 * rounds * (latency + nbytes / beta),
-            "ring": rounds * latency + 2 * (n - 1) * (latency + nbytes / (n * beta)),
+            name: simulate(allreduce_plan(name, world_size, nbytes, 1), alpha=latency, beta=beta).time
+            for name in ("direct", "tree", "ring")
         }
-        return min(costs, key=lambda name: costs[name])
+        best = min(costs.values())
+        return next(name for name, cost in costs.items() if cost <= best * (1 + 1e-6))
 
     return choose
 

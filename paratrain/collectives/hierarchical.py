@@ -9,22 +9,25 @@ This is what Horovod's hierarchical allreduce and NCCL's tree/ring-of-rings do.
                               ring allreduce (leaders)
     host B: r2 r3 ─reduce→ r2 ─┘                       └─ r2 ─broadcast→ r2 r3
 
-Each phase runs an existing algorithm on a :class:`~paratrain.transport.group.GroupTransport` view, with the
-call's own tag: within one call the phases use disjoint (sender, receiver) pairs or opposite directions, and
-messages of one pair and tag are matched in order, so they cannot be confused.
+The three phases are one plan (:func:`.lower.hierarchical_allreduce_into`: the tree reduce, ring and tree
+broadcast schedules composed in world ranks), run by the one executor with the call's own tag: within one
+call the phases use disjoint (sender, receiver) pairs or opposite directions, and messages of one pair and tag
+are matched in order, so they cannot be confused.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy.typing as npt
 
+from paratrain.collectives.exchange import Exchange
+from paratrain.collectives.execute import run_actions
+from paratrain.collectives.lower import hierarchical_allreduce_into, segment_items
 from paratrain.collectives.ops import Reducer
-from paratrain.collectives.ring import ring_allreduce_run
-from paratrain.collectives.tree import Exchange, tree_broadcast, tree_reduce
-from paratrain.transport.group import GroupTransport
+from paratrain.plan.ir import Action, PlanBuilder
 
 __all__ = ["HostLayout", "hierarchical_allreduce"]
 
@@ -63,18 +66,16 @@ def hierarchical_allreduce(
     Every rank ends with identical bits (the leaders' ring gives them equal results; the broadcast copies).
     ``mean`` divides by the total number of ranks once, at the leaders, before the broadcast.
     """
-    transport = ex.transport
-    partial = Reducer("sum" if reducer.op == "mean" else reducer.op, reducer.dtype_name)
-    local = layout.local_ranks(transport.rank)
-    is_leader = local[0] == transport.rank
-    local_view = GroupTransport(transport, local)
-    with Exchange(local_view, tag=ex.tag, timeout=ex.left(), label=f"{ex.label}, intra-host reduce") as lex:
-        tree_reduce(lex, src, dst, partial)
-    if is_leader:  # dst now holds the host's partial result
-        if len(layout.leaders) > 1:
-            leaders = GroupTransport(transport, layout.leaders)
-            with Exchange(leaders, tag=ex.tag, timeout=ex.left(), label=f"{ex.label}, inter-host ring") as gex:
-                ring_allreduce_run(gex, dst, dst, partial)
-        reducer.finish(dst, transport.world_size)
-    with Exchange(local_view, tag=ex.tag, timeout=ex.left(), label=f"{ex.label}, intra-host broadcast") as bex:
-        tree_broadcast(bex, dst, root=0, source=dst if is_leader else None)
+    actions = _actions(
+        ex.rank, tuple(layout.hosts), src.size, src.itemsize, segment_items(src.itemsize, None), dst is src
+    )
+    run_actions(ex, actions, {"src": src, "dst": dst}, reducer, dst.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _actions(  # noqa: PLR0917 (a cache key)
+    rank: int, hosts: tuple[str, ...], count: int, itemsize: int, segment: int, aliased: bool
+) -> tuple[Action, ...]:
+    b = PlanBuilder(aliased=aliased)
+    hierarchical_allreduce_into(b, rank, hosts, count, itemsize=itemsize, segment=segment)
+    return b.actions

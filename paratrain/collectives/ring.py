@@ -1,117 +1,79 @@
 """Bandwidth-bound collectives: pipelined ring reduce-scatter/allgather/allreduce and chain broadcast.
 
-The ring plans of :mod:`paratrain.collectives.plans` move whole chunks; here every chunk is cut further into
-segments of about :data:`SEGMENT_BYTES`, and each segment is forwarded the moment it has arrived and been
-reduced. So while this rank reduces segment k, segment k - 1 is on its way to the right neighbour and segment
-k + 1 is arriving from the left one, and the transport's threads (ZeroMQ's I/O and receiver threads) overlap
-the network with numpy's reductions::
-
-    time ->     seg 0         seg 1         seg 2
-    recv    |===========|===========|===========|
-    reduce              |====|      |====|      |====|
-    send                     |===========|===========|===========|
-
-Buffers are never copied on the way out: sends borrow slices of the caller's arrays (ZeroMQ zero-copy), and a
-slice is written again only after the transport has released it. Received segments (read-only views of
-network frames) are reduced straight into the destination.
+Each chunk of a ring is cut into segments of about :data:`~.lower.SEGMENT_BYTES`, and each segment is
+forwarded the moment it has arrived and been reduced, so the transport's threads overlap the network with
+numpy's reductions. The segments, the order and the buffer reuse are all in the plan (:func:`.lower.ring_into`,
+:func:`.lower.chain_broadcast_into`); these functions pick the plan for the call and run it through
+:func:`.execute.run_actions`. Buffers are never copied on the way out: sends borrow slices of the caller's
+arrays, and a slice is written again only after the transport has released it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
+from paratrain.collectives.exchange import Exchange
+from paratrain.collectives.execute import run_actions
+from paratrain.collectives.lower import (
+    SEGMENT_BYTES,
+    chain_broadcast_into,
+    ring_into,
+    segment_bounds,
+    segment_items,
+)
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.plans import (
-    RingStep,
     chain_broadcast,
     chunk_bounds,
     ring_allgather,
     ring_allreduce,
     ring_reduce_scatter,
 )
-from paratrain.collectives.tree import Exchange
-from paratrain.transport.base import Handle
+from paratrain.plan.ir import Action, PlanBuilder
 
 __all__ = [
     "SEGMENT_BYTES",
     "chain_broadcast_run",
+    "ring_actions",
     "ring_allgather_run",
     "ring_allreduce_run",
     "ring_reduce_scatter_run",
     "segment_bounds",
 ]
 
-#: Pipelining unit of the ring and chain executors, in bytes. Smaller segments start the pipeline sooner and
-#: overlap more of the transfer with the reduction, but each costs a message: a header, a receiver-thread
-#: hand-off and a Python round of bookkeeping, 0.1-0.3 ms on the ZeroMQ transport of a 2-core VM. Measured
-#: there for a 16 MiB float32 allreduce between 2 processes (median ms): 512 KiB 19.3, 1 MiB 17.8, 2 MiB 14.3,
-#: 4 MiB 14.9. Tune on the target machine; the executors also take ``segment_bytes=``.
-SEGMENT_BYTES = 1 << 21
 
-
-def segment_bounds(start: int, stop: int, segment: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` cut into pieces of at most ``segment`` items (none if empty).
-
-    Example:
-        >>> segment_bounds(10, 25, 6)
-        [(10, 16), (16, 22), (22, 25)]
-    """
-    return [(a, min(a + segment, stop)) for a in range(start, stop, max(segment, 1))]
-
-
-def _segment_items(itemsize: int, segment_bytes: int | None) -> int:
-    return max(1, (SEGMENT_BYTES if segment_bytes is None else segment_bytes) // max(itemsize, 1))
-
-
-def _ring_pass(
-    ex: Exchange,
+@functools.lru_cache(maxsize=512)
+def ring_actions(
+    kind: str,
+    rank: int,
+    n: int,
     *,
-    src: npt.NDArray[Any],
-    dst: npt.NDArray[Any],
-    bounds: list[tuple[int, int]],
-    plan: list[RingStep],
-    reduce_steps: int,
-    reducer: Reducer | None,
+    bounds: tuple[tuple[int, int], ...],
+    itemsize: int,
     segment: int,
-) -> None:
-    """Executes a ring plan whose every step sends the chunk received in the step before.
-
-    Steps ``< reduce_steps`` combine the received segment with ``src`` into ``dst`` (each chunk is received at
-    most once during them, so ``src`` still holds this rank's own data there) and forward the result; later
-    steps forward the received segment as it is and copy it into ``dst``. Step 0 sends from ``src``.
-    """
-    if not plan:
-        return
-    segs = [segment_bounds(a, b, segment) for a, b in bounds]
-    inflight: dict[tuple[int, int], Handle[None]] = {}  # (chunk, segment) -> the send still reading it
-    first = plan[0]
-    for k, (a, b) in enumerate(segs[first.send_chunk]):
-        inflight[(first.send_chunk, k)] = ex.send(first.send_to, [src[a:b]])
-    for s, step in enumerate(plan):
-        chunk = step.recv_chunk
-        posted = [ex.post(step.recv_from) for _ in segs[chunk]]
-        forward_to = plan[s + 1].send_to if s + 1 < len(plan) else None
-        for k, (a, b) in enumerate(segs[chunk]):
-            data = ex.recv_array(posted[k], step.recv_from, b - a, dst.dtype)
-            out = dst[a:b]
-            busy = inflight.pop((chunk, k), None)
-            if busy is not None:
-                ex.wait_sent(busy)
-            if s < reduce_steps:
-                assert reducer is not None
-                reducer.combine(src[a:b], data, out)
-                if s == reduce_steps - 1:
-                    reducer.finish(out, ex.world_size)
-                if forward_to is not None:
-                    inflight[(chunk, k)] = ex.send(forward_to, [out])
-            else:
-                if forward_to is not None:
-                    ex.send(forward_to, [data])  # forward the received frame itself: the copy leaves the critical path
-                np.copyto(out, data)
-    ex.finish()
+    aliased: bool,
+) -> tuple[Action, ...]:
+    """One rank's actions of a ring ``kind`` (``"allreduce"``, ``"reduce_scatter"``, ``"allgather"``), cached:
+    a training loop repeats the same sizes every step."""
+    b = PlanBuilder(aliased=aliased)
+    if kind == "allgather":
+        ring_into(
+            b,
+            ring_allgather(rank, n),
+            bounds,
+            itemsize=itemsize,
+            segment=segment,
+            reduce_steps=0,
+            divide_by=n,
+            src="dst",
+        )
+    else:
+        steps = ring_allreduce(rank, n) if kind == "allreduce" else ring_reduce_scatter(rank, n)
+        ring_into(b, steps, bounds, itemsize=itemsize, segment=segment, reduce_steps=n - 1, divide_by=n)
+    return b.actions
 
 
 def ring_allreduce_run(
@@ -129,6 +91,7 @@ def ring_allreduce_run(
     Blocks until done. See :func:`~paratrain.collectives.plans.ring_allreduce` for the cost.
 
     Example:
+        >>> import numpy as np
         >>> from paratrain.collectives.ops import Reducer
         >>> from paratrain.testing import run_ranks
         >>> def rank_fn(ctx):
@@ -140,16 +103,17 @@ def ring_allreduce_run(
         [0.0, 6.0, 12.0, 18.0, 24.0]
     """
     n = ex.world_size
-    _ring_pass(
-        ex,
-        src=src,
-        dst=dst,
-        bounds=chunk_bounds(src.size, n),
-        plan=ring_allreduce(ex.rank, n),
-        reduce_steps=n - 1,
-        reducer=reducer,
-        segment=_segment_items(src.itemsize, segment_bytes),
+    seg = segment_items(src.itemsize, segment_bytes)
+    actions = ring_actions(
+        "allreduce",
+        ex.rank,
+        n,
+        bounds=tuple(chunk_bounds(src.size, n)),
+        itemsize=src.itemsize,
+        segment=seg,
+        aliased=dst is src,
     )
+    run_actions(ex, actions, {"src": src, "dst": dst}, reducer, dst.dtype)
 
 
 def ring_reduce_scatter_run(
@@ -167,6 +131,7 @@ def ring_reduce_scatter_run(
     partial results. Blocks until done.
 
     Example:
+        >>> import numpy as np
         >>> from paratrain.collectives.ops import Reducer
         >>> from paratrain.testing import run_ranks
         >>> def rank_fn(ctx):
@@ -178,16 +143,17 @@ def ring_reduce_scatter_run(
         >>> run_ranks(2, rank_fn)
         [[2, 2, 2], [2, 2]]
     """
-    _ring_pass(
-        ex,
-        src=src,
-        dst=dst,
-        bounds=bounds,
-        plan=ring_reduce_scatter(ex.rank, ex.world_size),
-        reduce_steps=ex.world_size - 1,
-        reducer=reducer,
-        segment=_segment_items(src.itemsize, segment_bytes),
+    seg = segment_items(src.itemsize, segment_bytes)
+    actions = ring_actions(
+        "reduce_scatter",
+        ex.rank,
+        ex.world_size,
+        bounds=tuple(bounds),
+        itemsize=src.itemsize,
+        segment=seg,
+        aliased=dst is src,
     )
+    run_actions(ex, actions, {"src": src, "dst": dst}, reducer, dst.dtype)
 
 
 def ring_allgather_run(
@@ -198,6 +164,7 @@ def ring_allgather_run(
     Blocks may differ in length (the caller agreed on ``bounds`` beforehand). Blocks until done.
 
     Example:
+        >>> import numpy as np
         >>> from paratrain.testing import run_ranks
         >>> def rank_fn(ctx):
         ...     buf = np.zeros(3)
@@ -209,16 +176,11 @@ def ring_allgather_run(
         >>> run_ranks(2, rank_fn)
         [[1.0, 2.0, 2.0], [1.0, 2.0, 2.0]]
     """
-    _ring_pass(
-        ex,
-        src=buf,
-        dst=buf,
-        bounds=bounds,
-        plan=ring_allgather(ex.rank, ex.world_size),
-        reduce_steps=0,
-        reducer=None,
-        segment=_segment_items(buf.itemsize, segment_bytes),
+    seg = segment_items(buf.itemsize, segment_bytes)
+    actions = ring_actions(
+        "allgather", ex.rank, ex.world_size, bounds=tuple(bounds), itemsize=buf.itemsize, segment=seg, aliased=True
     )
+    run_actions(ex, actions, {"src": buf, "dst": buf}, None, buf.dtype)
 
 
 def chain_broadcast_run(
@@ -235,6 +197,7 @@ def chain_broadcast_run(
     for large arrays (see :func:`~paratrain.collectives.plans.chain_broadcast`). Blocks until done.
 
     Example:
+        >>> import numpy as np
         >>> from paratrain.testing import run_ranks
         >>> def rank_fn(ctx):
         ...     out = np.zeros(4)
@@ -244,22 +207,11 @@ def chain_broadcast_run(
         >>> run_ranks(3, rank_fn)[0]
         [0.0, 1.0, 2.0, 3.0]
     """
-    steps = chain_broadcast(ex.rank, ex.world_size, root)
-    recv_from = next((s.peer for s in steps if s.direction == "recv"), None)
-    send_to = next((s.peer for s in steps if s.direction == "send"), None)
-    segs = segment_bounds(0, dst.size, _segment_items(dst.itemsize, segment_bytes))
-    if recv_from is None:
+    is_root = ex.rank == root
+    if is_root:
         assert source is not None, "the root of a broadcast needs a source"
-        for a, b in segs:
-            if send_to is not None:
-                ex.send(send_to, [source[a:b]])
-        if source is not dst:
-            np.copyto(dst, source)
-    else:
-        posted = [ex.post(recv_from) for _ in segs]
-        for (a, b), handle in zip(segs, posted, strict=True):
-            data = ex.recv_array(handle, recv_from, b - a, dst.dtype)
-            if send_to is not None:
-                ex.send(send_to, [data])
-            np.copyto(dst[a:b], data)
-    ex.finish()
+    b = PlanBuilder(aliased=source is dst)
+    steps = chain_broadcast(ex.rank, ex.world_size, root)
+    seg = segment_items(dst.itemsize, segment_bytes)
+    chain_broadcast_into(b, steps, dst.size, itemsize=dst.itemsize, segment=seg, is_root=is_root)
+    run_actions(ex, b.actions, {"src": dst if source is None else source, "dst": dst}, None, dst.dtype)
