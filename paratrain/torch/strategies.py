@@ -38,15 +38,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from paratrain.collectives.shm import ShmGroup
 from paratrain.errors import ConfigError
+from paratrain.gossip.exchange import ShmExchange, open_exchange
 from paratrain.gossip.mixing import neighbors, resolve_mixing
 from paratrain.gossip.topology import TOPOLOGIES
 from paratrain.ps.client import KVStore
 from paratrain.runtime.context import Context
 from paratrain.torch.fusion import FusedBucket
 from paratrain.transport.base import Handle
-from paratrain.transport.wire import Message
 
 __all__ = [
     "STRATEGIES",
@@ -359,9 +358,16 @@ class ParameterServerStrategy(Strategy):
         self.kv.close()
 
 
-def _bytes(flat: torch.Tensor) -> npt.NDArray[np.uint8]:
-    """A flat CPU tensor's bytes as a numpy view (any dtype, bfloat16 included)."""
-    return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+def _numpy(flat: torch.Tensor) -> npt.NDArray[Any]:
+    """A flat CPU tensor as a numpy view of its memory (bfloat16, which numpy lacks, as its 16-bit pattern)."""
+    return flat.view(torch.int16).numpy() if flat.dtype == torch.bfloat16 else flat.numpy()
+
+
+def _tensor(array: npt.NDArray[Any], dtype: torch.dtype) -> torch.Tensor:
+    """A neighbour's flat array as a tensor of ``dtype``: a view if the array is writeable (a shared-memory
+    slot), else a copy (a received message's read-only buffer, which torch must not wrap)."""
+    raw = array.view(np.uint8) if array.flags.writeable else array.copy().view(np.uint8)
+    return torch.from_numpy(raw).view(dtype)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -392,13 +398,14 @@ class GossipStrategy(Strategy):
     ``broadcast_parameters``). Parameters changed outside ``step()`` between two steps reach the neighbours
     one step late.
 
-    Communication: when every worker runs on this host and no network is emulated
-    (``context.workers_share_memory()``), a step's parameters go into this worker's slot of a shared-memory
-    segment of its own (:meth:`~paratrain.collectives.shm.ShmGroup.publish`) and the neighbours read them in
-    place; a worker waits only for its neighbours' counters. Otherwise: one message per neighbour per step
-    holding every bucket's flat parameters, tagged with ``context.next_collective_tag()`` (taken at the same
-    point on every rank, so ranks stay matched without a handshake); receives and sends are posted together,
-    so exchanges with different neighbours run concurrently and no pair of ranks can deadlock.
+    Communication (:mod:`paratrain.gossip.exchange`, which this class adapts to torch): when every worker runs
+    on this host and no network is emulated (``context.workers_share_memory()``), a step's parameters go into
+    this worker's slot of a shared-memory segment of its own (:class:`~paratrain.gossip.exchange.ShmExchange`)
+    and the neighbours read them in place; a worker waits only for its neighbours' counters. Otherwise
+    (:class:`~paratrain.gossip.exchange.SocketExchange`): one message per neighbour per step holding every
+    bucket's flat parameters, tagged with ``context.next_collective_tag()`` (taken at the same point on every
+    rank, so ranks stay matched without a handshake); receives and sends are posted together, so exchanges with
+    different neighbours run concurrently and no pair of ranks can deadlock.
 
     Mixing is computed in float32 (float64 for float64 parameters; 16-bit parameters are widened) and cast
     back: float64 throughout cost about 1 ms per step for a 1.2 MB model on this machine.
@@ -430,27 +437,22 @@ class GossipStrategy(Strategy):
     ) -> None:
         super().__init__(buckets)
         self.overlap = bool(overlap)
-        self._context = context
         n = context.world_size
         self.mixing, self.edges = resolve_mixing(topology, n)
         self.neighbors = neighbors(self.mixing, context.rank)
         self.self_weight = float(self.mixing[context.rank, context.rank])
         self._sent: list[torch.Tensor] | None = None  # x_i(k) as posted to the neighbours
-        self._receives: list[tuple[int, float, Handle[Message]]] = []
-        self._sends: list[Handle[None]] = []
-        self._group: ShmGroup | None = None
         if shared_memory is None:
-            shared_memory = n > 1 and ShmGroup.supported() and context.workers_share_memory()
-        if shared_memory:
-            nbytes = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
-            self._group = ShmGroup.create(
-                context.workers,
-                ranks=list(range(n)),
-                run_id=context.settings.run_id,
-                timeout=context.settings.timeout,
-                tag=context.next_collective_tag(),
-                capacity=max(4096, -(-nbytes // 4096) * 4096),
-            )
+            shared_memory = n > 1 and ShmExchange.supported() and context.workers_share_memory()
+        self.exchange = open_exchange(
+            context.workers,
+            neighbors=self.neighbors,
+            next_tag=context.next_collective_tag,
+            timeout=context.settings.timeout,
+            shared_memory=shared_memory,
+            run_id=context.settings.run_id,
+            nbytes=sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets),
+        )
 
     def launch(self, k: int) -> None:
         """Nothing to send during backward: the parameters left at the end of the previous step."""
@@ -464,54 +466,18 @@ class GossipStrategy(Strategy):
 
     def _post(self) -> None:
         """Posts ``x_i`` to every neighbour and a receive from each; returns at once."""
-        tag = self._context.next_collective_tag()  # taken even without neighbours, so every rank stays in step
         self._sent = [bucket.read_params() for bucket in self.buckets]
-        if self._group is not None:
-            self._group.publish([_bytes(flat) for flat in self._sent])
-            return
-        transport = self._context.workers
-        self._receives = [(peer, weight, transport.irecv(peer, tag)) for peer, weight in self.neighbors]
-        self._sends = [transport.isend(peer, tag, self._sent) for peer, _ in self.neighbors]
+        self.exchange.post([_numpy(flat) for flat in self._sent])
 
     def _mixed(self) -> list[torch.Tensor]:
-        """``sum_j W_ij x_j(k)`` per bucket, in the accumulation dtype; waits for the neighbours' messages."""
+        """``sum_j W_ij x_j(k)`` per bucket, in the accumulation dtype; waits for the neighbours' parameters."""
         mine = self._sent
         if mine is None:
             raise RuntimeError("internal error: gossip step without an exchange in flight")
-        timeout = self._context.settings.timeout
         mixed = [flat.to(_accumulation_dtype(flat.dtype), copy=True).mul_(self.self_weight) for flat in mine]
-        if self._group is not None:  # read straight from the neighbours' slots; valid until our next publish
-            total = sum(flat.numel() * flat.element_size() for flat in mine)
-            for peer, weight in self.neighbors:
-                raw = self._group.peer_array(peer, np.uint8, total, timeout=timeout)
-                offset = 0
-                for acc, flat in zip(mixed, mine, strict=True):
-                    size = flat.numel() * flat.element_size()
-                    theirs = torch.from_numpy(raw[offset : offset + size]).view(flat.dtype)
-                    acc.add_(theirs.to(acc.dtype), alpha=weight)
-                    offset += size
-            return mixed
-        receives, self._receives = self._receives, []
-        for peer, weight, handle in receives:
-            message = handle.wait(timeout)
-            if len(message.arrays) != len(mine):
-                raise RuntimeError(
-                    f"gossip: rank {peer} sent {len(message.arrays)} buffers, expected {len(mine)}; every worker "
-                    "must build the same model and strategy"
-                )
-            for acc, flat, array in zip(mixed, mine, message.arrays, strict=True):
-                theirs = torch.from_numpy(array.copy())
-                if theirs.dtype != flat.dtype:  # bfloat16 travels as its 16-bit pattern
-                    theirs = theirs.view(flat.dtype)
-                if theirs.numel() != flat.numel():
-                    raise RuntimeError(
-                        f"gossip: rank {peer} sent {theirs.numel()} values for a bucket of {flat.numel()}; every "
-                        "worker must build the same model"
-                    )
-                acc.add_(theirs.to(acc.dtype), alpha=weight)
-        sends, self._sends = self._sends, []
-        for sent in sends:
-            sent.wait(timeout)
+        for _, weight, arrays in self.exchange.wait():
+            for acc, flat, theirs in zip(mixed, mine, arrays, strict=True):
+                acc.add_(_tensor(theirs, flat.dtype).to(acc.dtype), alpha=weight)
         return mixed
 
     @torch.no_grad()
@@ -533,16 +499,11 @@ class GossipStrategy(Strategy):
             self._post()
 
     def close(self) -> None:
-        """Completes the exchange posted after the last step, whose result is not used.
-
-        It is waited for, not cancelled: a rank that left before its neighbours' last messages arrived would
-        make their sends fail with ``PeerLostError``.
+        """Completes the exchange posted after the last step, whose result is not used (see
+        :meth:`NeighbourExchange.close <paratrain.gossip.exchange.NeighbourExchange.close>`).
 
         Raises:
             CommTimeoutError, PeerLostError: a neighbour did not send its last parameters (it stopped early).
         """
-        if self._group is not None:  # publishing never waits, so nothing is in flight: just leave the group
-            self._group.close()
-        elif self._sent is not None:
-            self._mixed()
-        self._receives, self._sends, self._sent = [], [], None
+        self._sent = None
+        self.exchange.close()

@@ -143,7 +143,7 @@ def test_gossip_equals_single_process_dpsgd(
             overlap=overlap,
         )
         assert len(opt.plan) > 1
-        assert (opt._strategy._group is not None) == (transport == "zmq")  # type: ignore[attr-defined]
+        assert opt._strategy.exchange.shared_memory == (transport == "zmq")  # type: ignore[attr-defined]
         for step in range(steps):
             x, y = batch(ctx.rank, step)
             opt.zero_grad()
@@ -151,7 +151,7 @@ def test_gossip_equals_single_process_dpsgd(
             opt.step()
             if step == 2:  # another collective between steps, while the next exchange is in flight
                 ctx.barrier()
-                pending = opt._strategy._receives  # type: ignore[attr-defined]
+                pending = opt._strategy.exchange.receives  # type: ignore[attr-defined]
                 if not overlap:
                     assert pending == []  # nothing leaves before the next step()
                 elif transport == "inproc":  # inproc delivers at once: the next step's parameters have all arrived
