@@ -15,21 +15,20 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import NoReturn, TypeVar
 
-from paratrain.collectives.api import Collectives, network_allreduce_choice
-from paratrain.collectives.barrier import barrier as _barrier
+from paratrain.collectives.api import Collectives
+from paratrain.collectives.exchange import Exchange
+from paratrain.collectives.tree import agree
 from paratrain.config import Settings
 from paratrain.errors import ConfigError, NotInitializedError, RendezvousError
+from paratrain.runtime.group import COLLECTIVE_TAG_BASE, Group, closed_check
 from paratrain.transport.base import Handle, Transport
 
-__all__ = ["Context", "current", "init", "shutdown"]
+__all__ = ["COLLECTIVE_TAG_BASE", "Context", "Group", "current", "init", "shutdown"]
 
 log = logging.getLogger("paratrain")
-
-#: Collective operations use tags below this value, numbered per context; user tags are >= 0.
-COLLECTIVE_TAG_BASE = -(1 << 50)
 
 A = TypeVar("A")
 
@@ -60,10 +59,19 @@ class Context:
         else:
             self.workers = transport
         self._on_close = on_close
-        self._tags = itertools.count()
-        self._tag_lock = threading.Lock()
         self._closed = False
-        self._collectives: Collectives | None = None
+        self._group_lock = threading.Lock()
+        self._spaces = itertools.count(1)  # tag spaces of sub-groups; the world's is 0
+        self._groups: list[Group] = []
+        #: Every worker, as a group: what the collective methods below run on.
+        self.world = Group(
+            transport=self.workers,
+            ranks=range(self.workers.world_size),
+            tag_space=0,
+            settings=settings,
+            hosts=_workers_hosts(transport, self.workers.world_size),
+            check_open=closed_check(lambda: self._closed),
+        )
 
     @property
     def rank(self) -> int:
@@ -91,9 +99,8 @@ class Context:
         return self._closed
 
     def next_collective_tag(self) -> int:
-        """A fresh tag for the next collective call (all ranks call collectives in the same order)."""
-        with self._tag_lock:
-            return COLLECTIVE_TAG_BASE - next(self._tags)
+        """A fresh tag of the world group for the next collective call (all ranks call them in the same order)."""
+        return self.world.next_tag()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -107,7 +114,95 @@ class Context:
             CommTimeoutError: some rank did not arrive within ``timeout`` (default ``PARATRAIN_TIMEOUT``).
         """
         self._check_open()
-        _barrier(self.workers, tag=self.next_collective_tag(), timeout=timeout or self.settings.timeout)
+        self.world.barrier(timeout)
+
+    # -- groups
+
+    def new_group(self, ranks: Sequence[int], *, timeout: float | None = None) -> Group | None:
+        """A group of the workers ``ranks``, with its own collectives and tag space; None on non-members.
+
+        Collective over the world: every worker calls it, in the same order relative to other ``new_group``
+        and ``split`` calls, with the same ``ranks``. Blocks for one agreement round (ceil(log2 N) messages).
+
+        Raises:
+            ValueError: ``ranks`` is empty, repeats a rank or names one outside the workers.
+            ConfigError: the workers passed different ranks (on every rank, naming them).
+
+        Example:
+            >>> import numpy as np
+            >>> from paratrain.testing import run_ranks
+            >>> def fn(ctx):
+            ...     evens = ctx.new_group([0, 2])
+            ...     return None if evens is None else evens.allreduce(np.array([ctx.rank])).tolist()
+            >>> run_ranks(3, fn)
+            [[2], None, [2]]
+        """
+        members = sorted(int(r) for r in ranks)
+        n = self.world_size
+        if not members or len(set(members)) != len(members) or not all(0 <= r < n for r in members):
+            raise ValueError(f"new_group({list(ranks)}): give distinct worker ranks in 0..{n - 1}")
+        keys: list[Hashable] = [r in members for r in range(n)]
+        return self._form("new_group", keys, timeout=timeout, member=self.rank in members)
+
+    def split(
+        self, key: Callable[[int], Hashable] | Sequence[Hashable], *, timeout: float | None = None
+    ) -> Group:
+        """Partitions the workers into groups of equal ``key`` and returns this rank's group.
+
+        ``key`` is a function of the worker rank (``lambda r: r // 4`` makes consecutive stages of 4) or one key
+        per worker. Groups from one call are disjoint and share one tag space; each has its own collectives.
+        Collective over the world, like :meth:`new_group` (the workers must agree on every rank's key).
+
+        Raises:
+            ValueError: a sequence of keys whose length is not the number of workers.
+            ConfigError: the workers computed different keys (on every rank).
+        """
+        n = self.world_size
+        keys = [key(r) for r in range(n)] if callable(key) else list(key)
+        if len(keys) != n:
+            raise ValueError(f"split: {len(keys)} keys for {n} workers; give one per worker")
+        group = self._form("split", keys, timeout=timeout, member=True)
+        assert group is not None  # every worker is a member of its own key's group
+        return group
+
+    def split_by_host(self, *, timeout: float | None = None) -> Group:
+        """One group per host (the ranks that share memory), e.g. for intra-host data parallelism."""
+        hosts = _workers_hosts(self.transport, self.world_size)
+        return self.split(hosts if hosts is not None else [""] * self.world_size, timeout=timeout)
+
+    def _form(self, what: str, keys: list[Hashable], *, timeout: float | None, member: bool) -> Group | None:
+        self._check_open()
+        with self._group_lock:
+            space = next(self._spaces)
+        wanted = [what, space, [repr(k) for k in keys]]
+        if self.world_size > 1:
+            limit = timeout or self.settings.timeout
+            with Exchange(self.workers, tag=self.next_collective_tag(), timeout=limit, label=what) as ex:
+                everyone = agree(ex, wanted)
+            differ = [q for q, sig in enumerate(everyone) if sig != everyone[0]]
+            if differ:
+                raise ConfigError(
+                    f"{what} #{space}: the workers disagree: rank 0 asked for {everyone[0][2]}, rank {differ[0]} "
+                    f"for {everyone[differ[0]][2]}; every worker must form the same groups in the same order"
+                )
+        if not member:
+            return None
+        mine = keys[self.rank]
+        members = [r for r in range(self.world_size) if keys[r] == mine]
+        from paratrain.transport.group import GroupTransport
+
+        hosts = self.world._hosts
+        group = Group(
+            transport=GroupTransport(self.workers, members),
+            ranks=members,
+            tag_space=space,
+            settings=self.settings,
+            hosts=None if hosts is None else [hosts[r] for r in members],
+            check_open=closed_check(lambda: self._closed),
+        )
+        with self._group_lock:
+            self._groups.append(group)
+        return group
 
     def workers_share_memory(self) -> bool:
         """True when every worker runs on this host and nothing emulates a network between them.
@@ -131,27 +226,7 @@ class Context:
     def collectives(self) -> Collectives:
         """This rank's :class:`~paratrain.collectives.api.Collectives` (where algorithms are registered)."""
         self._check_open()
-        with self._tag_lock:
-            if self._collectives is None:
-                hosts = _workers_hosts(self.transport, self.workers.world_size)
-                self._collectives = Collectives(
-                    transport=self.workers,
-                    next_tag=self.next_collective_tag,
-                    timeout=self.settings.timeout,
-                    hosts=hosts,
-                )
-                if hosts is not None and len(set(hosts)) == 1 and self.settings.faults is None:
-                    # one host: allreduce through shared memory (no fault injection: it bypasses the network)
-                    self._collectives.enable_shared_memory(self.settings.run_id)
-                elif self.settings.faults is not None and (hosts is None or len(set(hosts)) == 1):
-                    # an emulated network on one host: its links are known, so "auto" picks by the alpha-beta
-                    # model (across hosts the hierarchical algorithm stays)
-                    from paratrain.transport.faults import FaultSpec
-
-                    spec = FaultSpec.parse(self.settings.faults)
-                    if spec.latency > 0 or spec.bandwidth is not None:
-                        self._collectives.choose_allreduce = network_allreduce_choice(spec.latency, spec.bandwidth)
-            return self._collectives
+        return self.world.collectives
 
     def allreduce(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
         """Reduces ``x`` over all ranks into a new array/tensor; see :meth:`.Collectives.allreduce`. Blocks."""
@@ -193,8 +268,8 @@ class Context:
         try:
             self.transport.close()
         finally:
-            if self._collectives is not None:
-                self._collectives.close()
+            for group in [*self._groups, self.world]:
+                group.close()
             if self._on_close is not None:
                 self._on_close()
             _forget(self)

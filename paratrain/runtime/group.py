@@ -1,0 +1,193 @@
+"""Process groups: a set of worker ranks with its own collectives and its own tag space.
+
+A pipeline's stages run different sequences of calls (stage 0 never takes part in stage 1's data-parallel
+allreduce), and a ring re-formed after a failure must not pick up the messages of the old one. Tags decide
+which message meets which receive, and collectives number their calls to get tags, so ranks that issue
+different sequences must draw their tags from different spaces. Every :class:`Group` has a *tag space*: its
+calls' tags are ``COLLECTIVE_TAG_BASE - space * TAG_SPACE_SIZE - k`` for its k-th call, so no two groups that
+share a rank ever use the same tag (user tags are >= 0, below the base nothing else lives).
+
+The world group (every worker) is space 0, which keeps the tags of a job without sub-groups what they were.
+Sub-groups come from :meth:`~paratrain.runtime.context.Context.new_group` (a list of ranks) and
+:meth:`~paratrain.runtime.context.Context.split` (one group per key: by host, by pipeline stage...). Both are
+*collective over the world*: every worker calls them, in the same order, with the same arguments, and they
+check that with one agreement round, so a rank that disagrees makes every rank raise the same error instead of
+hanging in a later call. Groups from one ``split`` are disjoint and share one space.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+from paratrain.collectives.api import Collectives, network_allreduce_choice
+from paratrain.collectives.barrier import barrier as _barrier
+from paratrain.errors import NotInitializedError
+from paratrain.transport.base import Handle, Transport
+
+if TYPE_CHECKING:
+    from paratrain.config import Settings
+
+__all__ = ["COLLECTIVE_TAG_BASE", "TAG_SPACE_SIZE", "Group"]
+
+#: Collective operations use tags at or below this value; user tags are >= 0.
+COLLECTIVE_TAG_BASE = -(1 << 50)
+
+#: Tags per group: 2**40 calls (at a million calls a second, twelve days), and room for 2**12 spaces before
+#: tags leave the 64-bit range of the wire format.
+TAG_SPACE_SIZE = 1 << 40
+
+#: The most tag spaces a job can use.
+MAX_TAG_SPACES = ((1 << 63) + COLLECTIVE_TAG_BASE) // TAG_SPACE_SIZE
+
+A = TypeVar("A")
+
+
+class Group:
+    """Some of the workers, seen as a world of their own, with their own collectives and tags.
+
+    Attributes:
+        ranks: the members' ranks among the workers, ascending; group rank ``i`` is worker ``ranks[i]``.
+        transport: the members' view of the workers' transport (group ranks), or the workers' transport itself
+            for the world group.
+        tag_space: this group's tag space (0 for the world).
+
+    The collective methods behave as :class:`~paratrain.collectives.api.Collectives`' (which see), among the
+    members only; they block, and may be called from any thread, but every member must issue the group's
+    calls in the same order.
+
+    Example:
+        >>> import numpy as np
+        >>> from paratrain.testing import run_ranks
+        >>> def fn(ctx):
+        ...     pair = ctx.split(lambda rank: rank // 2)      # {0, 1} and {2, 3}
+        ...     return pair.allreduce(np.array([ctx.rank])).tolist()
+        >>> run_ranks(4, fn)
+        [[1], [1], [5], [5]]
+    """
+
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        ranks: Sequence[int],
+        tag_space: int,
+        settings: Settings,
+        hosts: Sequence[str] | None,
+        check_open: Callable[[], None],
+    ) -> None:
+        if not 0 <= tag_space < MAX_TAG_SPACES:
+            raise ValueError(f"tag space {tag_space} outside 0..{MAX_TAG_SPACES - 1}: too many groups")
+        self.transport = transport
+        self.ranks = list(ranks)
+        self.tag_space = tag_space
+        self._settings = settings
+        self._hosts = None if hosts is None else list(hosts)
+        self._check_open = check_open
+        self._tags = itertools.count()
+        self._lock = threading.Lock()
+        self._collectives: Collectives | None = None
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self.transport.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of members."""
+        return self.transport.world_size
+
+    def next_tag(self) -> int:
+        """A fresh tag of this group's space for the next call (members call in the same order)."""
+        with self._lock:
+            return COLLECTIVE_TAG_BASE - self.tag_space * TAG_SPACE_SIZE - next(self._tags)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Blocks until every member has called ``barrier``.
+
+        Raises:
+            PeerLostError: a member died before arriving.
+            CommTimeoutError: some member did not arrive within ``timeout`` (default ``PARATRAIN_TIMEOUT``).
+        """
+        self._check_open()
+        _barrier(self.transport, tag=self.next_tag(), timeout=timeout or self._settings.timeout)
+
+    @property
+    def collectives(self) -> Collectives:
+        """The members' :class:`~paratrain.collectives.api.Collectives` (where algorithms are registered).
+
+        On one host without an emulated network they go through shared memory; with the fault injector's
+        network on one host, ``auto`` picks by the alpha-beta model of its links.
+        """
+        self._check_open()
+        with self._lock:
+            if self._collectives is None:
+                self._collectives = self._make_collectives()
+            return self._collectives
+
+    def _make_collectives(self) -> Collectives:
+        hosts, faults = self._hosts, self._settings.faults
+        collectives = Collectives(
+            transport=self.transport, next_tag=self.next_tag, timeout=self._settings.timeout, hosts=hosts
+        )
+        one_host = hosts is not None and len(set(hosts)) == 1
+        if one_host and faults is None:
+            collectives.enable_shared_memory(self._settings.run_id)  # shared memory would bypass emulated links
+        elif faults is not None and (hosts is None or one_host):
+            # an emulated network on one host: its links are known, so "auto" picks by the alpha-beta model
+            # (across hosts the hierarchical algorithm stays)
+            from paratrain.transport.faults import FaultSpec
+
+            spec = FaultSpec.parse(faults)
+            if spec.latency > 0 or spec.bandwidth is not None:
+                collectives.choose_allreduce = network_allreduce_choice(spec.latency, spec.bandwidth)
+        return collectives
+
+    def allreduce(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
+        """Reduces ``x`` over the members into a new array/tensor. Blocks."""
+        return self.collectives.allreduce(x, op, algorithm, timeout=timeout)
+
+    def allreduce_(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
+        """Reduces ``x`` over the members in place and returns ``x``. Blocks."""
+        return self.collectives.allreduce_(x, op, algorithm, timeout=timeout)
+
+    def allreduce_async(
+        self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None
+    ) -> Handle[A]:
+        """Starts an allreduce over the members in the background; ``.wait()`` gives the result."""
+        return self.collectives.allreduce_async(x, op, algorithm, timeout=timeout)
+
+    def broadcast(self, x: A, root: int = 0, *, algorithm: str = "auto", timeout: float | None = None) -> A:
+        """A new array/tensor holding group rank ``root``'s ``x``. Blocks."""
+        return self.collectives.broadcast(x, root, algorithm=algorithm, timeout=timeout)
+
+    def allgather(self, x: A, *, timeout: float | None = None) -> A:
+        """Every member's ``x`` concatenated along axis 0, in group-rank order. Blocks."""
+        return self.collectives.allgather(x, timeout=timeout)
+
+    def reduce_scatter(self, x: A, op: str = "sum", *, timeout: float | None = None) -> A:
+        """This member's part of the reduced ``x``, split along axis 0. Blocks."""
+        return self.collectives.reduce_scatter(x, op, timeout=timeout)
+
+    def close(self) -> None:
+        """Stops the group's background thread and leaves its shared-memory segment. Idempotent."""
+        with self._lock:
+            collectives, self._collectives = self._collectives, None
+        if collectives is not None:
+            collectives.close()
+
+    def __repr__(self) -> str:
+        return f"Group(ranks={self.ranks}, rank={self.rank}, tag_space={self.tag_space})"
+
+
+def closed_check(closed: Callable[[], bool]) -> Callable[[], None]:
+    """A ``check_open`` for :class:`Group` raising ``NotInitializedError`` once ``closed()`` is true."""
+
+    def check() -> None:
+        if closed():
+            raise NotInitializedError("this paratrain context was shut down; call paratrain.init() again")
+
+    return check
