@@ -8,10 +8,8 @@ back, each one separately and all together.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import platform
 import sys
 import threading
 import time
@@ -116,12 +114,3 @@ def format_bytes(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes} B"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (for benchmark reports), or the platform's best guess."""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as fh:
-        for line in fh:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()

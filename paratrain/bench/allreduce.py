@@ -19,33 +19,31 @@ verified allreduce, warm-up, a barrier, then ``iters`` calls back to back. Defin
   bandwidth-optimal allreduce, comparable across N;
 * ``ratios``: for paratrain rows, an anchor's time / this row's time (> 1: paratrain is faster).
 
-Every child process runs under a deadline (``--timeout``); a failing or hung engine is reported, and the others
-still run. Engines whose software is missing (torch, mpi4py, mpirun) are skipped with a note.
+Every engine's job runs under a deadline (``--timeout``); a failing or hung engine is reported, and the others
+still run. Engines whose software is missing (torch, mpi4py, mpirun) are skipped with a note. What every
+``paratrain bench`` shares (running jobs, rounds, medians, the machine block) is in :mod:`.harness`,
+:mod:`.stats`, :mod:`.machine` and :mod:`.tables`; this module holds the engines and the columns.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
+import functools
 import importlib.util
-import json
 import os
-import platform
-import re
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO
 
-from paratrain.bench._timing import cpu_model, format_bytes
-from paratrain.launch.groups import die_with_parent
+from paratrain.bench import harness, stats, tables
+from paratrain.bench._timing import format_bytes
+from paratrain.bench.harness import EngineRun, SizedOptions, Step
+from paratrain.bench.machine import MachineSample, machine_report
+from paratrain.launch.env import process_environment
+from paratrain.launch.plan import free_port
 
 __all__ = [
     "ALGORITHMS",
@@ -53,12 +51,8 @@ __all__ = [
     "DEFAULT_SIZES",
     "BenchOptions",
     "combine_runs",
-    "cpu_busy",
-    "default_iters",
     "gloo_unavailable",
     "mpi_unavailable",
-    "parse_size",
-    "parse_sizes",
     "render_table",
     "run_bench",
     "summarize",
@@ -71,264 +65,69 @@ ANCHORS = ("gloo", "mpi")
 #: What ``--algorithm`` accepts (``shm`` is registered into the API if it does not know it yet).
 ALGORITHMS = ("auto", "ring", "tree", "shm")
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
-_MAX_BYTES = 4 << 30
-_GRACE_S = 3.0
-
-
-def parse_size(text: str) -> int:
-    """Bytes in ``text``: ``1024``, ``4KiB``/``4K`` (x1024), ``16MB`` (x1000); case-insensitive.
-
-    The size must be a positive multiple of 4 (float32 elements) of at most 4 GiB.
-
-    Raises:
-        ValueError: with a message saying what is accepted.
-
-    Example:
-        >>> parse_size("4KiB"), parse_size("16MB"), parse_size("1024")
-        (4096, 16000000, 1024)
-    """
-    match = _SIZE_RE.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(
-            f"bad size {text!r}: use a whole number with an optional unit, e.g. 1024, 4KiB, 4K, 1MiB, 16MB "
-            "(K/KiB/M/MiB/G/GiB are powers of 1024; KB/MB/GB powers of 1000)"
-        )
-    nbytes = int(match.group(1)) * _UNITS[unit or ""]
-    if nbytes <= 0 or nbytes % 4:
-        raise ValueError(f"bad size {text!r}: must be a positive multiple of 4 bytes (float32 elements)")
-    if nbytes > _MAX_BYTES:
-        raise ValueError(f"bad size {text!r}: at most 4 GiB per buffer")
-    return nbytes
-
-
-def parse_sizes(text: str) -> list[int]:
-    """A comma-separated list of :func:`parse_size` sizes, in the order given, duplicates removed.
-
-    Example:
-        >>> parse_sizes("4KiB, 1MiB")
-        [4096, 1048576]
-    """
-    sizes: list[int] = []
-    for part in text.split(","):
-        if not part.strip():
-            continue
-        nbytes = parse_size(part)
-        if nbytes not in sizes:
-            sizes.append(nbytes)
-    if not sizes:
-        raise ValueError("no sizes given; e.g. --sizes 4KiB,1MiB,16MiB")
-    return sizes
-
-
-def default_iters(nbytes: int) -> int:
-    """Timed calls per size when ``--iters`` is not given: enough for a stable mean, ~1 s for the slowest engine."""
-    if nbytes <= 64 << 10:
-        return 500
-    if nbytes <= 1 << 20:
-        return 100
-    if nbytes <= 16 << 20:
-        return 30
-    return 10
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class BenchOptions:
-    """What to measure.
+class BenchOptions(SizedOptions):
+    """What to measure (and, from :class:`~paratrain.bench.harness.SizedOptions`: sizes, iters, warmup, repeat,
+    timeout).
 
     Attributes:
         nproc: ranks (processes) per engine, all on this host.
-        sizes: message sizes in bytes.
         compare: anchors to run (subset of :data:`ANCHORS`).
-        iters: timed calls per size (None: :func:`default_iters`).
-        warmup: untimed calls per size.
         algorithm: ``algorithm=`` of ``pt.allreduce_``.
-        timeout: seconds each engine may run before its processes are stopped.
         shm: also time the shared-memory path directly (``paratrain-shm``).
-        repeat: run every engine this many times, interleaved, and report the median run.
     """
 
+    #: Small messages are latency-bound and cheap: 500 calls give a stable mean (then 100, 30, 10 as sizes grow).
+    SMALL_ITERS: ClassVar[int] = 500
+
     nproc: int
-    sizes: tuple[int, ...]
     compare: tuple[str, ...] = ANCHORS
-    iters: int | None = None
     warmup: int = 5
     algorithm: str = "auto"
     timeout: float = 600.0
     shm: bool = True
-    repeat: int = 1
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise ValueError(f"--np must be at least 1, got {self.nproc}")
-        if self.iters is not None and self.iters < 1:
-            raise ValueError(f"--iters must be at least 1, got {self.iters}")
-        if self.warmup < 0:
-            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        SizedOptions.__post_init__(self)
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         unknown = [a for a in self.compare if a not in ANCHORS]
         if unknown:
             raise ValueError(f"--compare takes {', '.join(ANCHORS)} (or none), got {', '.join(unknown)}")
-        if self.repeat < 1:
-            raise ValueError(f"--repeat must be at least 1, got {self.repeat}")
-        if self.timeout <= 0:
-            raise ValueError(f"--timeout must be positive, got {self.timeout}")
-
-    def iters_for(self, nbytes: int) -> int:
-        """Timed calls for a size."""
-        return self.iters if self.iters is not None else default_iters(nbytes)
 
 
-@dataclass(slots=True)
-class _EngineRun:
-    status: str  # "ok", "skipped" or "error"
-    detail: str
-    payloads: list[dict[str, Any]]
+# -- the engines ---------------------------------------------------------------------------------------------------
 
 
-# -- running the engines ------------------------------------------------------------------------------------------
+def _paratrain_labels(options: BenchOptions) -> tuple[str, ...]:
+    return (f"paratrain[{options.algorithm}]", *(["paratrain-shm"] if options.shm else []))
 
 
-def _worker_args(options: BenchOptions, out_dir: str) -> list[str]:
-    return [
-        "--sizes",
-        ",".join(str(s) for s in options.sizes),
-        "--iters",
-        ",".join(str(options.iters_for(s)) for s in options.sizes),
-        "--warmup",
-        str(options.warmup),
-        "--out",
-        out_dir,
-        "--deadline",
-        str(max(options.timeout - _GRACE_S, 1.0)),
-    ]
-
-
-def _collect(out_dir: str, engine: str, nproc: int) -> _EngineRun:
-    payloads = []
-    for rank in range(nproc):
-        path = os.path.join(out_dir, f"{engine}-rank{rank}.json")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                payloads.append(json.load(fh))
-        except (OSError, ValueError):
-            return _EngineRun(
-                "error", f"rank {rank} wrote no result (it failed or timed out; see the output above)", []
-            )
-    errors = [f"rank {p['rank']}: {p.get('error', '?')}" for p in payloads if p.get("status") != "ok"]
-    if errors:
-        return _EngineRun("error", "; ".join(errors), [])
-    return _EngineRun("ok", "", payloads)
-
-
-def _run_paratrain(options: BenchOptions, out_dir: str) -> dict[str, _EngineRun]:
-    from paratrain.errors import ConfigError
-    from paratrain.launch.run import run_launch
-
+def _run_paratrain(options: BenchOptions, out_dir: str) -> dict[str, EngineRun]:
     engines = ["paratrain", *(["paratrain-shm"] if options.shm else [])]
     cmd = [
         "python",
         "-m",
         "paratrain.bench._allreduce_worker",
-        *_worker_args(options, out_dir),
+        *harness.worker_args(options, out_dir),
         "--algorithm",
         options.algorithm,
         "--engines",
         ",".join(engines),
     ]
-    try:
-        code = run_launch(cmd, nproc=options.nproc, prefix=False, timeout=options.timeout, grace=_GRACE_S)
-    except (ConfigError, OSError) as exc:
-        return {engine: _EngineRun("error", f"paratrain launch failed to start: {exc}", []) for engine in engines}
-    runs = {engine: _collect(out_dir, engine, options.nproc) for engine in engines}
-    if code != 0:
-        for run in runs.values():
-            if run.status == "ok":
-                continue
-            run.detail = f"paratrain launch exited {code}: {run.detail}"
-    return runs
-
-
-def _stop_group(pgid: int) -> None:
-    for sig, wait in ((signal.SIGTERM, _GRACE_S), (signal.SIGKILL, 0.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.05)
-
-
-def _run_processes(commands: Sequence[tuple[list[str], dict[str, str]]], timeout: float) -> str | None:
-    """Runs the commands together (each in its own session); None if all exit 0, else what went wrong.
-
-    On the first failure or at the deadline every process group still alive is stopped (SIGTERM, then SIGKILL),
-    so nothing is left running.
-    """
-    procs: list[subprocess.Popen[bytes]] = []
-    problem: str | None = None
-    try:
-        for argv, env in commands:
-            # die_with_parent makes two system calls in the child; prctl is resolved before the fork
-            setup = die_with_parent()
-            procs.append(
-                subprocess.Popen(argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL, preexec_fn=setup)  # noqa: PLW1509
-            )
-        deadline = time.monotonic() + timeout
-        while problem is None:
-            codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                problem = f"process {failed[0][0]} exited with code {failed[0][1]}"
-            elif all(c == 0 for c in codes):
-                return None
-            elif time.monotonic() >= deadline:
-                problem = f"still running after {timeout:.0f}s (--timeout); stopped"
-            else:
-                time.sleep(0.05)
-    except OSError as exc:
-        problem = f"could not start {commands[len(procs)][0][0]}: {exc}"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                _stop_group(p.pid)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=5.0)
-            _stop_group(p.pid)  # helpers the process may have left in its session
-    return problem
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    problem = harness.launch_job(cmd, nproc=options.nproc, timeout=options.timeout, deadline_s=options.deadline_s())
+    runs = {
+        label: harness.collect(out_dir, engine, options.nproc)
+        for label, engine in zip(_paratrain_labels(options), engines, strict=True)
+    }
+    return harness.judge(runs, problem)
 
 
 def _child_env(options: BenchOptions) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.nproc)))
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return process_environment(os.environ, processes=options.nproc)
 
 
 def gloo_unavailable() -> str | None:
@@ -347,29 +146,30 @@ def mpi_unavailable() -> str | None:
     return None
 
 
-def _run_gloo(options: BenchOptions, out_dir: str) -> _EngineRun:
+def _run_anchor(
+    engine: str, commands: Sequence[tuple[list[str], dict[str, str]]], options: BenchOptions, out_dir: str
+) -> dict[str, EngineRun]:
+    problem = harness.run_job(commands, timeout=options.timeout, deadline_s=options.deadline_s())
+    return harness.judge({engine: harness.collect(out_dir, engine, options.nproc)}, problem)
+
+
+def _run_gloo(options: BenchOptions, out_dir: str) -> dict[str, EngineRun]:
     why = gloo_unavailable()
     if why is not None:
-        return _EngineRun("skipped", why, [])
+        return {"gloo": EngineRun("skipped", why)}
     base = _child_env(options)
-    base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(options.nproc)})
+    base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(options.nproc)})
     if sys.platform.startswith("linux"):
         base.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    argv = [sys.executable, "-m", "paratrain.bench._gloo_worker", *_worker_args(options, out_dir)]
+    argv = [sys.executable, "-m", "paratrain.bench._gloo_worker", *harness.worker_args(options, out_dir)]
     commands = [(argv, {**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(options.nproc)]
-    problem = _run_processes(commands, options.timeout)
-    run = _collect(out_dir, "gloo", options.nproc)
-    if problem is not None and run.status == "ok":
-        return _EngineRun("error", problem, [])
-    if problem is not None:
-        run.detail = f"{problem}: {run.detail}"
-    return run
+    return _run_anchor("gloo", commands, options, out_dir)
 
 
-def _run_mpi(options: BenchOptions, out_dir: str) -> _EngineRun:
+def _run_mpi(options: BenchOptions, out_dir: str) -> dict[str, EngineRun]:
     why = mpi_unavailable()
     if why is not None:
-        return _EngineRun("skipped", why, [])
+        return {"mpi": EngineRun("skipped", why)}
     env = _child_env(options)
     env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     mpirun = shutil.which("mpirun") or "mpirun"
@@ -382,15 +182,29 @@ def _run_mpi(options: BenchOptions, out_dir: str) -> _EngineRun:
         sys.executable,
         "-m",
         "paratrain.bench._mpi_worker",
-        *_worker_args(options, out_dir),
+        *harness.worker_args(options, out_dir),
     ]
-    problem = _run_processes([(argv, env)], options.timeout)
-    run = _collect(out_dir, "mpi", options.nproc)
-    if problem is not None and run.status == "ok":
-        return _EngineRun("error", problem, [])
-    if problem is not None:
-        run.detail = f"{problem}: {run.detail}"
-    return run
+    return _run_anchor("mpi", [(argv, env)], options, out_dir)
+
+
+def _steps(options: BenchOptions) -> list[Step]:
+    sizes = ", ".join(format_bytes(s) for s in options.sizes)
+    what = f"pt.allreduce_(algorithm={options.algorithm!r})" + (" and the shm path" if options.shm else "")
+    steps = [
+        Step(
+            _paratrain_labels(options),
+            f"paratrain: {what}, {options.nproc} ranks, sizes {sizes}",
+            functools.partial(_run_paratrain, options),
+        )
+    ]
+    anchors = {
+        "gloo": (f"gloo: torch.distributed all_reduce, {options.nproc} processes", _run_gloo),
+        "mpi": (f"mpi: mpirun -np {options.nproc}, comm.Allreduce", _run_mpi),
+    }
+    for name in options.compare:  # in the order the user gave
+        describe, run = anchors[name]
+        steps.append(Step((name,), describe, functools.partial(run, options)))
+    return steps
 
 
 # -- numbers and the table ---------------------------------------------------------------------------------------
@@ -407,18 +221,16 @@ def summarize(engine: str, payloads: Sequence[dict[str, Any]], nproc: int) -> li
     """
     rows = []
     for index, first in enumerate(payloads[0]["results"]):
-        records = [p["results"][index] for p in payloads]
-        nbytes, iters = int(first["bytes"]), int(first["iters"])
-        mean_s = max(r["total_s"] / max(r["iters"], 1) for r in records)
-        slowest = [max(r["times_s"][i] for r in records) for i in range(min(len(r["times_s"]) for r in records))]
+        mean_s, slowest = stats.slowest_rank([p["results"][index] for p in payloads])
         p50_s = statistics.median(slowest) if slowest else mean_s
+        nbytes = int(first["bytes"])
         algbw = nbytes / mean_s / 1e9 if mean_s > 0 else 0.0
         rows.append(
             {
                 "engine": engine,
                 "bytes": nbytes,
                 "size": format_bytes(nbytes),
-                "iters": iters,
+                "iters": int(first["iters"]),
                 "time_us": round(mean_s * 1e6, 3),
                 "p50_us": round(p50_s * 1e6, 3),
                 "algbw_gbps": round(algbw, 4),
@@ -428,15 +240,26 @@ def summarize(engine: str, payloads: Sequence[dict[str, Any]], nproc: int) -> li
     return rows
 
 
+def combine_runs(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Rows of repeated runs of one engine merged: the median of each time, every run's time kept in ``runs_us``.
+
+    See :func:`paratrain.bench.stats.combine_runs` for why the median of interleaved runs.
+
+    Example:
+        >>> rows = [[{"bytes": 8, "time_us": t, "p50_us": t, "algbw_gbps": 0, "busbw_gbps": 0}] for t in (3, 1, 2)]
+        >>> merged = combine_runs(rows)[0]
+        >>> merged["time_us"], merged["runs_us"]
+        (2, [3, 1, 2])
+    """
+    return stats.combine_runs(runs, times=("time_us", "p50_us"), rates=("algbw_gbps", "busbw_gbps"), runs_key="runs_us")
+
+
 def _add_ratios(rows: list[dict[str, Any]], anchors: Sequence[str]) -> None:
-    times = {(r["engine"], r["bytes"]): r["time_us"] for r in rows}
+    times: Mapping[tuple[str, int], float] = {(r["engine"], r["bytes"]): r["time_us"] for r in rows}
     for row in rows:
         if row["engine"].startswith("paratrain"):
-            row["ratios"] = {
-                a: round(times[(a, row["bytes"])] / row["time_us"], 3)
-                for a in anchors
-                if (a, row["bytes"]) in times and row["time_us"] > 0
-            }
+            ratios = {a: stats.ratio(times.get((a, row["bytes"])), row["time_us"]) for a in anchors}
+            row["ratios"] = {a: value for a, value in ratios.items() if value is not None}
 
 
 def render_table(report: dict[str, Any]) -> str:
@@ -445,9 +268,9 @@ def render_table(report: dict[str, Any]) -> str:
     machine = report["machine"]
     busy = machine.get("busy_before")
     lines = [
-        f"allreduce (float32, sum), {report['np']} ranks on one host; {machine['cpus']} CPUs ({machine['processor']}); "
+        f"allreduce (float32, sum), {report['np']} ranks on one host; {tables.cpus(machine)}; "
         + (f"CPUs {busy:.0%} busy before the run" if busy is not None else "")
-        + f"; load average {machine['load_before'][0]:.2f} before, {machine['load_after'][0]:.2f} after",
+        + f"; {tables.load(machine)}",
         "",
     ]
     header = (
@@ -466,83 +289,17 @@ def render_table(report: dict[str, Any]) -> str:
             f"{row['algbw_gbps']:>11.3f} {row['busbw_gbps']:>11.3f}{cells}"
         )
     if not report["results"]:
-        lines.append(f"{'':>9}  (no engine produced results; see the errors below)")
+        lines.append(tables.NO_RESULTS)
     lines += [
         "",
         "time: mean per call over back-to-back calls, slowest rank (nccl-tests style)"
-        + (f", median of {report['repeat']} interleaved runs;" if report["repeat"] > 1 else ";"),
+        + tables.rounds_note(report["repeat"]),
         "p50: median over calls of the slowest rank's time; algbw = bytes/time; busbw = algbw*2(N-1)/N;",
         "X/this = X's time / this row's time (> 1 means paratrain is faster).",
+        *tables.failure_lines(report["engines"]),
+        *tables.noise_note(busy, "just before the run"),
     ]
-    for name, info in report["engines"].items():
-        if info["status"] != "ok":
-            lines.append(f"{name}: {info['status']}: {info['detail']}")
-    busy = machine.get("busy_before")
-    if busy is not None and busy > 0.2:
-        lines.append(
-            f"note: other processes kept the CPUs {busy:.0%} busy just before the run; timings are noisy — "
-            "re-run on an idle machine."
-        )
     return "\n".join(lines)
-
-
-def cpu_busy(seconds: float) -> float | None:
-    """The fraction of CPU time (all CPUs, steal included) that others used over ``seconds``; None off Linux.
-
-    Why not the load average: it is a 1-minute average, so it still counts a benchmark run that just ended,
-    while this sample shows what else is running right now.
-    """
-
-    def sample() -> list[int] | None:
-        try:
-            with open("/proc/stat", encoding="utf-8") as fh:
-                return [int(v) for v in fh.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-
-    first = sample()
-    time.sleep(seconds)
-    second = sample()
-    if first is None or second is None:
-        return None
-    delta = [b - a for a, b in zip(first, second, strict=False)]
-    total = sum(delta[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
-    idle = delta[3] + delta[4]
-    return round(1 - idle / total, 3) if total > 0 else None
-
-
-def _labels(name: str, options: BenchOptions) -> list[str]:
-    if name != "paratrain":
-        return [name]
-    return [f"paratrain[{options.algorithm}]", *(["paratrain-shm"] if options.shm else [])]
-
-
-def combine_runs(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Rows of repeated runs of one engine merged: the median of each time, every run's time kept in ``runs_us``.
-
-    Why the median of runs: on a shared or virtual machine a whole run can land in a slow period (a neighbour's
-    load, a migrated vCPU); interleaving the engines' runs and taking the median keeps one bad period from
-    deciding a comparison, without hiding the spread (``runs_us``).
-
-    Example:
-        >>> rows = [[{"bytes": 8, "time_us": t, "p50_us": t, "algbw_gbps": 0, "busbw_gbps": 0}] for t in (3, 1, 2)]
-        >>> merged = combine_runs(rows)[0]
-        >>> merged["time_us"], merged["runs_us"]
-        (2, [3, 1, 2])
-    """
-    merged = []
-    for index, first in enumerate(runs[0]):
-        same = [run[index] for run in runs]
-        row = dict(first)
-        row["time_us"] = statistics.median(r["time_us"] for r in same)
-        row["p50_us"] = statistics.median(r["p50_us"] for r in same)
-        row["runs_us"] = [r["time_us"] for r in same]
-        if row["time_us"] > 0 and first["time_us"] > 0:
-            scale = first["time_us"] / row["time_us"]
-            row["algbw_gbps"] = round(first["algbw_gbps"] * scale, 4)
-            row["busbw_gbps"] = round(first["busbw_gbps"] * scale, 4)
-        merged.append(row)
-    return merged
 
 
 def _engine_order(engine: str) -> int:
@@ -564,42 +321,15 @@ def run_bench(options: BenchOptions, *, out: TextIO | None = None) -> tuple[dict
     def say(text: str) -> None:
         print(text, file=stream, flush=True)
 
-    load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else [0.0, 0.0, 0.0]
-    busy_before = cpu_busy(0.5)
-    engines: dict[str, dict[str, str]] = {}
-    per_engine: dict[str, list[list[dict[str, Any]]]] = {}  # label -> one list of rows per repetition
-    plan = ["paratrain", *options.compare]
-    sizes = ", ".join(format_bytes(s) for s in options.sizes)
-    with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as root:
-        for rep in range(options.repeat):
-            out_dir = os.path.join(root, f"run{rep}")
-            os.mkdir(out_dir)
-            prefix = f"[run {rep + 1}/{options.repeat}] " if options.repeat > 1 else ""
-            for step, name in enumerate(plan, 1):
-                head = f"{prefix}[{step}/{len(plan)}]"
-                if any(engines.get(label, {}).get("status") == "error" for label in _labels(name, options)):
-                    continue  # failed in an earlier run: do not try again
-                if name == "paratrain":
-                    what = f"pt.allreduce_(algorithm={options.algorithm!r})" + (
-                        " and the shm path" if options.shm else ""
-                    )
-                    say(f"{head} paratrain: {what}, {options.nproc} ranks, sizes {sizes}")
-                    runs = _run_paratrain(options, out_dir)
-                elif name == "gloo":
-                    say(f"{head} gloo: torch.distributed all_reduce, {options.nproc} processes")
-                    runs = {"gloo": _run_gloo(options, out_dir)}
-                else:
-                    say(f"{head} mpi: mpirun -np {options.nproc}, comm.Allreduce")
-                    runs = {"mpi": _run_mpi(options, out_dir)}
-                for engine, run in runs.items():
-                    label = f"paratrain[{options.algorithm}]" if engine == "paratrain" else engine
-                    engines[label] = {"status": run.status, "detail": run.detail}
-                    if run.status == "ok":
-                        per_engine.setdefault(label, []).append(summarize(label, run.payloads, options.nproc))
-                    else:
-                        say(f"    {label}: {run.status}: {run.detail}")
-    rows = [row for reps in per_engine.values() for row in combine_runs(reps)]
-    _add_ratios(rows, [a for a in options.compare if engines.get(a, {}).get("status") == "ok"])
+    before = MachineSample.take()
+    rounds = harness.run_rounds(
+        _steps(options),
+        repeat=options.repeat,
+        summarize=lambda label, payloads: summarize(label, payloads, options.nproc),
+        say=say,
+    )
+    rows = [row for reps in rounds.rows.values() for row in combine_runs(reps)]
+    _add_ratios(rows, [a for a in options.compare if rounds.engines.get(a, {}).get("status") == "ok"])
     report: dict[str, Any] = {
         "benchmark": "allreduce",
         "np": options.nproc,
@@ -610,23 +340,14 @@ def run_bench(options: BenchOptions, *, out: TextIO | None = None) -> tuple[dict
         "compare": list(options.compare),
         "repeat": options.repeat,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count() or 1,
-            "platform": platform.platform(),
-            "processor": cpu_model(),
-            "python": platform.python_version(),
-            "load_before": load_before,
-            "busy_before": busy_before,
-            "load_after": list(os.getloadavg()) if hasattr(os, "getloadavg") else [0.0, 0.0, 0.0],
-        },
+        "machine": machine_report(before),
         "timing": (
             "time_us: mean per call of `iters` back-to-back calls, slowest rank (nccl-tests average), median "
             "over `repeat` interleaved runs (all in runs_us); "
             "p50_us: median over calls of the slowest rank's time; algbw_gbps = bytes/time/1e9; "
             "busbw_gbps = algbw*2(N-1)/N; ratios[anchor] = anchor time / this time (>1: paratrain faster)"
         ),
-        "engines": engines,
+        "engines": rounds.engines,
         "results": rows,
     }
-    code = 1 if any(info["status"] == "error" for info in engines.values()) else 0
-    return report, code
+    return report, harness.exit_code(rounds.engines)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paratrain.bench.stats import median_spread
 from paratrain.errors import ConfigError
 
 __all__ = ["ConsistencyBenchOptions", "render_tables", "run_consistency_bench", "summarise_cells"]
@@ -152,12 +153,6 @@ def _wait_share(summary: dict[str, Any]) -> float:
     return sum(e["wait_s"] for e in entries) / total if total else 0.0
 
 
-def _median_spread(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def summarise_cells(runs: list[dict[str, Any]], options: ConsistencyBenchOptions) -> list[dict[str, Any]]:
     """One row per (scenario, strategy): medians and spreads over rounds; the median round's curve.
 
@@ -185,9 +180,9 @@ def summarise_cells(runs: list[dict[str, Any]], options: ConsistencyBenchOptions
                     "rounds": len(mine),
                     "reached": len(reached),
                     "time_to_target_s": None if median_time == float("inf") else median_time,
-                    "time_to_target_spread": _median_spread(reached),
-                    "test_accuracy": _median_spread([r["test_accuracy"] for r in mine]),
-                    "samples_per_sec": _median_spread([r["samples_per_sec"] for r in mine if r["samples_per_sec"]]),
+                    "time_to_target_spread": median_spread(reached),
+                    "test_accuracy": median_spread([r["test_accuracy"] for r in mine]),
+                    "samples_per_sec": median_spread([r["samples_per_sec"] for r in mine if r["samples_per_sec"]]),
                     "wait_share": statistics.median(r["wait_share"] for r in mine),
                     "curve": by_time[(len(by_time) - 1) // 2]["curve"],
                 }

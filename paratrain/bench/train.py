@@ -4,23 +4,25 @@ In one command, on this machine, one engine after the other (so they never share
 interleaved: ``single`` (one process, no communication — what parallelism must beat), ``paratrain``
 (``DistributedOptimizer(strategy="allreduce")`` under ``paratrain launch``) and ``ddp`` (torch
 ``DistributedDataParallel`` over Gloo). Throughput = every worker's samples / the slowest worker's time.
+Every engine's processes run through the launch library under one deadline (``--timeout``), their output
+discarded (the workers write their numbers to JSON); see :mod:`.harness`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from paratrain.bench import harness
 from paratrain.errors import ConfigError
-from paratrain.launch.groups import die_with_parent
+from paratrain.launch.plan import free_port
 
 __all__ = ["TrainBenchOptions", "run_train_bench"]
 
@@ -69,9 +71,20 @@ def _env(threads: int) -> dict[str, str]:
     return env
 
 
+def _check(run: Callable[[TextIO], str | None]) -> None:
+    """Runs an engine's job with its output discarded; raises RuntimeError saying what went wrong, if anything."""
+    with open(os.devnull, "w", encoding="utf-8") as quiet:
+        problem = run(quiet)
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
+def _run_commands(options: TrainBenchOptions, commands: Sequence[tuple[list[str], Mapping[str, str]]]) -> None:
+    _check(lambda quiet: harness.run_job(commands, timeout=options.timeout, deadline_s=options.timeout, stdout=quiet))
+
+
 def _run_single(options: TrainBenchOptions, out: str, threads: int) -> float:
-    subprocess.run([sys.executable, *_worker(options, "single", out)], env=_env(threads), check=True,
-                   timeout=options.timeout, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent())  # fmt: skip
+    _run_commands(options, [([sys.executable, *_worker(options, "single", out)], _env(threads))])
     return _throughput(out, "single", 1)
 
 
@@ -84,30 +97,21 @@ def _run_single_one_thread(options: TrainBenchOptions, out: str) -> float:
 
 
 def _run_paratrain(options: TrainBenchOptions, out: str) -> float:
-    cmd = [sys.executable, "-m", "paratrain.cli.main", "launch", "-n", str(options.workers), "--", "python",
-           *_worker(options, "paratrain", out)]  # fmt: skip
-    subprocess.run(cmd, check=True, timeout=options.timeout, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent())
+    cmd = ["python", *_worker(options, "paratrain", out)]
+    _check(
+        lambda quiet: harness.launch_job(
+            cmd, nproc=options.workers, timeout=options.timeout, deadline_s=options.timeout, stdout=quiet
+        )
+    )
     return _throughput(out, "paratrain", options.workers)
 
 
 def _run_ddp(options: TrainBenchOptions, out: str) -> float:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     threads = max(1, (os.cpu_count() or 1) // options.workers)
-    procs = []
-    for rank in range(options.workers):
-        env = _env(threads) | {"RANK": str(rank), "WORLD_SIZE": str(options.workers), "MASTER_ADDR": "127.0.0.1",
-                               "MASTER_PORT": str(port)}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, *_worker(options, "ddp", out)], env=env,
-                                      stdout=subprocess.DEVNULL, preexec_fn=die_with_parent()))  # fmt: skip  # noqa: PLW1509 (two syscalls, prctl resolved before fork)
-    try:
-        for p in procs:
-            if p.wait(timeout=options.timeout) != 0:
-                raise RuntimeError(f"a DDP worker exited with {p.returncode}")
-    finally:
-        for p in procs:
-            p.kill()
+    world = {"WORLD_SIZE": str(options.workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    argv = [sys.executable, *_worker(options, "ddp", out)]
+    _run_commands(options, [(argv, _env(threads) | world | {"RANK": str(r)}) for r in range(options.workers)])
     return _throughput(out, "ddp", options.workers)
 
 
@@ -127,7 +131,7 @@ def run_train_bench(options: TrainBenchOptions, *, out: TextIO | None = None) ->
             with tempfile.TemporaryDirectory(prefix="paratrain-bench-train-") as tmp:
                 try:
                     rate = fn(options, tmp)
-                except (subprocess.TimeoutExpired, subprocess.CalledProcessError, RuntimeError, OSError) as exc:
+                except (RuntimeError, OSError, ValueError) as exc:
                     failures.append(f"round {round_ + 1} {name}: {type(exc).__name__}: {exc}")
                     print(f"  round {round_ + 1}/{options.repeat} {name:<10} FAILED ({exc})", file=stream, flush=True)
                     continue

@@ -38,7 +38,7 @@ example:
 
 
 def _sizes(text: str) -> list[int]:
-    from paratrain.bench.allreduce import parse_sizes
+    from paratrain.bench.harness import parse_sizes
 
     try:
         return parse_sizes(text)
@@ -122,7 +122,8 @@ def _report(command: str, table: str, report: dict[str, Any], json_path: str | N
 
 
 def _allreduce(args: argparse.Namespace) -> int:
-    from paratrain.bench.allreduce import ANCHORS, DEFAULT_SIZES, BenchOptions, parse_sizes, render_table, run_bench
+    from paratrain.bench.allreduce import ANCHORS, DEFAULT_SIZES, BenchOptions, render_table, run_bench
+    from paratrain.bench.harness import parse_sizes
 
     try:
         options = BenchOptions(

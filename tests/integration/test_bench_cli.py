@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.bench.allreduce import mpi_unavailable, parse_size, parse_sizes, summarize
+from paratrain.bench.allreduce import mpi_unavailable, summarize
+from paratrain.bench.harness import parse_size, parse_sizes
 
 pytestmark = pytest.mark.timeout(120)
 

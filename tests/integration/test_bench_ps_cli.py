@@ -143,19 +143,20 @@ def test_a_job_past_its_deadline_is_reported_and_stopped(tmp_path: Path) -> None
 
 
 def test_the_last_guard_kills_what_the_bench_started() -> None:
-    # A child that ignores every polite signal and outlives the deadline: the guard kills its process group. Run in
-    # a fresh interpreter, since the guard kills every child of the process it runs in.
+    # A job that ignores every polite signal and outlives the deadline: the launch library's deadline kills its
+    # process group (the bench no longer walks /proc itself). Run in a fresh interpreter, so that the supervisor
+    # owns the main thread and its signal handlers, as in `paratrain bench ps`.
     script = (
-        "import subprocess, time\n"
-        "from paratrain.bench.ps import _Deadline\n"
-        "child = subprocess.Popen(['sleep', '30'], start_new_session=True)\n"
-        "with _Deadline(0.3) as guard:\n"
-        "    code = child.wait(timeout=10)\n"
-        "print(guard.fired, code)\n"
+        "import os\n"
+        "from paratrain.launch.run import run_commands\n"
+        "code = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(30)'\n"
+        "outcome = run_commands([(['python3', '-c', code], dict(os.environ))], deadline_s=0.3, grace_s=0.3)\n"
+        "print(outcome.timed_out, outcome.exit_code)\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["True", "-9"]
+    assert result.stdout.split() == ["True", "124"]
+    assert "did not stop within 0.3 s of SIGTERM; sending SIGKILL" in result.stderr
 
 
 @pytest.mark.parametrize(
