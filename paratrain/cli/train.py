@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.errors import ConfigError
+from paratrain.strategy import parse_strategy
 
 __all__ = [
     "TRAIN_EXTRA",
@@ -160,26 +161,17 @@ def validate(job: TrainJob) -> None:
         raise ConfigError(f"--eval-every must be 0 (off) or a number of steps, got {job.eval_every}")
     if not job.lr > 0:
         raise ConfigError(f"--lr must be positive, got {job.lr}")
-    kind, _, arg = job.strategy.partition(":")
-    if kind == "allreduce" and not arg:
-        if job.servers:
-            raise ConfigError("--servers is for the parameter-server strategies (bsp, ssp:S, asp), not allreduce")
-    elif kind == "gossip":
+    spec = parse_strategy(job.strategy)  # ConfigError naming the accepted forms
+    if job.servers and not spec.uses_servers:
+        raise ConfigError(f"--servers is for the parameter-server strategies (bsp, ssp:S, asp), not {spec.kind}")
+    if spec.kind == "gossip":
         from paratrain.gossip.mixing import resolve_mixing
 
-        if not arg:
-            raise ConfigError("--strategy gossip needs its graph: gossip:ring, gossip:torus, gossip:exponential, ...")
-        if job.servers:
-            raise ConfigError("--servers is for the parameter-server strategies, not gossip")
-        resolve_mixing(arg.strip(), job.workers)
-    elif kind in ("bsp", "ssp", "asp"):
-        if kind == "ssp" and not arg.isdigit():
-            raise ConfigError(f"--strategy {job.strategy!r}: write ssp:S with a staleness bound S >= 0, e.g. ssp:3")
-        Policy.parse(kind, int(arg) if arg else None)
-    else:
-        raise ConfigError(f"unknown --strategy {job.strategy!r}; choose one of: {STRATEGIES_HELP}")
+        resolve_mixing(spec.topology, job.workers)
+    if spec.uses_servers:
+        Policy.parse(spec.kind, spec.staleness)
     job.network()
-    if job.no_overlap and kind != "gossip":
+    if job.no_overlap and not spec.exchanges_parameters:
         raise ConfigError("--no-overlap is for gossip strategies (allreduce and bsp/ssp/asp always overlap)")
     if job.straggler:
         from paratrain.train import stragglers
@@ -249,8 +241,7 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
     from paratrain.train.record import merge_run, plot_run
 
     validate(job)
-    kind = job.strategy.partition(":")[0]
-    servers = job.servers if job.servers is not None else (1 if kind in ("bsp", "ssp", "asp") else 0)
+    servers = job.servers if job.servers is not None else (1 if parse_strategy(job.strategy).uses_servers else 0)
     run_dir = Path(job.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{job.strategy.replace(':', '')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     for old in run_dir.glob("rank*.*"):

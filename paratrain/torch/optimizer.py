@@ -33,17 +33,11 @@ import torch
 
 from paratrain.errors import ConfigError
 from paratrain.runtime.context import Context, current
+from paratrain.strategy import StrategySpec, parse_strategy
 from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
 from paratrain.torch.fusion import FusedBucket
 from paratrain.torch.hooks import GradientHooks
-from paratrain.torch.strategies import (
-    AllreduceStrategy,
-    GossipStrategy,
-    ParameterServerStrategy,
-    Strategy,
-    StrategySpec,
-    parse_strategy,
-)
+from paratrain.torch.strategies import Strategy, build_strategy
 
 __all__ = ["DistributedOptimizer"]
 
@@ -151,7 +145,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             strategy = "gossip:<given>"
         self.spec: StrategySpec = parse_strategy(strategy)
-        if not overlap and self.spec.kind != "gossip":
+        if not overlap and not self.spec.exchanges_parameters:
             raise ConfigError(
                 "overlap=False is for gossip, whose exchange can be delayed; allreduce and the parameter-server "
                 "strategies always start sending during backward"
@@ -186,24 +180,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # one worker and "allreduce": the mean of one gradient is itself, so nothing is copied or sent and a step
         # costs what plain torch costs (the same script runs unchanged without a launcher). Gossip never sends
         # gradients either (the hooks only track the launch order); its buckets serve as the parameter layout
-        gossip = self.spec.kind == "gossip"
+        gossip = self.spec.exchanges_parameters
         self._local = gossip or (not self.spec.uses_servers and self.context.world_size == 1)
         self._buckets: list[FusedBucket] = []
         if gossip:
             self._buckets = [FusedBucket(b, params, names, flags=False) for b in self.plan]
         elif not self._local:
             self._buckets = [FusedBucket(b, params, names, flags=not self.spec.uses_servers) for b in self.plan]
-        self._strategy: Strategy
-        if gossip:
-            assert self.spec.topology is not None  # parse_strategy always sets it for gossip
-            graph = topology if topology is not None else self.spec.topology
-            self._strategy = GossipStrategy(self.context, self._buckets, topology=graph, overlap=overlap)
-        elif self.spec.uses_servers:
-            self._strategy = ParameterServerStrategy(
-                self.context, self._buckets, spec=self.spec, optimizer=optimizer, staleness_lr=staleness_lr
-            )
-        else:
-            self._strategy = AllreduceStrategy(self.context, self._buckets)
+        self._strategy: Strategy = build_strategy(
+            self.spec,
+            self.context,
+            self._buckets,
+            optimizer=optimizer,
+            topology=topology,
+            overlap=overlap,
+            staleness_lr=staleness_lr,
+        )
         self._hooks = GradientHooks(params, owner=self, on_ready=DistributedOptimizer._on_grad_ready)
 
     @staticmethod

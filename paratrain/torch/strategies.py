@@ -28,11 +28,9 @@ so issuing buckets in plan order is what keeps the ranks' messages matched.
 from __future__ import annotations
 
 import abc
-import re
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -41,9 +39,9 @@ import torch
 from paratrain.errors import ConfigError
 from paratrain.gossip.exchange import ShmExchange, open_exchange
 from paratrain.gossip.mixing import neighbors, resolve_mixing
-from paratrain.gossip.topology import TOPOLOGIES
 from paratrain.ps.client import KVStore
 from paratrain.runtime.context import Context
+from paratrain.strategy.spec import STRATEGIES, StrategySpec, parse_strategy
 from paratrain.torch.fusion import FusedBucket
 from paratrain.transport.base import Handle
 
@@ -54,77 +52,10 @@ __all__ = [
     "ParameterServerStrategy",
     "Strategy",
     "StrategySpec",
+    "build_strategy",
     "parse_strategy",
     "server_optimizer_spec",
 ]
-
-#: The strategy names :func:`parse_strategy` accepts (``S`` is SSP's staleness bound, an int >= 0;
-#: ``TOPOLOGY`` is ``ring``, ``torus``, ``exponential``, ``complete`` or the path of a graph file).
-STRATEGIES = ("allreduce", "bsp", "ssp:S", "asp", "gossip:TOPOLOGY")
-
-Kind = Literal["allreduce", "bsp", "ssp", "asp", "gossip"]
-
-
-@dataclass(frozen=True, slots=True)
-class StrategySpec:
-    """A parsed strategy name.
-
-    Attributes:
-        kind: ``"allreduce"``, ``"bsp"``, ``"ssp"``, ``"asp"`` or ``"gossip"``.
-        staleness: SSP's bound s (None for the others).
-        topology: gossip's graph: a name from :data:`paratrain.gossip.topology.TOPOLOGIES` or a file path
-            (None for the others).
-    """
-
-    kind: Kind
-    staleness: int | None = None
-    topology: str | None = None
-
-    @property
-    def uses_servers(self) -> bool:
-        """True for the parameter-server strategies."""
-        return self.kind in ("bsp", "ssp", "asp")
-
-
-def parse_strategy(name: str) -> StrategySpec:
-    """Parses ``"allreduce"``, ``"bsp"``, ``"ssp:S"``, ``"asp"`` or ``"gossip:TOPOLOGY"`` (case and spaces ignored).
-
-    A gossip topology that is not a known name is kept as written (a graph file's path is case-sensitive); it
-    is read and checked against the number of workers when the optimizer is built.
-
-    Raises:
-        ConfigError: unknown name, bad staleness or a gossip strategy without topology (the message lists the
-            valid names).
-
-    Example:
-        >>> parse_strategy("ssp:2")
-        StrategySpec(kind='ssp', staleness=2)
-    """
-    if not isinstance(name, str):
-        raise ConfigError(f"strategy must be a string such as 'allreduce', got {type(name).__name__}")
-    text = name.strip().lower()
-    valid = ", ".join(repr(s) for s in STRATEGIES)
-    if text in ("allreduce", "bsp", "asp"):
-        return StrategySpec(kind=text)  # type: ignore[arg-type]
-    if text.startswith("gossip"):
-        head, sep, topology = name.strip().partition(":")
-        topology = topology.strip()
-        if head.strip().lower() != "gossip" or not sep or not topology:
-            raise ConfigError(
-                f"strategy {name!r}: gossip needs its graph, e.g. 'gossip:ring'; use one of "
-                f"{', '.join(TOPOLOGIES)} or a graph file ('gossip:path/to/edges.txt')"
-            )
-        if topology.lower() in TOPOLOGIES:
-            topology = topology.lower()
-        return StrategySpec(kind="gossip", topology=topology)
-    match = re.fullmatch(r"ssp\s*:\s*(\d+)", text)
-    if match:
-        return StrategySpec(kind="ssp", staleness=int(match.group(1)))
-    if text.startswith("ssp"):
-        raise ConfigError(
-            f"strategy {name!r}: SSP needs its staleness bound as an int >= 0, e.g. 'ssp:2' (0 behaves as 'bsp')"
-        )
-    raise ConfigError(f"unknown strategy {name!r}; choose one of {valid}")
 
 
 class Strategy(abc.ABC):
@@ -507,3 +438,63 @@ class GossipStrategy(Strategy):
         """
         self._sent = None
         self.exchange.close()
+
+
+#: How the torch front end builds each family's strategy (see :func:`build_strategy`); a front end for a new
+#: family (pipelines) registers here or sits beside DistributedOptimizer.
+StrategyBuilder = Callable[..., Strategy]
+
+
+def _build_allreduce(spec: StrategySpec, context: Context, buckets: Sequence[FusedBucket], **_: Any) -> Strategy:
+    return AllreduceStrategy(context, buckets)
+
+
+def _build_ps(
+    spec: StrategySpec,
+    context: Context,
+    buckets: Sequence[FusedBucket],
+    *,
+    optimizer: torch.optim.Optimizer,
+    staleness_lr: bool,
+    **_: Any,
+) -> Strategy:
+    return ParameterServerStrategy(context, buckets, spec=spec, optimizer=optimizer, staleness_lr=staleness_lr)
+
+
+def _build_gossip(
+    spec: StrategySpec, context: Context, buckets: Sequence[FusedBucket], *, topology: Any, overlap: bool, **_: Any
+) -> Strategy:
+    graph = topology if topology is not None else spec.topology
+    return GossipStrategy(context, buckets, topology=graph, overlap=overlap)
+
+
+BUILDERS: dict[str, StrategyBuilder] = {
+    "collective": _build_allreduce,
+    "parameter-server": _build_ps,
+    "decentralised": _build_gossip,
+}
+
+
+def build_strategy(
+    spec: StrategySpec,
+    context: Context,
+    buckets: Sequence[FusedBucket],
+    *,
+    optimizer: torch.optim.Optimizer,
+    topology: Any = None,
+    overlap: bool = True,
+    staleness_lr: bool = False,
+) -> Strategy:
+    """The torch strategy for ``spec``, by its family (:data:`BUILDERS`).
+
+    Raises:
+        ConfigError: no torch builder for the family (e.g. pipelines, which have their own front end).
+    """
+    builder = BUILDERS.get(spec.family)
+    if builder is None:
+        raise ConfigError(
+            f"strategy {str(spec)!r} ({spec.family}) does not run under DistributedOptimizer; use its own front end"
+        )
+    return builder(
+        spec, context, buckets, optimizer=optimizer, topology=topology, overlap=overlap, staleness_lr=staleness_lr
+    )

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 import paratrain as pt
+from paratrain.strategy import parse_strategy
 from paratrain.train import stragglers
 from paratrain.train.data import load_dataset
 from paratrain.train.models import build_model
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         rec.add_span("evaluate", "eval", t4, time.time())
         eval_before, evaluating = evaluating, evaluating + time.time() - t4
         extra: dict[str, float] = {}
-        if args.strategy.strip().lower().startswith("gossip") and epoch == args.epochs - 1:
+        if parse_strategy(args.strategy).exchanges_parameters and epoch == args.epochs - 1:
             # once, at the end: on a slow network the allreduce it needs would cost gossip's throughput
             extra = consensus_eval(ctx, model, data.x_test, data.y_test)
         train_loss = epoch_loss / steps
