@@ -4,10 +4,11 @@ The segment itself (its creation, the per-rank counters, waiting, liveness and t
 :class:`paratrain.shm.segment.Segment`; this module is the collective protocol on it: what the counters count,
 who may write which slot and descriptor at which step, and the collectives that move data.
 
-Why one module of this size (about 600 lines, half of them docstrings): the agreement step, the two allreduce
+Why one module of this size (about 800 lines, under 500 of them code): the agreement step, the two allreduce
 paths and broadcast all read and write the same slots under one numbering of blocks (who may write which slot
-at which counter value); splitting them would spread one memory protocol over files that must change together.
-The pure parts (call descriptions and their encoding) live in :mod:`.signature`.
+at which counter value, and why no barrier is needed between calls); splitting them would spread one memory
+protocol over files that must change together. Everything that is not this protocol lives elsewhere: the
+segment in :mod:`paratrain.shm`, call descriptions and their encoding in :mod:`.signature`.
 
 Slot use: each slot of the segment (two per rank, positions 0 and 1, used by alternate blocks) is an input
 area (``capacity`` bytes) followed by a result area (``capacity / N`` bytes, the segment's "extra" area); each
@@ -74,7 +75,7 @@ from paratrain.shm.segment import DEFAULT_SPIN_MAX_S, DEFAULT_SPIN_S, SLICE_S, S
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from paratrain.collectives.tree import Exchange
+    from paratrain.collectives.exchange import Exchange
     from paratrain.transport.base import Transport
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
     "DEFAULT_SPIN_MAX_S",
     "DEFAULT_SPIN_S",
     "SLICE_S",
+    "HostContext",
     "ShmAllreduce",
     "ShmGroup",
 ]

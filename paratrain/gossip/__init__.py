@@ -1,1 +1,1 @@
-"""Decentralised training (D-PSGD): communication graphs and their doubly-stochastic mixing matrices."""
+"""Decentralised training (D-PSGD): communication graphs, their mixing matrices, and the neighbour exchange."""

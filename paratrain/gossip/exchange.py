@@ -229,6 +229,19 @@ class ShmExchange(NeighbourExchange):
         group: the shared-memory group of all ranks (:meth:`create` makes it).
         neighbors: ``(peer, weight)`` per neighbour; must be symmetric (see :mod:`paratrain.gossip.shm`).
         timeout: seconds to wait for each neighbour.
+
+    Example:
+        >>> from paratrain.testing import run_ranks
+        >>> def body(ctx):
+        ...     ex = ShmExchange.create(ctx.transport, neighbors=[(1 - ctx.rank, 0.5)], run_id="doc", timeout=10,
+        ...                             tag=ctx.next_collective_tag(), nbytes=16)
+        ...     ex.post([np.full(2, float(ctx.rank))])
+        ...     [(peer, weight, [theirs])] = ex.wait()
+        ...     got = theirs.tolist()  # a view of the neighbour's slot: read it before the next post
+        ...     ex.close()
+        ...     return got
+        >>> run_ranks(2, body)
+        [[1.0, 1.0], [0.0, 0.0]]
     """
 
     shared_memory = True
