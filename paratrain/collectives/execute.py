@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from paratrain.collectives.ops import Reducer
 from paratrain.collectives.exchange import Exchange
+from paratrain.collectives.ops import Reducer
 from paratrain.plan.ir import Action, Operand, Received, Slice
 from paratrain.transport.base import Handle
 from paratrain.transport.wire import Message

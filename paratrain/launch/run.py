@@ -96,7 +96,7 @@ def run_launch(
         prefix: prefix every output line with ``[rankK]: `` / ``[serverK]: ``.
         faults: a fault spec for every rank's transport, checked here once.
         timeout: ``PARATRAIN_TIMEOUT`` of the ranks' blocking calls (not a limit on the job; see ``deadline_s``).
-        servers: parameter-server processes started beside the workers (they run ``paratrain.ps.serve``).
+        servers: parameter-server processes started beside the workers (they run ``paratrain.runtime.serve``).
         keep_going: a failed worker does not stop the others; servers stay essential.
         deadline_s: stop the whole job if it still runs this many seconds after it started (None: no limit).
         stdout: where the ranks' stdout goes (``sys.stdout`` if None).
@@ -108,7 +108,7 @@ def run_launch(
     Raises:
         ConfigError: a bad argument or fault spec, or no command.
     """
-    from paratrain.runtime.rendezvous import RendezvousServer
+    from paratrain.transport.rendezvous import RendezvousServer
 
     if nproc < 1:
         raise ConfigError(f"-n must be at least 1, got {nproc}")
@@ -151,7 +151,7 @@ def run_launch(
                 )
             else:
                 s = index - nproc
-                serve = [sys.executable, "-m", "paratrain.ps.serve"]
+                serve = [sys.executable, "-m", "paratrain.runtime.serve"]
                 specs.append(
                     ProcSpec(name=f"server {s}", argv=serve, env=env, prefix=f"[server{s}]: " if prefix else "")
                 )

@@ -26,8 +26,8 @@ same plan serves the executor (which needs items) and the cost model (which need
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
 import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 

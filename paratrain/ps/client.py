@@ -14,21 +14,45 @@ import itertools
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from paratrain._arrays import as_numpy_view, dtype_from_name
+from paratrain._current import current_context
+from paratrain.config import Settings
 from paratrain.errors import CommTimeoutError, ConfigError
 from paratrain.ps.consistency import Policy
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
 from paratrain.ps.protocol import REQUEST_TAG, PSRequestError, reply_tag
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks, split_rows
-from paratrain.transport.base import Handle
+from paratrain.transport.base import Handle, Transport
 from paratrain.transport.wire import Message
 
-__all__ = ["KVStore"]
+__all__ = ["KVStore", "WorkerContext"]
+
+
+@runtime_checkable
+class WorkerContext(Protocol):
+    """What a KVStore needs of a worker's context (a :class:`~paratrain.Context` has it): typed here so that
+    the parameter server does not import the runtime built on top of it."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def transport(self) -> Transport: ...
+
+    @property
+    def rank(self) -> int: ...
+
+
+def _default_context() -> WorkerContext:
+    ctx = current_context()
+    if not isinstance(ctx, WorkerContext):
+        raise TypeError(f"the current context is a {type(ctx).__name__}, not a worker's context")
+    return ctx
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,16 +114,14 @@ class KVStore:
         staleness: int | None = None,
         optimizer: str | Mapping[str, Any] | ServerOptimizer | None = None,
         *,
-        context: Any = None,
+        context: WorkerContext | None = None,
         timeout: float | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         cache: bool = True,
         join: bool = False,
         staleness_lr: bool = False,
     ) -> None:
-        from paratrain.runtime.context import Context, current
-
-        ctx: Context = context if context is not None else current()
+        ctx = context if context is not None else _default_context()
         settings = ctx.settings
         if settings.num_servers == 0:
             raise ConfigError(

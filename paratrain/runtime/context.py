@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import NoReturn, TypeVar
 
+from paratrain._current import set_lookup
 from paratrain.collectives.api import Collectives
 from paratrain.collectives.exchange import Exchange
 from paratrain.collectives.tree import agree
@@ -144,9 +145,7 @@ class Context:
         keys: list[Hashable] = [r in members for r in range(n)]
         return self._form("new_group", keys, timeout=timeout, member=self.rank in members)
 
-    def split(
-        self, key: Callable[[int], Hashable] | Sequence[Hashable], *, timeout: float | None = None
-    ) -> Group:
+    def split(self, key: Callable[[int], Hashable] | Sequence[Hashable], *, timeout: float | None = None) -> Group:
         """Partitions the workers into groups of equal ``key`` and returns this rank's group.
 
         ``key`` is a function of the worker rank (``lambda r: r // 4`` makes consecutive stages of 4) or one key
@@ -312,6 +311,9 @@ def current() -> Context:
     return ctx
 
 
+set_lookup(current)
+
+
 def _set_current(ctx: Context) -> None:
     global _process_default, _atexit_registered
     _local.ctx = ctx
@@ -475,7 +477,7 @@ def _peer_lost_reporter(settings: Settings) -> Callable[[int, str], None] | None
 
 
 def _connect_zmq(settings: Settings) -> Transport:
-    from paratrain.runtime.rendezvous import RendezvousServer, register
+    from paratrain.transport.rendezvous import RendezvousServer, register
     from paratrain.transport.zmq import ZmqTransport
 
     bind = settings.advertise_addr or _route_address(settings.rdzv_addr)

@@ -1,4 +1,4 @@
-"""``python -m paratrain.ps.serve``: a parameter-server process (``paratrain launch --servers S`` starts these).
+"""``python -m paratrain.runtime.serve``: a parameter-server process (``paratrain launch --servers S`` starts these).
 
 It joins the job like any rank and runs the server loop until every worker has left; ``paratrain.init()``
 does exactly that for a process whose role is ``server``.
@@ -6,13 +6,13 @@ does exactly that for a process whose role is ``server``.
 
 from __future__ import annotations
 
-import paratrain as pt
+from paratrain.runtime.context import init
 
 
 def main() -> None:
     """Joins the job as a server; ``init`` serves and exits the process when the workers are done."""
-    pt.init()
-    raise SystemExit("paratrain.ps.serve: this process is not a server (PARATRAIN_ROLE is not 'server')")
+    init()
+    raise SystemExit("paratrain.runtime.serve: this process is not a server (PARATRAIN_ROLE is not 'server')")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ import pytest
 import zmq
 
 from paratrain.errors import RendezvousError
-from paratrain.runtime.rendezvous import RendezvousServer, register
 from paratrain.testing import zmq_transports
+from paratrain.transport.rendezvous import RendezvousServer, register
 from paratrain.transport.wire import MAGIC, VERSION, encode
 
 pytestmark = pytest.mark.timeout(60)

@@ -60,7 +60,7 @@ def test_options_are_checked() -> None:
 
 
 def test_accuracy_curve_prefers_probes_and_leaves_evaluation_time_out() -> None:
-    from paratrain.cli.compare import accuracy_curve, time_to_accuracy
+    from paratrain.train.compare import accuracy_curve, time_to_accuracy
 
     records = [
         {"kind": "step", "rank": 0, "time": 101.0, "compute_s": 0.5, "wait_s": 0.5},  # training starts at 100

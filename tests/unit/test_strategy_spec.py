@@ -14,28 +14,20 @@ from paratrain.strategy.spec import GOSSIP_TOPOLOGIES
 
 
 @pytest.mark.parametrize(
-    ("name", "kind", "family", "staleness", "topology", "servers"),
+    ("name", "expected"),
     [
-        ("allreduce", "allreduce", "collective", None, None, False),
-        (" BSP ", "bsp", "parameter-server", None, None, True),
-        ("ssp:0", "ssp", "parameter-server", 0, None, True),
-        ("SSP : 12", "ssp", "parameter-server", 12, None, True),
-        ("asp", "asp", "parameter-server", None, None, True),
-        ("gossip:Torus", "gossip", "decentralised", None, "torus", False),
-        ("gossip:graphs/My.edges", "gossip", "decentralised", None, "graphs/My.edges", False),
+        ("allreduce", ("allreduce", "collective", None, None, False)),
+        (" BSP ", ("bsp", "parameter-server", None, None, True)),
+        ("ssp:0", ("ssp", "parameter-server", 0, None, True)),
+        ("SSP : 12", ("ssp", "parameter-server", 12, None, True)),
+        ("asp", ("asp", "parameter-server", None, None, True)),
+        ("gossip:Torus", ("gossip", "decentralised", None, "torus", False)),
+        ("gossip:graphs/My.edges", ("gossip", "decentralised", None, "graphs/My.edges", False)),
     ],
 )
-def test_names_parse_into_one_spec(
-    name: str, kind: str, family: str, staleness: int | None, topology: str | None, servers: bool
-) -> None:
+def test_names_parse_into_one_spec(name: str, expected: tuple[object, ...]) -> None:
     spec = parse_strategy(name)
-    assert (spec.kind, spec.family, spec.staleness, spec.topology, spec.uses_servers) == (
-        kind,
-        family,
-        staleness,
-        topology,
-        servers,
-    )
+    assert (spec.kind, spec.family, spec.staleness, spec.topology, spec.uses_servers) == expected
     assert parse_strategy(str(spec)) == spec  # the canonical form parses back
 
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-import paratrain.cli.launch
-import paratrain.cli.train
+import paratrain.launch.run
+import paratrain.train.job
 from paratrain.cli.main import main
 
 
@@ -24,8 +24,8 @@ def test_a_missing_train_extra_is_said_once_before_any_worker_starts(
     command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The story: without scikit-learn every rank died with its own ModuleNotFoundError traceback."""
-    monkeypatch.setattr(paratrain.cli.train, "missing_train_extra", lambda: ["scikit-learn"])
-    monkeypatch.setattr(paratrain.cli.launch, "run_launch", _no_launch)
+    monkeypatch.setattr(paratrain.train.job, "missing_train_extra", lambda: ["scikit-learn"])
+    monkeypatch.setattr(paratrain.launch.run, "run_launch", _no_launch)
     assert main([command, "--epochs", "1"]) == 2
     err = capsys.readouterr().err
     message = f"paratrain {command} needs the 'train' extra: pip install 'paratrain[train]' (missing: scikit-learn)"
@@ -37,7 +37,7 @@ def test_missing_train_extra_names_the_distributions(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name in ("sklearn", "tqdm") else real(name, *a)
     )
-    missing = paratrain.cli.train.missing_train_extra()
+    missing = paratrain.train.job.missing_train_extra()
     assert "scikit-learn" in missing and "tqdm" in missing
     assert "sklearn" not in missing
 
@@ -67,7 +67,7 @@ def test_epoch_lines_are_written_through_the_progress_bar(
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     stop = threading.Event()
     stop.set()  # the job is over before the follower first looks: it must still read the file once
-    paratrain.cli.train._follow_progress(path, stop, [0], "allreduce (rank 0)")
+    paratrain.train.job._follow_progress(path, stop, [0], "allreduce (rank 0)")
     expected = [
         "epoch 1/2: train loss 2.0000, test accuracy 0.5000, test loss 1.5000",
         "epoch 2/2: train loss 1.0000, test accuracy 0.7500, test loss 0.5000",

@@ -1,0 +1,324 @@
+"""A whole local training job as a library: its options, their checks, the run, its summary.
+
+``paratrain train`` and ``paratrain compare`` (the CLI) and ``paratrain bench consistency`` (the benchmarks) all
+run jobs through :func:`run_training`: it starts the cluster (N workers, plus parameter servers for the PS
+strategies) through the launch library, follows rank 0's metrics file to draw a progress bar, and when the job
+ends merges the ranks' records into ``metrics.jsonl`` and ``timeline.json``, draws ``loss.png`` and
+``accuracy.png``, and writes ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from paratrain.errors import ConfigError
+from paratrain.strategy import parse_strategy
+
+__all__ = [
+    "TRAIN_EXTRA",
+    "TrainJob",
+    "missing_train_extra",
+    "print_summary",
+    "require_train_extra",
+    "run_training",
+    "summarise",
+    "validate",
+]
+
+
+# what the 'train' extra of pyproject.toml installs: import name -> distribution name
+TRAIN_EXTRA = {"torch": "torch", "sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
+
+
+def missing_train_extra() -> list[str]:
+    """The distributions of the ``train`` extra that cannot be imported here (found, not imported: cheap)."""
+    import importlib.util
+
+    missing = []
+    for module, distribution in TRAIN_EXTRA.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # ValueError: in sys.modules without a spec, i.e. importable
+            found = module in sys.modules
+        if not found:
+            missing.append(distribution)
+    return missing
+
+
+def require_train_extra(command: str) -> bool:
+    """Says once, before any worker starts, which part of the ``train`` extra is missing; False if any is."""
+    missing = missing_train_extra()
+    if missing:
+        print(
+            f"paratrain {command} needs the 'train' extra: pip install 'paratrain[train]' "
+            f"(missing: {', '.join(missing)})",
+            file=sys.stderr,
+        )
+    return not missing
+
+
+class TrainJob(argparse.Namespace):
+    """Typed view of the parsed training options."""
+
+    model: str
+    dataset: str
+    data_dir: str | None
+    strategy: str
+    epochs: int
+    batch_size: int
+    lr: float
+    seed: int
+    workers: int
+    servers: int | None
+    run_dir: str | None
+    json: str | None
+    straggler: str | None
+    eval_every: int
+    faults: str | None
+    latency: str | None
+    bandwidth: str | None
+    no_overlap: bool
+
+    def network(self) -> str | None:
+        """The fault spec every rank gets: ``--faults`` plus ``--latency`` and ``--bandwidth`` (None: real network).
+
+        Raises:
+            ConfigError: a key given twice (``--latency`` and ``--faults latency=...``), or a bad value.
+        """
+        from paratrain.transport.faults import FaultSpec
+
+        parts = [p.strip() for p in (self.faults or "").split(",") if p.strip()]
+        given = {p.partition("=")[0].strip() for p in parts}
+        for key in ("latency", "bandwidth"):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if key in given:
+                raise ConfigError(f"--{key} and --faults {key}=... both given; keep one")
+            parts.append(f"{key}={value}")
+        if not parts:
+            return None
+        spec = ",".join(parts)
+        FaultSpec.parse(spec)
+        return spec
+
+
+def validate(job: TrainJob) -> None:
+    """Refuses bad flags before anything starts, with messages that say what to do."""
+    from paratrain.ps.consistency import Policy
+    from paratrain.train.data import _FILES, DATASETS, FASHION_MNIST_DIR, _find
+    from paratrain.train.models import MODELS
+
+    if job.model not in MODELS:
+        raise ConfigError(f"unknown --model {job.model!r}; choose one of {', '.join(MODELS)}")
+    if job.dataset not in DATASETS:
+        raise ConfigError(f"unknown --dataset {job.dataset!r}; choose one of {', '.join(DATASETS)}")
+    for name in ("epochs", "batch_size", "workers"):
+        if getattr(job, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(job, name)}")
+    if job.eval_every < 0:
+        raise ConfigError(f"--eval-every must be 0 (off) or a number of steps, got {job.eval_every}")
+    if not job.lr > 0:
+        raise ConfigError(f"--lr must be positive, got {job.lr}")
+    spec = parse_strategy(job.strategy)  # ConfigError naming the accepted forms
+    if job.servers and not spec.uses_servers:
+        raise ConfigError(f"--servers is for the parameter-server strategies (bsp, ssp:S, asp), not {spec.kind}")
+    if spec.kind == "gossip":
+        from paratrain.gossip.mixing import resolve_mixing
+
+        resolve_mixing(spec.topology, job.workers)
+    if spec.uses_servers:
+        Policy.parse(spec.kind, spec.staleness)
+    job.network()
+    if job.no_overlap and not spec.exchanges_parameters:
+        raise ConfigError("--no-overlap is for gossip strategies (allreduce and bsp/ssp/asp always overlap)")
+    if job.straggler:
+        from paratrain.train import stragglers
+
+        stragglers.parse(job.straggler, seed=job.seed).check_workers(job.workers)
+    if job.dataset == "fashion-mnist":
+        directory = Path(job.data_dir or FASHION_MNIST_DIR)
+        if any(_find(directory, stem) is None for stem in _FILES.values()):
+            raise ConfigError(
+                f"Fashion-MNIST not found in {directory}. Install it with 'apt-get install dataset-fashion-mnist' "
+                "or pass --data-dir DIR with the four IDX files. Nothing is downloaded."
+            )
+
+
+def _follow_progress(path: Path, stop: threading.Event, total_holder: list[int], desc: str) -> None:
+    """Draws a progress bar from rank 0's metrics file while the job runs (the ranks' output passes through).
+
+    Rank 0's line per epoch is printed from here, through the bar (``tqdm.write``: the bar is cleared, the line
+    goes to stdout, the bar is redrawn below it); printed by the rank itself it would cut the bar in two. After
+    ``stop`` the file is read once more, so that the last epoch's line is not lost.
+    """
+    from tqdm import tqdm
+
+    from paratrain.train.worker import epoch_line
+
+    bar: Any = None
+    offset = 0
+    try:
+        while True:
+            stopped = stop.wait(0.3)
+            if not path.exists():
+                if stopped:
+                    break
+                continue
+            with path.open(encoding="utf-8") as fh:
+                fh.seek(offset)
+                chunk = fh.read()
+            lines = chunk.split("\n")
+            offset += len(chunk) - len(lines[-1])
+            for line in lines[:-1]:
+                record = json.loads(line)
+                if record.get("kind") == "start":
+                    total_holder[0] = int(record["epochs"]) * int(record["steps_per_epoch"])
+                    bar = tqdm(total=total_holder[0], unit="step", desc=desc, file=sys.stderr)
+                elif record.get("kind") == "step" and bar is not None:
+                    bar.update(int(record["step"]) - bar.n)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", epoch=record["epoch"], refresh=False)
+                elif record.get("kind") == "eval" and "train_loss" in record:
+                    text = epoch_line(
+                        record["epoch"],
+                        record["epochs"],
+                        record["train_loss"],
+                        record["test_accuracy"],
+                        record["test_loss"],
+                    )
+                    tqdm.write(text, file=sys.stdout)
+            if stopped:
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
+    """Runs one job end to end and returns its summary (also written to ``<run_dir>/summary.json``)."""
+    from paratrain.launch.run import run_launch
+    from paratrain.train.record import merge_run, plot_run
+
+    validate(job)
+    servers = job.servers if job.servers is not None else (1 if parse_strategy(job.strategy).uses_servers else 0)
+    run_dir = Path(job.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{job.strategy.replace(':', '')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for old in run_dir.glob("rank*.*"):
+        old.unlink()
+    argv = ["python", "-m", "paratrain.train.worker", "--run-dir", str(run_dir), "--quiet"]
+    for flag in ("model", "dataset", "strategy", "epochs", "batch_size", "lr", "seed"):
+        argv += [f"--{flag.replace('_', '-')}", str(getattr(job, flag))]
+    if job.data_dir:
+        argv += ["--data-dir", job.data_dir]
+    if job.straggler:
+        argv += ["--straggler", job.straggler]
+    if job.no_overlap:
+        argv += ["--no-overlap"]
+    if job.eval_every:
+        argv += ["--eval-every", str(job.eval_every)]
+    stop = threading.Event()
+    total = [0]
+    follower = None
+    if not quiet:
+        follower = threading.Thread(
+            target=_follow_progress,
+            args=(run_dir / "rank0.metrics.jsonl", stop, total, f"{job.strategy} (rank 0)"),
+            daemon=True,
+        )
+        follower.start()
+    started = time.time()
+    try:
+        code = run_launch(argv, nproc=job.workers, servers=servers, faults=job.network())
+    finally:
+        stop.set()
+        if follower is not None:
+            follower.join(5)
+    wall = time.time() - started
+    if code != 0:
+        raise SystemExit(f"paratrain train: the job failed (exit {code}); see the ranks' output above")
+    records = merge_run(run_dir)
+    title = f"{job.model} on {job.dataset}, {job.workers} worker{'s' if job.workers != 1 else ''}, {job.strategy}"
+    plots = plot_run(records, run_dir, title=title)
+    summary = summarise(records, job=job, servers=servers, wall=wall, run_dir=run_dir)
+    summary["plots"] = [str(p) for p in plots]
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if job.json:
+        Path(job.json).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def summarise(
+    records: list[dict[str, Any]], *, job: TrainJob, servers: int, wall: float, run_dir: Path
+) -> dict[str, Any]:
+    """The summary of a run: accuracy, throughput, time split between compute and waiting, per rank."""
+    steps = [r for r in records if r.get("kind") == "step"]
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("rank") == 0]
+    if steps:
+        first = min(r["time"] - r["compute_s"] - r["wait_s"] for r in steps)
+        train_time = max(r["time"] for r in steps) - first
+        samples = sum(int(r["samples"]) for r in steps)
+    else:
+        train_time, samples = 0.0, 0
+    per_rank: dict[int, dict[str, float]] = {}
+    for r in steps:
+        entry = per_rank.setdefault(
+            int(r["rank"]), {"compute_s": 0.0, "wait_s": 0.0, "bytes_sent": 0.0, "allreduce_bytes": 0.0}
+        )
+        entry["compute_s"] += r["compute_s"]
+        entry["wait_s"] += r["wait_s"]
+        entry["bytes_sent"] = max(entry["bytes_sent"], float(r["bytes_sent"]))
+        entry["allreduce_bytes"] = max(entry["allreduce_bytes"], float(r.get("allreduce_bytes", 0)))
+    return {
+        "strategy": job.strategy,
+        "workers": job.workers,
+        "servers": servers,
+        "model": job.model,
+        "dataset": job.dataset,
+        "epochs": job.epochs,
+        "batch_size": job.batch_size,
+        "lr": job.lr,
+        "seed": job.seed,
+        "overlap": not job.no_overlap,
+        "network": job.network(),
+        "test_accuracy": evals[-1]["test_accuracy"] if evals else None,
+        "accuracy_by_epoch": [e["test_accuracy"] for e in evals],
+        "consensus_accuracy": evals[-1].get("consensus_accuracy") if evals else None,
+        "consensus_distance": evals[-1].get("consensus_distance") if evals else None,
+        "samples_per_sec": samples / train_time if train_time > 0 else None,
+        "train_time_s": train_time,
+        "wall_time_s": wall,
+        "per_rank": {str(k): v for k, v in sorted(per_rank.items())},
+        "run_dir": str(run_dir),
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """A short human-readable report of a run."""
+    acc = summary["test_accuracy"]
+    sps = summary["samples_per_sec"]
+    workers = f"{summary['workers']} worker{'s' if summary['workers'] != 1 else ''}"
+    print(
+        f"paratrain train: {summary['model']} on {summary['dataset']}, {workers}, "
+        f"{summary['strategy']}: test accuracy {acc:.4f}, {sps:,.0f} samples/s, wall time "
+        f"{summary['wall_time_s']:.1f} s"
+    )
+    if summary.get("consensus_accuracy") is not None:
+        print(
+            f"  the workers' average model: test accuracy {summary['consensus_accuracy']:.4f} (consensus distance "
+            f"{summary['consensus_distance']:.3g})"
+        )
+    for rank, entry in summary["per_rank"].items():
+        total = entry["compute_s"] + entry["wait_s"]
+        share = entry["wait_s"] / total if total else 0.0
+        print(
+            f"  rank {rank}: compute {entry['compute_s']:.2f} s, waiting for communication {entry['wait_s']:.2f} s "
+            f"({share:.0%}), {entry['bytes_sent'] / 1e6:.1f} MB sent over sockets, "
+            f"{entry['allreduce_bytes'] / 1e6:.1f} MB allreduced"
+        )
+    print(f"  run directory: {summary['run_dir']} (metrics.jsonl, timeline.json, loss.png, accuracy.png, summary.json)")

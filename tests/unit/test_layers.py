@@ -1,0 +1,119 @@
+"""Imports go one way: a module imports only from its own layer or below, and no package imports form a circle.
+
+Layers, bottom up (README "Layout"): the pure base (errors, config, the plan IR, strategy names) -> transports
+and the process launcher -> the shared-memory segment -> algorithms (collectives, ps, gossip) -> the runtime
+(Context, groups) -> the public API (``import paratrain``) and the test harness -> front ends (torch, train,
+bench, cli, examples).
+Every import counts, also those inside functions and under TYPE_CHECKING: an import hidden in a function is
+still a tie, and a circle that only works because of the hiding breaks when someone moves the import.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import paratrain
+
+ROOT = Path(paratrain.__file__).parent
+
+#: Layer of each top-level part of the package (a module or a subpackage).
+LAYERS = {
+    "errors": 0,
+    "config": 0,
+    "_arrays": 0,
+    "_current": 0,
+    "plan": 0,
+    "strategy": 0,
+    "transport": 1,
+    "launch": 1,
+    "shm": 2,
+    "collectives": 3,
+    "ps": 3,
+    "gossip": 3,
+    "runtime": 4,
+    "__init__": 5,  # the public API (paratrain.init, allreduce...): what user scripts and our workers import
+    "testing": 5,
+    "torch": 6,
+    "train": 7,
+    "bench": 8,
+    "cli": 9,
+    "examples": 9,
+}
+
+
+def _part(module: str) -> str:
+    """``paratrain.collectives.ring`` -> ``collectives``; ``paratrain`` -> ``__init__``."""
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else "__init__"
+
+
+def _imports() -> dict[str, set[str]]:
+    """Module name -> the paratrain modules it imports anywhere in its source."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        name = ".".join(rel.parts).removesuffix(".__init__")
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.split(".")[0] == "paratrain")
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join([*base, node.module] if node.module else base)
+                else:
+                    target = node.module or ""
+                if target.split(".")[0] == "paratrain":
+                    found.add(target)
+        graph[name] = found
+    return graph
+
+
+def test_every_part_has_a_layer() -> None:
+    parts = {_part(m) for m in _imports()}
+    assert parts <= set(LAYERS), f"give these a layer in LAYERS and in README's layout: {parts - set(LAYERS)}"
+
+
+def test_no_upward_import() -> None:
+    upward = [
+        f"{module} ({_part(module)}) imports {target} ({_part(target)})"
+        for module, targets in _imports().items()
+        for target in targets
+        if LAYERS[_part(target)] > LAYERS[_part(module)]
+    ]
+    assert not upward, "upward imports:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycle_between_modules() -> None:
+    graph = _imports()
+    modules = set(graph)
+
+    def resolve(target: str) -> str | None:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    edges = {m: {r for t in ts if (r := resolve(t)) is not None and r != m} for m, ts in graph.items()}
+    # a package's __init__ re-exporting its modules is not a circle with them
+    edges = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in edges.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                cycles.append([*stack[stack.index(t) :], t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
