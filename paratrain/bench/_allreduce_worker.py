@@ -8,30 +8,15 @@ agreement). Each rank writes ``{engine}-rank{r}.json`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from paratrain.bench._timing import (
-    add_worker_args,
-    format_bytes,
-    parse_int_list,
-    run_sizes,
-    start_watchdog,
-    write_result,
-)
-
-
-def _progress(label: str, rank: int) -> Callable[[int, float], None]:
-    def report(nbytes: int, seconds: float) -> None:
-        if rank == 0:
-            print(f"    {label:<18} {format_bytes(nbytes):>9}: {seconds * 1e6:10.1f} us/op", flush=True)
-
-    return report
+from paratrain.bench._timing import add_worker_args, progress_printer, record_result, run_sizes, start_watchdog
 
 
 def _api_engine(ctx: Any, algorithm: str) -> tuple[Callable[[npt.NDArray[np.float32]], Callable[[], None]], Any]:
@@ -58,6 +43,36 @@ def _api_engine(ctx: Any, algorithm: str) -> tuple[Callable[[npt.NDArray[np.floa
     return make, closer
 
 
+def _time_engine(ctx: Any, engine: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Times one engine on every size, then closes what it opened."""
+    from paratrain.collectives.shm import ShmGroup
+
+    closer: Any = None
+    try:
+        if engine == "paratrain":
+            make, closer = _api_engine(ctx, args.algorithm)
+            barrier: Callable[[], None] = ctx.barrier
+            label = f"paratrain[{args.algorithm}]"
+        elif engine == "paratrain-shm":
+            group = ShmGroup.from_context(ctx)
+            closer = group
+            barrier = group.barrier
+
+            def make(buf: npt.NDArray[np.float32], group: ShmGroup = group) -> Callable[[], None]:
+                return lambda: group.allreduce_(buf, "sum")
+
+            label = "paratrain-shm"
+        else:
+            raise ValueError(f"unknown engine {engine!r}")
+        progress = progress_printer(label, ctx.rank)
+        return run_sizes(
+            args, rank=ctx.rank, world_size=ctx.world_size, make_op=make, barrier=barrier, progress=progress
+        )
+    finally:
+        if closer is not None:
+            closer.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the requested engines on every size; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -68,54 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     start_watchdog(args.deadline, "paratrain bench worker")
 
     import paratrain as pt
-    from paratrain.collectives.shm import ShmGroup
 
     ctx = pt.init()
-    sizes, iters = parse_int_list(args.sizes), parse_int_list(args.iters)
-    failed = False
+    code = 0
     for engine in [e for e in args.engines.split(",") if e]:
         payload: dict[str, Any] = {"world_size": ctx.world_size, "algorithm": args.algorithm}
-        closer: Any = None
-        try:
-            if engine == "paratrain":
-                make, closer = _api_engine(ctx, args.algorithm)
-                barrier: Callable[[], None] = ctx.barrier
-                label = f"paratrain[{args.algorithm}]"
-            elif engine == "paratrain-shm":
-                group = ShmGroup.from_context(ctx)
-                closer = group
-                barrier = group.barrier
-
-                def make(buf: npt.NDArray[np.float32], group: ShmGroup = group) -> Callable[[], None]:
-                    return lambda: group.allreduce_(buf, "sum")
-
-                label = "paratrain-shm"
-            else:
-                raise ValueError(f"unknown engine {engine!r}")
-            payload["results"] = run_sizes(
-                sizes=sizes,
-                iters=iters,
-                warmup=args.warmup,
-                rank=ctx.rank,
-                world_size=ctx.world_size,
-                make_op=make,
-                barrier=barrier,
-                progress=_progress(label, ctx.rank),
-            )
-            payload["status"] = "ok"
-        except Exception as exc:
-            failed = True
-            payload["status"] = "error"
-            payload["error"] = f"{type(exc).__name__}: {exc}"
-            print(f"rank {ctx.rank}: {engine} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        finally:
-            if closer is not None:
-                closer.close()
-        write_result(args.out, engine, ctx.rank, payload)
-        if failed:
-            break
+        code = record_result(args.out, engine, ctx.rank, payload, functools.partial(_time_engine, ctx, engine, args))
+        if code:
+            break  # the ranks may now disagree on what comes next: stop here
     pt.shutdown()
-    return 1 if failed else 0
+    return code
 
 
 if __name__ == "__main__":

@@ -10,21 +10,13 @@ import argparse
 import datetime
 import os
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from paratrain.bench._timing import (
-    add_worker_args,
-    format_bytes,
-    parse_int_list,
-    run_sizes,
-    start_watchdog,
-    write_result,
-)
+from paratrain.bench._timing import add_worker_args, progress_printer, record_result, run_sizes, start_watchdog
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,9 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start_watchdog(args.deadline, "gloo bench worker")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    payload: dict[str, Any] = {"world_size": world}
-    code = 0
-    try:
+
+    def measure() -> list[dict[str, Any]]:
         import torch
         import torch.distributed as dist
 
@@ -49,29 +40,12 @@ def main(argv: list[str] | None = None) -> int:
             tensor = torch.from_numpy(buf)  # shares memory: the check and the zeroing act on the tensor
             return lambda: dist.all_reduce(tensor)
 
-        def progress(nbytes: int, seconds: float) -> None:
-            if rank == 0:
-                print(f"    {'gloo':<18} {format_bytes(nbytes):>9}: {seconds * 1e6:10.1f} us/op", flush=True)
-
-        payload["results"] = run_sizes(
-            sizes=parse_int_list(args.sizes),
-            iters=parse_int_list(args.iters),
-            warmup=args.warmup,
-            rank=rank,
-            world_size=world,
-            make_op=make,
-            barrier=dist.barrier,
-            progress=progress,
-        )
-        payload["status"] = "ok"
+        progress = progress_printer("gloo", rank)
+        results = run_sizes(args, rank=rank, world_size=world, make_op=make, barrier=dist.barrier, progress=progress)
         dist.destroy_process_group()
-    except Exception as exc:
-        payload["status"] = "error"
-        payload["error"] = f"{type(exc).__name__}: {exc}"
-        print(f"gloo rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        code = 1
-    write_result(args.out, "gloo", rank, payload)
-    return code
+        return results
+
+    return record_result(args.out, "gloo", rank, {"world_size": world}, measure)
 
 
 if __name__ == "__main__":

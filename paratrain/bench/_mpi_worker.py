@@ -7,21 +7,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from paratrain.bench._timing import (
-    add_worker_args,
-    format_bytes,
-    parse_int_list,
-    run_sizes,
-    start_watchdog,
-    write_result,
-)
+from paratrain.bench._timing import add_worker_args, progress_printer, record_result, run_sizes, start_watchdog
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,34 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     payload: dict[str, Any] = {"world_size": world, "library": MPI.Get_library_version().strip().splitlines()[0]}
-    code = 0
-    try:
 
-        def make(buf: npt.NDArray[np.float32]) -> Callable[[], None]:
-            return lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    def make(buf: npt.NDArray[np.float32]) -> Callable[[], None]:
+        return lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
-        def progress(nbytes: int, seconds: float) -> None:
-            if rank == 0:
-                print(f"    {'mpi':<18} {format_bytes(nbytes):>9}: {seconds * 1e6:10.1f} us/op", flush=True)
+    def measure() -> list[dict[str, Any]]:
+        progress = progress_printer("mpi", rank)
+        return run_sizes(args, rank=rank, world_size=world, make_op=make, barrier=comm.Barrier, progress=progress)
 
-        payload["results"] = run_sizes(
-            sizes=parse_int_list(args.sizes),
-            iters=parse_int_list(args.iters),
-            warmup=args.warmup,
-            rank=rank,
-            world_size=world,
-            make_op=make,
-            barrier=comm.Barrier,
-            progress=progress,
-        )
-        payload["status"] = "ok"
-    except Exception as exc:
-        payload["status"] = "error"
-        payload["error"] = f"{type(exc).__name__}: {exc}"
-        print(f"mpi rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        code = 1
-    write_result(args.out, "mpi", rank, payload)
-    return code
+    return record_result(args.out, "mpi", rank, payload, measure)
 
 
 if __name__ == "__main__":

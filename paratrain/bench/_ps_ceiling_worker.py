@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-import traceback
 from typing import Any
 
 import numpy as np
 
 from paratrain.bench._ps_worker import Phases, add_args, time_iterations
-from paratrain.bench._timing import format_bytes, parse_int_list, start_watchdog, write_result
+from paratrain.bench._timing import each_size, progress_printer, record_result, start_watchdog
 from paratrain.ps.sharding import plan_chunks
 from paratrain.transport.base import ANY_SOURCE, Handle
 from paratrain.transport.wire import Message
@@ -109,24 +108,19 @@ def main(argv: list[str] | None = None) -> int:
             pt.shutdown()
         return 0
     payload: dict[str, Any] = {"world_size": workers, "servers": args.servers}
-    code = 0
-    try:
-        results = []
-        for nbytes, iters in zip(parse_int_list(args.sizes), parse_int_list(args.iters), strict=True):
-            record = _measure_size(ctx, args.servers, nbytes, iters, args.warmup)
-            results.append(record)
-            if rank == 0:
-                mean = record["total_s"] / max(iters, 1)
-                print(f"    ceiling  {format_bytes(nbytes):>9}: {mean * 1e3:9.2f} ms/iteration", flush=True)
-        payload.update({"status": "ok", "results": results})
-    except Exception as exc:
-        code = 1
-        payload.update({"status": "error", "error": f"{type(exc).__name__}: {exc}"})
-        print(f"rank {rank}: ceiling benchmark failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-    finally:
-        for server in range(workers, transport.world_size):
-            transport.send(server, _STOP_TAG, timeout=ctx.settings.timeout)
-    write_result(args.out, "ceiling", rank, payload)
+
+    def measure() -> list[dict[str, Any]]:
+        try:
+            return each_size(
+                args,
+                lambda nbytes, iters: _measure_size(ctx, args.servers, nbytes, iters, args.warmup),
+                progress_printer("ceiling", rank, unit="ms/iteration"),
+            )
+        finally:
+            for server in range(workers, transport.world_size):
+                transport.send(server, _STOP_TAG, timeout=ctx.settings.timeout)
+
+    code = record_result(args.out, "ceiling", rank, payload, measure)
     pt.shutdown()
     return code
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from paratrain.bench._timing import format_bytes, parse_int_list, start_watchdog, write_result
+from paratrain.bench._timing import add_worker_args, each_size, progress_printer, record_result, start_watchdog
 from paratrain.ps.sharding import plan_chunks
 
 __all__ = ["add_args", "main", "time_iterations"]
@@ -29,12 +28,8 @@ Phases = Sequence[tuple[str, Callable[[], object]]]
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    """The arguments both PS-benchmark workers take."""
-    parser.add_argument("--sizes", required=True, help="comma-separated key sizes in bytes (multiples of 4)")
-    parser.add_argument("--iters", required=True, help="comma-separated timed iterations, one per size")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations before timing (default 3)")
-    parser.add_argument("--out", required=True, help="directory for the per-rank JSON result files")
-    parser.add_argument("--deadline", type=float, default=300.0, help="exit with code 124 after this many s")
+    """The arguments both PS-benchmark workers take: every worker's, and the number of servers."""
+    add_worker_args(parser)
     parser.add_argument("--servers", type=int, required=True, help="number of servers S the key is split over")
 
 
@@ -108,22 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     ctx = pt.init()
     kind, _, bound = args.consistency.partition(":")
     payload: dict[str, Any] = {"world_size": ctx.world_size, "servers": args.servers, "consistency": args.consistency}
-    code = 0
-    try:
+
+    def measure() -> list[dict[str, Any]]:
         with pt.ps.KVStore(consistency=kind, staleness=int(bound) if bound else None, context=ctx) as kv:
-            results = []
-            for nbytes, iters in zip(parse_int_list(args.sizes), parse_int_list(args.iters), strict=True):
-                record = _measure_size(ctx, kv, nbytes, iters=iters, warmup=args.warmup, consistency=kind)
-                results.append(record)
-                if ctx.rank == 0:
-                    mean = record["total_s"] / max(iters, 1)
-                    print(f"    ps       {format_bytes(nbytes):>9}: {mean * 1e3:9.2f} ms/iteration", flush=True)
-        payload.update({"status": "ok", "results": results})
-    except Exception as exc:
-        code = 1
-        payload.update({"status": "error", "error": f"{type(exc).__name__}: {exc}"})
-        print(f"rank {ctx.rank}: ps benchmark failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-    write_result(args.out, "ps", ctx.rank, payload)
+            return each_size(
+                args,
+                lambda nbytes, iters: _measure_size(ctx, kv, nbytes, iters=iters, warmup=args.warmup, consistency=kind),
+                progress_printer("ps", ctx.rank, unit="ms/iteration"),
+            )
+
+    code = record_result(args.out, "ps", ctx.rank, payload, measure)
     pt.shutdown()
     return code
 

@@ -1,4 +1,7 @@
-"""The timing loop, result file and watchdog shared by every benchmark worker (paratrain, Gloo, MPI).
+"""The worker side of the harness: arguments, timing loop, progress lines, result file and watchdog.
+
+Shared by every benchmark worker (paratrain, Gloo, MPI, the parameter server and its ceiling), so that workers
+hold only what one operation of their engine is.
 
 Every engine runs exactly this loop, so that the numbers differ only by the library under test: fill the buffer
 with ``rank + 1``, run one operation and check the sum (a wrong result must never be reported as a time), zero
@@ -8,22 +11,37 @@ back, each one separately and all together.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["add_worker_args", "format_bytes", "parse_int_list", "run_sizes", "start_watchdog", "write_result"]
+__all__ = [
+    "add_worker_args",
+    "each_size",
+    "format_bytes",
+    "parse_int_list",
+    "progress_printer",
+    "record_result",
+    "run_sizes",
+    "start_watchdog",
+    "write_result",
+]
+
+#: Rank 0's progress line per size: the label, the size, the time of one operation in this unit.
+_UNITS = {"us/op": (1e6, "10.1f", 18), "ms/iteration": (1e3, "9.2f", 8)}
 
 
-def add_worker_args(parser: Any) -> None:
-    """The arguments every worker takes (``argparse.ArgumentParser``)."""
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments every worker takes (the harness passes them: :func:`paratrain.bench.harness.worker_args`)."""
     parser.add_argument("--sizes", required=True, help="comma-separated message sizes in bytes")
     parser.add_argument("--iters", required=True, help="comma-separated timed iterations, one per size")
     parser.add_argument("--warmup", type=int, default=3, help="untimed operations before timing (default 3)")
@@ -43,18 +61,68 @@ def start_watchdog(seconds: float, what: str) -> None:
     timer.start()
 
 
+def progress_printer(label: str, rank: int, *, unit: str = "us/op") -> Callable[[int, float], None]:
+    """Prints rank 0's line per size while the benchmark runs, e.g. ``    gloo    4 KiB:   208.0 us/op``.
+
+    ``unit`` is ``"us/op"`` (collectives) or ``"ms/iteration"`` (parameter-server iterations).
+    """
+    scale, number, width = _UNITS[unit]
+
+    def report(nbytes: int, seconds: float) -> None:
+        if rank == 0:
+            print(f"    {label:<{width}} {format_bytes(nbytes):>9}: {seconds * scale:{number}} {unit}", flush=True)
+
+    return report
+
+
+def each_size(
+    args: argparse.Namespace,
+    measure: Callable[[int, int], dict[str, Any]],
+    progress: Callable[[int, float], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Calls ``measure(nbytes, iters)`` for every size of ``--sizes``/``--iters``; its records, in order.
+
+    A record holds at least ``total_s``, the time of the ``iters`` timed iterations, which ``progress`` gets
+    per iteration.
+    """
+    records = []
+    for nbytes, iters in zip(parse_int_list(args.sizes), parse_int_list(args.iters), strict=True):
+        record = measure(nbytes, iters)
+        records.append(record)
+        if progress is not None:
+            progress(nbytes, record["total_s"] / max(iters, 1))
+    return records
+
+
+def record_result(
+    out_dir: str, engine: str, rank: int, payload: dict[str, Any], measure: Callable[[], list[dict[str, Any]]]
+) -> int:
+    """Runs ``measure`` and writes this rank's result file with its records, or with why it failed; the exit code.
+
+    Why a failure still writes a file: the harness then reports the engine's own error ("RuntimeError: wrong
+    allreduce result ...") instead of "rank 1 wrote no result".
+    """
+    try:
+        payload.update({"status": "ok", "results": measure()})
+        code = 0
+    except Exception as exc:
+        payload.update({"status": "error", "error": f"{type(exc).__name__}: {exc}"})
+        print(f"rank {rank}: {engine} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        code = 1
+    write_result(out_dir, engine, rank, payload)
+    return code
+
+
 def run_sizes(
+    args: argparse.Namespace,
     *,
-    sizes: list[int],
-    iters: list[int],
-    warmup: int,
     rank: int,
     world_size: int,
     make_op: Callable[[npt.NDArray[np.float32]], Callable[[], None]],
     barrier: Callable[[], None],
     progress: Callable[[int, float], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Times the operation that ``make_op(buffer)`` returns, for each size; returns one record per size.
+    """Times the operation that ``make_op(buffer)`` returns, for each size of ``args``; one record per size.
 
     ``make_op`` receives a float32 numpy buffer of the size and returns a closure that allreduces it in place
     (the closure may wrap the buffer in a tensor once, outside the timed loop).
@@ -62,9 +130,10 @@ def run_sizes(
     Raises:
         RuntimeError: the verification allreduce gave a wrong sum.
     """
-    records = []
     expected = world_size * (world_size + 1) / 2
-    for nbytes, count in zip(sizes, iters, strict=True):
+    perf = time.perf_counter
+
+    def one(nbytes: int, count: int) -> dict[str, Any]:
         buf = np.empty(nbytes // 4, dtype=np.float32)
         op = make_op(buf)
         buf.fill(rank + 1)
@@ -74,10 +143,9 @@ def run_sizes(
                 f"wrong allreduce result for {nbytes} bytes: got {buf[0]}..{buf[-1]}, expected {expected}"
             )
         buf.fill(0)
-        for _ in range(warmup):
+        for _ in range(args.warmup):
             op()
         barrier()
-        perf = time.perf_counter
         times = []
         t0 = perf()
         for _ in range(count):
@@ -85,10 +153,9 @@ def run_sizes(
             op()
             times.append(perf() - start)
         total = perf() - t0
-        records.append({"bytes": nbytes, "iters": count, "total_s": total, "times_s": times})
-        if progress is not None:
-            progress(nbytes, total / max(count, 1))
-    return records
+        return {"bytes": nbytes, "iters": count, "total_s": total, "times_s": times}
+
+    return each_size(args, one, progress)
 
 
 def write_result(out_dir: str, engine: str, rank: int, payload: dict[str, Any]) -> None:

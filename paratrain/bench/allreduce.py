@@ -90,7 +90,7 @@ class BenchOptions(SizedOptions):
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
-            raise ValueError(f"--np must be at least 1, got {self.nproc}")
+            raise ValueError(f"--np must be at least 1, got {self.nproc}")  # --np, as mpirun names it
         SizedOptions.__post_init__(self)
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
@@ -288,17 +288,13 @@ def render_table(report: dict[str, Any]) -> str:
             f"{size:>9}  {row['engine']:<18} {row['iters']:>6} {row['time_us']:>11.1f} {row['p50_us']:>11.1f} "
             f"{row['algbw_gbps']:>11.3f} {row['busbw_gbps']:>11.3f}{cells}"
         )
-    if not report["results"]:
-        lines.append(tables.NO_RESULTS)
-    lines += [
-        "",
+    definitions = [
         "time: mean per call over back-to-back calls, slowest rank (nccl-tests style)"
         + tables.rounds_note(report["repeat"]),
         "p50: median over calls of the slowest rank's time; algbw = bytes/time; busbw = algbw*2(N-1)/N;",
         "X/this = X's time / this row's time (> 1 means paratrain is faster).",
-        *tables.failure_lines(report["engines"]),
-        *tables.noise_note(busy, "just before the run"),
     ]
+    lines += tables.footer(report, definitions, busy=busy, when="just before the run")
     return "\n".join(lines)
 
 

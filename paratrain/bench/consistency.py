@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paratrain.bench.harness import require_at_least_one
 from paratrain.bench.stats import median_spread
 from paratrain.errors import ConfigError
 
@@ -53,15 +54,13 @@ class ConsistencyBenchOptions:
     def __post_init__(self) -> None:
         if not self.strategies or not self.scenarios:
             raise ConfigError("--strategies and --scenarios must each name at least one")
-        for name in ("workers", "epochs", "batch_size", "repeat", "eval_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        require_at_least_one(self, "workers", "epochs", "batch_size", "repeat", "eval_every")
         if not 0 < self.target <= 1:
             raise ConfigError(f"--target must be an accuracy in (0, 1], got {self.target}")
 
     def job(self, strategy: str, scenario: str, run_dir: Path) -> Any:
         """The ``paratrain train`` job of one cell (validated)."""
-        from paratrain.cli.train import TrainJob, validate
+        from paratrain.train.job import TrainJob, validate
 
         job = TrainJob(
             model=self.model,
@@ -94,8 +93,8 @@ def _cell_dir(out: Path, scenario: str, strategy: str, round_index: int) -> Path
 
 def run_consistency_bench(options: ConsistencyBenchOptions, *, log: Any = sys.stderr) -> dict[str, Any]:
     """Runs every cell ``repeat`` times, interleaved; returns the report (also written as JSON under ``out``)."""
-    from paratrain.cli.compare import accuracy_curve, time_to_accuracy
-    from paratrain.cli.train import run_training
+    from paratrain.train.compare import accuracy_curve, time_to_accuracy
+    from paratrain.train.job import run_training
     from paratrain.train.record import merge_run
 
     out = Path(options.out)

@@ -34,6 +34,7 @@ __all__ = [
     "launch_job",
     "parse_size",
     "parse_sizes",
+    "require_at_least_one",
     "run_job",
     "run_rounds",
     "worker_args",
@@ -106,6 +107,24 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+def require_at_least_one(options: object, *names: str) -> None:
+    """Refuses options whose named counts are below 1, naming the flag (``batch_size`` is ``--batch-size``).
+
+    Raises:
+        ConfigError: (a ``ValueError``) for the first such option; a count that is None (unset) passes.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> require_at_least_one(SimpleNamespace(batch_size=0), "batch_size")
+        Traceback (most recent call last):
+        paratrain.errors.ConfigError: --batch-size must be at least 1, got 0
+    """
+    for name in names:
+        value = getattr(options, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SizedOptions:
     """What every size-sweeping benchmark takes; a benchmark's options add their own fields and checks.
@@ -128,12 +147,10 @@ class SizedOptions:
     timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.iters is not None and self.iters < 1:
-            raise ValueError(f"--iters must be at least 1, got {self.iters}")
+        require_at_least_one(self, "iters")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
-        if self.repeat < 1:
-            raise ValueError(f"--repeat must be at least 1, got {self.repeat}")
+        require_at_least_one(self, "repeat")
         if self.timeout <= 0:
             raise ValueError(f"--timeout must be positive, got {self.timeout}")
 

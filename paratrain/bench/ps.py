@@ -103,8 +103,7 @@ class PSBenchOptions(SizedOptions):
     consistency: str = "bsp"
 
     def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"--workers must be at least 1, got {self.workers}")
+        harness.require_at_least_one(self, "workers")
         if self.servers < 1:
             raise ValueError(f"--servers must be at least 1 (a parameter server needs a server), got {self.servers}")
         if not self.sizes or any(s <= 0 or s % 4 for s in self.sizes):
@@ -277,10 +276,7 @@ def render_table(report: dict[str, Any]) -> str:
                 f"{'':>9} note: {ps['chunks']} chunk(s) of {format_bytes(report['chunk_bytes'])}: only "
                 f"{ps['servers_used']} of the {report['servers']} servers hold this key"
             )
-    if not report["results"]:
-        lines.append(tables.NO_RESULTS)
-    lines += [
-        "",
+    definitions = [
         "per iteration each worker pushes and pulls `size` bytes: worker GB/s = 2*size/mean time (10^9 B/s);",
         "total GB/s = workers * worker GB/s; p50/p90 over iterations of the slowest worker's time; mean = the",
         "slowest worker's loop time / iters" + tables.rounds_note(report["repeat"]),
@@ -288,9 +284,8 @@ def render_table(report: dict[str, Any]) -> str:
         "memcpy = np.copyto of `size` bytes in one process (mean ms = one copy; GB/s copied);",
         "% ceiling = ps total / ceiling total; % memcpy = ps worker GB/s / memcpy GB/s (the bound of a",
         "shared-memory PS, which copies each pushed byte in and each pulled byte out once).",
-        *tables.failure_lines(report["engines"]),
-        *tables.noise_note(max(busy or 0.0, during or 0.0), "around the run"),
     ]
+    lines += tables.footer(report, definitions, busy=max(busy or 0.0, during or 0.0), when="around the run")
     return "\n".join(lines)
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["NO_RESULTS", "cpus", "failure_lines", "load", "noise_note", "rounds_note"]
+__all__ = ["cpus", "footer", "load", "noise_note", "rounds_note"]
 
-#: The table's only row when no engine produced results.
-NO_RESULTS = f"{'':>9}  (no engine produced results; see the errors below)"
+# The table's only row when no engine produced results.
+_NO_RESULTS = f"{'':>9}  (no engine produced results; see the errors below)"
 
 # Above this share of the CPUs taken by others, a table says that its timings are noisy.
 _NOISY = 0.2
@@ -38,7 +38,7 @@ def rounds_note(repeat: int) -> str:
     return f", median of {repeat} interleaved runs;" if repeat > 1 else ";"
 
 
-def failure_lines(engines: Mapping[str, Mapping[str, str]]) -> list[str]:
+def _failure_lines(engines: Mapping[str, Mapping[str, str]]) -> list[str]:
     """One line per engine that did not run well: ``"<name>: <status>: <detail>"``."""
     return [f"{name}: {info['status']}: {info['detail']}" for name, info in engines.items() if info["status"] != "ok"]
 
@@ -55,3 +55,12 @@ def noise_note(busy: float | None, when: str) -> list[str]:
     return [
         f"note: other processes kept the CPUs {busy:.0%} busy {when}; timings are noisy — re-run on an idle machine."
     ]
+
+
+def footer(report: Mapping[str, Any], definitions: list[str], *, busy: float | None, when: str) -> list[str]:
+    """The lines under a table's rows: a word if there were none, the column definitions, what failed, noise.
+
+    ``busy`` is the share of the CPUs others took ``when`` (see :func:`noise_note`).
+    """
+    empty = [_NO_RESULTS] if not report["results"] else []
+    return [*empty, "", *definitions, *_failure_lines(report["engines"]), *noise_note(busy, when)]

@@ -44,9 +44,7 @@ class TrainBenchOptions:
 
         if self.model not in MODELS:
             raise ConfigError(f"unknown --model {self.model!r}; choose one of {', '.join(MODELS)}")
-        for name in ("workers", "steps", "batch_size", "repeat"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        harness.require_at_least_one(self, "workers", "steps", "batch_size", "repeat")
         if self.warmup < 0:
             raise ConfigError("--warmup must be >= 0")
         if self.timeout <= 0:
