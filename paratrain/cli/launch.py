@@ -8,8 +8,8 @@ import sys
 from paratrain.errors import ConfigError
 from paratrain.launch.run import run_launch
 
-# run_launch is also named here because ``paratrain train`` and ``paratrain demo`` still import it from this
-# module; the library itself is ``paratrain.launch``.
+# run_launch is also named here because ``paratrain demo`` (cli/demo.py) still imports it from this module; the
+# library itself is ``paratrain.launch``.
 __all__ = ["add_parser", "run_launch"]
 
 _EPILOG = """\
