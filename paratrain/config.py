@@ -58,7 +58,17 @@ __all__ = [
 ]
 
 DEFAULT_MASTER_PORT = 29500
-_TRANSPORTS = ("zmq", "inproc")
+#: Accepted ``PARATRAIN_TRANSPORT`` values: the built-ins, and whatever :mod:`paratrain.transport.registry`
+#: registers (it tells this module through :func:`allow_transport`).
+_TRANSPORTS = ["zmq", "inproc"]
+
+
+def allow_transport(name: str) -> None:
+    """Accepts ``name`` as a transport (called by the transport registry for each kind it registers)."""
+    if name not in _TRANSPORTS:
+        _TRANSPORTS.append(name)
+
+
 _ROLES = ("worker", "server")
 
 

@@ -13,10 +13,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from paratrain.config import Settings
-from paratrain.errors import CommTimeoutError, ParatrainError
+from paratrain.errors import CommTimeoutError, ConfigError, ParatrainError
 from paratrain.runtime.context import Context
-from paratrain.transport.base import Transport
-from paratrain.transport.inproc import InprocFabric
+from paratrain.transport.registry import local_job, zmq_transports
 
 __all__ = ["RankFailedError", "run_ranks", "zmq_transports"]
 
@@ -25,21 +24,6 @@ R = TypeVar("R")
 
 class RankFailedError(ParatrainError, RuntimeError):
     """Another rank of an in-process job failed; this rank was woken so as not to hang."""
-
-
-def zmq_transports(world_size: int, *, timeout: float = 30.0, host_ids: list[str] | None = None) -> list[Transport]:
-    """``world_size`` connected ZeroMQ transports in this process (loopback TCP, or ipc for equal host ids)."""
-    from paratrain.transport.zmq import ZmqTransport
-
-    hosts = host_ids or ["local"] * world_size
-    transports = [
-        ZmqTransport(rank=r, world_size=world_size, host_id=hosts[r], timeout=timeout, run_id="test")
-        for r in range(world_size)
-    ]
-    table = [t.endpoints() for t in transports]
-    for t in transports:
-        t.connect(table)
-    return list(transports)
 
 
 def run_ranks(
@@ -73,22 +57,13 @@ def run_ranks(
         [0, 10, 20]
     """
     from paratrain.ps.server import ParameterServer
-    from paratrain.transport.faults import FaultSpec, FaultyTransport
 
     workers, total = world_size, world_size + servers
-    inner: list[Transport]
-    fabric: InprocFabric | None
-    if transport == "inproc":
-        fabric = InprocFabric(total, timeout=timeout)
-        inner = [fabric.transport(r) for r in range(total)]
-    elif transport == "zmq":
-        fabric = None
-        inner = zmq_transports(total, timeout=timeout)
-    else:
-        raise ValueError(f"unknown transport {transport!r}; use 'inproc' or 'zmq'")
-    transports: list[Transport] = (
-        [FaultyTransport(t, FaultSpec.parse(faults)) for t in inner] if faults else list(inner)
-    )
+    try:
+        job = local_job(transport, total, timeout=timeout, faults=faults)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    transports = job.transports
     results: list[R | None] = [None] * workers
     errors: list[BaseException | None] = [None] * total
     failed = threading.Event()
@@ -101,8 +76,8 @@ def run_ranks(
             failed.set()
         wake = RankFailedError(f"rank {origin} failed with {type(exc).__name__}: {exc}")
         wake.__cause__ = exc
-        if fabric is not None:
-            fabric.fail_all(wake)
+        if job.fail_all is not None:
+            job.fail_all(wake)
         for r, t in enumerate(transports):
             if r != origin:
                 t.abort(wake)

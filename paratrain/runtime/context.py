@@ -9,11 +9,9 @@ the calling thread, and for the whole process if it is the first. ``shutdown()``
 from __future__ import annotations
 
 import atexit
-import ipaddress
 import itertools
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import NoReturn, TypeVar
@@ -23,9 +21,10 @@ from paratrain.collectives.api import Collectives
 from paratrain.collectives.exchange import Exchange
 from paratrain.collectives.tree import agree
 from paratrain.config import Settings
-from paratrain.errors import ConfigError, NotInitializedError, RendezvousError
+from paratrain.errors import ConfigError, NotInitializedError
 from paratrain.runtime.group import COLLECTIVE_TAG_BASE, Group, closed_check
 from paratrain.transport.base import Handle, Transport
+from paratrain.transport.registry import connect
 
 __all__ = ["COLLECTIVE_TAG_BASE", "Context", "Group", "current", "init", "shutdown"]
 
@@ -343,19 +342,6 @@ def _shutdown_all_at_exit() -> None:
             log.exception("paratrain: shutdown at exit failed")
 
 
-def _route_address(host: str) -> str:
-    """The local IP address from which ``host`` is reached (no packet is sent)."""
-    try:
-        ip = socket.gethostbyname(host)
-    except OSError as exc:
-        raise RendezvousError(f"cannot resolve the rendezvous host {host!r}: {exc}; check MASTER_ADDR") from None
-    if ipaddress.ip_address(ip).is_loopback:
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((ip, 9))
-        return str(probe.getsockname()[0])
-
-
 def init(
     *,
     transport: str | None = None,
@@ -394,8 +380,6 @@ def init(
         1
         >>> ctx.shutdown()
     """
-    from paratrain.transport.inproc import InprocFabric
-
     settings = Settings.from_env(env if env is not None else os.environ)
     overrides: dict[str, object] = {}
     if transport is not None:
@@ -414,27 +398,7 @@ def init(
     if overrides:
         settings = settings.replace(**overrides)
 
-    inner: Transport
-    if settings.transport == "inproc" or (settings.world_size == 1 and fabric is None):
-        if fabric is None:
-            if settings.world_size != 1:
-                raise ConfigError("transport 'inproc' with world size > 1 needs fabric=InprocFabric(world_size)")
-            fabric = InprocFabric(1, timeout=settings.timeout)
-        if not isinstance(fabric, InprocFabric) or fabric.world_size != settings.world_size:
-            raise ConfigError(f"fabric must be an InprocFabric of world size {settings.world_size}")
-        inner = fabric.transport(settings.rank)
-        inner.timeout = settings.timeout
-    else:
-        inner = _connect_zmq(settings)
-    result: Transport = inner
-    if settings.faults:
-        from paratrain.transport.faults import FaultSpec, FaultyTransport
-
-        try:
-            result = FaultyTransport(inner, FaultSpec.parse(settings.faults))
-        except BaseException:
-            inner.abort()
-            raise
+    result = connect(settings, fabric=fabric)
     ctx = Context(settings=settings, transport=result)
     if settings.role == "server":
         _serve_and_exit(ctx)
@@ -459,66 +423,6 @@ def _serve_and_exit(ctx: Context) -> NoReturn:
     finally:
         ctx.shutdown()
     raise SystemExit(0)
-
-
-def _peer_lost_reporter(settings: Settings) -> Callable[[int, str], None] | None:
-    """Under ``paratrain launch``: records lost peers in the scratch directory, so that when this rank then
-    fails, the launcher names the peer whose loss caused it rather than this rank."""
-    scratch = settings.scratch_dir
-    if scratch is None:
-        return None
-
-    def report(peer: int, reason: str) -> None:
-        path = os.path.join(scratch, f"peer-lost.{settings.rank}")
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(f"{peer}\t{reason}\n")
-
-    return report
-
-
-def _connect_zmq(settings: Settings) -> Transport:
-    from paratrain.transport.rendezvous import RendezvousServer, register
-    from paratrain.transport.zmq import ZmqTransport
-
-    bind = settings.advertise_addr or _route_address(settings.rdzv_addr)
-    zt = ZmqTransport(
-        rank=settings.rank,
-        world_size=settings.world_size,
-        host_id=settings.host_id,
-        bind_addr=bind,
-        run_id=settings.run_id,
-        timeout=settings.timeout,
-        heartbeat=settings.heartbeat,
-        heartbeat_timeout=settings.heartbeat_timeout,
-        on_peer_lost=_peer_lost_reporter(settings),
-    )
-    server: RendezvousServer | None = None
-    try:
-        if settings.rank == 0 and not settings.rdzv_hosted:
-            loopback = bind == "127.0.0.1"
-            server = RendezvousServer(
-                world_size=settings.world_size,
-                bind_addr="127.0.0.1" if loopback else "*",
-                port=settings.rdzv_port,
-                timeout=settings.rdzv_timeout,
-            )
-            server.start()
-        table = register(
-            settings.rdzv_addr,
-            settings.rdzv_port,
-            rank=settings.rank,
-            world_size=settings.world_size,
-            info=zt.endpoints(),
-            timeout=settings.rdzv_timeout,
-        )
-        zt.connect(table)
-    except BaseException:
-        zt.abort()
-        raise
-    finally:
-        if server is not None:
-            server.join(timeout=5)
-    return zt
 
 
 def shutdown() -> None:

@@ -1,0 +1,229 @@
+"""Transports by name, as ps-lite creates its Van: ``PARATRAIN_TRANSPORT`` picks one, nothing else switches.
+
+A :class:`TransportKind` says how to open one rank of a real job (``connect``: from the settings, e.g. ZeroMQ
+through the rendezvous) and how to open every rank of a job inside this process (``local``: for tests and
+in-process ranks). :func:`connect` opens the configured kind and wraps it in the fault injector when
+``PARATRAIN_FAULTS`` asks for an emulated network, so the runtime and the test harness never test names
+themselves. A new transport (shared memory, RDMA) registers here and becomes a valid ``PARATRAIN_TRANSPORT``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from paratrain.config import Settings, allow_transport
+from paratrain.errors import ConfigError, RendezvousError
+from paratrain.transport.base import Transport
+from paratrain.transport.faults import FaultSpec, FaultyTransport
+from paratrain.transport.inproc import InprocFabric
+from paratrain.transport.rendezvous import RendezvousServer, register
+from paratrain.transport.zmq import ZmqTransport
+
+__all__ = ["LocalJob", "TransportKind", "connect", "kinds", "local_job", "register_transport"]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalJob:
+    """Every rank's transport of a job inside this process, and how to wake them all when one fails."""
+
+    transports: list[Transport]
+    fail_all: Callable[[BaseException], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TransportKind:
+    """A registered transport.
+
+    Attributes:
+        name: the value of ``PARATRAIN_TRANSPORT``.
+        help: one line for documentation.
+        connect: ``connect(settings, fabric)`` -> this rank's transport in a real job (``fabric``: the
+            in-process fabric for ``inproc``, else None).
+        local: ``local(world_size, timeout)`` -> every rank's transport inside this process.
+    """
+
+    name: str
+    help: str
+    connect: Callable[[Settings, Any], Transport]
+    local: Callable[[int, float], LocalJob]
+
+
+_KINDS: dict[str, TransportKind] = {}
+
+
+def register_transport(kind: TransportKind) -> None:
+    """Adds a transport (its name becomes a valid ``PARATRAIN_TRANSPORT``).
+
+    Raises:
+        ValueError: the name is taken.
+    """
+    if kind.name in _KINDS:
+        raise ValueError(f"transport {kind.name!r} is registered already")
+    _KINDS[kind.name] = kind
+    allow_transport(kind.name)
+
+
+def kinds() -> MappingProxyType[str, TransportKind]:
+    """The registered transports by name."""
+    return MappingProxyType(_KINDS)
+
+
+def _kind(name: str) -> TransportKind:
+    kind = _KINDS.get(name)
+    if kind is None:
+        raise ConfigError(f"unknown transport {name!r}; choose one of {', '.join(_KINDS)}")
+    return kind
+
+
+def connect(settings: Settings, *, fabric: object | None = None) -> Transport:
+    """This rank's transport for ``settings``: the configured kind (a world of one needs no network: it is
+    ``inproc`` unless a fabric says otherwise), wrapped in the fault injector if ``settings.faults``.
+
+    Raises:
+        ConfigError: unknown transport or bad fault spec. RendezvousError: the ranks could not meet.
+    """
+    name = "inproc" if settings.world_size == 1 and fabric is None else settings.transport
+    inner = _kind(name).connect(settings, fabric)
+    if not settings.faults:
+        return inner
+    try:
+        return FaultyTransport(inner, FaultSpec.parse(settings.faults))
+    except BaseException:
+        inner.abort()
+        raise
+
+
+def local_job(name: str, world_size: int, *, timeout: float, faults: str | None = None) -> LocalJob:
+    """Every rank's transport of a ``world_size`` job of kind ``name`` in this process (for tests).
+
+    Raises:
+        ConfigError: unknown transport.
+    """
+    job = _kind(name).local(world_size, timeout)
+    if not faults:
+        return job
+    spec = FaultSpec.parse(faults)
+    return LocalJob([FaultyTransport(t, spec) for t in job.transports], job.fail_all)
+
+
+# -- inproc -----------------------------------------------------------------------------------------------------
+
+
+def _connect_inproc(settings: Settings, fabric: object | None) -> Transport:
+    if fabric is None:
+        if settings.world_size != 1:
+            raise ConfigError("transport 'inproc' with world size > 1 needs fabric=InprocFabric(world_size)")
+        fabric = InprocFabric(1, timeout=settings.timeout)
+    if not isinstance(fabric, InprocFabric) or fabric.world_size != settings.world_size:
+        raise ConfigError(f"fabric must be an InprocFabric of world size {settings.world_size}")
+    transport = fabric.transport(settings.rank)
+    transport.timeout = settings.timeout
+    return transport
+
+
+def _local_inproc(world_size: int, timeout: float) -> LocalJob:
+    fabric = InprocFabric(world_size, timeout=timeout)
+    return LocalJob([fabric.transport(r) for r in range(world_size)], fabric.fail_all)
+
+
+# -- zmq ----------------------------------------------------------------------------------------------------------
+
+
+def zmq_transports(world_size: int, *, timeout: float = 30.0, host_ids: list[str] | None = None) -> list[Transport]:
+    """``world_size`` connected ZeroMQ transports in this process (loopback TCP, or ipc for equal host ids)."""
+    hosts = host_ids or ["local"] * world_size
+    transports = [
+        ZmqTransport(rank=r, world_size=world_size, host_id=hosts[r], timeout=timeout, run_id="test")
+        for r in range(world_size)
+    ]
+    table = [t.endpoints() for t in transports]
+    for t in transports:
+        t.connect(table)
+    return list(transports)
+
+
+def _local_zmq(world_size: int, timeout: float) -> LocalJob:
+    return LocalJob(zmq_transports(world_size, timeout=timeout))
+
+
+def _route_address(host: str) -> str:
+    """The local IP address from which ``host`` is reached (no packet is sent)."""
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError as exc:
+        raise RendezvousError(f"cannot resolve the rendezvous host {host!r}: {exc}; check MASTER_ADDR") from None
+    if ipaddress.ip_address(ip).is_loopback:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((ip, 9))
+        return str(probe.getsockname()[0])
+
+
+def _peer_lost_reporter(settings: Settings) -> Callable[[int, str], None] | None:
+    """Under ``paratrain launch``: records lost peers in the scratch directory, so that when this rank then
+    fails, the launcher names the peer whose loss caused it rather than this rank."""
+    scratch = settings.scratch_dir
+    if scratch is None:
+        return None
+
+    def report(peer: int, reason: str) -> None:
+        path = os.path.join(scratch, f"peer-lost.{settings.rank}")
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(f"{peer}\t{reason}\n")
+
+    return report
+
+
+def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
+    """One rank of a real job: bind, meet the others at the rendezvous (rank 0 hosts it), connect."""
+    bind = settings.advertise_addr or _route_address(settings.rdzv_addr)
+    zt = ZmqTransport(
+        rank=settings.rank,
+        world_size=settings.world_size,
+        host_id=settings.host_id,
+        bind_addr=bind,
+        run_id=settings.run_id,
+        timeout=settings.timeout,
+        heartbeat=settings.heartbeat,
+        heartbeat_timeout=settings.heartbeat_timeout,
+        on_peer_lost=_peer_lost_reporter(settings),
+    )
+    server: RendezvousServer | None = None
+    try:
+        if settings.rank == 0 and not settings.rdzv_hosted:
+            loopback = bind == "127.0.0.1"
+            server = RendezvousServer(
+                world_size=settings.world_size,
+                bind_addr="127.0.0.1" if loopback else "*",
+                port=settings.rdzv_port,
+                timeout=settings.rdzv_timeout,
+            )
+            server.start()
+        table = register(
+            settings.rdzv_addr,
+            settings.rdzv_port,
+            rank=settings.rank,
+            world_size=settings.world_size,
+            info=zt.endpoints(),
+            timeout=settings.rdzv_timeout,
+        )
+        zt.connect(table)
+    except BaseException:
+        zt.abort()
+        raise
+    finally:
+        if server is not None:
+            server.join(timeout=5)
+    return zt
+
+
+register_transport(
+    TransportKind("zmq", "ZeroMQ over TCP between hosts, ipc inside one (the default)", _connect_zmq, _local_zmq)
+)
+register_transport(TransportKind("inproc", "threads of one process (tests)", _connect_inproc, _local_inproc))
