@@ -26,8 +26,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _main(args: argparse.Namespace) -> int:
-    from paratrain.cli.launch import run_launch
     from paratrain.errors import ConfigError
+    from paratrain.launch.run import run_launch
 
     t0 = time.perf_counter()
     try:

@@ -8,9 +8,7 @@ import sys
 from paratrain.errors import ConfigError
 from paratrain.launch.run import run_launch
 
-# run_launch is also named here because ``paratrain demo`` (cli/demo.py) still imports it from this module; the
-# library itself is ``paratrain.launch``.
-__all__ = ["add_parser", "run_launch"]
+__all__ = ["add_parser"]
 
 _EPILOG = """\
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun sets

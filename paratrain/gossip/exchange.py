@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paratrain.errors import ConfigError
+from paratrain.gossip.plan import round_actions
 from paratrain.gossip.shm import ShmExchangeGroup
 from paratrain.transport.base import Handle, Transport
 from paratrain.transport.wire import Message
@@ -162,10 +163,17 @@ class SocketExchange(NeighbourExchange):
         self._sends: list[Handle[None]] = []
 
     def _post(self, mine: list[_Array]) -> None:
+        """Iterates the messages of this rank's round (:func:`~paratrain.gossip.plan.round_actions`)."""
         tag = self._next_tag()  # taken even without neighbours, so every rank stays in step
         transport = self._transport
-        self.receives = [(peer, weight, transport.irecv(peer, tag)) for peer, weight in self.neighbors]
-        self._sends = [transport.isend(peer, tag, mine) for peer, _ in self.neighbors]
+        nbytes = sum(int(a.nbytes) for a in mine)
+        weights = dict(self.neighbors)
+        self.receives, self._sends = [], []
+        for action in round_actions([peer for peer, _ in self.neighbors], nbytes):
+            if action.kind == "recv":
+                self.receives.append((action.peer, weights[action.peer], transport.irecv(action.peer, tag)))
+            elif action.kind == "send":
+                self._sends.append(transport.isend(action.peer, tag, mine))
 
     def _wait(self, mine: list[_Array]) -> list[Received]:
         receives, self.receives = self.receives, []

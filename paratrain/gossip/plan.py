@@ -1,19 +1,22 @@
-"""One gossip round as a list of transfers ``(src, dst, nbytes)``: what the exchange sends, as plain data.
+"""One gossip round as a plan: what the exchange sends, as plain data.
 
 Pure (NumPy only): a round of D-PSGD sends each rank's whole model to every neighbour that the mixing matrix
-names, in both directions, with no other traffic. A simulator or a recording transport can replay or check
-the same list that :class:`~paratrain.gossip.exchange.NeighbourExchange` carries out (both derive the
-neighbours from :func:`~paratrain.gossip.mixing.neighbors`).
+names, in both directions, with no other traffic. :func:`round_actions` is one rank's round in the plan IR
+(:mod:`paratrain.plan.ir`: post a receive from every neighbour, send to every neighbour, then mix what
+arrived), which :class:`~paratrain.gossip.exchange.SocketExchange` iterates and the cost model replays;
+:func:`gossip_plan` is the world's, and :func:`round_plan` the same messages as ``(src, dst, nbytes)``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from paratrain.errors import ConfigError
 from paratrain.gossip.mixing import neighbors, validate_mixing
+from paratrain.plan.ir import Action, Plan, PlanBuilder, Slice
 
-__all__ = ["Transfer", "round_plan"]
+__all__ = ["Transfer", "gossip_plan", "round_actions", "round_plan"]
 
 #: One message of a round: ``(src, dst, nbytes)``.
 Transfer = tuple[int, int, int]
@@ -37,3 +40,31 @@ def round_plan(w: Any, nbytes: int) -> list[Transfer]:
         raise ConfigError(f"nbytes must be an int >= 0, got {nbytes!r}")
     arr = validate_mixing(w)
     return [(src, dst, nbytes) for src in range(arr.shape[0]) for dst, _ in neighbors(arr, src)]
+
+
+def round_actions(peers: Sequence[int], nbytes: int) -> tuple[Action, ...]:
+    """One rank's round: a receive posted from every neighbour, then one send of the model (``nbytes``) to
+    each, then the mixing (``sum_j W_ij x_j``, one reduce per neighbour) once each message is in.
+
+    Example:
+        >>> [(a.kind, a.peer, a.nbytes) for a in round_actions([1, 3], 8)][:4]
+        [('recv', 1, 8), ('recv', 3, 8), ('send', 1, 8), ('send', 3, 8)]
+    """
+    b = PlanBuilder()
+    posted = [b.message("recv", peer, nbytes=nbytes) for peer in peers]
+    for peer in peers:
+        b.message("send", peer, nbytes=nbytes, data=Slice("src", 0, nbytes))
+    for handle in posted:
+        b.reduce(
+            Slice("mixed", 0, nbytes), Slice("src", 0, nbytes), Slice("mixed", 0, nbytes), itemsize=1, deps=[handle]
+        )
+    return b.actions
+
+
+def gossip_plan(w: Any, nbytes: int) -> Plan:
+    """The world's plan of one gossip round for a model of ``nbytes`` bytes per rank (see :func:`round_plan`)."""
+    arr = validate_mixing(w)
+    return Plan(
+        "gossip",
+        tuple(round_actions([peer for peer, _ in neighbors(arr, r)], nbytes) for r in range(arr.shape[0])),
+    )

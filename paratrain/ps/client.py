@@ -11,6 +11,7 @@ old, update from the network"); pushes always go to the servers, so caching neve
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,8 +24,10 @@ from paratrain._arrays import as_numpy_view, dtype_from_name
 from paratrain._current import current_context
 from paratrain.config import Settings
 from paratrain.errors import CommTimeoutError, ConfigError
+from paratrain.plan.ir import Action, Slice
 from paratrain.ps.consistency import Policy
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
+from paratrain.ps.plans import clock_actions, pull_actions, push_actions
 from paratrain.ps.protocol import REQUEST_TAG, PSRequestError, reply_tag
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks, split_rows
 from paratrain.transport.base import Handle, Transport
@@ -60,10 +63,19 @@ class _Key:
     shape: tuple[int, ...]
     dtype_name: str
     chunks: list[Chunk]
+    push: tuple[Action, ...] = ()  # this worker's side of a push and a pull (paratrain.ps.plans), per chunk
+    pull: tuple[Action, ...] = ()
 
     @property
     def storage(self) -> np.dtype[Any]:
         return dtype_from_name(self.dtype_name)
+
+
+def _slice(action: Action) -> slice:
+    """The rows an action of a PS plan reads (a send) or writes (a copy)."""
+    region = action.data if action.kind == "send" else action.out
+    assert isinstance(region, Slice)
+    return slice(region.start, region.stop)
 
 
 def _rows(arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -266,7 +278,14 @@ class KVStore:
             pending.append(self._request(self._servers[chunk.server], meta, [part] if self.rank == 0 else []))
         for handle, server in pending:
             self._wait(handle, server, f"init of key {key!r}")
-        self._keys[key] = _Key(shape, dtype_name, chunks)
+        row_bytes = math.prod(rows.shape[1:]) * arr.itemsize
+        self._keys[key] = _Key(
+            shape,
+            dtype_name,
+            chunks,
+            push=push_actions(chunks, row_bytes, self._servers),
+            pull=pull_actions(chunks, row_bytes, self._servers),
+        )
         self._versions[key] = [None] * len(chunks)
         self._cache.pop(key, None)
 
@@ -281,13 +300,15 @@ class KVStore:
         rows = _rows(arr)
         self._cache.pop(key, None)
         versions = self._versions[key]
+        # the plan's sends, in chunk order; each request posts its reply's receive first (the plan's recv)
+        sends = [a for a in info.push if a.kind == "send"]
         pending = [
             self._request(
-                self._servers[c.server],
+                a.peer,
                 {"op": "push", "key": key, "chunk": c.index, "version": versions[c.index]},
-                [rows[c.row_start : c.row_stop]],
+                [rows[_slice(a)]],
             )
-            for c in info.chunks
+            for a, c in zip(sends, info.chunks, strict=True)
         ]
         return self._all(pending, f"push to key {key!r}")
 
@@ -306,21 +327,18 @@ class KVStore:
         required = self.policy.required_done(self._clock)
         out = np.empty(info.shape, dtype=info.storage)
         rows = _rows(out)
+        sends = [a for a in info.pull if a.kind == "send"]
+        copies = [a for a in info.pull if a.kind == "copy"]
         pending = [
-            (
-                c,
-                *self._request(
-                    self._servers[c.server], {"op": "pull", "key": key, "chunk": c.index, "required": required}
-                ),
-            )
-            for c in info.chunks
+            (c, *self._request(a.peer, {"op": "pull", "key": key, "chunk": c.index, "required": required}))
+            for a, c in zip(sends, info.chunks, strict=True)
         ]
         done = None
         parts = []
         versions = self._versions[key]
-        for chunk, handle, server in pending:
+        for (chunk, handle, server), copy in zip(pending, copies, strict=True):
             msg = self._wait(handle, server, f"pull of key {key!r}")
-            rows[chunk.row_start : chunk.row_stop] = msg.arrays[0]
+            rows[_slice(copy)] = msg.arrays[0]
             parts.append(msg.arrays[0])
             chunk_done = int(msg.meta.get("done", 0))
             done = chunk_done if done is None else min(done, chunk_done)
@@ -380,8 +398,8 @@ class KVStore:
     def clock(self) -> None:
         """Ends this worker's iteration. Under BSP/SSP it waits while this worker would be more than s ahead."""
         self._clock += 1
-        for server in self._servers:
-            self._transport.isend(server, REQUEST_TAG, (), {"op": "clock", "clock": self._clock, "id": -1})
+        for action in clock_actions(self._servers):
+            self._transport.isend(action.peer, REQUEST_TAG, (), {"op": "clock", "clock": self._clock, "id": -1})
         if not self.policy.may_run(self._clock, self._min_done):
             required = self.policy.required_done(self._clock)
             server = self._servers[self.rank % len(self._servers)]

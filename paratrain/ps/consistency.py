@@ -34,7 +34,7 @@ from typing import Literal, get_args
 
 from paratrain.errors import ConfigError
 
-__all__ = ["Kind", "Policy", "min_done"]
+__all__ = ["Kind", "Policy", "min_done", "required_met"]
 
 Kind = Literal["bsp", "ssp", "asp"]
 _KINDS: tuple[str, ...] = get_args(Kind)
@@ -147,8 +147,7 @@ class Policy:
             >>> Policy.parse("bsp").pull_ready(1, {0: 1, 1: 0})  # worker 1 has not finished clock 0
             False
         """
-        required = self.required_done(pull_clock)
-        return required is None or not done or min(done.values()) >= required
+        return required_met(self.required_done(pull_clock), min(done.values()) if done else None)
 
     def may_run(self, clock: int, min_done: int | None) -> bool:
         """Whether a worker may run at ``clock`` (after its clock() call) given the slowest live worker's done.
@@ -197,3 +196,15 @@ def min_done(done: Mapping[int, int], live: Iterable[int]) -> int | None:
         (3, 0, None)
     """
     return min((done.get(w, 0) for w in live), default=None)
+
+
+def required_met(required: int | None, min_done: int | None) -> bool:
+    """Whether a request that needs ``min(done) >= required`` (a pull, or a worker waiting at its clock) may
+    be answered: the one comparison the clients ask for and the servers apply. ``required=None`` (ASP) or
+    ``min_done=None`` (no live worker left to wait for): at once.
+
+    Example:
+        >>> required_met(3, 2), required_met(3, 3), required_met(None, 0), required_met(5, None)
+        (False, True, True, True)
+    """
+    return required is None or min_done is None or min_done >= required

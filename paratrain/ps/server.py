@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 from paratrain._arrays import DTYPE_NAMES, dtype_from_name
 from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
+from paratrain.ps.consistency import min_done, required_met
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
 from paratrain.ps.protocol import REQUEST_TAG, reply_tag
 from paratrain.ps.rounds import Mode, RoundSum, commit_ready, mode_of, preview, round_of_push, staleness_weight
@@ -216,8 +217,9 @@ class ParameterServer:
 
     def _advance(self) -> None:
         """Recomputes the slowest clock; applies completed synchronous steps; answers what became allowed."""
-        if self.live:
-            self._min_done = max(self._min_done, min(self.done[w] for w in self.live))
+        slowest = min_done(self.done, self.live)
+        if slowest is not None:
+            self._min_done = max(self._min_done, slowest)
         for chunk in self._chunks.values():
             self._commit(chunk)
         still: list[tuple[int, Mapping[str, Any], Message]] = []
@@ -253,7 +255,7 @@ class ParameterServer:
 
     def _ready(self, meta: Mapping[str, Any]) -> bool:
         required = meta.get("required")
-        return required is None or not self.live or self._min_done >= int(required)
+        return required_met(None if required is None else int(required), self._min_done if self.live else None)
 
     def _op_clock(self, msg: Message) -> None:
         clock = msg.meta.get("clock")

@@ -8,6 +8,7 @@ For each collective, algorithm and world size, every rank runs the call through 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,14 @@ from paratrain.collectives.ops import Reducer
 from paratrain.collectives.plans import chunk_bounds
 from paratrain.collectives.ring import ring_allreduce_run
 from paratrain.collectives.tree import Exchange
+from paratrain.config import Settings
+from paratrain.gossip.exchange import SocketExchange
+from paratrain.gossip.mixing import neighbors, resolve_mixing
+from paratrain.gossip.plan import gossip_plan
 from paratrain.plan import Plan
+from paratrain.ps.client import KVStore
+from paratrain.ps.plans import round_plan as ps_round_plan
+from paratrain.ps.sharding import as_rows, plan_chunks
 from paratrain.runtime.context import Context
 from paratrain.testing import run_ranks
 from paratrain.transport.recording import RecordingTransport
@@ -127,3 +135,54 @@ def test_barrier_sends_its_plan(n: int) -> None:
         return [(m.dst, m.nbytes, m.tag) for m in rec.take()]
 
     _assert_sent_the_plan(run_ranks(n, rank_fn, timeout=60), barrier_plan(n))
+
+
+# -- parameter server and gossip ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _RecordedWorker:
+    """A worker context whose transport records (what a KVStore needs: settings, transport, rank)."""
+
+    settings: Settings
+    transport: RecordingTransport
+    rank: int
+
+
+@pytest.mark.parametrize(("workers", "servers"), [(1, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("shape", [(), (7,), (40, 3)])
+def test_ps_push_and_pull_send_their_plan(workers: int, servers: int, shape: tuple[int, ...]) -> None:
+    def fn(ctx: Context) -> list[tuple[int, int, int]]:
+        rec = RecordingTransport(ctx.transport)
+        kv = KVStore("bsp", context=_RecordedWorker(ctx.settings, rec, ctx.rank), chunk_bytes=64)
+        kv.init("w", np.zeros(shape))
+        rec.take()  # init is not part of the round
+        kv.push("w", np.ones(shape)).wait(30)
+        kv.pull("w")  # at clock 0 nobody waits
+        sent = [(m.dst, m.nbytes, m.tag) for m in rec.take()]
+        kv.close()
+        return sent
+
+    recorded = run_ranks(workers, fn, servers=servers, timeout=60)
+    rows, cols = as_rows(shape)
+    chunks = plan_chunks("w", shape, 8, servers, chunk_bytes=64)
+    plan = ps_round_plan(chunks, cols * 8, num_workers=workers, num_servers=servers)
+    plan.validate()
+    for rank, sent in enumerate(recorded):
+        assert [(d, b) for d, b, _ in sent] == [(m.dst, m.nbytes) for m in plan.sends(rank)], f"worker {rank}"
+    assert rows == sum(c.num_rows for c in chunks)
+
+
+@pytest.mark.parametrize(("n", "topology"), [(2, "ring"), (4, "ring"), (5, "exponential"), (4, "complete")])
+def test_gossip_round_sends_its_plan(n: int, topology: str) -> None:
+    w, _ = resolve_mixing(topology, n)
+
+    def fn(ctx: Context) -> list[tuple[int, int, int]]:
+        rec = RecordingTransport(ctx.transport)
+        ex = SocketExchange(rec, neighbors=neighbors(w, ctx.rank), next_tag=ctx.next_collective_tag, timeout=30)
+        ex.post([np.full(10, float(ctx.rank), np.float32), np.zeros(3)])
+        ex.wait()
+        ex.close()
+        return [(m.dst, m.nbytes, m.tag) for m in rec.take()]
+
+    _assert_sent_the_plan(run_ranks(n, fn, timeout=60), gossip_plan(w, 10 * 4 + 3 * 8))

@@ -135,3 +135,24 @@ def test_ring_plan_table_two_ranks_two_segments() -> None:
     # in place (src is dst), chunk 1 is overwritten only after the first sends released it
     in_place = allreduce_plan("ring", 2, 8, 4, segment_bytes=8, agreement=False, aliased=True).ranks[0]
     assert [a.deps for a in in_place[-2:]] == [(0, 10), (1, 11)]
+
+
+def test_ps_and_gossip_rounds_are_plans_the_cost_model_replays() -> None:
+    from paratrain.gossip.mixing import resolve_mixing
+    from paratrain.gossip.plan import gossip_plan
+    from paratrain.ps.plans import round_plan
+    from paratrain.ps.sharding import plan_chunks
+
+    chunks = plan_chunks("w", (1000, 10), 4, 2, chunk_bytes=8000)
+    ps = round_plan(chunks, 40, num_workers=3, num_servers=2)
+    ps.validate()
+    # every worker sends its 40 kB gradient and gets 40 kB back; each server sends its chunks to 3 workers
+    assert ps.bytes_sent()[:3] == [40_000] * 3
+    assert sum(ps.bytes_sent()[3:]) == 3 * 40_000
+    alpha, beta = 1e-4, 1e-8
+    assert simulate(ps, alpha=alpha, beta=beta).time >= 2 * alpha + 40_000 * beta
+    ring, _ = resolve_mixing("ring", 6)
+    gossip = gossip_plan(ring, 1000)
+    gossip.validate()
+    assert gossip.bytes_sent() == [2000] * 6  # two neighbours, whatever the number of workers
+    assert simulate(gossip, alpha=alpha, beta=beta).time == pytest.approx(alpha + 2000 * beta)
