@@ -23,15 +23,19 @@ this module.
 
 Thread safety: every method may be called from any thread, but all ranks must issue their collectives in the
 same order (it decides the tags). Blocking calls run in the calling thread; ``*_async`` calls run, in call
-order, on one background thread per :class:`Collectives`.
+order, on one background thread per :class:`Collectives` (:mod:`.background`). The ``auto`` policies live
+in :mod:`.policy` (re-exported here).
+
+Why one module of ~600 lines: :class:`Collectives` is one object whose every method follows the same four
+steps above; about a third of the module is the methods' docstrings with runnable examples. The policies,
+the background thread and the schedules already live elsewhere; splitting the methods from each other would
+scatter the one protocol they share.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
@@ -43,10 +47,19 @@ import numpy as np
 import numpy.typing as npt
 
 from paratrain._arrays import as_numpy_view, is_torch_tensor
+from paratrain.collectives.background import BackgroundWorker
 from paratrain.collectives.hierarchical import HostLayout, hierarchical_allreduce
-from paratrain.collectives.lower import allreduce_plan
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.plans import chunk_bounds
+from paratrain.collectives.policy import (
+    AUTO_BROADCAST_TREE_MAX_BYTES,
+    AUTO_DIRECT_MAX_BYTES,
+    AUTO_TREE_MAX_BYTES,
+    LOOPBACK_BYTES_PER_SECOND,
+    default_allreduce_choice,
+    default_broadcast_choice,
+    network_allreduce_choice,
+)
 from paratrain.collectives.ring import (
     chain_broadcast_run,
     ring_allgather_run,
@@ -55,8 +68,7 @@ from paratrain.collectives.ring import (
 )
 from paratrain.collectives.signature import INVALID, Signature, mismatch_error
 from paratrain.collectives.tree import Exchange, agree, direct_allreduce, tree_allreduce, tree_broadcast
-from paratrain.errors import CollectiveMismatchError, ParatrainError, TransportClosedError
-from paratrain.plan.cost import simulate
+from paratrain.errors import CollectiveMismatchError, ParatrainError
 from paratrain.transport.base import Handle, Transport
 
 if TYPE_CHECKING:
@@ -80,36 +92,6 @@ __all__ = [
 
 A = TypeVar("A")
 T = TypeVar("T")
-
-#: ``algorithm="auto"`` uses ``"direct"`` while each rank receives at most this many bytes in all
-#: ((N - 1) x the array): the agreement's ceil(log2 N) rounds carry the data, and nothing else is sent.
-#: These thresholds must come from measurement on the machines that run the job. Measured here: separate
-#: processes over the ZeroMQ transport (ipc) on a 2-core VM, float32 sum, median ms, best of 3 rounds:
-#:
-#:     N  bytes/rank   direct    tree    ring       N  bytes/rank   direct    tree    ring
-#:     2     1 KiB      0.54     0.88    1.33       3     1 KiB      0.95     1.37    2.54
-#:     2    64 KiB      0.73     1.21    1.14       3   256 KiB      2.27     2.63    4.14
-#:     2   256 KiB      1.14     1.71    3.11       3     1 MiB      5.08     4.56    5.39
-#:     2     1 MiB      1.55     2.10    2.26       3     4 MiB     16.2     10.9    12.6
-#:     2     4 MiB      4.63     4.54    4.57       3    16 MiB       -      44.5    30.2
-#:     2    16 MiB     14.3     16.7    13.5        4    64 KiB      1.85     2.76    4.59
-#:
-#: (Gloo in the same session: N = 2, 1 KiB 0.86 ms, 16 MiB 17.5 ms.) With 2 cores N = 3 and 4 oversubscribe
-#: the machine, which favours the tree; with a core (or a host) per rank the ring wins earlier.
-AUTO_DIRECT_MAX_BYTES = 1 << 19
-
-#: ``algorithm="auto"`` uses the binomial tree up to this many bytes per rank (where ``"direct"`` does not
-#: apply), the ring above: the tree needs 2 log2 N latencies, the ring 2(N - 1), but the ring moves
-#: 2(N - 1)/N of the data per rank against the tree's up to 2 log2 N times all of it. Measured crossover
-#: (table above): about 4 MiB for N = 2 and 3.
-AUTO_TREE_MAX_BYTES = 1 << 22
-
-#: ``algorithm="auto"`` broadcasts at most this many bytes along a binomial tree (log2 N latencies), larger
-#: arrays along a pipelined chain (every link carries the data once, instead of log2 N times on the tree's
-#: critical path). Measured as above for N = 2 and 3 from 64 KiB to 16 MiB: within 10% of each other
-#: everywhere (on 2 cores the chain's parallelism has no idle core to use), so this value comes from the
-#: alpha-beta model, not from a crossover; re-measure with more ranks and cores.
-AUTO_BROADCAST_TREE_MAX_BYTES = 1 << 20
 
 AllreduceRun = Callable[[Exchange, npt.NDArray[Any], npt.NDArray[Any], Reducer], None]
 
@@ -149,74 +131,6 @@ DEFAULT_ALLREDUCE_ALGORITHMS: Mapping[str, AllreduceAlgorithm] = MappingProxyTyp
 DEFAULT_BROADCAST_ALGORITHMS: Mapping[str, BroadcastAlgorithm] = MappingProxyType(
     {"tree": tree_broadcast, "chain": chain_broadcast_run}
 )
-
-
-def default_allreduce_choice(nbytes: int, world_size: int) -> str:
-    """What ``algorithm="auto"`` runs for an allreduce of ``nbytes`` per rank.
-
-    ``"direct"`` while ``(world_size - 1) * nbytes <= AUTO_DIRECT_MAX_BYTES``, else ``"tree"`` up to
-    ``AUTO_TREE_MAX_BYTES``, else ``"ring"``.
-
-    Example:
-        >>> [default_allreduce_choice(nbytes, 4) for nbytes in (1024, 1 << 20, 1 << 24)]
-        ['direct', 'tree', 'ring']
-    """
-    if (world_size - 1) * nbytes <= AUTO_DIRECT_MAX_BYTES:
-        return "direct"
-    return "tree" if nbytes <= AUTO_TREE_MAX_BYTES else "ring"
-
-
-#: Bytes per second assumed for a link whose bandwidth the emulated network leaves unlimited: the loopback TCP
-#: throughput measured on the 2-core development machine (2.2-3.8 GB/s), its lower end.
-LOOPBACK_BYTES_PER_SECOND = 2.2e9
-
-
-def network_allreduce_choice(latency: float, bandwidth: float | None) -> Callable[[int, int], str]:
-    """An ``algorithm="auto"`` policy for a network whose per-node links are known (the fault injector's).
-
-    The measured crossovers behind :func:`default_allreduce_choice` come from loopback, where bandwidth is
-    almost free; on a slow emulated link they pick the tree for a 1 MiB gradient and pay 2 log2 N full copies.
-    This policy instead takes the cheapest call plan (:func:`~paratrain.collectives.lower.allreduce_plan`: the
-    agreement, then the algorithm) by the alpha-beta model of one full-duplex link per node
-    (:func:`paratrain.plan.cost.simulate`), latency ``a`` and ``b`` bytes/s (``b`` =
-    :data:`LOOPBACK_BYTES_PER_SECOND` when unlimited). The replay reproduces the textbook costs, with
-    ``L = ceil(log2 N)`` agreement rounds before every call (``direct`` carries its data in them)::
-
-        direct  L a + (N - 1) n / b               every rank gets every array, reduces locally
-        tree    L a + 2 L (a + n / b)             binomial reduce, then broadcast
-        ring    L a + 2 (N - 1) (a + n / (N b))   reduce-scatter, then allgather
-
-    Ties (within a part in a million) go to the simpler algorithm, in the order direct, tree, ring.
-
-    Example:
-        >>> choose = network_allreduce_choice(0.002, 12.5e6)   # 2 ms, 100 Mbit/s
-        >>> choose(1 << 20, 4), choose(1 << 10, 4)
-        ('ring', 'direct')
-    """
-    beta = 1.0 / (bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND)
-
-    @functools.lru_cache(maxsize=1024)
-    def choose(nbytes: int, world_size: int) -> str:
-        if world_size <= 1:
-            return "direct"
-        costs = {
-            name: simulate(allreduce_plan(name, world_size, nbytes, 1), alpha=latency, beta=beta).time
-            for name in ("direct", "tree", "ring")
-        }
-        best = min(costs.values())
-        return next(name for name, cost in costs.items() if cost <= best * (1 + 1e-6))
-
-    return choose
-
-
-def default_broadcast_choice(nbytes: int, world_size: int) -> str:
-    """What ``algorithm="auto"`` runs for a broadcast of ``nbytes``: tree if small, pipelined chain otherwise.
-
-    Example:
-        >>> default_broadcast_choice(1024, 4), default_broadcast_choice(1 << 24, 4)
-        ('tree', 'chain')
-    """
-    return "tree" if nbytes <= AUTO_BROADCAST_TREE_MAX_BYTES else "chain"
 
 
 # -- the socket agreement ------------------------------------------------------------------------------------
@@ -265,59 +179,6 @@ def _write_back(x: Any, result: npt.NDArray[Any], dtype_name: str) -> None:
         x.detach().copy_(_wrap(x, result, dtype_name).reshape(x.shape))
 
 
-# -- the background worker ------------------------------------------------------------------------------------
-
-
-class _Worker:
-    """One daemon thread that runs submitted collectives in submission order, started on first use."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Handle[Any]] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self.last: Handle[Any] | None = None  # the most recently submitted call
-
-    def drain(self, timeout: float) -> None:
-        """Waits until every call submitted so far has finished (their errors stay with their handles)."""
-        last = self.last
-        if last is not None and not last.done():
-            with contextlib.suppress(BaseException):
-                last.wait(timeout)
-
-    def submit(self, fn: Callable[[], T]) -> Handle[T]:
-        """Queues ``fn``; the handle completes with its result or error. Call under the caller's order lock."""
-        if self._closed:
-            raise TransportClosedError(f"{self._name}: collectives are shut down")
-        handle: Handle[T] = Handle()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
-        self._queue.put((fn, handle))
-        self.last = handle
-        return handle
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, handle = item
-            try:
-                handle.set_result(fn())
-            except BaseException as exc:  # handed to whoever waits on the handle
-                handle.set_error(exc)
-
-    def close(self, timeout: float) -> None:
-        """Stops after the queued work (which fails fast once the transport is closed); waits ``timeout`` s."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout)
-
-
 # -- the user-facing class ------------------------------------------------------------------------------------
 
 
@@ -360,7 +221,7 @@ class Collectives:
         self.timeout = timeout
         self._next_tag = next_tag
         self._order = threading.Lock()
-        self._worker = _Worker(f"paratrain-collectives-{transport.rank}")
+        self._worker = BackgroundWorker(f"paratrain-collectives-{transport.rank}")
         self.allreduce_algorithms: dict[str, AllreduceAlgorithm] = dict(DEFAULT_ALLREDUCE_ALGORITHMS)
         self.broadcast_algorithms: dict[str, BroadcastAlgorithm] = dict(DEFAULT_BROADCAST_ALGORITHMS)
         self.choose_allreduce: Callable[[int, int], str] = default_allreduce_choice

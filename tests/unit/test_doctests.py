@@ -1,0 +1,28 @@
+"""The examples in the plan modules' docstrings run: they are the exact tables a reader checks first."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "paratrain.plan.ir",
+    "paratrain.plan.cost",
+    "paratrain.collectives.plans",
+    "paratrain.collectives.lower",
+    "paratrain.collectives.policy",
+    "paratrain.ps.plans",
+    "paratrain.gossip.plan",
+    "paratrain.strategy.spec",
+    "paratrain.transport.recording",
+    "paratrain.runtime.group",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name: str) -> None:
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
+    assert result.attempted > 0
