@@ -22,8 +22,8 @@ from paratrain.collectives.exchange import Exchange
 from paratrain.collectives.tree import agree
 from paratrain.config import Settings
 from paratrain.errors import ConfigError, NotInitializedError
-from paratrain.runtime.group import COLLECTIVE_TAG_BASE, Group, closed_check
-from paratrain.transport.base import Handle, Transport
+from paratrain.runtime.group import COLLECTIVE_TAG_BASE, CollectiveMethods, Group, closed_check
+from paratrain.transport.base import Transport
 from paratrain.transport.registry import connect
 
 __all__ = ["COLLECTIVE_TAG_BASE", "Context", "Group", "current", "init", "shutdown"]
@@ -33,7 +33,7 @@ log = logging.getLogger("paratrain")
 A = TypeVar("A")
 
 
-class Context:
+class Context(CollectiveMethods):
     """One rank's membership in a job.
 
     Attributes:
@@ -225,35 +225,6 @@ class Context:
         """This rank's :class:`~paratrain.collectives.api.Collectives` (where algorithms are registered)."""
         self._check_open()
         return self.world.collectives
-
-    def allreduce(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
-        """Reduces ``x`` over all ranks into a new array/tensor; see :meth:`.Collectives.allreduce`. Blocks."""
-        return self.collectives.allreduce(x, op, algorithm, timeout=timeout)
-
-    def allreduce_(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
-        """Reduces ``x`` over all ranks in place and returns ``x``; see :meth:`.Collectives.allreduce_`."""
-        return self.collectives.allreduce_(x, op, algorithm, timeout=timeout)
-
-    def allreduce_async(
-        self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None
-    ) -> Handle[A]:
-        """Starts an allreduce in the background; ``.wait()`` gives the result.
-
-        See :meth:`.Collectives.allreduce_async`.
-        """
-        return self.collectives.allreduce_async(x, op, algorithm, timeout=timeout)
-
-    def broadcast(self, x: A, root: int = 0, *, algorithm: str = "auto", timeout: float | None = None) -> A:
-        """A new array/tensor holding ``root``'s ``x``; see :meth:`.Collectives.broadcast`. Blocks."""
-        return self.collectives.broadcast(x, root, algorithm=algorithm, timeout=timeout)
-
-    def allgather(self, x: A, *, timeout: float | None = None) -> A:
-        """Every rank's ``x`` concatenated along axis 0; see :meth:`.Collectives.allgather`. Blocks."""
-        return self.collectives.allgather(x, timeout=timeout)
-
-    def reduce_scatter(self, x: A, op: str = "sum", *, timeout: float | None = None) -> A:
-        """This rank's part of the reduced ``x``, split along axis 0; see :meth:`.Collectives.reduce_scatter`."""
-        return self.collectives.reduce_scatter(x, op, timeout=timeout)
 
     def shutdown(self) -> None:
         """Leaves the job: says goodbye to the peers and releases sockets and threads. Idempotent.

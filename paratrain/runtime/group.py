@@ -30,7 +30,7 @@ from paratrain.transport.base import Handle, Transport
 if TYPE_CHECKING:
     from paratrain.config import Settings
 
-__all__ = ["COLLECTIVE_TAG_BASE", "TAG_SPACE_SIZE", "Group"]
+__all__ = ["COLLECTIVE_TAG_BASE", "TAG_SPACE_SIZE", "CollectiveMethods", "Group"]
 
 #: Collective operations use tags at or below this value; user tags are >= 0.
 COLLECTIVE_TAG_BASE = -(1 << 50)
@@ -45,7 +45,44 @@ MAX_TAG_SPACES = ((1 << 63) + COLLECTIVE_TAG_BASE) // TAG_SPACE_SIZE
 A = TypeVar("A")
 
 
-class Group:
+class CollectiveMethods:
+    """The collective calls of a set of ranks, through its :attr:`collectives`: shared by :class:`Group` and the
+    :class:`~paratrain.runtime.context.Context` (whose calls run on its world group). Each behaves as the
+    :class:`~paratrain.collectives.api.Collectives` method of the same name, among the set's ranks only."""
+
+    @property
+    def collectives(self) -> Collectives:
+        """The :class:`~paratrain.collectives.api.Collectives` these calls run on."""
+        raise NotImplementedError
+
+    def allreduce(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
+        """Reduces ``x`` over the members into a new array/tensor. Blocks."""
+        return self.collectives.allreduce(x, op, algorithm, timeout=timeout)
+
+    def allreduce_(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
+        """Reduces ``x`` over the members in place and returns ``x``. Blocks."""
+        return self.collectives.allreduce_(x, op, algorithm, timeout=timeout)
+
+    def allreduce_async(
+        self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None
+    ) -> Handle[A]:
+        """Starts an allreduce over the members in the background; ``.wait()`` gives the result."""
+        return self.collectives.allreduce_async(x, op, algorithm, timeout=timeout)
+
+    def broadcast(self, x: A, root: int = 0, *, algorithm: str = "auto", timeout: float | None = None) -> A:
+        """A new array/tensor holding group rank ``root``'s ``x``. Blocks."""
+        return self.collectives.broadcast(x, root, algorithm=algorithm, timeout=timeout)
+
+    def allgather(self, x: A, *, timeout: float | None = None) -> A:
+        """Every member's ``x`` concatenated along axis 0, in group-rank order. Blocks."""
+        return self.collectives.allgather(x, timeout=timeout)
+
+    def reduce_scatter(self, x: A, op: str = "sum", *, timeout: float | None = None) -> A:
+        """This member's part of the reduced ``x``, split along axis 0. Blocks."""
+        return self.collectives.reduce_scatter(x, op, timeout=timeout)
+
+
+class Group(CollectiveMethods):
     """Some of the workers, seen as a world of their own, with their own collectives and tags.
 
     Attributes:
@@ -145,32 +182,6 @@ class Group:
             if spec.latency > 0 or spec.bandwidth is not None:
                 collectives.choose_allreduce = network_allreduce_choice(spec.latency, spec.bandwidth)
         return collectives
-
-    def allreduce(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
-        """Reduces ``x`` over the members into a new array/tensor. Blocks."""
-        return self.collectives.allreduce(x, op, algorithm, timeout=timeout)
-
-    def allreduce_(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
-        """Reduces ``x`` over the members in place and returns ``x``. Blocks."""
-        return self.collectives.allreduce_(x, op, algorithm, timeout=timeout)
-
-    def allreduce_async(
-        self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None
-    ) -> Handle[A]:
-        """Starts an allreduce over the members in the background; ``.wait()`` gives the result."""
-        return self.collectives.allreduce_async(x, op, algorithm, timeout=timeout)
-
-    def broadcast(self, x: A, root: int = 0, *, algorithm: str = "auto", timeout: float | None = None) -> A:
-        """A new array/tensor holding group rank ``root``'s ``x``. Blocks."""
-        return self.collectives.broadcast(x, root, algorithm=algorithm, timeout=timeout)
-
-    def allgather(self, x: A, *, timeout: float | None = None) -> A:
-        """Every member's ``x`` concatenated along axis 0, in group-rank order. Blocks."""
-        return self.collectives.allgather(x, timeout=timeout)
-
-    def reduce_scatter(self, x: A, op: str = "sum", *, timeout: float | None = None) -> A:
-        """This member's part of the reduced ``x``, split along axis 0. Blocks."""
-        return self.collectives.reduce_scatter(x, op, timeout=timeout)
 
     def close(self) -> None:
         """Stops the group's background thread and leaves its shared-memory segment. Idempotent."""
