@@ -28,6 +28,7 @@ __all__ = [
     "Family",
     "KindInfo",
     "StrategySpec",
+    "UnknownStrategyError",
     "kinds",
     "parse_strategy",
     "register_kind",
@@ -41,6 +42,10 @@ FAMILIES: tuple[Family, ...] = ("collective", "parameter-server", "decentralised
 
 #: The named gossip graphs (any other argument is a graph file's path); see :mod:`paratrain.gossip.topology`.
 GOSSIP_TOPOLOGIES = ("ring", "torus", "exponential", "complete")
+
+
+class UnknownStrategyError(ConfigError):
+    """A strategy name whose kind is not registered (as opposed to a known kind with a bad argument)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +170,7 @@ def parse_strategy(name: str) -> StrategySpec:
             if kind.startswith(known.kind):  # "gossipy:ring", "ssp2": the kind they meant says what it needs
                 known.parse(name, None)
         valid = ", ".join(repr(info.syntax) for info in _KINDS.values())
-        raise ConfigError(f"unknown strategy {name!r}; choose one of {valid}")
+        raise UnknownStrategyError(f"unknown strategy {name!r}; choose one of {valid}")
     return info.parse(name, argument.strip() if colon else None)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.errors import ConfigError
-from paratrain.strategy import parse_strategy
+from paratrain.strategy import UnknownStrategyError, parse_strategy, strategies_help
 
 __all__ = [
     "TRAIN_EXTRA",
@@ -126,7 +126,12 @@ def validate(job: TrainJob) -> None:
         raise ConfigError(f"--eval-every must be 0 (off) or a number of steps, got {job.eval_every}")
     if not job.lr > 0:
         raise ConfigError(f"--lr must be positive, got {job.lr}")
-    spec = parse_strategy(job.strategy)  # ConfigError naming the accepted forms
+    try:
+        spec = parse_strategy(job.strategy)
+    except UnknownStrategyError:
+        raise ConfigError(f"unknown --strategy {job.strategy!r}; choose one of: {strategies_help()}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"--strategy {job.strategy!r}: {exc} (the forms: {strategies_help()})") from None
     if job.servers and not spec.uses_servers:
         raise ConfigError(f"--servers is for the parameter-server strategies (bsp, ssp:S, asp), not {spec.kind}")
     if spec.kind == "gossip":
