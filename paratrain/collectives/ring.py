@@ -210,8 +210,16 @@ def chain_broadcast_run(
     is_root = ex.rank == root
     if is_root:
         assert source is not None, "the root of a broadcast needs a source"
-    b = PlanBuilder(aliased=source is dst)
-    steps = chain_broadcast(ex.rank, ex.world_size, root)
     seg = segment_items(dst.itemsize, segment_bytes)
-    chain_broadcast_into(b, steps, dst.size, itemsize=dst.itemsize, segment=seg, is_root=is_root)
-    run_actions(ex, b.actions, {"src": dst if source is None else source, "dst": dst}, None, dst.dtype)
+    actions = _chain_actions(ex.rank, ex.world_size, root, dst.size, dst.itemsize, seg, source is dst)
+    run_actions(ex, actions, {"src": dst if source is None else source, "dst": dst}, None, dst.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _chain_actions(  # noqa: PLR0917 (a cache key)
+    rank: int, n: int, root: int, count: int, itemsize: int, segment: int, aliased: bool
+) -> tuple[Action, ...]:
+    b = PlanBuilder(aliased=aliased)
+    steps = chain_broadcast(rank, n, root)
+    chain_broadcast_into(b, steps, count, itemsize=itemsize, segment=segment, is_root=rank == root)
+    return b.actions

@@ -120,6 +120,39 @@ def _agreement_actions(rank: int, n: int, payload_items: int, itemsize: int) -> 
     return b.actions
 
 
+# Plans are cached per size: a training loop repeats the same calls every step, and building a plan costs tens
+# of microseconds, a tenth of a small tree allreduce (measured, 64 KiB over ZeroMQ, 2 ranks, median of 4
+# interleaved runs: 0.59 ms before the plan IR, 0.70 ms with uncached plans, 0.58 ms cached).
+
+
+@functools.lru_cache(maxsize=256)
+def _tree_actions(  # noqa: PLR0917 (a cache key)
+    kind: str, rank: int, n: int, count: int, itemsize: int, aliased: bool
+) -> tuple[Action, ...]:
+    b = PlanBuilder(aliased=aliased)
+    if kind == "allreduce":
+        tree_allreduce_into(b, rank, n, count, itemsize=itemsize)
+    else:
+        tree_reduce_into(b, binomial_tree_reduce(rank, n, 0), count, itemsize=itemsize, is_root=rank == 0)
+    return b.actions
+
+
+@functools.lru_cache(maxsize=256)
+def _broadcast_actions(  # noqa: PLR0917 (a cache key)
+    plan: Callable[[int, int, int], list[TreeStep]],
+    rank: int,
+    n: int,
+    root: int,
+    count: int,
+    itemsize: int,
+    aliased: bool,
+) -> tuple[Action, ...]:
+    b = PlanBuilder(aliased=aliased)
+    steps = plan(rank, n, root)
+    tree_broadcast_into(b, steps, count, itemsize=itemsize, source="src" if rank == root else None)
+    return b.actions
+
+
 @functools.lru_cache(maxsize=256)
 def _direct_actions(rank: int, n: int, count: int, itemsize: int, aliased: bool) -> tuple[Action, ...]:
     b = PlanBuilder(aliased=aliased)
@@ -190,10 +223,8 @@ def tree_broadcast(
         >>> run_ranks(4, rank_fn)[0]
         [7.0, 8.0]
     """
-    b = PlanBuilder(aliased=source is dst)
-    steps = plan(ex.rank, ex.world_size, root)
-    tree_broadcast_into(b, steps, dst.size, itemsize=dst.itemsize, source="src" if ex.rank == root else None)
-    run_actions(ex, b.actions, {"src": dst if source is None else source, "dst": dst}, None, dst.dtype)
+    actions = _broadcast_actions(plan, ex.rank, ex.world_size, root, dst.size, dst.itemsize, source is dst)
+    run_actions(ex, actions, {"src": dst if source is None else source, "dst": dst}, None, dst.dtype)
 
 
 def tree_allreduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], reducer: Reducer) -> None:
@@ -213,9 +244,8 @@ def tree_allreduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], r
         >>> run_ranks(5, rank_fn)[4]
         [2.0, 1.0]
     """
-    b = PlanBuilder(aliased=dst is src)
-    tree_allreduce_into(b, ex.rank, ex.world_size, dst.size, itemsize=dst.itemsize)
-    run_actions(ex, b.actions, {"src": src, "dst": dst}, reducer, dst.dtype)
+    actions = _tree_actions("allreduce", ex.rank, ex.world_size, dst.size, dst.itemsize, dst is src)
+    run_actions(ex, actions, {"src": src, "dst": dst}, reducer, dst.dtype)
 
 
 def tree_reduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], reducer: Reducer) -> None:
@@ -225,7 +255,5 @@ def tree_reduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], redu
     caller divides once, by whatever count is right (the world, or every host's ranks in a hierarchy). Returns
     when this rank's sends no longer read its buffers; other ranks' ``dst`` hold partial sums afterwards.
     """
-    b = PlanBuilder(aliased=dst is src)
-    steps = binomial_tree_reduce(ex.rank, ex.world_size, 0)
-    tree_reduce_into(b, steps, dst.size, itemsize=dst.itemsize, is_root=ex.rank == 0)
-    run_actions(ex, b.actions, {"src": src, "dst": dst}, reducer, dst.dtype)
+    actions = _tree_actions("reduce", ex.rank, ex.world_size, dst.size, dst.itemsize, dst is src)
+    run_actions(ex, actions, {"src": src, "dst": dst}, reducer, dst.dtype)
