@@ -67,6 +67,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paratrain._arrays import dtype_name as _wire_dtype_name
+from paratrain.collectives.lower import shm_part_bounds
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.signature import DESCRIPTOR_BYTES, INVALID, Signature, mismatch_error
 from paratrain.errors import ConfigError
@@ -615,10 +616,7 @@ class ShmGroup:
         if plan is not None:
             return plan
         size, me, u8, at = self.size, self.index, self.segment.u8, self.segment.slot_offset
-        align = max(1, _ALIGN // dtype.itemsize)
-        per = -(-n // size)
-        per = -(-per // align) * align
-        bounds = tuple((min(q * per, n), min((q + 1) * per, n)) for q in range(size))
+        bounds = tuple(shm_part_bounds(n, size, max(1, _ALIGN // dtype.itemsize)))  # the plan's parts
         whole = tuple(
             tuple(u8[at(q, pos) : at(q, pos) + n * dtype.itemsize].view(dtype) for q in range(size)) for pos in (0, 1)
         )

@@ -3,7 +3,8 @@
 Model (Hockney's alpha-beta, plus a compute rate): each rank has one thread that issues its actions in order
 and one full-duplex link. A message of ``m`` bytes occupies the sender's outgoing link for ``m * beta``
 seconds and arrives ``alpha`` after its last byte left; sends from one rank queue on its link, in issue order.
-A reduce, copy or finish of ``m`` bytes keeps the rank's thread busy for ``m * gamma`` seconds. An action
+A reduce, copy or finish of ``m`` bytes keeps the rank's thread busy for ``m * gamma`` seconds. Through shared
+memory, a ``wait`` completes ``alpha`` after the last of the other ranks' matching ``signal``. An action
 starts when the thread reaches it and its ``deps`` are complete (a receive completes when its message has
 arrived; a send when its last byte has arrived, the moment its buffer is free in the model).
 
@@ -70,6 +71,7 @@ def simulate(plan: Plan, *, alpha: float, beta: float, gamma: float = 0.0) -> Co
     arrivals: dict[tuple[int, int, int], list[float]] = {}
     consumed: dict[tuple[int, int, int], int] = {}
     waiting: dict[tuple[int, int], tuple[int, int, int, int]] = {}  # (rank, recv action) -> its message
+    signalled: dict[tuple[int, int], float] = {}  # (rank, value) -> when it signalled
     progress = True
     while progress:
         progress = False
@@ -79,10 +81,18 @@ def simulate(plan: Plan, *, alpha: float, beta: float, gamma: float = 0.0) -> Co
                 i = cursor[r]
                 a = actions[i]
                 deps = [_resolve(done, arrivals, waiting, r, d) for d in a.deps]
+                if a.kind == "wait":
+                    others = [signalled.get((q, a.tag)) for q in range(n) if q != r]
+                    deps += [None if t is None else t + alpha for t in others]
                 if any(t is None for t in deps):
                     break
                 start = max([thread[r], *(t for t in deps if t is not None)])
-                if a.kind == "send":
+                if a.kind in ("signal", "wait"):
+                    if a.kind == "signal":
+                        signalled[(r, a.tag)] = start
+                    done[r][i] = start
+                    thread[r] = start
+                elif a.kind == "send":
                     begin = max(start, link[r])
                     link[r] = begin + a.nbytes * beta
                     arrival = link[r] + alpha

@@ -17,6 +17,10 @@ starts once the actions named in its ``deps`` are complete:
   first action that depends on it waits.
 * ``reduce``: ``out = data (op) other``, elementwise; ``copy``: ``out = data``; ``finish``: turns a sum in
   ``out`` into a mean over ``divide_by`` contributions. These run on the issuing thread.
+* ``signal`` and ``wait``: synchronisation through shared memory, where nothing is sent. ``signal`` publishes
+  that this rank's counter reached ``tag`` (never blocks); ``wait`` completes once every other rank of the
+  plan has signalled ``tag``. Buffers in shared memory are named like any other (``"slots"``, ``index`` = the
+  rank whose slot).
 
 Messages are matched like MPI's: the k-th send from ``s`` to ``d`` with tag ``t`` meets the k-th receive
 posted by ``d`` from ``s`` with tag ``t``. Tags are offsets within the tag of the call that runs the plan.
@@ -43,7 +47,7 @@ __all__ = [
     "Slice",
 ]
 
-Kind = Literal["send", "recv", "reduce", "copy", "finish"]
+Kind = Literal["send", "recv", "reduce", "copy", "finish", "signal", "wait"]
 
 
 class PlanError(ValueError):
@@ -113,6 +117,8 @@ class Action:
     deps: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
+        if self.kind in ("signal", "wait"):
+            return f"{self.kind}({self.tag}, deps {list(self.deps)})"
         if self.kind in ("send", "recv"):
             arrow = "->" if self.kind == "send" else "<-"
             return f"{self.kind}({arrow}{self.peer}, {self.nbytes}B, tag {self.tag}, deps {list(self.deps)})"
@@ -184,6 +190,12 @@ class Plan:
                     sent.setdefault((r, a.peer, a.tag), []).append(a.nbytes)
                 elif a.kind == "recv":
                     posted.setdefault((a.peer, r, a.tag), []).append(a.nbytes)
+        signals = [{a.tag for a in actions if a.kind == "signal"} for actions in self.ranks]
+        for r, actions in enumerate(self.ranks):
+            for i, a in enumerate(actions):
+                missing = [q for q in range(self.world_size) if q != r and a.kind == "wait" and a.tag not in signals[q]]
+                if missing:
+                    raise PlanError(f"{self.name}: rank {r} action {i} waits for {a.tag}, never signalled by {missing}")
         for key in sent.keys() | posted.keys():
             out, into = sent.get(key, []), posted.get(key, [])
             if out != into:
@@ -315,6 +327,14 @@ class PlanBuilder:
         if kind == "send" and isinstance(data, Slice):
             self._reading[index] = data
         return index
+
+    def signal(self, value: int) -> int:
+        """Appends the publishing of this rank's counter ``value`` (shared memory)."""
+        return self._add(Action("signal", tag=value))
+
+    def wait(self, value: int) -> int:
+        """Appends a wait until every other rank signalled ``value`` (shared memory)."""
+        return self._add(Action("wait", tag=value))
 
     def recv(self, peer: int, *, items: int, itemsize: int, tag: int = 0, deps: Sequence[int] = ()) -> int:
         """Appends the posting of a receive; returns its number (use ``Received(number)`` to read it)."""

@@ -26,6 +26,7 @@ from paratrain.collectives.lower import (
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.plans import chunk_bounds
 from paratrain.collectives.ring import ring_allreduce_run
+from paratrain.collectives.shm import ShmGroup
 from paratrain.collectives.tree import Exchange
 from paratrain.config import Settings
 from paratrain.gossip.exchange import SocketExchange
@@ -186,3 +187,59 @@ def test_gossip_round_sends_its_plan(n: int, topology: str) -> None:
         return [(m.dst, m.nbytes, m.tag) for m in rec.take()]
 
     _assert_sent_the_plan(run_ranks(n, fn, timeout=60), gossip_plan(w, 10 * 4 + 3 * 8))
+
+
+# -- shared memory: no message, but the counters follow the plan ---------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("count", [10, 3000, 20_000])  # one phase; several blocks of the 16 KiB capacity
+def test_shared_memory_allreduce_signals_and_waits_as_planned(n: int, count: int) -> None:
+    """Through shared memory nothing is sent (the recording transport stays empty); the segment's counters
+    take exactly the plan's signal and wait steps, and the result is the sum."""
+    capacity, small = 16 << 10, 1024
+
+    def rank_fn(ctx: Context) -> tuple[list[tuple[str, int]], int, tuple[int, int, int]]:
+        rec = RecordingTransport(ctx.transport)
+        group = ShmGroup.create(
+            rec,
+            ranks=list(range(n)),
+            run_id="plans",
+            timeout=30,
+            tag=ctx.next_collective_tag(),
+            capacity=capacity,
+            small_bytes=small,
+        )
+        try:
+            rec.take()  # the segment's creation is not the collective
+            steps: list[tuple[str, int]] = []
+            seg = group.segment
+            signal, wait_all = seg.signal, seg.wait_all
+
+            def spy_signal(value: int) -> None:
+                steps.append(("signal", value))
+                signal(value)
+
+            def spy_wait(value: int, deadline: float) -> None:
+                steps.append(("wait", value))
+                wait_all(value, deadline)
+
+            seg.signal, seg.wait_all = spy_signal, spy_wait  # type: ignore[method-assign]
+            x = np.arange(count, dtype=np.float32) + ctx.rank
+            group.allreduce_(x)
+            assert np.array_equal(x, n * np.arange(count, dtype=np.float32) + n * (n - 1) / 2)
+            block = group._block_elems(np.dtype(np.float32), parts=n)
+            return steps, len(rec.take()), (block, 16, group.small_bytes)
+        finally:
+            group.close()
+
+    results = run_ranks(n, rank_fn, timeout=60)
+    shm = results[0][2]
+    plan = allreduce_plan("shm", n, count, 4, shm=shm)
+    plan.validate()
+    assert plan.messages() == []
+    for rank, (steps, sent, _) in enumerate(results):
+        assert sent == 0
+        planned = [(a.kind, a.tag) for a in plan.ranks[rank] if a.kind in ("signal", "wait")]
+        base = steps[0][1] - 1  # counters continue across calls; the plan counts from the call's start
+        assert [(kind, value - base) for kind, value in steps] == planned, f"rank {rank}"

@@ -63,6 +63,8 @@ def test_every_collective_plan_is_well_formed(n: int) -> None:
         allreduce_plan("ring", n, 1000, 4, segment_bytes=512),
         allreduce_plan("tree", n, 1000, 4),
         allreduce_plan("direct", n, 1000, 4, aliased=True),
+        allreduce_plan("shm", n, 1000, 4, shm=(256, 16, 64)),  # blocks of 256 items
+        allreduce_plan("shm", n, 10, 4, shm=(256, 16, 64)),  # one phase
         allreduce_plan("hierarchical", n, 1000, 4, hosts=tuple("ab"[r * 2 // n] for r in range(n))),
         broadcast_plan("tree", n, 1000, 4, root=n - 1),
         broadcast_plan("chain", n, 1000, 4, root=1, segment_bytes=300),
@@ -156,3 +158,12 @@ def test_ps_and_gossip_rounds_are_plans_the_cost_model_replays() -> None:
     gossip.validate()
     assert gossip.bytes_sent() == [2000] * 6  # two neighbours, whatever the number of workers
     assert simulate(gossip, alpha=alpha, beta=beta).time == pytest.approx(alpha + 2000 * beta)
+
+
+def test_a_shared_memory_wait_ends_alpha_after_the_last_signal() -> None:
+    slow = (Action("copy", nbytes=1000), Action("signal", tag=1), Action("wait", tag=1))
+    fast = (Action("signal", tag=1), Action("wait", tag=1))
+    costs = simulate(Plan("sync", (slow, fast)), alpha=0.5, beta=0.0, gamma=0.001)
+    assert costs.done[1] == (0.0, 1.5)  # the fast rank waits for the slow one's copy (1 s) and the hand-off
+    with pytest.raises(PlanError, match="never signalled"):
+        Plan("lonely", ((Action("wait", tag=3),), ())).validate()
