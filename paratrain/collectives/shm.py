@@ -67,7 +67,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paratrain._arrays import dtype_name as _wire_dtype_name
-from paratrain.collectives.lower import shm_part_bounds
+from paratrain.collectives.lower_shm import shm_part_bounds
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.signature import DESCRIPTOR_BYTES, INVALID, Signature, mismatch_error
 from paratrain.errors import ConfigError

@@ -12,6 +12,7 @@ MODULES = [
     "paratrain.plan.cost",
     "paratrain.collectives.plans",
     "paratrain.collectives.lower",
+    "paratrain.collectives.lower_shm",
     "paratrain.collectives.policy",
     "paratrain.ps.plans",
     "paratrain.gossip.plan",
