@@ -20,6 +20,7 @@ import numpy as np
 
 from paratrain.bench._timing import add_worker_args, each_size, progress_printer, record_result, start_watchdog
 from paratrain.ps.sharding import plan_chunks
+from paratrain.strategy import parse_strategy
 
 __all__ = ["add_args", "main", "time_iterations"]
 
@@ -101,14 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     import paratrain as pt
 
     ctx = pt.init()
-    kind, _, bound = args.consistency.partition(":")
+    spec = parse_strategy(args.consistency)
     payload: dict[str, Any] = {"world_size": ctx.world_size, "servers": args.servers, "consistency": args.consistency}
 
     def measure() -> list[dict[str, Any]]:
-        with pt.ps.KVStore(consistency=kind, staleness=int(bound) if bound else None, context=ctx) as kv:
+        with pt.ps.KVStore(consistency=spec.kind, staleness=spec.staleness, context=ctx) as kv:
             return each_size(
                 args,
-                lambda nbytes, iters: _measure_size(ctx, kv, nbytes, iters=iters, warmup=args.warmup, consistency=kind),
+                lambda nbytes, iters: _measure_size(
+                    ctx, kv, nbytes, iters=iters, warmup=args.warmup, consistency=spec.kind
+                ),
                 progress_printer("ps", ctx.rank, unit="ms/iteration"),
             )
 

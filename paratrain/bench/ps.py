@@ -50,7 +50,9 @@ from paratrain.bench import harness, stats, tables
 from paratrain.bench._timing import format_bytes
 from paratrain.bench.harness import EngineRun, SizedOptions, Step
 from paratrain.bench.machine import MachineSample, OthersMeter, machine_report
+from paratrain.errors import ConfigError
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES
+from paratrain.strategy import parse_strategy
 
 __all__ = [
     "ENGINES",
@@ -77,14 +79,15 @@ def parse_consistency(text: str) -> tuple[str, int | None]:
         >>> parse_consistency("bsp"), parse_consistency("SSP:2"), parse_consistency("asp")
         (('bsp', None), ('ssp', 2), ('asp', None))
     """
-    kind, colon, bound = text.strip().lower().partition(":")
-    if kind in ("bsp", "asp") and not colon:
-        return kind, None
-    if kind == "ssp" and bound.isdigit():
-        return kind, int(bound)
-    raise ValueError(
-        f"bad consistency {text!r}: use bsp, asp, or ssp:S with a staleness bound S >= 0 (e.g. ssp:2; ssp:0 is bsp)"
-    )
+    try:
+        spec = parse_strategy(text)  # the one parser of strategy names
+    except ConfigError:
+        spec = None
+    if spec is None or not spec.uses_servers:
+        raise ValueError(
+            f"bad consistency {text!r}: use bsp, asp, or ssp:S with a staleness bound S >= 0 (e.g. ssp:2; ssp:0 is bsp)"
+        )
+    return spec.kind, spec.staleness
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
