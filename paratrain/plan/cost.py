@@ -4,7 +4,8 @@ Model (Hockney's alpha-beta, plus a compute rate): each rank has one thread that
 and one full-duplex link. A message of ``m`` bytes occupies the sender's outgoing link for ``m * beta``
 seconds and arrives ``alpha`` after its last byte left; sends from one rank queue on its link, in issue order.
 A reduce, copy or finish of ``m`` bytes keeps the rank's thread busy for ``m * gamma`` seconds. Through shared
-memory, a ``wait`` completes ``alpha`` after the last of the other ranks' matching ``signal``. An action
+memory, a ``wait`` completes ``alpha`` after the last of the other ranks' matching ``signal``. A ``compute``
+takes its own ``seconds``. An action
 starts when the thread reaches it and its ``deps`` are complete (a receive completes when its message has
 arrived; a send when its last byte has arrived, the moment its buffer is free in the model).
 
@@ -106,7 +107,7 @@ def simulate(plan: Plan, *, alpha: float, beta: float, gamma: float = 0.0) -> Co
                     waiting[(r, i)] = (a.peer, r, a.tag, k)
                     thread[r] = start
                 else:
-                    thread[r] = start + a.nbytes * gamma
+                    thread[r] = start + (a.seconds if a.kind == "compute" else a.nbytes * gamma)
                     done[r][i] = thread[r]
                 cursor[r] += 1
                 progress = True

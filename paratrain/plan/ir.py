@@ -17,6 +17,8 @@ starts once the actions named in its ``deps`` are complete:
   first action that depends on it waits.
 * ``reduce``: ``out = data (op) other``, elementwise; ``copy``: ``out = data``; ``finish``: turns a sum in
   ``out`` into a mean over ``divide_by`` contributions. These run on the issuing thread.
+* ``compute``: model code (a pipeline stage's forward ``"F3"`` or backward ``"B3"``, an optimizer step) that
+  takes ``seconds`` on the issuing thread; ``label`` names it.
 * ``signal`` and ``wait``: synchronisation through shared memory, where nothing is sent. ``signal`` publishes
   that this rank's counter reached ``tag`` (never blocks); ``wait`` completes once every other rank of the
   plan has signalled ``tag``. Buffers in shared memory are named like any other (``"slots"``, ``index`` = the
@@ -47,7 +49,7 @@ __all__ = [
     "Slice",
 ]
 
-Kind = Literal["send", "recv", "reduce", "copy", "finish", "signal", "wait"]
+Kind = Literal["send", "recv", "reduce", "copy", "finish", "signal", "wait", "compute"]
 
 
 class PlanError(ValueError):
@@ -103,6 +105,8 @@ class Action:
         out: where a reduce, copy or finish writes.
         divide_by: the divisor of a ``finish``.
         deps: numbers of earlier actions of this rank that must be complete first.
+        label: what a ``compute`` runs (``"F3"``), or a message carries.
+        seconds: how long a ``compute`` takes, for the cost model.
     """
 
     kind: Kind
@@ -115,8 +119,12 @@ class Action:
     out: Slice | None = None
     divide_by: int = 1
     deps: tuple[int, ...] = ()
+    label: str = ""
+    seconds: float = 0.0
 
     def __repr__(self) -> str:
+        if self.kind == "compute":
+            return f"compute({self.label}, {self.seconds:g}s, deps {list(self.deps)})"
         if self.kind in ("signal", "wait"):
             return f"{self.kind}({self.tag}, deps {list(self.deps)})"
         if self.kind in ("send", "recv"):
@@ -311,6 +319,7 @@ class PlanBuilder:
         data: Operand | None = None,
         tag: int = 0,
         deps: Sequence[int] = (),
+        label: str = "",
     ) -> int:
         """Appends a send or receive whose content the executor forms itself (e.g. the agreement's signatures)."""
         index = self._add(
@@ -322,11 +331,16 @@ class PlanBuilder:
                 items=items,
                 data=data,
                 deps=self._deps([data], None, deps),
+                label=label,
             )
         )
         if kind == "send" and isinstance(data, Slice):
             self._reading[index] = data
         return index
+
+    def compute(self, label: str, *, seconds: float = 0.0, deps: Sequence[int] = ()) -> int:
+        """Appends model code named ``label`` that takes ``seconds`` (for the cost model)."""
+        return self._add(Action("compute", label=label, seconds=seconds, deps=tuple(deps)))
 
     def signal(self, value: int) -> int:
         """Appends the publishing of this rank's counter ``value`` (shared memory)."""

@@ -16,6 +16,7 @@ MODULES = [
     "paratrain.collectives.policy",
     "paratrain.ps.plans",
     "paratrain.gossip.plan",
+    "paratrain.pipeline.schedules",
     "paratrain.strategy.spec",
     "paratrain.transport.recording",
     "paratrain.runtime.group",

@@ -31,6 +31,7 @@ LAYERS = {
     "collectives": 3,
     "ps": 3,
     "gossip": 3,
+    "pipeline": 3,
     "runtime": 4,
     "__init__": 5,  # the public API (paratrain.init, allreduce...): what user scripts and our workers import
     "testing": 5,

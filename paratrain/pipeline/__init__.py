@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as pure data (:mod:`paratrain.pipeline.schedules`)."""
