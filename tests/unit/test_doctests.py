@@ -17,6 +17,7 @@ MODULES = [
     "paratrain.ps.plans",
     "paratrain.gossip.plan",
     "paratrain.pipeline.schedules",
+    "paratrain.pipeline.partition",
     "paratrain.strategy.spec",
     "paratrain.transport.recording",
     "paratrain.runtime.group",
