@@ -139,8 +139,18 @@ class Group(CollectiveMethods):
 
     def next_tag(self) -> int:
         """A fresh tag of this group's space for the next call (members call in the same order)."""
+        return self.reserve_tags(1)
+
+    def reserve_tags(self, count: int) -> int:
+        """The first of ``count`` fresh consecutive tags, going down: ``first, first - 1, ...`` (a pipeline step's
+        messages, one per micro-batch and direction). Members reserve the same counts in the same order."""
+        if count < 1:
+            raise ValueError(f"reserve at least one tag, not {count}")
         with self._lock:
-            return COLLECTIVE_TAG_BASE - self.tag_space * TAG_SPACE_SIZE - next(self._tags)
+            first = next(self._tags)
+            for _ in range(count - 1):
+                next(self._tags)
+            return COLLECTIVE_TAG_BASE - self.tag_space * TAG_SPACE_SIZE - first
 
     def barrier(self, timeout: float | None = None) -> None:
         """Blocks until every member has called ``barrier``.

@@ -1,0 +1,198 @@
+"""Pipeline-parallel training of a sequence of layers, one process per stage, executing a pure schedule.
+
+Each rank of the pipeline's group holds one stage: a contiguous run of the model's layers (``balance`` says how
+many). :meth:`Pipe.step` trains on one mini-batch: stage 0 cuts it into micro-batches, and every stage runs the
+steps its :mod:`paratrain.pipeline.schedules` schedule lists, in order, nothing else: ``F m`` receives micro-batch
+m's activation from the previous stage (stage 0 takes the input), runs its layers and sends the output on;
+``B m`` receives the gradient of that output (the last stage computes the loss instead), back-propagates
+through its layers and sends the input's gradient back; ``S`` is the optimizer step.
+
+Update rule. GPipe and 1F1B: gradients of all micro-batches' losses are summed (``loss_fn`` per micro-batch,
+as torch's ``scale_grads=False``), then one optimizer step, so the parameters equal non-pipelined training on
+the whole mini-batch with the summed loss (tests: per parameter tensor, float64, to 1e-12). PipeDream: each
+micro-batch is a mini-batch of its own; every stage steps after each backward, and a micro-batch's backward
+uses the weights its forward used (weight stashing: the forward runs on a copy of the parameters of that
+moment, :func:`torch.func.functional_call`, and its gradient is applied to the current ones). The versions
+each forward and backward used are recorded (:attr:`Pipe.versions`) and equal the schedule's.
+
+Messages travel through the group's transport with tags from the group's own space (one tag per micro-batch and
+direction per step); sends never block, and a stage waits only for the message its next step needs. A stage
+that fails makes the others fail too: its process exits (the launcher stops the job) or, in-process, the
+transport is aborted; a receive never waits longer than the context's timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from paratrain.errors import ConfigError
+from paratrain.pipeline.schedules import Schedule, Step, activation_tag, gradient_tag, schedule
+from paratrain.runtime.context import Context, current
+from paratrain.runtime.group import Group
+from paratrain.transport.base import Handle
+
+__all__ = ["Pipe"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
+    return tensor.detach().contiguous().numpy()
+
+
+class Pipe:
+    """This rank's stage of a pipeline over every worker of ``context`` (rank s = stage s).
+
+    Args:
+        layers: the whole model as a sequence of modules (an ``nn.Sequential`` or a list), built identically on
+            every rank (same seed); each rank keeps only its stage's layers.
+        balance: layers per stage (one entry per worker), e.g. from
+            :func:`paratrain.pipeline.partition.partition`.
+        microbatches: M, micro-batches per mini-batch.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"pipedream"``.
+        optimizer: builds the stage's optimizer from its parameters, e.g. ``lambda p: torch.optim.SGD(p, lr=0.1)``.
+        loss_fn: ``loss_fn(output, target)`` of one micro-batch, on the last stage (use ``reduction="sum"`` for
+            gradients equal to the whole mini-batch's summed loss).
+        context: the paratrain context (default: the current one).
+
+    Example:
+        >>> from paratrain.testing import run_ranks
+        >>> def stage(ctx):
+        ...     torch.manual_seed(0)
+        ...     layers = [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)]
+        ...     pipe = Pipe(layers, balance=[2, 1], microbatches=2, schedule="1f1b", context=ctx,
+        ...                 optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        ...                 loss_fn=nn.MSELoss(reduction="sum"))
+        ...     x, y = torch.ones(6, 4), torch.zeros(6, 1)
+        ...     return pipe.step(x if ctx.rank == 0 else None, y if ctx.rank == 1 else None) is not None
+        >>> run_ranks(2, stage)
+        [False, True]
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module] | nn.Sequential,
+        *,
+        balance: Sequence[int],
+        microbatches: int,
+        schedule: str = "1f1b",
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        loss_fn: LossFn | None = None,
+        context: Context | None = None,
+    ) -> None:
+        self.context = context if context is not None else current()
+        modules = list(layers)
+        stages = self.context.world_size
+        if len(balance) != stages or any(b < 1 for b in balance) or sum(balance) != len(modules):
+            raise ConfigError(
+                f"balance {list(balance)} must give each of the {stages} stages at least one of the {len(modules)} "
+                "layers, and all of them"
+            )
+        self.stage_index = self.context.rank
+        self.num_stages = stages
+        first = sum(balance[: self.stage_index])
+        self.module = nn.Sequential(*modules[first : first + balance[self.stage_index]])
+        self.schedule: Schedule = _schedule(schedule, stages, microbatches)
+        self.microbatches = microbatches
+        self.optimizer = optimizer(list(self.module.parameters()))
+        self.loss_fn = loss_fn
+        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == stages - 1
+        if self.is_last and loss_fn is None:
+            raise ConfigError("the last stage computes the loss: give loss_fn=")
+        # the pipeline's own tag space: its messages never meet the world's collectives
+        self.group: Group = self.context.split(lambda rank: "pipeline")
+        self.version = 0
+        #: (step, micro-batch, version used) for every F and B run, in order: the white-box record.
+        self.versions: list[tuple[str, int, int]] = []
+        self._timeout = self.context.settings.timeout
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        """This stage's steps of one mini-batch."""
+        return self.schedule.stages[self.stage_index]
+
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> float | None:
+        """Trains on one mini-batch; blocks until this stage's steps are done. Collective over the stages.
+
+        Args:
+            inputs: the mini-batch's inputs, on stage 0 (ignored elsewhere).
+            targets: its targets, on the last stage (ignored elsewhere).
+
+        Returns:
+            The sum of the micro-batches' losses on the last stage, None elsewhere.
+
+        Raises:
+            ConfigError: inputs or targets missing where they are needed.
+            CommTimeoutError, PeerLostError: another stage failed or did not send in time.
+        """
+        if self.is_first and inputs is None:
+            raise ConfigError("stage 0 needs the mini-batch's inputs")
+        if self.is_last and targets is None:
+            raise ConfigError("the last stage needs the mini-batch's targets")
+        m = self.microbatches
+        xs = list(torch.tensor_split(inputs, m)) if self.is_first and inputs is not None else []
+        ys = list(torch.tensor_split(targets, m)) if self.is_last and targets is not None else []
+        base = self.group.reserve_tags(2 * m)
+        transport = self.group.transport
+        sends: list[Handle[None]] = []
+        held: dict[int, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None, int]] = {}
+        total: float | None = 0.0 if self.is_last else None
+        stash = self.schedule.name.startswith("pipedream")
+        for plan_step in self.steps:
+            if plan_step.kind == "S":
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.version += 1
+                continue
+            mb = plan_step.microbatch
+            if plan_step.kind == "F":
+                if self.is_first:
+                    inp = xs[mb]
+                else:
+                    msg = transport.recv(self.stage_index - 1, base - activation_tag(mb), timeout=self._timeout)
+                    inp = torch.from_numpy(msg.arrays[0].copy()).requires_grad_(True)
+                params: dict[str, torch.Tensor] | None = None
+                if stash:  # weight stashing: this micro-batch runs, forward and backward, on today's weights
+                    params = {n: p.detach().clone().requires_grad_(True) for n, p in self.module.named_parameters()}
+                    out = torch.func.functional_call(self.module, params, (inp,))
+                else:
+                    out = self.module(inp)
+                self.versions.append(("F", mb, self.version))
+                if self.is_last:
+                    assert self.loss_fn is not None
+                    out = self.loss_fn(out, ys[mb])
+                    assert total is not None
+                    total += float(out.detach())
+                else:
+                    sends.append(transport.isend(self.stage_index + 1, base - activation_tag(mb), [_array(out)]))
+                held[mb] = (inp, out, params, self.version)
+                continue
+            inp, out, params, version = held.pop(mb)
+            if self.is_last:
+                torch.autograd.backward(out)
+            else:
+                msg = transport.recv(self.stage_index + 1, base - gradient_tag(mb), timeout=self._timeout)
+                torch.autograd.backward(out, torch.from_numpy(msg.arrays[0].copy()))
+            if params is not None:  # the stashed copy's gradient goes to the live parameters
+                for name, p in self.module.named_parameters():
+                    grad = params[name].grad
+                    p.grad = grad if p.grad is None or grad is None else p.grad + grad
+            self.versions.append(("B", mb, version))
+            if not self.is_first:
+                assert inp.grad is not None
+                sends.append(transport.isend(self.stage_index - 1, base - gradient_tag(mb), [_array(inp.grad)]))
+        for handle in sends:
+            handle.wait(self._timeout)
+        return total
+
+
+def _schedule(name: str, stages: int, microbatches: int) -> Schedule:
+    try:
+        return schedule(name, stages, microbatches)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

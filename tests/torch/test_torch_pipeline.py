@@ -1,0 +1,118 @@
+"""Pipelines train what one process trains: GPipe and 1F1B parameters equal non-pipelined training, per tensor.
+
+Every schedule x 2-4 stages x 1-8 micro-batches (fewer than stages included), float64, several optimizer steps
+with momentum; PipeDream: every forward and backward used exactly the weight version its schedule says.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from paratrain.pipeline.partition import LayerCost, partition
+from paratrain.runtime.context import Context
+from paratrain.testing import run_ranks
+from paratrain.torch.pipeline import Pipe
+
+STEPS, BATCH, IN, OUT = 3, 8, 5, 3
+
+
+def _layers() -> list[nn.Module]:
+    """A fresh copy of one model (built once: threads must not share torch's global generator while seeding)."""
+    return copy.deepcopy(_TEMPLATE)
+
+
+def _build() -> list[nn.Module]:
+    torch.manual_seed(7)
+    return [
+        nn.Linear(IN, 6, dtype=torch.float64),
+        nn.Tanh(),
+        nn.Linear(6, 6, dtype=torch.float64),
+        nn.Tanh(),
+        nn.Linear(6, 6, dtype=torch.float64),
+        nn.Tanh(),
+        nn.Linear(6, OUT, dtype=torch.float64),
+        nn.Identity(),
+    ]
+
+
+_TEMPLATE = _build()
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, IN, generator=gen, dtype=torch.float64), torch.randn(
+        BATCH, OUT, generator=gen, dtype=torch.float64
+    )
+
+
+def _optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _balance(stages: int) -> list[int]:
+    return list(partition([LayerCost(1.0)] * len(_layers()), stages).balance)
+
+
+def _reference(microbatches: int) -> list[np.ndarray]:
+    """One process, the whole model: the summed loss of the micro-batches, one step per mini-batch."""
+    model = nn.Sequential(*_layers())
+    opt = _optimizer(list(model.parameters()))
+    loss_fn = nn.MSELoss(reduction="sum")
+    for step in range(STEPS):
+        x, y = _batch(step)
+        for xm, ym in zip(torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches), strict=True):
+            loss_fn(model(xm), ym).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def _pipelined(stages: int, microbatches: int, schedule: str) -> list[tuple[list[np.ndarray], list]]:
+    def stage(ctx: Context) -> tuple[list[np.ndarray], list]:
+        pipe = Pipe(
+            _layers(),
+            balance=_balance(stages),
+            microbatches=microbatches,
+            schedule=schedule,
+            optimizer=_optimizer,
+            loss_fn=nn.MSELoss(reduction="sum"),
+            context=ctx,
+        )
+        for step in range(STEPS):
+            x, y = _batch(step)
+            pipe.step(x, y)
+        return [p.detach().numpy().copy() for p in pipe.module.parameters()], pipe.versions
+
+    return run_ranks(stages, stage, timeout=120)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 8])
+def test_flushed_pipelines_equal_one_process_per_parameter(schedule: str, stages: int, microbatches: int) -> None:
+    reference = _reference(microbatches)
+    results = _pipelined(stages, microbatches, schedule)
+    got = [p for params, _ in results for p in params]
+    assert len(got) == len(reference)
+    for i, (a, b) in enumerate(zip(got, reference, strict=True)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12, err_msg=f"parameter {i}")
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("microbatches", [1, 3, 8])
+def test_pipedream_uses_the_planned_weight_version_for_every_step(stages: int, microbatches: int) -> None:
+    results = _pipelined(stages, microbatches, "pipedream")
+    from paratrain.pipeline.schedules import pipedream
+
+    plan = pipedream(stages, microbatches)
+    for s, (_, versions) in enumerate(results):
+        per_step = [(st.kind, st.microbatch, st.version) for st in plan.stages[s] if st.kind != "S"]
+        # every mini-batch runs the schedule again; versions keep counting across mini-batches
+        taken = sum(1 for st in plan.stages[s] if st.kind == "S")
+        expected = [(k, m, v + step * taken) for step in range(STEPS) for k, m, v in per_step]
+        assert versions == expected, f"stage {s}"
