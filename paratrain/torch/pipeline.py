@@ -99,7 +99,9 @@ class Pipe:
         self.module = nn.Sequential(*modules[first : first + balance[self.stage_index]])
         self.schedule: Schedule = _schedule(schedule, stages, microbatches)
         self.microbatches = microbatches
-        self.optimizer = optimizer(list(self.module.parameters()))
+        params = list(self.module.parameters())
+        #: None for a stage without parameters (an activation alone), which has nothing to step.
+        self.optimizer = optimizer(params) if params else None
         self.loss_fn = loss_fn
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == stages - 1
         if self.is_last and loss_fn is None:
@@ -145,8 +147,9 @@ class Pipe:
         stash = self.schedule.name.startswith("pipedream")
         for plan_step in self.steps:
             if plan_step.kind == "S":
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                if self.optimizer is not None:
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
                 self.version += 1
                 continue
             mb = plan_step.microbatch

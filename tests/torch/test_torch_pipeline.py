@@ -116,3 +116,20 @@ def test_pipedream_uses_the_planned_weight_version_for_every_step(stages: int, m
         taken = sum(1 for st in plan.stages[s] if st.kind == "S")
         expected = [(k, m, v + step * taken) for step in range(STEPS) for k, m, v in per_step]
         assert versions == expected, f"stage {s}"
+
+
+def test_a_shape_mismatch_between_stages_fails_every_stage_without_a_hang() -> None:
+    def stage(ctx: Context) -> None:
+        layers: list[nn.Module] = [nn.Linear(4, 3, dtype=torch.float64), nn.Linear(5, 1, dtype=torch.float64)]
+        pipe = Pipe(
+            layers,
+            balance=[1, 1],
+            microbatches=2,
+            optimizer=_optimizer,
+            loss_fn=nn.MSELoss(reduction="sum"),
+            context=ctx,
+        )
+        pipe.step(torch.ones(4, 4, dtype=torch.float64), torch.zeros(4, 1, dtype=torch.float64))
+
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        run_ranks(2, stage, timeout=60)
