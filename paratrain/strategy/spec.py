@@ -95,6 +95,8 @@ class StrategySpec:
         return self.family == "decentralised"
 
     def __str__(self) -> str:
+        if "schedule" in self.options:
+            return f"{self.kind}:{self.options['schedule']}"
         if self.staleness is not None:
             return f"{self.kind}:{self.staleness}"
         if self.topology is not None:
@@ -194,6 +196,17 @@ def _parse_ssp(name: str, argument: str | None) -> StrategySpec:
     return StrategySpec(kind="ssp", staleness=int(argument))
 
 
+#: The pipeline schedules (see :mod:`paratrain.pipeline.schedules`; kept here as names, so parsing needs no import).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "pipedream")
+
+
+def _parse_pipeline(name: str, argument: str | None) -> StrategySpec:
+    schedule = (argument or "").lower()
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"strategy {name!r}: write pipeline:SCHEDULE with one of {', '.join(PIPELINE_SCHEDULES)}")
+    return StrategySpec(kind="pipeline", options=MappingProxyType({"schedule": schedule}))
+
+
 def _parse_gossip(name: str, argument: str | None) -> StrategySpec:
     if not argument:
         raise ConfigError(
@@ -216,6 +229,7 @@ for _info in (
         "D-PSGD over ring|torus|exponential|complete|FILE",
         _parse_gossip,
     ),
+    KindInfo("pipeline", "pipeline:SCHEDULE", "pipeline", "stages over workers: gpipe|1f1b|pipedream", _parse_pipeline),
 ):
     register_kind(_info)
 

@@ -52,7 +52,10 @@ class Pipe:
         layers: the whole model as a sequence of modules (an ``nn.Sequential`` or a list), built identically on
             every rank (same seed); each rank keeps only its stage's layers.
         balance: layers per stage (one entry per worker), e.g. from
-            :func:`paratrain.pipeline.partition.partition`.
+            :func:`paratrain.pipeline.partition.partition`; or ``"auto"``: stage 0 profiles every layer on
+            ``sample`` (:func:`paratrain.torch.profile.profile_layers`), splits them so that the slowest stage
+            is fastest, and tells the others.
+        sample: one micro-batch of inputs, for ``balance="auto"`` (needed on stage 0 only).
         microbatches: M, micro-batches per mini-batch.
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"pipedream"``.
         optimizer: builds the stage's optimizer from its parameters, e.g. ``lambda p: torch.optim.SGD(p, lr=0.1)``.
@@ -78,16 +81,21 @@ class Pipe:
         self,
         layers: Sequence[nn.Module] | nn.Sequential,
         *,
-        balance: Sequence[int],
+        balance: Sequence[int] | str,
         microbatches: int,
         schedule: str = "1f1b",
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         loss_fn: LossFn | None = None,
         context: Context | None = None,
+        sample: torch.Tensor | None = None,
     ) -> None:
         self.context = context if context is not None else current()
         modules = list(layers)
         stages = self.context.world_size
+        if isinstance(balance, str):
+            balance = self._auto_balance(balance, modules, sample)
+        #: layers per stage
+        self.balance = list(balance)
         if len(balance) != stages or any(b < 1 for b in balance) or sum(balance) != len(modules):
             raise ConfigError(
                 f"balance {list(balance)} must give each of the {stages} stages at least one of the {len(modules)} "
@@ -112,6 +120,32 @@ class Pipe:
         #: (step, micro-batch, version used) for every F and B run, in order: the white-box record.
         self.versions: list[tuple[str, int, int]] = []
         self._timeout = self.context.settings.timeout
+
+    def _auto_balance(self, how: str, modules: list[nn.Module], sample: torch.Tensor | None) -> list[int]:
+        """Stage 0 profiles and partitions; every stage gets its answer (a broadcast), so all agree."""
+        from paratrain.pipeline.partition import partition
+        from paratrain.torch.profile import profile_layers
+
+        stages = self.context.world_size
+        if how != "auto":
+            raise ConfigError(f"balance must be a list of layer counts or 'auto', not {how!r}")
+        if len(modules) < stages:
+            raise ConfigError(f"{len(modules)} layers cannot fill {stages} stages")
+        found = np.full(stages, -1, dtype=np.int64)  # -1: stage 0 could not profile, and every stage says so
+        problem: Exception | None = None
+        if self.context.rank == 0:
+            try:
+                if sample is None:
+                    raise ConfigError("balance='auto' needs sample= (one micro-batch of inputs) on stage 0")
+                found[:] = partition(profile_layers(modules, sample), stages).balance
+            except Exception as exc:  # told to every stage below, then raised here
+                problem = exc
+        agreed = [int(b) for b in self.context.broadcast(found, root=0)]
+        if problem is not None:
+            raise problem
+        if min(agreed) < 1:
+            raise ConfigError("stage 0 could not profile the layers for balance='auto' (see its error)")
+        return agreed
 
     @property
     def steps(self) -> tuple[Step, ...]:

@@ -132,6 +132,11 @@ def validate(job: TrainJob) -> None:
         raise ConfigError(f"unknown --strategy {job.strategy!r}; choose one of: {strategies_help()}") from None
     except ConfigError as exc:
         raise ConfigError(f"--strategy {job.strategy!r}: {exc} (the forms: {strategies_help()})") from None
+    if spec.family == "pipeline":
+        raise ConfigError(
+            f"--strategy {job.strategy!r}: pipelines do not run under 'paratrain train' yet; use "
+            "paratrain.torch.pipeline.Pipe in a script (see README, 'Pipeline parallelism')"
+        )
     if job.servers and not spec.uses_servers:
         raise ConfigError(f"--servers is for the parameter-server strategies (bsp, ssp:S, asp), not {spec.kind}")
     if spec.kind == "gossip":

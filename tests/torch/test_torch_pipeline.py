@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from paratrain.errors import ConfigError
 from paratrain.pipeline.partition import LayerCost, partition
 from paratrain.runtime.context import Context
 from paratrain.testing import run_ranks
@@ -133,3 +134,42 @@ def test_a_shape_mismatch_between_stages_fails_every_stage_without_a_hang() -> N
 
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         run_ranks(2, stage, timeout=60)
+
+
+def test_auto_balance_profiles_on_stage_0_and_every_stage_agrees() -> None:
+    def stage(ctx: Context) -> list[int]:
+        layers: list[nn.Module] = [nn.Linear(64, 64, dtype=torch.float64) for _ in range(6)]
+        sample = torch.ones(16, 64, dtype=torch.float64)
+        pipe = Pipe(
+            layers,
+            balance="auto",
+            sample=sample if ctx.rank == 0 else None,
+            microbatches=2,
+            optimizer=_optimizer,
+            loss_fn=nn.MSELoss(reduction="sum"),
+            context=ctx,
+        )
+        return pipe.balance
+
+    balances = run_ranks(3, stage, timeout=60)
+    assert balances[0] == balances[1] == balances[2]
+    assert sum(balances[0]) == 6 and min(balances[0]) >= 1
+
+
+def test_auto_balance_without_a_sample_fails_on_every_stage() -> None:
+    def stage(ctx: Context) -> str:
+        try:
+            Pipe(
+                [nn.Linear(2, 2), nn.Linear(2, 2)],
+                balance="auto",
+                microbatches=1,
+                optimizer=_optimizer,
+                loss_fn=nn.MSELoss(),
+                context=ctx,
+            )
+        except ConfigError as exc:
+            return str(exc)
+        return "no error"
+
+    messages = run_ranks(2, stage, timeout=60)
+    assert "needs sample=" in messages[0] and "could not profile" in messages[1]

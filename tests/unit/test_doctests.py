@@ -18,6 +18,7 @@ MODULES = [
     "paratrain.gossip.plan",
     "paratrain.pipeline.schedules",
     "paratrain.pipeline.partition",
+    "paratrain.torch.profile",
     "paratrain.strategy.spec",
     "paratrain.transport.recording",
     "paratrain.runtime.group",

@@ -23,6 +23,7 @@ from paratrain.strategy.spec import GOSSIP_TOPOLOGIES
         ("asp", ("asp", "parameter-server", None, None, True)),
         ("gossip:Torus", ("gossip", "decentralised", None, "torus", False)),
         ("gossip:graphs/My.edges", ("gossip", "decentralised", None, "graphs/My.edges", False)),
+        ("pipeline:1F1B", ("pipeline", "pipeline", None, None, False)),
     ],
 )
 def test_names_parse_into_one_spec(name: str, expected: tuple[object, ...]) -> None:
