@@ -56,6 +56,9 @@ class Pipe:
             ``sample`` (:func:`paratrain.torch.profile.profile_layers`), splits them so that the slowest stage
             is fastest, and tells the others.
         sample: one micro-batch of inputs, for ``balance="auto"`` (needed on stage 0 only).
+        checkpoint: re-materialisation (activation checkpointing): a forward keeps only its input, and the
+            backward runs the forward again first. Memory per micro-batch in flight drops to its input, for
+            about one more forward of compute; the parameters stay exactly the same.
         microbatches: M, micro-batches per mini-batch.
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"pipedream"``.
         optimizer: builds the stage's optimizer from its parameters, e.g. ``lambda p: torch.optim.SGD(p, lr=0.1)``.
@@ -88,6 +91,7 @@ class Pipe:
         loss_fn: LossFn | None = None,
         context: Context | None = None,
         sample: torch.Tensor | None = None,
+        checkpoint: bool = False,
     ) -> None:
         self.context = context if context is not None else current()
         modules = list(layers)
@@ -117,6 +121,10 @@ class Pipe:
         # the pipeline's own tag space: its messages never meet the world's collectives
         self.group: Group = self.context.split(lambda rank: "pipeline")
         self.version = 0
+        self.checkpoint = bool(checkpoint)
+        #: the most bytes held at once for backward by micro-batches in flight (their inputs and the tensors
+        #: autograd saved in their forwards), over all steps so far: GPipe holds M micro-batches, 1F1B K - s.
+        self.peak_held_bytes = 0
         #: (step, micro-batch, version used) for every F and B run, in order: the white-box record.
         self.versions: list[tuple[str, int, int]] = []
         self._timeout = self.context.settings.timeout
@@ -147,6 +155,18 @@ class Pipe:
             raise ConfigError("stage 0 could not profile the layers for balance='auto' (see its error)")
         return agreed
 
+    def _forward(
+        self, inp: torch.Tensor, params: dict[str, torch.Tensor] | None, target: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The stage's layers on ``inp`` (on the stashed ``params`` if given), then the loss on the last stage."""
+        out: torch.Tensor = (
+            self.module(inp) if params is None else torch.func.functional_call(self.module, params, (inp,))
+        )
+        if target is not None:
+            assert self.loss_fn is not None
+            out = self.loss_fn(out, target)
+        return out
+
     @property
     def steps(self) -> tuple[Step, ...]:
         """This stage's steps of one mini-batch."""
@@ -176,7 +196,8 @@ class Pipe:
         base = self.group.reserve_tags(2 * m)
         transport = self.group.transport
         sends: list[Handle[None]] = []
-        held: dict[int, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None, int]] = {}
+        held: dict[int, tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None, int, int]] = {}
+        holding = 0
         total: float | None = 0.0 if self.is_last else None
         stash = self.schedule.name.startswith("pipedream")
         for plan_step in self.steps:
@@ -196,20 +217,28 @@ class Pipe:
                 params: dict[str, torch.Tensor] | None = None
                 if stash:  # weight stashing: this micro-batch runs, forward and backward, on today's weights
                     params = {n: p.detach().clone().requires_grad_(True) for n, p in self.module.named_parameters()}
-                    out = torch.func.functional_call(self.module, params, (inp,))
+                saved = [inp.numel() * inp.element_size()]  # what this micro-batch holds until its backward
+                if self.checkpoint:  # re-materialisation: keep the input only, recompute in the backward
+                    with torch.no_grad():
+                        out = self._forward(inp, params, ys[mb] if self.is_last else None)
                 else:
-                    out = self.module(inp)
+                    counted = {_storage(inp), *(_storage(p) for p in self.module.parameters())}
+                    counted.update(_storage(t) for t in (inputs, targets) if t is not None)
+                    with torch.autograd.graph.saved_tensors_hooks(_counting(saved, counted), lambda t: t):
+                        out = self._forward(inp, params, ys[mb] if self.is_last else None)
                 self.versions.append(("F", mb, self.version))
                 if self.is_last:
-                    assert self.loss_fn is not None
-                    out = self.loss_fn(out, ys[mb])
                     assert total is not None
                     total += float(out.detach())
                 else:
                     sends.append(transport.isend(self.stage_index + 1, base - activation_tag(mb), [_array(out)]))
-                held[mb] = (inp, out, params, self.version)
+                held[mb] = (inp, None if self.checkpoint else out, params, self.version, sum(saved))
+                holding += sum(saved)
+                self.peak_held_bytes = max(self.peak_held_bytes, holding)
                 continue
-            inp, out, params, version = held.pop(mb)
+            inp, kept, params, version, nbytes = held.pop(mb)
+            holding -= nbytes
+            out = kept if kept is not None else self._forward(inp, params, ys[mb] if self.is_last else None)
             if self.is_last:
                 torch.autograd.backward(out)
             else:
@@ -226,6 +255,25 @@ class Pipe:
         for handle in sends:
             handle.wait(self._timeout)
         return total
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage().data_ptr())
+
+
+def _counting(saved: list[int], counted: set[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A saved-tensors pack hook that adds to ``saved`` the bytes of each tensor autograd keeps whose memory is
+    not counted yet: not the micro-batch's input, not the stage's parameters (views of them included), not the
+    caller's inputs and targets, each buffer once. Stashed parameter copies do count: they are per micro-batch."""
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        where = _storage(tensor)
+        if where not in counted:
+            counted.add(where)
+            saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    return pack
 
 
 def _schedule(name: str, stages: int, microbatches: int) -> Schedule:
