@@ -172,6 +172,39 @@ class Pipe:
         """This stage's steps of one mini-batch."""
         return self.schedule.stages[self.stage_index]
 
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The whole model's output on ``inputs`` (given on stage 0), returned on the last stage (None
+        elsewhere): forward only, micro-batch by micro-batch through the stages, so that stage s works on
+        micro-batch m while stage s + 1 works on m - 1. No parameter changes. Collective over the stages; blocks.
+
+        Raises:
+            ConfigError: no inputs on stage 0.
+            CommTimeoutError, PeerLostError: another stage failed or did not send in time.
+        """
+        if self.is_first and inputs is None:
+            raise ConfigError("stage 0 needs the inputs to predict")
+        m = self.microbatches
+        base = self.group.reserve_tags(m)
+        transport = self.group.transport
+        xs = list(torch.tensor_split(inputs, m)) if self.is_first and inputs is not None else []
+        outs: list[torch.Tensor] = []
+        sends: list[Handle[None]] = []
+        for mb in range(m):
+            if self.is_first:
+                inp = xs[mb]
+            else:
+                msg = transport.recv(self.stage_index - 1, base - mb, timeout=self._timeout)
+                inp = torch.from_numpy(msg.arrays[0].copy())
+            out = self.module(inp)
+            if self.is_last:
+                outs.append(out)
+            else:
+                sends.append(transport.isend(self.stage_index + 1, base - mb, [_array(out)]))
+        for handle in sends:
+            handle.wait(self._timeout)
+        return torch.cat(outs) if self.is_last else None
+
     def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> float | None:
         """Trains on one mini-batch; blocks until this stage's steps are done. Collective over the stages.
 

@@ -218,3 +218,26 @@ def test_activation_memory_held_per_stage(schedule: str, checkpoint: bool, expec
 
 
 _SQUARE = [nn.Linear(16, 16, dtype=torch.float64) for _ in range(4)]
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 1), (3, 4), (4, 8)])
+def test_predict_equals_the_whole_model(stages: int, microbatches: int) -> None:
+    x, _ = _batch(99)
+    expected = nn.Sequential(*_layers())(x).detach().numpy()
+
+    def stage(ctx: Context) -> np.ndarray | None:
+        pipe = Pipe(
+            _layers(),
+            balance=_balance(stages),
+            microbatches=microbatches,
+            optimizer=_optimizer,
+            loss_fn=nn.MSELoss(reduction="sum"),
+            context=ctx,
+        )
+        out = pipe.predict(x if ctx.rank == 0 else None)
+        pipe.step(*_batch(0))  # the tags of training after prediction stay matched
+        return None if out is None else out.numpy()
+
+    results = run_ranks(stages, stage, timeout=60)
+    assert all(r is None for r in results[:-1])
+    np.testing.assert_allclose(results[-1], expected, rtol=1e-13, atol=1e-13)
