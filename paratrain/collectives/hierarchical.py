@@ -17,7 +17,6 @@ are matched in order, so they cannot be confused.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,9 +24,8 @@ import numpy.typing as npt
 
 from paratrain.collectives.exchange import Exchange
 from paratrain.collectives.execute import run_actions
-from paratrain.collectives.lower import hierarchical_allreduce_into, segment_items
+from paratrain.collectives.lower import allreduce_plan
 from paratrain.collectives.ops import Reducer
-from paratrain.plan.ir import Action, PlanBuilder
 
 __all__ = ["HostLayout", "hierarchical_allreduce"]
 
@@ -66,16 +64,13 @@ def hierarchical_allreduce(
     Every rank ends with identical bits (the leaders' ring gives them equal results; the broadcast copies).
     ``mean`` divides by the total number of ranks once, at the leaders, before the broadcast.
     """
-    actions = _actions(
-        ex.rank, tuple(layout.hosts), src.size, src.itemsize, segment_items(src.itemsize, None), dst is src
+    plan = allreduce_plan(
+        "hierarchical",
+        ex.world_size,
+        src.size,
+        src.itemsize,
+        aliased=dst is src,
+        hosts=tuple(layout.hosts),
+        agreement=False,
     )
-    run_actions(ex, actions, {"src": src, "dst": dst}, reducer, dst.dtype)
-
-
-@functools.lru_cache(maxsize=256)
-def _actions(  # noqa: PLR0917 (a cache key)
-    rank: int, hosts: tuple[str, ...], count: int, itemsize: int, segment: int, aliased: bool
-) -> tuple[Action, ...]:
-    b = PlanBuilder(aliased=aliased)
-    hierarchical_allreduce_into(b, rank, hosts, count, itemsize=itemsize, segment=segment)
-    return b.actions
+    run_actions(ex, plan.ranks[ex.rank], {"src": src, "dst": dst}, reducer, dst.dtype)

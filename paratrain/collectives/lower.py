@@ -8,7 +8,10 @@ nothing else, the cost model replays them, and a recording transport checks that
 Every ``*_into`` function appends one rank's part of one schedule to a :class:`~paratrain.plan.ir.PlanBuilder`
 in the numbering of the group it runs on (``builder.members`` maps it to the plan's ranks), so schedules
 compose: the hierarchical allreduce is a tree reduce, a ring and a tree broadcast appended to one builder.
-The ``*_plan`` functions build the whole world's plan, cached: a call's plan depends only on its sizes.
+The ``*_plan`` functions build the whole world's plan, cached: a call's plan depends only on its sizes, and
+the executors run their rank's part of that very object. The cache matters: building a plan costs tens of
+microseconds, a tenth of a small tree allreduce (64 KiB over ZeroMQ, 2 ranks, median of 4 interleaved runs:
+0.59 ms before the plan IR, 0.70 ms with plans built per call, 0.58 ms cached).
 
 Buffers: ``"src"`` (what this rank contributes; the root's data in a broadcast), ``"dst"`` (the result),
 ``"gathered"`` (the agreement's payloads, ``index`` = rank) and ``"own"`` (a private copy of ``src``).
@@ -17,7 +20,6 @@ Buffers: ``"src"`` (what this rank contributes; the root's data in a broadcast),
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 
 from paratrain.collectives.lower_shm import shm_allreduce_into
@@ -38,6 +40,7 @@ from paratrain.plan.ir import Action, Plan, PlanBuilder, Received, Slice
 __all__ = [
     "SEGMENT_BYTES",
     "agreement_into",
+    "agreement_plan",
     "allgather_plan",
     "allreduce_plan",
     "barrier_into",
@@ -46,6 +49,7 @@ __all__ = [
     "chain_broadcast_into",
     "direct_allreduce_into",
     "hierarchical_allreduce_into",
+    "reduce_plan",
     "reduce_scatter_plan",
     "ring_into",
     "segment_bounds",
@@ -392,9 +396,11 @@ def broadcast_plan(
     *,
     root: int = 0,
     segment_bytes: int | None = None,
+    aliased: bool = False,
     agreement: bool = True,
 ) -> Plan:
-    """The plan of one broadcast call (``"tree"`` or ``"chain"``) of ``count`` items from ``root``."""
+    """The plan of one broadcast call (``"tree"`` or ``"chain"``) of ``count`` items from ``root``; ``aliased``:
+    the root's source is its destination (nothing to copy there)."""
     segment = segment_items(itemsize, segment_bytes)
 
     def body(b: PlanBuilder, r: int) -> None:
@@ -407,7 +413,25 @@ def broadcast_plan(
         else:
             raise ValueError(f"no plan for broadcast algorithm {algorithm!r}")
 
-    return world_plan(f"broadcast/{algorithm}", n, _with_agreement(agreement, n, body))
+    return world_plan(f"broadcast/{algorithm}", n, _with_agreement(agreement, n, body), aliased=aliased)
+
+
+@functools.lru_cache(maxsize=256)
+def reduce_plan(n: int, count: int, itemsize: int, *, aliased: bool = False) -> Plan:
+    """A binomial reduce of ``count`` items to rank 0 (a mean is not finished: the caller divides once)."""
+
+    def body(b: PlanBuilder, r: int) -> None:
+        tree_reduce_into(b, binomial_tree_reduce(r, n, 0), count, itemsize=itemsize, is_root=r == 0)
+
+    return world_plan("reduce/tree", n, body, aliased=aliased)
+
+
+@functools.lru_cache(maxsize=256)
+def agreement_plan(n: int, payload_items: int = 0, itemsize: int = 0) -> Plan:
+    """The agreement alone (:func:`agreement_into`), with an optional payload of ``payload_items`` per rank."""
+    return world_plan(
+        "agreement", n, lambda b, r: agreement_into(b, r, n, payload_items=payload_items, itemsize=itemsize)
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -417,17 +441,11 @@ def reduce_scatter_plan(
     itemsize: int,
     *,
     segment_bytes: int | None = None,
+    aliased: bool = False,
     agreement: bool = True,
 ) -> Plan:
     """The plan of one ring reduce-scatter over the flat chunks ``bounds`` (rank r keeps chunk r)."""
-    segment = segment_items(itemsize, segment_bytes)
-
-    def body(b: PlanBuilder, r: int) -> None:
-        ring_into(
-            b, ring_reduce_scatter(r, n), bounds, itemsize=itemsize, segment=segment, reduce_steps=n - 1, divide_by=n
-        )
-
-    return world_plan("reduce_scatter/ring", n, _with_agreement(agreement, n, body))
+    return _ring_plan("reduce_scatter", n, bounds, itemsize, segment_bytes, aliased=aliased, agreement=agreement)
 
 
 @functools.lru_cache(maxsize=256)
@@ -440,22 +458,39 @@ def allgather_plan(
     agreement: bool = True,
 ) -> Plan:
     """The plan of one ring allgather in place: rank r's block is ``bounds[r]`` of ``dst``."""
+    return _ring_plan("allgather", n, bounds, itemsize, segment_bytes, aliased=True, agreement=agreement)
+
+
+def _ring_plan(
+    kind: str,
+    n: int,
+    bounds: tuple[tuple[int, int], ...],
+    itemsize: int,
+    segment_bytes: int | None,
+    *,
+    aliased: bool,
+    agreement: bool,
+) -> Plan:
     segment = segment_items(itemsize, segment_bytes)
+    gather = kind == "allgather"
 
     def body(b: PlanBuilder, r: int) -> None:
+        steps = ring_allgather(r, n) if gather else ring_reduce_scatter(r, n)
         ring_into(
-            b, ring_allgather(r, n), bounds, itemsize=itemsize, segment=segment, reduce_steps=0, divide_by=n, src="dst"
+            b,
+            steps,
+            bounds,
+            itemsize=itemsize,
+            segment=segment,
+            reduce_steps=0 if gather else n - 1,
+            divide_by=n,
+            src="dst" if gather else "src",
         )
 
-    return world_plan("allgather/ring", n, _with_agreement(agreement, n, body), aliased=True)
+    return world_plan(f"{kind}/ring", n, _with_agreement(agreement, n, body), aliased=aliased)
 
 
 @functools.lru_cache(maxsize=64)
 def barrier_plan(n: int) -> Plan:
     """The dissemination barrier of ``n`` ranks."""
     return world_plan("barrier", n, lambda b, r: barrier_into(b, r, n))
-
-
-def rounds(n: int) -> int:
-    """ceil(log2 n): the agreement's and the barrier's rounds."""
-    return math.ceil(math.log2(n)) if n > 1 else 0

@@ -3,14 +3,14 @@
 Each chunk of a ring is cut into segments of about :data:`~.lower.SEGMENT_BYTES`, and each segment is
 forwarded the moment it has arrived and been reduced, so the transport's threads overlap the network with
 numpy's reductions. The segments, the order and the buffer reuse are all in the plan (:func:`.lower.ring_into`,
-:func:`.lower.chain_broadcast_into`); these functions pick the plan for the call and run it through
-:func:`.execute.run_actions`. Buffers are never copied on the way out: sends borrow slices of the caller's
-arrays, and a slice is written again only after the transport has released it.
+:func:`.lower.chain_broadcast_into`); these functions take their rank's part of the call's plan (the same
+cached object the cost model replays and the tests record) and run it through :func:`.execute.run_actions`.
+Buffers are never copied on the way out: sends borrow slices of the caller's arrays, and a slice is written
+again only after the transport has released it.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy.typing as npt
@@ -19,61 +19,22 @@ from paratrain.collectives.exchange import Exchange
 from paratrain.collectives.execute import run_actions
 from paratrain.collectives.lower import (
     SEGMENT_BYTES,
-    chain_broadcast_into,
-    ring_into,
+    allgather_plan,
+    allreduce_plan,
+    broadcast_plan,
+    reduce_scatter_plan,
     segment_bounds,
-    segment_items,
 )
 from paratrain.collectives.ops import Reducer
-from paratrain.collectives.plans import (
-    chain_broadcast,
-    chunk_bounds,
-    ring_allgather,
-    ring_allreduce,
-    ring_reduce_scatter,
-)
-from paratrain.plan.ir import Action, PlanBuilder
 
 __all__ = [
     "SEGMENT_BYTES",
     "chain_broadcast_run",
-    "ring_actions",
     "ring_allgather_run",
     "ring_allreduce_run",
     "ring_reduce_scatter_run",
     "segment_bounds",
 ]
-
-
-@functools.lru_cache(maxsize=512)
-def ring_actions(
-    kind: str,
-    rank: int,
-    n: int,
-    *,
-    bounds: tuple[tuple[int, int], ...],
-    itemsize: int,
-    segment: int,
-    aliased: bool,
-) -> tuple[Action, ...]:
-    """One rank's actions of a ring ``kind`` (``"allreduce"``, ``"reduce_scatter"``, ``"allgather"``), cached:
-    a training loop repeats the same sizes every step."""
-    b = PlanBuilder(aliased=aliased)
-    if kind == "allgather":
-        ring_into(
-            b,
-            ring_allgather(rank, n),
-            bounds,
-            itemsize=itemsize,
-            segment=segment,
-            reduce_steps=0,
-            divide_by=n,
-            src="dst",
-        )
-    else:
-        steps = ring_allreduce(rank, n) if kind == "allreduce" else ring_reduce_scatter(rank, n)
-        ring_into(b, steps, bounds, itemsize=itemsize, segment=segment, reduce_steps=n - 1, divide_by=n)
-    return b.actions
 
 
 def ring_allreduce_run(
@@ -103,16 +64,10 @@ def ring_allreduce_run(
         [0.0, 6.0, 12.0, 18.0, 24.0]
     """
     n = ex.world_size
-    seg = segment_items(src.itemsize, segment_bytes)
-    actions = ring_actions(
-        "allreduce",
-        ex.rank,
-        n,
-        bounds=tuple(chunk_bounds(src.size, n)),
-        itemsize=src.itemsize,
-        segment=seg,
-        aliased=dst is src,
+    plan = allreduce_plan(
+        "ring", n, src.size, src.itemsize, aliased=dst is src, segment_bytes=segment_bytes, agreement=False
     )
+    actions = plan.ranks[ex.rank]
     run_actions(ex, actions, {"src": src, "dst": dst}, reducer, dst.dtype)
 
 
@@ -133,6 +88,7 @@ def ring_reduce_scatter_run(
     Example:
         >>> import numpy as np
         >>> from paratrain.collectives.ops import Reducer
+        >>> from paratrain.collectives.plans import chunk_bounds
         >>> from paratrain.testing import run_ranks
         >>> def rank_fn(ctx):
         ...     x, out = np.ones(5, dtype=np.int64), np.zeros(5, dtype=np.int64)
@@ -143,16 +99,10 @@ def ring_reduce_scatter_run(
         >>> run_ranks(2, rank_fn)
         [[2, 2, 2], [2, 2]]
     """
-    seg = segment_items(src.itemsize, segment_bytes)
-    actions = ring_actions(
-        "reduce_scatter",
-        ex.rank,
-        ex.world_size,
-        bounds=tuple(bounds),
-        itemsize=src.itemsize,
-        segment=seg,
-        aliased=dst is src,
+    plan = reduce_scatter_plan(
+        ex.world_size, tuple(bounds), src.itemsize, segment_bytes=segment_bytes, aliased=dst is src, agreement=False
     )
+    actions = plan.ranks[ex.rank]
     run_actions(ex, actions, {"src": src, "dst": dst}, reducer, dst.dtype)
 
 
@@ -176,10 +126,8 @@ def ring_allgather_run(
         >>> run_ranks(2, rank_fn)
         [[1.0, 2.0, 2.0], [1.0, 2.0, 2.0]]
     """
-    seg = segment_items(buf.itemsize, segment_bytes)
-    actions = ring_actions(
-        "allgather", ex.rank, ex.world_size, bounds=tuple(bounds), itemsize=buf.itemsize, segment=seg, aliased=True
-    )
+    plan = allgather_plan(ex.world_size, tuple(bounds), buf.itemsize, segment_bytes=segment_bytes, agreement=False)
+    actions = plan.ranks[ex.rank]
     run_actions(ex, actions, {"src": buf, "dst": buf}, None, buf.dtype)
 
 
@@ -210,16 +158,14 @@ def chain_broadcast_run(
     is_root = ex.rank == root
     if is_root:
         assert source is not None, "the root of a broadcast needs a source"
-    seg = segment_items(dst.itemsize, segment_bytes)
-    actions = _chain_actions(ex.rank, ex.world_size, root, dst.size, dst.itemsize, seg, source is dst)
-    run_actions(ex, actions, {"src": dst if source is None else source, "dst": dst}, None, dst.dtype)
-
-
-@functools.lru_cache(maxsize=256)
-def _chain_actions(  # noqa: PLR0917 (a cache key)
-    rank: int, n: int, root: int, count: int, itemsize: int, segment: int, aliased: bool
-) -> tuple[Action, ...]:
-    b = PlanBuilder(aliased=aliased)
-    steps = chain_broadcast(rank, n, root)
-    chain_broadcast_into(b, steps, count, itemsize=itemsize, segment=segment, is_root=rank == root)
-    return b.actions
+    plan = broadcast_plan(
+        "chain",
+        ex.world_size,
+        dst.size,
+        dst.itemsize,
+        root=root,
+        segment_bytes=segment_bytes,
+        aliased=source is dst,
+        agreement=False,
+    )
+    run_actions(ex, plan.ranks[ex.rank], {"src": dst if source is None else source, "dst": dst}, None, dst.dtype)

@@ -18,8 +18,7 @@ Each of them iterates its rank's actions of a plan from :mod:`.lower`; the bookk
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,17 +26,9 @@ import numpy.typing as npt
 
 from paratrain.collectives.exchange import Exchange
 from paratrain.collectives.execute import Buffers, run_actions
-from paratrain.collectives.lower import (
-    agreement_into,
-    direct_allreduce_into,
-    tree_allreduce_into,
-    tree_broadcast_into,
-    tree_reduce_into,
-)
+from paratrain.collectives.lower import agreement_plan, allreduce_plan, broadcast_plan, reduce_plan
 from paratrain.collectives.ops import Reducer
-from paratrain.collectives.plans import TreeStep, binomial_tree_broadcast, binomial_tree_reduce
 from paratrain.errors import MessageError
-from paratrain.plan.ir import Action, PlanBuilder
 from paratrain.transport.base import Handle
 from paratrain.transport.wire import Message
 
@@ -71,7 +62,7 @@ def agree(ex: Exchange, signature: list[Any], payload: npt.NDArray[Any] | None =
     n, rank = ex.world_size, ex.rank
     sigs_known: dict[int, list[Any]] = {rank: signature}
     data_known: dict[int, npt.NDArray[Any] | None] = {rank: payload}
-    actions = _agreement_actions(rank, n, 0 if payload is None else payload.size, _itemsize(payload))
+    actions = agreement_plan(n, 0 if payload is None else payload.size, _itemsize(payload)).ranks[rank]
     posted: dict[int, tuple[Handle[Message], int, int]] = {}  # recv action -> (handle, peer, round)
     rounds = 0
 
@@ -113,53 +104,6 @@ def _itemsize(payload: npt.NDArray[Any] | None) -> int:
     return 0 if payload is None else payload.itemsize
 
 
-@functools.lru_cache(maxsize=256)
-def _agreement_actions(rank: int, n: int, payload_items: int, itemsize: int) -> tuple[Action, ...]:
-    b = PlanBuilder()
-    agreement_into(b, rank, n, payload_items=payload_items, itemsize=itemsize)
-    return b.actions
-
-
-# Plans are cached per size: a training loop repeats the same calls every step, and building a plan costs tens
-# of microseconds, a tenth of a small tree allreduce (measured, 64 KiB over ZeroMQ, 2 ranks, median of 4
-# interleaved runs: 0.59 ms before the plan IR, 0.70 ms with uncached plans, 0.58 ms cached).
-
-
-@functools.lru_cache(maxsize=256)
-def _tree_actions(  # noqa: PLR0917 (a cache key)
-    kind: str, rank: int, n: int, count: int, itemsize: int, aliased: bool
-) -> tuple[Action, ...]:
-    b = PlanBuilder(aliased=aliased)
-    if kind == "allreduce":
-        tree_allreduce_into(b, rank, n, count, itemsize=itemsize)
-    else:
-        tree_reduce_into(b, binomial_tree_reduce(rank, n, 0), count, itemsize=itemsize, is_root=rank == 0)
-    return b.actions
-
-
-@functools.lru_cache(maxsize=256)
-def _broadcast_actions(  # noqa: PLR0917 (a cache key)
-    plan: Callable[[int, int, int], list[TreeStep]],
-    rank: int,
-    n: int,
-    root: int,
-    count: int,
-    itemsize: int,
-    aliased: bool,
-) -> tuple[Action, ...]:
-    b = PlanBuilder(aliased=aliased)
-    steps = plan(rank, n, root)
-    tree_broadcast_into(b, steps, count, itemsize=itemsize, source="src" if rank == root else None)
-    return b.actions
-
-
-@functools.lru_cache(maxsize=256)
-def _direct_actions(rank: int, n: int, count: int, itemsize: int, aliased: bool) -> tuple[Action, ...]:
-    b = PlanBuilder(aliased=aliased)
-    direct_allreduce_into(b, rank, n, count, itemsize=itemsize)
-    return b.actions
-
-
 def direct_allreduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], reducer: Reducer) -> None:
     """Allreduce from the payloads the agreement gathered (:func:`agree` with ``payload=src``): reduce locally.
 
@@ -191,8 +135,8 @@ def direct_allreduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any],
             "from every rank"
         )
     ex.finish()  # our own block may still be on its way out of src, which may be dst
-    actions = _direct_actions(rank, n, src.size, src.itemsize, dst is src)
-    agreement = len(_agreement_actions(rank, n, src.size, src.itemsize))  # ran in agree() already
+    actions = allreduce_plan("direct", n, src.size, src.itemsize, aliased=dst is src).ranks[rank]
+    agreement = len(agreement_plan(n, src.size, src.itemsize).ranks[rank])  # ran in agree() already
     own = np.empty_like(src) if dst is src and rank >= 2 else src  # a copy only where the plan makes one
     buffers: Buffers = {"src": src, "dst": dst, "gathered": blocks, "own": own}
     run_actions(ex, actions, buffers, reducer, dst.dtype, start=agreement)
@@ -204,7 +148,6 @@ def tree_broadcast(
     *,
     root: int,
     source: npt.NDArray[Any] | None = None,
-    plan: Callable[[int, int, int], list[TreeStep]] = binomial_tree_broadcast,
 ) -> None:
     """Broadcasts the root's ``source`` into every rank's ``dst`` (flat arrays) along a binomial tree.
 
@@ -223,8 +166,10 @@ def tree_broadcast(
         >>> run_ranks(4, rank_fn)[0]
         [7.0, 8.0]
     """
-    actions = _broadcast_actions(plan, ex.rank, ex.world_size, root, dst.size, dst.itemsize, source is dst)
-    run_actions(ex, actions, {"src": dst if source is None else source, "dst": dst}, None, dst.dtype)
+    plan = broadcast_plan(
+        "tree", ex.world_size, dst.size, dst.itemsize, root=root, aliased=source is dst, agreement=False
+    )
+    run_actions(ex, plan.ranks[ex.rank], {"src": dst if source is None else source, "dst": dst}, None, dst.dtype)
 
 
 def tree_allreduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], reducer: Reducer) -> None:
@@ -244,8 +189,8 @@ def tree_allreduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], r
         >>> run_ranks(5, rank_fn)[4]
         [2.0, 1.0]
     """
-    actions = _tree_actions("allreduce", ex.rank, ex.world_size, dst.size, dst.itemsize, dst is src)
-    run_actions(ex, actions, {"src": src, "dst": dst}, reducer, dst.dtype)
+    plan = allreduce_plan("tree", ex.world_size, dst.size, dst.itemsize, aliased=dst is src, agreement=False)
+    run_actions(ex, plan.ranks[ex.rank], {"src": src, "dst": dst}, reducer, dst.dtype)
 
 
 def tree_reduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], reducer: Reducer) -> None:
@@ -255,5 +200,5 @@ def tree_reduce(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], redu
     caller divides once, by whatever count is right (the world, or every host's ranks in a hierarchy). Returns
     when this rank's sends no longer read its buffers; other ranks' ``dst`` hold partial sums afterwards.
     """
-    actions = _tree_actions("reduce", ex.rank, ex.world_size, dst.size, dst.itemsize, dst is src)
-    run_actions(ex, actions, {"src": src, "dst": dst}, reducer, dst.dtype)
+    plan = reduce_plan(ex.world_size, dst.size, dst.itemsize, aliased=dst is src)
+    run_actions(ex, plan.ranks[ex.rank], {"src": src, "dst": dst}, reducer, dst.dtype)

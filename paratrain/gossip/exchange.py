@@ -169,7 +169,7 @@ class SocketExchange(NeighbourExchange):
         nbytes = sum(int(a.nbytes) for a in mine)
         weights = dict(self.neighbors)
         self.receives, self._sends = [], []
-        for action in round_actions([peer for peer, _ in self.neighbors], nbytes):
+        for action in round_actions(tuple(peer for peer, _ in self.neighbors), nbytes):  # cached per size
             if action.kind == "recv":
                 self.receives.append((action.peer, weights[action.peer], transport.irecv(action.peer, tag)))
             elif action.kind == "send":

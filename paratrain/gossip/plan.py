@@ -9,7 +9,7 @@ arrived), which :class:`~paratrain.gossip.exchange.SocketExchange` iterates and 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
 from typing import Any
 
 from paratrain.errors import ConfigError
@@ -42,12 +42,13 @@ def round_plan(w: Any, nbytes: int) -> list[Transfer]:
     return [(src, dst, nbytes) for src in range(arr.shape[0]) for dst, _ in neighbors(arr, src)]
 
 
-def round_actions(peers: Sequence[int], nbytes: int) -> tuple[Action, ...]:
+@functools.lru_cache(maxsize=64)
+def round_actions(peers: tuple[int, ...], nbytes: int) -> tuple[Action, ...]:
     """One rank's round: a receive posted from every neighbour, then one send of the model (``nbytes``) to
     each, then the mixing (``sum_j W_ij x_j``, one reduce per neighbour) once each message is in.
 
     Example:
-        >>> [(a.kind, a.peer, a.nbytes) for a in round_actions([1, 3], 8)][:4]
+        >>> [(a.kind, a.peer, a.nbytes) for a in round_actions((1, 3), 8)][:4]
         [('recv', 1, 8), ('recv', 3, 8), ('send', 1, 8), ('send', 3, 8)]
     """
     b = PlanBuilder()
@@ -66,5 +67,5 @@ def gossip_plan(w: Any, nbytes: int) -> Plan:
     arr = validate_mixing(w)
     return Plan(
         "gossip",
-        tuple(round_actions([peer for peer, _ in neighbors(arr, r)], nbytes) for r in range(arr.shape[0])),
+        tuple(round_actions(tuple(peer for peer, _ in neighbors(arr, r)), nbytes) for r in range(arr.shape[0])),
     )

@@ -17,7 +17,6 @@ hanging in a later call. Groups from one ``split`` are disjoint and share one sp
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
@@ -123,7 +122,7 @@ class Group(CollectiveMethods):
         self._settings = settings
         self._hosts = None if hosts is None else list(hosts)
         self._check_open = check_open
-        self._tags = itertools.count()
+        self._calls = 0  # tags taken so far
         self._lock = threading.Lock()
         self._collectives: Collectives | None = None
 
@@ -147,9 +146,7 @@ class Group(CollectiveMethods):
         if count < 1:
             raise ValueError(f"reserve at least one tag, not {count}")
         with self._lock:
-            first = next(self._tags)
-            for _ in range(count - 1):
-                next(self._tags)
+            first, self._calls = self._calls, self._calls + count
             return COLLECTIVE_TAG_BASE - self.tag_space * TAG_SPACE_SIZE - first
 
     def barrier(self, timeout: float | None = None) -> None:
