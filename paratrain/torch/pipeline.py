@@ -1,28 +1,39 @@
 """Pipeline-parallel training of a sequence of layers, one process per stage, executing a pure schedule.
 
-Each rank of the pipeline's group holds one stage: a contiguous run of the model's layers (``balance`` says how
-many). :meth:`Pipe.step` trains on one mini-batch: stage 0 cuts it into micro-batches, and every stage runs the
-steps its :mod:`paratrain.pipeline.schedules` schedule lists, in order, nothing else: ``F m`` receives micro-batch
-m's activation from the previous stage (stage 0 takes the input), runs its layers and sends the output on;
-``B m`` receives the gradient of that output (the last stage computes the loss instead), back-propagates
-through its layers and sends the input's gradient back; ``S`` is the optimizer step.
+Each rank of a pipeline holds one stage: a contiguous run of the model's layers (``balance`` says how
+many). With ``replicas=R`` the workers form R pipelines of K = N / R stages (worker ``r * K + s`` is stage s of
+pipeline r), each training on its own mini-batch, and the R copies of a stage sum their gradients (an allreduce
+among them) before every optimizer step: data parallelism inside each stage, PipeDream's replicated stages.
 
-Update rule. GPipe and 1F1B: gradients of all micro-batches' losses are summed (``loss_fn`` per micro-batch,
-as torch's ``scale_grads=False``), then one optimizer step, so the parameters equal non-pipelined training on
-the whole mini-batch with the summed loss (tests: per parameter tensor, float64, to 1e-12). PipeDream: each
-micro-batch is a mini-batch of its own; every stage steps after each backward, and a micro-batch's backward
-uses the weights its forward used (weight stashing: the forward runs on a copy of the parameters of that
-moment, :func:`torch.func.functional_call`, and its gradient is applied to the current ones). The versions
-each forward and backward used are recorded (:attr:`Pipe.versions`) and equal the schedule's.
+:meth:`Pipe.step` trains on one mini-batch: stage 0 cuts it into micro-batches, and every stage runs the steps its
+:mod:`paratrain.pipeline.schedules` schedule lists, in order, nothing else: ``F m`` receives micro-batch m's
+activation from the previous stage (stage 0 takes the input), runs its layers and sends the output on; ``B m``
+receives the gradient of that output (the last stage computes the loss instead), back-propagates through its layers
+and sends the input's gradient back; ``S`` is the optimizer step.
+
+Update rule. GPipe and 1F1B: gradients of all micro-batches' losses are summed (``loss_fn`` per micro-batch, as
+torch's ``scale_grads=False``), then one optimizer step, so the parameters equal non-pipelined training on the whole
+mini-batch with the summed loss (tests: per parameter tensor, float64, to 1e-12); with replicas, on the R mini-
+batches together. PipeDream: each micro-batch is a mini-batch of its own; every stage steps after each backward, and
+a micro-batch's backward uses the weights its forward used (weight stashing: the forward runs on a copy of the
+parameters of that moment, :func:`torch.func.functional_call`, and its gradient is applied to the current ones). The
+versions each forward and backward used are recorded (:attr:`Pipe.versions`) and equal the schedule's.
 
 Messages travel through the group's transport with tags from the group's own space (one tag per micro-batch and
 direction per step); sends never block, and a stage waits only for the message its next step needs. A stage
 that fails makes the others fail too: its process exits (the launcher stops the job) or, in-process, the
 transport is aborted; a receive never waits longer than the context's timeout.
+
+``trace=`` receives a span for every step (``forward m``, ``backward m``, ``optimizer step``, and with
+checkpointing ``recompute m``: compute), every
+wait for a message (``wait activation m``, ``wait gradient m``, ``wait sends``: waiting) and every gradient
+allreduce among replicas (communication): ``paratrain train`` draws them as the run's timeline, and the
+benchmark measures each stage's bubble from them.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +50,8 @@ from paratrain.transport.base import Handle
 __all__ = ["Pipe"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``trace(name, category, start, end)``: one span of a stage's work (times from ``time.time()``).
+Trace = Callable[[str, str, float, float], None]
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
@@ -46,7 +59,8 @@ def _array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
 
 
 class Pipe:
-    """This rank's stage of a pipeline over every worker of ``context`` (rank s = stage s).
+    """This rank's stage of a pipeline over the workers of ``context`` (rank s = stage s; with ``replicas=R``,
+    rank ``r * K + s`` is stage s of pipeline r).
 
     Args:
         layers: the whole model as a sequence of modules (an ``nn.Sequential`` or a list), built identically on
@@ -65,6 +79,9 @@ class Pipe:
         loss_fn: ``loss_fn(output, target)`` of one micro-batch, on the last stage (use ``reduction="sum"`` for
             gradients equal to the whole mini-batch's summed loss).
         context: the paratrain context (default: the current one).
+        replicas: R pipelines side by side (N = R * K workers), each on its own mini-batch; the copies of a
+            stage sum their gradients before each optimizer step.
+        trace: called with every span of this stage's work (see the module's docstring).
 
     Example:
         >>> from paratrain.testing import run_ranks
@@ -92,12 +109,19 @@ class Pipe:
         context: Context | None = None,
         sample: torch.Tensor | None = None,
         checkpoint: bool = False,
+        replicas: int = 1,
+        trace: Trace | None = None,
     ) -> None:
         self.context = context if context is not None else current()
         modules = list(layers)
-        stages = self.context.world_size
+        world = self.context.world_size
+        if replicas < 1 or world % replicas:
+            raise ConfigError(f"replicas={replicas} must divide the {world} workers (K stages x R replicas)")
+        stages = world // replicas
+        #: R, the pipelines side by side
+        self.replicas = replicas
         if isinstance(balance, str):
-            balance = self._auto_balance(balance, modules, sample)
+            balance = self._auto_balance(balance, modules, sample, stages)
         #: layers per stage
         self.balance = list(balance)
         if len(balance) != stages or any(b < 1 for b in balance) or sum(balance) != len(modules):
@@ -105,7 +129,9 @@ class Pipe:
                 f"balance {list(balance)} must give each of the {stages} stages at least one of the {len(modules)} "
                 "layers, and all of them"
             )
-        self.stage_index = self.context.rank
+        self.stage_index = self.context.rank % stages
+        #: which of the R pipelines this rank belongs to
+        self.replica = self.context.rank // stages
         self.num_stages = stages
         first = sum(balance[: self.stage_index])
         self.module = nn.Sequential(*modules[first : first + balance[self.stage_index]])
@@ -119,7 +145,10 @@ class Pipe:
         if self.is_last and loss_fn is None:
             raise ConfigError("the last stage computes the loss: give loss_fn=")
         # the pipeline's own tag space: its messages never meet the world's collectives
-        self.group: Group = self.context.split(lambda rank: "pipeline")
+        self.group: Group = self.context.split(lambda rank: rank // stages)
+        #: the R copies of this stage (None without replicas), which sum their gradients
+        self.stage_group: Group | None = self.context.split(lambda rank: rank % stages) if replicas > 1 else None
+        self._trace = trace
         self.version = 0
         self.checkpoint = bool(checkpoint)
         #: the most bytes held at once for backward by micro-batches in flight (their inputs and the tensors
@@ -129,12 +158,11 @@ class Pipe:
         self.versions: list[tuple[str, int, int]] = []
         self._timeout = self.context.settings.timeout
 
-    def _auto_balance(self, how: str, modules: list[nn.Module], sample: torch.Tensor | None) -> list[int]:
-        """Stage 0 profiles and partitions; every stage gets its answer (a broadcast), so all agree."""
+    def _auto_balance(self, how: str, modules: list[nn.Module], sample: torch.Tensor | None, stages: int) -> list[int]:
+        """Rank 0 profiles and partitions; every worker gets its answer (a broadcast), so all agree."""
         from paratrain.pipeline.partition import partition
         from paratrain.torch.profile import profile_layers
 
-        stages = self.context.world_size
         if how != "auto":
             raise ConfigError(f"balance must be a list of layer counts or 'auto', not {how!r}")
         if len(modules) < stages:
@@ -166,6 +194,28 @@ class Pipe:
             assert self.loss_fn is not None
             out = self.loss_fn(out, target)
         return out
+
+    def _apply_gradients(self, trace: Trace | None) -> None:
+        """The ``S`` step: with replicas, the copies of this stage first sum their gradients (one allreduce of
+        every gradient as one flat buffer); then the optimizer steps and the gradients are cleared."""
+        if self.optimizer is None:
+            return
+        params = list(self.module.parameters())
+        if self.stage_group is not None:
+            t0 = time.time()
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            self.stage_group.allreduce_(flat, op="sum")
+            offset = 0
+            for p in params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+            if trace is not None:
+                _span(trace, "allreduce gradients", "communication", t0)
+        t0 = time.time()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if trace is not None:
+            _span(trace, "optimizer step", "compute", t0)
 
     @property
     def steps(self) -> tuple[Step, ...]:
@@ -233,11 +283,11 @@ class Pipe:
         holding = 0
         total: float | None = 0.0 if self.is_last else None
         stash = self.schedule.name.startswith("pipedream")
+        trace = self._trace
         for plan_step in self.steps:
+            t0 = time.time()
             if plan_step.kind == "S":
-                if self.optimizer is not None:
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                self._apply_gradients(trace)
                 self.version += 1
                 continue
             mb = plan_step.microbatch
@@ -247,6 +297,8 @@ class Pipe:
                 else:
                     msg = transport.recv(self.stage_index - 1, base - activation_tag(mb), timeout=self._timeout)
                     inp = torch.from_numpy(msg.arrays[0].copy()).requires_grad_(True)
+                    if trace is not None:
+                        t0 = _span(trace, f"wait activation {mb}", "waiting", t0)
                 params: dict[str, torch.Tensor] | None = None
                 if stash:  # weight stashing: this micro-batch runs, forward and backward, on today's weights
                     params = {n: p.detach().clone().requires_grad_(True) for n, p in self.module.named_parameters()}
@@ -265,17 +317,25 @@ class Pipe:
                     total += float(out.detach())
                 else:
                     sends.append(transport.isend(self.stage_index + 1, base - activation_tag(mb), [_array(out)]))
+                if trace is not None:
+                    _span(trace, f"forward {mb}", "compute", t0)
                 held[mb] = (inp, None if self.checkpoint else out, params, self.version, sum(saved))
                 holding += sum(saved)
                 self.peak_held_bytes = max(self.peak_held_bytes, holding)
                 continue
             inp, kept, params, version, nbytes = held.pop(mb)
             holding -= nbytes
-            out = kept if kept is not None else self._forward(inp, params, ys[mb] if self.is_last else None)
+            out = kept
+            if out is None:  # re-materialisation: the forward again, this time keeping what backward needs
+                out = self._forward(inp, params, ys[mb] if self.is_last else None)
+                if trace is not None:
+                    t0 = _span(trace, f"recompute {mb}", "compute", t0)
             if self.is_last:
                 torch.autograd.backward(out)
             else:
                 msg = transport.recv(self.stage_index + 1, base - gradient_tag(mb), timeout=self._timeout)
+                if trace is not None:
+                    t0 = _span(trace, f"wait gradient {mb}", "waiting", t0)
                 torch.autograd.backward(out, torch.from_numpy(msg.arrays[0].copy()))
             if params is not None:  # the stashed copy's gradient goes to the live parameters
                 for name, p in self.module.named_parameters():
@@ -285,9 +345,21 @@ class Pipe:
             if not self.is_first:
                 assert inp.grad is not None
                 sends.append(transport.isend(self.stage_index - 1, base - gradient_tag(mb), [_array(inp.grad)]))
+            if trace is not None:
+                _span(trace, f"backward {mb}", "compute", t0)
+        t0 = time.time()
         for handle in sends:
             handle.wait(self._timeout)
+        if trace is not None and sends:
+            _span(trace, "wait sends", "waiting", t0)
         return total
+
+
+def _span(trace: Trace, name: str, category: str, start: float) -> float:
+    """Reports the span from ``start`` to now; returns now (where the next span starts)."""
+    now = time.time()
+    trace(name, category, start, now)
+    return now
 
 
 def _storage(tensor: torch.Tensor) -> int:

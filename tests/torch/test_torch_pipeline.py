@@ -7,6 +7,7 @@ with momentum; PipeDream: every forward and backward used exactly the weight ver
 from __future__ import annotations
 
 import copy
+import itertools
 
 import numpy as np
 import pytest
@@ -241,3 +242,94 @@ def test_predict_equals_the_whole_model(stages: int, microbatches: int) -> None:
     results = run_ranks(stages, stage, timeout=60)
     assert all(r is None for r in results[:-1])
     np.testing.assert_allclose(results[-1], expected, rtol=1e-13, atol=1e-13)
+
+
+def _reference_replicated(replicas: int, microbatches: int) -> list[np.ndarray]:
+    """One process on the R replicas' mini-batches together: every micro-batch's summed loss, one step."""
+    model = nn.Sequential(*_layers())
+    opt = _optimizer(list(model.parameters()))
+    loss_fn = nn.MSELoss(reduction="sum")
+    for step in range(STEPS):
+        for r in range(replicas):
+            x, y = _batch(10 * step + r)
+            for xm, ym in zip(torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches), strict=True):
+                loss_fn(model(xm), ym).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "replicas", "microbatches"), [(2, 2, 3), (3, 2, 2), (2, 3, 4), (1, 2, 2)])
+def test_replicated_stages_equal_one_process_on_all_replicas_batches(
+    schedule: str, stages: int, replicas: int, microbatches: int
+) -> None:
+    def worker(ctx: Context) -> tuple[int, int, list[np.ndarray]]:
+        pipe = Pipe(
+            _layers(),
+            balance=_balance(stages),
+            microbatches=microbatches,
+            schedule=schedule,
+            optimizer=_optimizer,
+            loss_fn=nn.MSELoss(reduction="sum"),
+            context=ctx,
+            replicas=replicas,
+        )
+        for step in range(STEPS):
+            x, y = _batch(10 * step + pipe.replica)
+            pipe.step(x, y)
+        return pipe.replica, pipe.stage_index, [p.detach().numpy().copy() for p in pipe.module.parameters()]
+
+    results = run_ranks(stages * replicas, worker, timeout=120)
+    assert [(r, s) for r, s, _ in results] == [(r, s) for r in range(replicas) for s in range(stages)]
+    reference = _reference_replicated(replicas, microbatches)
+    for replica in range(replicas):
+        got = [p for r, _, params in results if r == replica for p in params]
+        assert len(got) == len(reference)
+        for i, (a, b) in enumerate(zip(got, reference, strict=True)):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12, err_msg=f"replica {replica}, parameter {i}")
+
+
+def test_replicas_must_divide_the_workers() -> None:
+    def worker(ctx: Context) -> str:
+        with pytest.raises(ConfigError, match="replicas=2 must divide the 3 workers"):
+            Pipe(_layers(), balance=[8], microbatches=1, optimizer=_optimizer, context=ctx, replicas=2)
+        return "refused"
+
+    assert run_ranks(3, worker) == ["refused"] * 3
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_trace_spans_follow_the_schedule(schedule: str) -> None:
+    """Every stage reports its steps' compute spans in the schedule's order, one after another, and waits only
+    for what it receives: activations (not stage 0), gradients (not the last stage), its sends at the end."""
+
+    def stage(ctx: Context) -> tuple[list[str], list[str], set[str], bool]:
+        spans: list[tuple[str, str, float, float]] = []
+        pipe = Pipe(
+            _layers(),
+            balance=_balance(3),
+            microbatches=4,
+            schedule=schedule,
+            optimizer=_optimizer,
+            loss_fn=nn.MSELoss(reduction="sum"),
+            context=ctx,
+            trace=lambda name, cat, t0, t1: spans.append((name, cat, t0, t1)),
+        )
+        x, y = _batch(0)
+        pipe.step(x, y)
+        names = {"F": "forward", "B": "backward"}
+        expected = [f"{names[s.kind]} {s.microbatch}" if s.kind != "S" else "optimizer step" for s in pipe.steps]
+        compute = [name for name, cat, _, _ in spans if cat == "compute"]
+        waits = {
+            name.rsplit(" ", 1)[0] if name[-1].isdigit() else name for name, cat, _, _ in spans if cat != "compute"
+        }
+        in_order = all(a[3] <= b[2] for a, b in itertools.pairwise(spans))
+        return expected, compute, waits, in_order
+
+    for rank, (expected, compute, waits, in_order) in enumerate(run_ranks(3, stage, timeout=60)):
+        assert compute == expected, rank
+        assert in_order, rank
+        assert waits == {"wait sends"} | ({"wait activation"} if rank > 0 else set()) | (
+            {"wait gradient"} if rank < 2 else set()
+        ), rank
