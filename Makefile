@@ -4,7 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup datasets clean
+# apt-get needs root: through sudo when make is not run as root.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(BIN)/paratrain: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +15,12 @@ $(BIN)/paratrain: pyproject.toml .ci/constraints.txt
 	touch $(BIN)/paratrain
 
 setup: $(BIN)/paratrain
+
+# The datasets that come as Debian packages (nothing is downloaded at run time): Fashion-MNIST (IDX files under
+# /usr/share/datasets/fashion-mnist/) and the fortunes text corpus (/usr/share/games/fortunes/).
+datasets:
+	$(SUDO) apt-get install -y dataset-fashion-mnist fortunes || \
+		{ $(SUDO) apt-get update && $(SUDO) apt-get install -y dataset-fashion-mnist fortunes; }
 
 demo: setup
 	$(BIN)/paratrain train

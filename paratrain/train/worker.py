@@ -18,9 +18,9 @@ import numpy as np
 
 import paratrain as pt
 from paratrain.strategy import parse_strategy
-from paratrain.train import stragglers
-from paratrain.train.data import load_dataset
-from paratrain.train.models import build_model
+from paratrain.train import stragglers, tasks
+from paratrain.train.data import DATASETS, load_dataset
+from paratrain.train.models import MODELS, build_model, check_model_dataset
 from paratrain.train.record import Recorder
 
 __all__ = ["PROBE_EXAMPLES", "add_training_args", "epoch_line", "main"]
@@ -31,9 +31,17 @@ PROBE_EXAMPLES = 2000
 
 def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True) -> None:
     """The options a training rank needs (shared with ``paratrain train``; ``compare`` has its ``--strategies``)."""
-    parser.add_argument("--model", default="mlp", help="mlp or lenet (default mlp)")
-    parser.add_argument("--dataset", default="digits", help="digits (bundled) or fashion-mnist (default digits)")
-    parser.add_argument("--data-dir", default=None, help="directory of the Fashion-MNIST IDX files")
+    parser.add_argument(
+        "--model", default="mlp", help=f"{', '.join(MODELS)} (default mlp; transformer is for text: fortunes)"
+    )
+    parser.add_argument(
+        "--dataset",
+        default="digits",
+        help=f"{', '.join(DATASETS)} (default digits, bundled; fashion-mnist and fortunes are Debian packages)",
+    )
+    parser.add_argument(
+        "--data-dir", default=None, help="directory of the Fashion-MNIST IDX files or of the fortunes files"
+    )
     if strategy:
         parser.add_argument(
             "--strategy", default="allreduce", help="allreduce, bsp, ssp:S, asp or gossip:TOPOLOGY (default allreduce)"
@@ -64,24 +72,6 @@ def epoch_line(epoch: int, epochs: int, train_loss: float, accuracy: float, test
     )
 
 
-def evaluate(model: Any, x: np.ndarray, y: np.ndarray, batch: int = 1024) -> tuple[float, float]:
-    """Test accuracy and mean cross-entropy of ``model`` on ``(x, y)``."""
-    import torch
-    from torch.nn import functional
-
-    model.eval()
-    correct, loss_sum = 0, 0.0
-    with torch.no_grad():
-        for start in range(0, len(y), batch):
-            xb = torch.from_numpy(x[start : start + batch])
-            yb = torch.from_numpy(y[start : start + batch])
-            out = model(xb)
-            loss_sum += float(functional.cross_entropy(out, yb, reduction="sum"))
-            correct += int((out.argmax(1) == yb).sum())
-    model.train()
-    return correct / len(y), loss_sum / len(y)
-
-
 def consensus_eval(ctx: pt.Context, model: Any, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
     """For gossip, whose workers differ: the workers' average model's accuracy and the consensus distance.
 
@@ -98,7 +88,7 @@ def consensus_eval(ctx: pt.Context, model: Any, x: np.ndarray, y: np.ndarray) ->
     distance = float(ctx.allreduce((params - mean).pow(2).sum().reshape(1), op="mean")[0])
     average = copy.deepcopy(model)
     torch.nn.utils.vector_to_parameters(mean, average.parameters())
-    accuracy, _ = evaluate(average, x, y)
+    accuracy, _ = tasks.evaluate(average, x, y)
     return {"consensus_accuracy": accuracy, "consensus_distance": distance}
 
 
@@ -114,9 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     import torch
-    from torch.nn import functional
 
     import paratrain.torch as ptt
+
+    check_model_dataset(args.model, args.dataset)  # before init: a mismatch fails every rank alike, at once
 
     ctx = pt.init()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -144,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
             idx = np.sort(mine[i * batch : (i + 1) * batch])
             xb, yb = torch.from_numpy(data.x_train[idx]), torch.from_numpy(data.y_train[idx])
             t0 = time.time()
-            loss = functional.cross_entropy(model(xb), yb)
+            loss = tasks.loss(model(xb), yb)
             t1 = time.time()
             dopt.zero_grad()
             loss.backward()  # type: ignore[no-untyped-call]
@@ -175,13 +166,13 @@ def main(argv: list[str] | None = None) -> None:
             )
             if args.eval_every > 0 and step % args.eval_every == 0:
                 t5 = time.time()
-                probe, _ = evaluate(model, data.x_test[:PROBE_EXAMPLES], data.y_test[:PROBE_EXAMPLES])
+                probe, _ = tasks.evaluate(model, data.x_test[:PROBE_EXAMPLES], data.y_test[:PROBE_EXAMPLES])
                 spent = time.time() - t5
                 rec.add_span("probe accuracy", "eval", t5, t5 + spent)
                 rec.log(kind="probe", step=step, test_accuracy=probe, eval_s=spent, eval_before_s=evaluating)
                 evaluating += spent
         t4 = time.time()
-        accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
+        accuracy, test_loss = tasks.evaluate(model, data.x_test, data.y_test)
         rec.add_span("evaluate", "eval", t4, time.time())
         eval_before, evaluating = evaluating, evaluating + time.time() - t4
         extra: dict[str, float] = {}
