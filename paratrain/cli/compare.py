@@ -17,6 +17,7 @@ from typing import Any
 
 from paratrain.errors import ConfigError
 from paratrain.train.compare import accuracy_curve, format_table, time_to_accuracy
+from paratrain.train.record import reporting_rank
 
 __all__ = ["accuracy_curve", "add_parser", "format_table", "time_to_accuracy"]
 
@@ -59,19 +60,20 @@ def _plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
     for name, records in runs.items():
-        steps = [r for r in records if r.get("kind") == "step" and r.get("rank") == 0]
+        rank = reporting_rank(records)  # 0, or a pipeline's last stage (it has the loss)
+        steps = [r for r in records if r.get("kind") == "step" and r.get("rank") == rank]
         if not steps:
             continue
         start = steps[0]["time"] - steps[0]["compute_s"] - steps[0]["wait_s"]
         axes[0].plot([r["time"] - start for r in steps], [r["loss"] for r in steps], lw=0.8, label=name)
         axes[1].plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8, label=name)
-        evals = [r for r in records if r.get("kind") == "eval" and r.get("rank") == 0]
+        evals = [r for r in records if r.get("kind") == "eval" and r.get("rank") == rank]
         axes[2].plot([r["time"] - start for r in evals], [r["test_accuracy"] for r in evals], "o-", ms=3, label=name)
     axes[0].set_xlabel("wall time (s)")
     axes[1].set_xlabel("step")
     axes[2].set_xlabel("wall time (s)")
     for ax in axes[:2]:
-        ax.set_ylabel("training loss (rank 0)")
+        ax.set_ylabel("training loss (rank 0; a pipeline's last stage)")
         ax.set_yscale("log")
     axes[2].set_ylabel("test accuracy (rank 0, after each epoch)")
     for ax in axes:
@@ -135,7 +137,7 @@ def _main(args: argparse.Namespace) -> int:
         runs[strategy] = records
         rows.append({**row, "samples_per_sec_rounds": [item[0]["samples_per_sec"] for item in results]})
     title = (
-        f"{args.model} on {args.dataset}, {args.workers} worker{'s' if args.workers != 1 else ''}"
+        f"{args.model} on {args.dataset}, {jobs[0].workers} worker{'s' if jobs[0].workers != 1 else ''}"
         + (f", straggler {args.straggler}" if args.straggler else "")
         + (f", network {jobs[0].network()}" if jobs[0].network() else "")
     )

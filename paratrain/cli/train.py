@@ -19,17 +19,20 @@ __all__ = ["add_common", "add_parser"]
 
 STRATEGIES_HELP = (
     "allreduce, bsp, ssp:S (S = staleness bound), asp, gossip:ring|torus|exponential|complete|FILE (a graph, or a "
-    "JSON mixing matrix)"
+    "JSON mixing matrix), pipeline:gpipe|1f1b|pipedream (--stages, --microbatches, --replicas)"
 )
 
 
 def add_common(p: argparse.ArgumentParser, *, strategy: bool = True) -> None:
     """Options shared by ``train`` and ``compare`` (which takes ``--strategies`` instead of ``--strategy``)."""
     from paratrain.train import stragglers
+    from paratrain.train.pipeline_worker import add_pipeline_args
     from paratrain.train.worker import add_training_args
 
     add_training_args(p, strategy=strategy)
-    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument(
+        "--workers", type=int, default=None, help="worker processes (default 2; for pipelines stages x replicas)"
+    )
     p.add_argument("--servers", type=int, default=None, help="parameter servers for bsp/ssp/asp (default 1)")
     p.add_argument("--straggler", default=None, help=stragglers.HELP)
     p.add_argument(
@@ -37,6 +40,7 @@ def add_common(p: argparse.ArgumentParser, *, strategy: bool = True) -> None:
     )
     p.add_argument("--latency", default=None, help="emulated one-way latency of every message, e.g. 2ms")
     p.add_argument("--bandwidth", default=None, help="emulated link of every process (in and out), e.g. 100Mbit")
+    add_pipeline_args(p)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

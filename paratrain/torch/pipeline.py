@@ -325,8 +325,9 @@ class Pipe:
                 continue
             inp, kept, params, version, nbytes = held.pop(mb)
             holding -= nbytes
-            out = kept
-            if out is None:  # re-materialisation: the forward again, this time keeping what backward needs
+            if kept is not None:
+                out = kept
+            else:  # re-materialisation: the forward again, this time keeping what backward needs
                 out = self._forward(inp, params, ys[mb] if self.is_last else None)
                 if trace is not None:
                     t0 = _span(trace, f"recompute {mb}", "compute", t0)

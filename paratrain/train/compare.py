@@ -11,7 +11,8 @@ __all__ = ["accuracy_curve", "format_table", "time_to_accuracy"]
 
 
 def accuracy_curve(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """Rank 0's (training time, test accuracy) points, from its probes (``--eval-every``) or else its epochs.
+    """The reporting rank's (training time, test accuracy) points, from its probes (``--eval-every``) or else its
+    epochs (rank 0; for a pipeline its last stage, :func:`~paratrain.train.record.reporting_rank`).
 
     Training time runs from the job's first step and leaves out the time rank 0 spent evaluating up to that
     point, so that evaluating more often does not make a strategy look slower.
@@ -19,9 +20,12 @@ def accuracy_curve(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
     steps = [r for r in records if r.get("kind") == "step"]
     if not steps:
         return []
+    from paratrain.train.record import reporting_rank
+
+    rank = reporting_rank(records)
     start = min(r["time"] - r["compute_s"] - r["wait_s"] for r in steps)
-    probes = [r for r in records if r.get("kind") == "probe" and r.get("rank") == 0]
-    points = probes or [r for r in records if r.get("kind") == "eval" and r.get("rank") == 0]
+    probes = [r for r in records if r.get("kind") == "probe" and r.get("rank") == rank]
+    points = probes or [r for r in records if r.get("kind") == "eval" and r.get("rank") == rank]
     return [
         (float(r["time"] - r.get("eval_s", 0.0) - r.get("eval_before_s", 0.0) - start), float(r["test_accuracy"]))
         for r in points

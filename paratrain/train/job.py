@@ -74,7 +74,7 @@ class TrainJob(argparse.Namespace):
     batch_size: int
     lr: float
     seed: int
-    workers: int
+    workers: int | None  # None until validate(): 2, or for a pipeline stages x replicas
     servers: int | None
     run_dir: str | None
     json: str | None
@@ -84,6 +84,17 @@ class TrainJob(argparse.Namespace):
     latency: str | None
     bandwidth: str | None
     no_overlap: bool
+    # pipelines (class defaults: jobs built without them, by other commands, are not pipelines)
+    stages: int | None = None
+    microbatches: int = 4
+    replicas: int = 1
+    balance: str = "auto"
+    checkpoint: bool = False
+
+    def reporting_rank(self) -> int:
+        """The rank whose metrics are the job's loss and accuracy: rank 0, or for a pipeline the last stage of
+        pipeline 0 (the stage that computes the loss and holds the outputs)."""
+        return (self.stages or 1) - 1 if parse_strategy(self.strategy).family == "pipeline" else 0
 
     def network(self) -> str | None:
         """The fault spec every rank gets: ``--faults`` plus ``--latency`` and ``--bandwidth`` (None: real network).
@@ -112,15 +123,16 @@ class TrainJob(argparse.Namespace):
 def validate(job: TrainJob) -> None:
     """Refuses bad flags before anything starts, with messages that say what to do."""
     from paratrain.ps.consistency import Policy
-    from paratrain.train.data import _FILES, DATASETS, FASHION_MNIST_DIR, _find
-    from paratrain.train.models import MODELS
+    from paratrain.train.data import DATASETS, check_available
+    from paratrain.train.models import MODELS, check_model_dataset
 
     if job.model not in MODELS:
         raise ConfigError(f"unknown --model {job.model!r}; choose one of {', '.join(MODELS)}")
     if job.dataset not in DATASETS:
         raise ConfigError(f"unknown --dataset {job.dataset!r}; choose one of {', '.join(DATASETS)}")
+    check_model_dataset(job.model, job.dataset)
     for name in ("epochs", "batch_size", "workers"):
-        if getattr(job, name) < 1:
+        if getattr(job, name) is not None and getattr(job, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(job, name)}")
     if job.eval_every < 0:
         raise ConfigError(f"--eval-every must be 0 (off) or a number of steps, got {job.eval_every}")
@@ -133,10 +145,10 @@ def validate(job: TrainJob) -> None:
     except ConfigError as exc:
         raise ConfigError(f"--strategy {job.strategy!r}: {exc} (the forms: {strategies_help()})") from None
     if spec.family == "pipeline":
-        raise ConfigError(
-            f"--strategy {job.strategy!r}: pipelines do not run under 'paratrain train' yet; use "
-            "paratrain.torch.pipeline.Pipe in a script (see README, 'Pipeline parallelism')"
-        )
+        _resolve_pipeline(job)
+    elif job.workers is None:
+        job.workers = 2
+    assert job.workers is not None
     if job.servers and not spec.uses_servers:
         raise ConfigError(f"--servers is for the parameter-server strategies (bsp, ssp:S, asp), not {spec.kind}")
     if spec.kind == "gossip":
@@ -152,13 +164,54 @@ def validate(job: TrainJob) -> None:
         from paratrain.train import stragglers
 
         stragglers.parse(job.straggler, seed=job.seed).check_workers(job.workers)
-    if job.dataset == "fashion-mnist":
-        directory = Path(job.data_dir or FASHION_MNIST_DIR)
-        if any(_find(directory, stem) is None for stem in _FILES.values()):
+    check_available(job.dataset, data_dir=job.data_dir)
+
+
+def _resolve_pipeline(job: TrainJob) -> None:
+    """Fills in ``--stages`` or ``--workers`` (N = K stages x R replicas) and checks the pipeline's flags."""
+    from paratrain.train.models import build_model
+
+    for name in ("microbatches", "replicas"):
+        if getattr(job, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(job, name)}")
+    if job.stages is not None and job.stages < 1:
+        raise ConfigError(f"--stages must be at least 1, got {job.stages}")
+    if job.stages is None:
+        workers = job.workers if job.workers is not None else 2 * job.replicas
+        if workers % job.replicas:
+            raise ConfigError(f"--workers {workers} is not a multiple of --replicas {job.replicas}")
+        job.stages = workers // job.replicas
+    if job.workers is None:
+        job.workers = job.stages * job.replicas
+    if job.workers != job.stages * job.replicas:
+        raise ConfigError(
+            f"--workers {job.workers} but --stages {job.stages} x --replicas {job.replicas} = "
+            f"{job.stages * job.replicas}; give two of them (a pipeline runs one process per stage per replica)"
+        )
+    if job.batch_size < job.microbatches:
+        raise ConfigError(f"--batch-size {job.batch_size} cannot be cut into --microbatches {job.microbatches}")
+    if job.straggler or job.servers:
+        raise ConfigError("--straggler and --servers are not for pipelines")
+    side = {"fashion-mnist": 28, "digits": 8}.get(job.dataset, 16)  # the layers, not their sizes, matter here
+    layers = len(_flat(build_model(job.model, side=side, classes=10)))
+    if job.balance != "auto":
+        try:
+            balance = [int(b) for b in job.balance.split(",")]
+        except ValueError:
+            raise ConfigError(f"--balance {job.balance!r}: give layers per stage, e.g. 3,3, or 'auto'") from None
+        if len(balance) != job.stages or min(balance) < 1 or sum(balance) != layers:
             raise ConfigError(
-                f"Fashion-MNIST not found in {directory}. Install it with 'apt-get install dataset-fashion-mnist' "
-                "or pass --data-dir DIR with the four IDX files. Nothing is downloaded."
+                f"--balance {job.balance}: {job.model} has {layers} layers; give {job.stages} counts of at least 1 "
+                "that add up to them, or 'auto'"
             )
+    elif layers < job.stages:
+        raise ConfigError(f"--model {job.model} has {layers} layers, too few for {job.stages} stages")
+
+
+def _flat(model: Any) -> list[Any]:
+    from paratrain.train.pipeline_worker import flat_layers
+
+    return flat_layers(model)
 
 
 def _follow_progress(path: Path, stop: threading.Event, total_holder: list[int], desc: str) -> None:
@@ -221,8 +274,14 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     for old in run_dir.glob("rank*.*"):
         old.unlink()
-    argv = ["python", "-m", "paratrain.train.worker", "--run-dir", str(run_dir), "--quiet"]
-    for flag in ("model", "dataset", "strategy", "epochs", "batch_size", "lr", "seed"):
+    pipeline = parse_strategy(job.strategy).family == "pipeline"
+    module = "paratrain.train.pipeline_worker" if pipeline else "paratrain.train.worker"
+    argv = ["python", "-m", module, "--run-dir", str(run_dir), "--quiet"]
+    flags = ["model", "dataset", "strategy", "epochs", "batch_size", "lr", "seed"]
+    if pipeline:
+        flags += ["stages", "microbatches", "replicas", "balance"]
+        argv += ["--checkpoint"] if job.checkpoint else []
+    for flag in flags:
         argv += [f"--{flag.replace('_', '-')}", str(getattr(job, flag))]
     if job.data_dir:
         argv += ["--data-dir", job.data_dir]
@@ -235,15 +294,17 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
     stop = threading.Event()
     total = [0]
     follower = None
+    reporting = job.reporting_rank()
     if not quiet:
         follower = threading.Thread(
             target=_follow_progress,
-            args=(run_dir / "rank0.metrics.jsonl", stop, total, f"{job.strategy} (rank 0)"),
+            args=(run_dir / f"rank{reporting}.metrics.jsonl", stop, total, f"{job.strategy} (rank {reporting})"),
             daemon=True,
         )
         follower.start()
     started = time.time()
     try:
+        assert job.workers is not None  # validate() filled it in
         code = run_launch(argv, nproc=job.workers, servers=servers, faults=job.network())
     finally:
         stop.set()
@@ -254,6 +315,8 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
         raise SystemExit(f"paratrain train: the job failed (exit {code}); see the ranks' output above")
     records = merge_run(run_dir)
     title = f"{job.model} on {job.dataset}, {job.workers} worker{'s' if job.workers != 1 else ''}, {job.strategy}"
+    if pipeline:
+        title += f" ({job.stages} stages x {job.replicas}, {job.microbatches} micro-batches)"
     plots = plot_run(records, run_dir, title=title)
     summary = summarise(records, job=job, servers=servers, wall=wall, run_dir=run_dir)
     summary["plots"] = [str(p) for p in plots]
@@ -268,7 +331,10 @@ def summarise(
 ) -> dict[str, Any]:
     """The summary of a run: accuracy, throughput, time split between compute and waiting, per rank."""
     steps = [r for r in records if r.get("kind") == "step"]
-    evals = [r for r in records if r.get("kind") == "eval" and r.get("rank") == 0]
+    from paratrain.train.record import reporting_rank
+
+    reporting = reporting_rank(records)
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("rank") == reporting]
     if steps:
         first = min(r["time"] - r["compute_s"] - r["wait_s"] for r in steps)
         train_time = max(r["time"] for r in steps) - first
@@ -284,7 +350,7 @@ def summarise(
         entry["wait_s"] += r["wait_s"]
         entry["bytes_sent"] = max(entry["bytes_sent"], float(r["bytes_sent"]))
         entry["allreduce_bytes"] = max(entry["allreduce_bytes"], float(r.get("allreduce_bytes", 0)))
-    return {
+    summary: dict[str, Any] = {
         "strategy": job.strategy,
         "workers": job.workers,
         "servers": servers,
@@ -306,6 +372,41 @@ def summarise(
         "per_rank": {str(k): v for k, v in sorted(per_rank.items())},
         "run_dir": str(run_dir),
     }
+    if parse_strategy(job.strategy).family == "pipeline":
+        summary["pipeline"] = _pipeline_summary(records, job)
+    return summary
+
+
+def _pipeline_summary(records: list[dict[str, Any]], job: TrainJob) -> dict[str, Any]:
+    """A pipeline's shape and, per stage (pipeline 0), its idle share next to GPipe's/1F1B's bubble formula."""
+    starts = {int(r["rank"]): r for r in records if r.get("kind") == "start"}
+    memory = {int(r["rank"]): int(r["peak_held_bytes"]) for r in records if r.get("kind") == "memory"}
+    k, m = job.stages or 1, job.microbatches
+    stages = []
+    for rank in range(k):
+        steps = [r for r in records if r.get("kind") == "step" and r.get("rank") == rank]
+        compute = sum(r["compute_s"] for r in steps)
+        idle = sum(r["wait_s"] for r in steps)
+        stages.append(
+            {
+                "stage": rank,
+                "layers": starts.get(rank, {}).get("layers"),
+                "compute_s": compute,
+                "idle_s": idle,
+                "idle_share": idle / (compute + idle) if compute + idle > 0 else None,
+                "peak_held_bytes": memory.get(rank),
+            }
+        )
+    return {
+        "schedule": parse_strategy(job.strategy).options["schedule"],
+        "stages": k,
+        "replicas": job.replicas,
+        "microbatches": m,
+        "balance": starts.get(0, {}).get("balance"),
+        "checkpoint": job.checkpoint,
+        "bubble_formula": (k - 1) / (m + k - 1),
+        "per_stage": stages,
+    }
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -323,6 +424,23 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"  the workers' average model: test accuracy {summary['consensus_accuracy']:.4f} (consensus distance "
             f"{summary['consensus_distance']:.3g})"
         )
+    pipe = summary.get("pipeline")
+    if pipe is not None:
+        print(
+            f"  pipeline: {pipe['stages']} stages x {pipe['replicas']} replica{'s' if pipe['replicas'] != 1 else ''}, "
+            f"{pipe['microbatches']} micro-batches, balance {pipe['balance']}; bubble formula (K-1)/(M+K-1) = "
+            f"{pipe['bubble_formula']:.0%}"
+        )
+        for stage in pipe["per_stage"]:
+            share = stage["idle_share"]
+            held = stage["peak_held_bytes"]
+            print(
+                f"  stage {stage['stage']}: compute {stage['compute_s']:.2f} s, idle {stage['idle_s']:.2f} s "
+                f"({'-' if share is None else f'{share:.0%}'}: bubble and waiting for activations/gradients), "
+                f"peak activations held {'-' if held is None else f'{held / 1e6:.2f} MB'}"
+            )
+        print(f"  run directory: {summary['run_dir']} (metrics.jsonl, timeline.json, loss.png, accuracy.png)")
+        return
     for rank, entry in summary["per_rank"].items():
         total = entry["compute_s"] + entry["wait_s"]
         share = entry["wait_s"] / total if total else 0.0

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Recorder", "merge_run", "plot_run"]
+__all__ = ["Recorder", "merge_run", "plot_run", "reporting_rank"]
 
 _TRACKS = {"compute": 1, "communication": 2, "waiting": 3, "eval": 4}
 
@@ -76,6 +76,15 @@ class Recorder:
         (self.dir / f"rank{self.rank}.trace.json").write_text(json.dumps(self._events))
 
 
+def reporting_rank(records: list[dict[str, Any]]) -> int:
+    """The rank whose loss and accuracy stand for the run: the one whose ``start`` record says ``reports``
+    (a pipeline's last stage of pipeline 0, which computes the loss), else rank 0."""
+    for r in records:
+        if r.get("kind") == "start" and r.get("reports"):
+            return int(r["rank"])
+    return 0
+
+
 def merge_run(run_dir: str | Path) -> list[dict[str, Any]]:
     """Merges every rank's files into ``metrics.jsonl`` and ``timeline.json``; returns the metrics records."""
     directory = Path(run_dir)
@@ -103,15 +112,17 @@ def merge_run(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_run(records: list[dict[str, Any]], out_dir: str | Path, *, title: str) -> list[Path]:
-    """Draws loss against steps and against wall time, and test accuracy per epoch (rank 0's view)."""
+    """Draws loss against steps and against wall time, and test accuracy per epoch (the view of the
+    :func:`reporting_rank`: rank 0, or a pipeline's last stage)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out = Path(out_dir)
-    steps = [r for r in records if r.get("kind") == "step" and r.get("rank") == 0]
-    evals = [r for r in records if r.get("kind") == "eval" and r.get("rank") == 0]
+    rank = reporting_rank(records)
+    steps = [r for r in records if r.get("kind") == "step" and r.get("rank") == rank]
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("rank") == rank]
     paths = []
     if steps:
         t0 = steps[0]["time"]
