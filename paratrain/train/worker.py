@@ -44,10 +44,17 @@ def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True)
     )
     if strategy:
         parser.add_argument(
-            "--strategy", default="allreduce", help="allreduce, bsp, ssp:S, asp or gossip:TOPOLOGY (default allreduce)"
+            "--strategy",
+            default="allreduce",
+            help="allreduce, bsp, ssp:S, asp, gossip:TOPOLOGY or pipeline:gpipe|1f1b|pipedream (default allreduce)",
         )
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
-    parser.add_argument("--batch-size", type=int, default=64, help="examples per worker per step (default 64)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="examples per worker (a pipeline: per pipeline) per step (default 64)",
+    )
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate of SGD with momentum 0.9 (0.05)")
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and shuffling (default 0)")
     parser.add_argument(
