@@ -24,11 +24,11 @@ direction per step); sends never block, and a stage waits only for the message i
 that fails makes the others fail too: its process exits (the launcher stops the job) or, in-process, the
 transport is aborted; a receive never waits longer than the context's timeout.
 
-``trace=`` receives a span for every step (``forward m``, ``backward m``, ``optimizer step``, and with
-checkpointing ``recompute m``: compute), every
-wait for a message (``wait activation m``, ``wait gradient m``, ``wait sends``: waiting) and every gradient
-allreduce among replicas (communication): ``paratrain train`` draws them as the run's timeline, and the
-benchmark measures each stage's bubble from them.
+``trace=`` receives a span for every step (``forward m``, ``backward m``, ``optimizer step``, and with checkpointing
+``recompute m``: compute), every wait for a message (``wait activation m``, ``wait gradient m``, ``wait sends``:
+waiting), every send (``send activation m``, ``send gradient m``: handing the message to the transport, which sends
+it in the background) and every gradient allreduce among replicas (communication): ``paratrain train`` draws them as
+the run's timeline, and the benchmark measures each stage's bubble from them.
 """
 
 from __future__ import annotations
@@ -315,10 +315,12 @@ class Pipe:
                 if self.is_last:
                     assert total is not None
                     total += float(out.detach())
-                else:
-                    sends.append(transport.isend(self.stage_index + 1, base - activation_tag(mb), [_array(out)]))
                 if trace is not None:
-                    _span(trace, f"forward {mb}", "compute", t0)
+                    t0 = _span(trace, f"forward {mb}", "compute", t0)
+                if not self.is_last:
+                    sends.append(transport.isend(self.stage_index + 1, base - activation_tag(mb), [_array(out)]))
+                    if trace is not None:
+                        _span(trace, f"send activation {mb}", "communication", t0)
                 held[mb] = (inp, None if self.checkpoint else out, params, self.version, sum(saved))
                 holding += sum(saved)
                 self.peak_held_bytes = max(self.peak_held_bytes, holding)
@@ -343,11 +345,13 @@ class Pipe:
                     grad = params[name].grad
                     p.grad = grad if p.grad is None or grad is None else p.grad + grad
             self.versions.append(("B", mb, version))
+            if trace is not None:
+                t0 = _span(trace, f"backward {mb}", "compute", t0)
             if not self.is_first:
                 assert inp.grad is not None
                 sends.append(transport.isend(self.stage_index - 1, base - gradient_tag(mb), [_array(inp.grad)]))
-            if trace is not None:
-                _span(trace, f"backward {mb}", "compute", t0)
+                if trace is not None:
+                    _span(trace, f"send gradient {mb}", "communication", t0)
         t0 = time.time()
         for handle in sends:
             handle.wait(self._timeout)

@@ -301,8 +301,9 @@ def test_replicas_must_divide_the_workers() -> None:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_trace_spans_follow_the_schedule(schedule: str) -> None:
-    """Every stage reports its steps' compute spans in the schedule's order, one after another, and waits only
-    for what it receives: activations (not stage 0), gradients (not the last stage), its sends at the end."""
+    """Every stage reports its steps' compute spans in the schedule's order, one after another, waits only for
+    what it receives (activations: not stage 0; gradients: not the last stage; its sends at the end), and sends
+    activations forward (not the last stage) and gradients back (not stage 0)."""
 
     def stage(ctx: Context) -> tuple[list[str], list[str], set[str], bool]:
         spans: list[tuple[str, str, float, float]] = []
@@ -330,6 +331,6 @@ def test_trace_spans_follow_the_schedule(schedule: str) -> None:
     for rank, (expected, compute, waits, in_order) in enumerate(run_ranks(3, stage, timeout=60)):
         assert compute == expected, rank
         assert in_order, rank
-        assert waits == {"wait sends"} | ({"wait activation"} if rank > 0 else set()) | (
-            {"wait gradient"} if rank < 2 else set()
+        assert waits == {"wait sends"} | ({"wait activation", "send gradient"} if rank > 0 else set()) | (
+            {"wait gradient", "send activation"} if rank < 2 else set()
         ), rank
