@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from paratrain.errors import ConfigError
+from paratrain.launch.kills import HELP as KILL_HELP
 from paratrain.launch.run import run_launch
 
 __all__ = ["add_parser"]
@@ -17,8 +18,12 @@ ending in .py runs with the interpreter of paratrain itself. Output lines are pr
 If any rank fails, the others are stopped (SIGTERM, then SIGKILL after --grace seconds) and launch exits 1
 naming the rank and the cause. Ctrl-C stops every rank and exits 130.
 
-example:
+--kill injects failures on purpose (SIGKILL unless another signal is named), reproducibly: RANK@step=K fires as
+the rank's K-th optimizer step begins (DistributedOptimizer.step, Pipe.step), RANK@2.5s is sent by launch.
+
+examples:
   paratrain launch -n 4 -- python -m paratrain.examples.barriers
+  paratrain launch -n 2 --kill 1@step=5 -- python train.py
 """
 
 
@@ -48,6 +53,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     p.add_argument("--faults", default=None, help="fault spec for every rank, e.g. latency=2ms,bandwidth=100Mbit")
     p.add_argument("--timeout", type=float, default=None, help="PARATRAIN_TIMEOUT of blocking calls (s)")
+    p.add_argument("--kill", default=None, metavar="SCHEDULE", help=KILL_HELP)
+    p.add_argument("--kill-seed", type=int, default=0, help="seed of --kill's random items (default 0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command each rank runs (after --)")
     p.set_defaults(func=_main)
 
@@ -64,6 +71,8 @@ def _main(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             servers=args.servers,
             keep_going=args.keep_going,
+            kills=args.kill,
+            kill_seed=args.kill_seed,
         )
     except ConfigError as exc:
         print(f"paratrain launch: error: {exc}", file=sys.stderr)

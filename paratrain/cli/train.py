@@ -41,6 +41,9 @@ def add_common(p: argparse.ArgumentParser, *, strategy: bool = True) -> None:
     p.add_argument("--latency", default=None, help="emulated one-way latency of every message, e.g. 2ms")
     p.add_argument("--bandwidth", default=None, help="emulated link of every process (in and out), e.g. 100Mbit")
     add_pipeline_args(p)
+    from paratrain.launch.kills import HELP as KILL_HELP
+
+    p.add_argument("--kill", default=None, metavar="SCHEDULE", help=KILL_HELP.replace("--kill-seed", "--seed"))
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -13,13 +13,16 @@ only the supervisor, which then stops the children in order instead of leaving t
 
 A job may also be given a deadline: a hung rank (or a server loop that is not ours to instrument) is then
 stopped like a failed one, so that a caller such as a benchmark never waits for ever and never has to hunt
-down processes itself. The output relay is in :mod:`.pump`, the process-group helpers in :mod:`.groups`, and
-the words for failures in :mod:`.failures`.
+down processes itself. It may also carry injected failures (the time kills of a kill schedule, :mod:`.kills`),
+which it sends on time and announces. The output relay is in :mod:`.pump`, the process-group helpers in
+:mod:`.groups`, and the words for failures in :mod:`.failures`; what stays here (about 500 lines) is the one
+supervision loop, its signal handlers and its cleanup, which share the children's state and read together.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -85,6 +88,8 @@ class ProcSpec:
         prefix: prepended to every output line of this child, e.g. ``"[rank2]: "`` (``""`` for none).
         essential: if False, this child's failure is reported but does not stop the others (elastic jobs,
             where the survivors carry on without a lost worker); the job still ends with exit code 1.
+        kill_after: an injected failure ``(seconds after the start, signal, description)``: the supervisor sends
+            the signal then and says so (``paratrain launch --kill``).
     """
 
     name: str
@@ -92,6 +97,7 @@ class ProcSpec:
     env: dict[str, str]
     prefix: str
     essential: bool = True
+    kill_after: tuple[float, int, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,7 +323,13 @@ class Supervisor:
         """Waits until every child has exited 0, an essential one has failed, a stop signal arrived, or the
         deadline passed."""
         essential = {child.popen.pid for child in self._children if child.spec.essential}
+        started = time.monotonic()
+        kills = sorted(
+            ((started + c.spec.kill_after[0], i) for i, c in enumerate(self._children) if c.spec.kill_after),
+        )
         while True:
+            while kills and kills[0][0] <= time.monotonic():
+                self._inject(self._children[kills.pop(0)[1]])
             if self._signals:
                 self._note_stop_signal()
                 return
@@ -336,7 +348,20 @@ class Supervisor:
             if remaining <= 0:
                 self._note_deadline()
                 return
+            if kills:
+                remaining = min(remaining, max(0.0, kills[0][0] - time.monotonic()))
             self._wake.wait(min(_POLL_S, remaining))
+
+    def _inject(self, child: _Child) -> None:
+        """Sends a child its scheduled signal (a kill schedule's time kill), if it still runs, and says so."""
+        assert child.spec.kill_after is not None
+        _, signum, what = child.spec.kill_after
+        if child.popen.poll() is not None:
+            self._say(f"injected fault not sent: {child.spec.name} had already exited ({what})")
+            return
+        self._say(f"injected fault: {what}")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.popen.pid, signum)
 
     def _newly_failed(self, known: set[int]) -> list[ProcFailure]:
         """The children, in spec order, that have exited non-zero and whose pid is not in ``known``."""

@@ -21,6 +21,7 @@ from typing import TextIO
 from paratrain.errors import ConfigError
 from paratrain.launch.env import child_environments
 from paratrain.launch.failures import explain_failure
+from paratrain.launch.kills import kill_env, parse_kills, time_kill
 from paratrain.launch.plan import LaunchPlan, free_port, resolve_command
 from paratrain.launch.procs import Outcome, ProcSpec, Supervisor
 
@@ -85,6 +86,8 @@ def run_launch(
     keep_going: bool = False,
     deadline_s: float | None = None,
     stdout: TextIO | None = None,
+    kills: str | None = None,
+    kill_seed: int = 0,
 ) -> int:
     """Starts ``nproc`` ranks of ``cmd``, supervises them, cleans up; returns the exit code for the shell.
 
@@ -100,6 +103,8 @@ def run_launch(
         keep_going: a failed worker does not stop the others; servers stay essential.
         deadline_s: stop the whole job if it still runs this many seconds after it started (None: no limit).
         stdout: where the ranks' stdout goes (``sys.stdout`` if None).
+        kills: a kill schedule (:mod:`paratrain.launch.kills`): failures injected on purpose.
+        kill_seed: the seed of the schedule's ``random`` items.
 
     Returns:
         0 if every process exited 0; 124 (:data:`~paratrain.launch.procs.EXIT_TIMED_OUT`) if the deadline
@@ -120,6 +125,7 @@ def run_launch(
         from paratrain.transport.faults import FaultSpec
 
         FaultSpec.parse(faults)  # refuse a bad spec here, once, not in every rank
+    schedule = parse_kills(kills, nproc=nproc, servers=servers, seed=kill_seed) if kills else []
     argv = resolve_command(cmd)
     run_id = secrets.token_hex(4)
     scratch = tempfile.mkdtemp(prefix=f"paratrain-{run_id}-")
@@ -138,8 +144,11 @@ def run_launch(
         )
         server.start()
         specs = []
-        for index, env in enumerate(child_environments(plan, os.environ)):
-            if index < nproc:
+        for index, base_env in enumerate(child_environments(plan, os.environ)):
+            role, number = ("rank", index) if index < nproc else ("server", index - nproc)
+            env = {**base_env, **kill_env(schedule, role, number)}
+            kill_after = time_kill(schedule, role, number)
+            if role == "rank":
                 specs.append(
                     ProcSpec(
                         name=f"rank {index}",
@@ -147,13 +156,19 @@ def run_launch(
                         env=env,
                         prefix=f"[rank{index}]: " if prefix else "",
                         essential=not keep_going,
+                        kill_after=kill_after,
                     )
                 )
             else:
-                s = index - nproc
                 serve = [sys.executable, "-m", "paratrain.runtime.serve"]
                 specs.append(
-                    ProcSpec(name=f"server {s}", argv=serve, env=env, prefix=f"[server{s}]: " if prefix else "")
+                    ProcSpec(
+                        name=f"server {number}",
+                        argv=serve,
+                        env=env,
+                        prefix=f"[server{number}]: " if prefix else "",
+                        kill_after=kill_after,
+                    )
                 )
         outcome = Supervisor(specs, grace_s=grace, deadline_s=deadline_s, stdout=stdout).run()
         if outcome.first_failure is not None:

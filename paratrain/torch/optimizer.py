@@ -32,6 +32,7 @@ from typing import Any, overload
 import torch
 
 from paratrain.errors import ConfigError
+from paratrain.launch.kills import kill_point
 from paratrain.runtime.context import Context, current
 from paratrain.strategy import StrategySpec, parse_strategy
 from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
@@ -176,6 +177,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._order = LaunchOrder([b.params for b in self.plan])
         self._lock = threading.Lock()
         self._synchronized = False
+        self._steps = 0  # optimizer steps begun: where a kill schedule's step kill fires
         self._closed = False
         # one worker and "allreduce": the mean of one gradient is itself, so nothing is copied or sent and a step
         # costs what plain torch costs (the same script runs unchanged without a launcher). Gossip never sends
@@ -304,6 +306,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             closure: re-evaluates the model and returns the loss; it is called once, before synchronising (so
                 optimizers that evaluate the closure several times, like LBFGS, are not supported).
         """
+        self._steps += 1
+        kill_point(self._steps)  # paratrain launch --kill RANK@step=K: an injected failure, here and nowhere else
         loss = None
         if closure is not None:
             with torch.enable_grad():

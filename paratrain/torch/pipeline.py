@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
+from paratrain.launch.kills import kill_point
 from paratrain.pipeline.schedules import Schedule, Step, activation_tag, gradient_tag, schedule
 from paratrain.runtime.context import Context, current
 from paratrain.runtime.group import Group
@@ -157,6 +158,7 @@ class Pipe:
         #: (step, micro-batch, version used) for every F and B run, in order: the white-box record.
         self.versions: list[tuple[str, int, int]] = []
         self._timeout = self.context.settings.timeout
+        self._steps = 0  # mini-batches begun: where a kill schedule's step kill fires
 
     def _auto_balance(self, how: str, modules: list[nn.Module], sample: torch.Tensor | None, stages: int) -> list[int]:
         """Rank 0 profiles and partitions; every worker gets its answer (a broadcast), so all agree."""
@@ -269,6 +271,8 @@ class Pipe:
             ConfigError: inputs or targets missing where they are needed.
             CommTimeoutError, PeerLostError: another stage failed or did not send in time.
         """
+        self._steps += 1
+        kill_point(self._steps)  # paratrain launch --kill RANK@step=K: an injected failure, here and nowhere else
         if self.is_first and inputs is None:
             raise ConfigError("stage 0 needs the mini-batch's inputs")
         if self.is_last and targets is None:

@@ -90,6 +90,7 @@ class TrainJob(argparse.Namespace):
     replicas: int = 1
     balance: str = "auto"
     checkpoint: bool = False
+    kill: str | None = None  # a kill schedule (paratrain.launch.kills), its random items seeded by --seed
 
     def reporting_rank(self) -> int:
         """The rank whose metrics are the job's loss and accuracy: rank 0, or for a pipeline the last stage of
@@ -165,6 +166,15 @@ def validate(job: TrainJob) -> None:
 
         stragglers.parse(job.straggler, seed=job.seed).check_workers(job.workers)
     check_available(job.dataset, data_dir=job.data_dir)
+    if job.kill:
+        from paratrain.launch.kills import parse_kills
+
+        parse_kills(job.kill, nproc=job.workers, servers=_servers(job, spec.uses_servers), seed=job.seed)
+
+
+def _servers(job: TrainJob, uses_servers: bool) -> int:
+    """The parameter-server processes the job starts: ``--servers``, or 1 for a PS strategy, else none."""
+    return job.servers if job.servers is not None else (1 if uses_servers else 0)
 
 
 def _resolve_pipeline(job: TrainJob) -> None:
@@ -269,7 +279,7 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
     from paratrain.train.record import merge_run, plot_run
 
     validate(job)
-    servers = job.servers if job.servers is not None else (1 if parse_strategy(job.strategy).uses_servers else 0)
+    servers = _servers(job, parse_strategy(job.strategy).uses_servers)
     run_dir = Path(job.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{job.strategy.replace(':', '')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     for old in run_dir.glob("rank*.*"):
@@ -305,7 +315,9 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
     started = time.time()
     try:
         assert job.workers is not None  # validate() filled it in
-        code = run_launch(argv, nproc=job.workers, servers=servers, faults=job.network())
+        code = run_launch(
+            argv, nproc=job.workers, servers=servers, faults=job.network(), kills=job.kill, kill_seed=job.seed
+        )
     finally:
         stop.set()
         if follower is not None:
