@@ -61,19 +61,23 @@ def test_a_pipeline_trains_and_leaves_every_stage_in_the_timeline(tmp_path: Path
 
 
 def test_replicated_stages_sum_each_stage_s_gradients(tmp_path: Path) -> None:
-    """2 stages x 2 replicas = 4 workers: each pipeline's stages sit on ranks r * 2 + s, the replicas' allreduce
-    shows in the timeline, and the loss falls."""
+    """2 stages x 2 replicas = 4 workers, an explicit balance, re-materialisation: each pipeline's stages sit on
+    ranks r * 2 + s, the replicas' allreduce and the recomputed forwards show in the timeline, the loss falls."""
     out = _train(
         tmp_path,
         "r",
         *("--strategy", "pipeline:gpipe", "--stages", "2", "--replicas", "2", "--microbatches", "2", "--epochs", "1"),
+        *("--balance", "3,3", "--checkpoint"),
     )
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads((tmp_path / "r.json").read_text())
     assert summary["workers"] == 4 and summary["pipeline"]["replicas"] == 2
+    assert summary["pipeline"]["balance"] == [3, 3] and summary["pipeline"]["checkpoint"] is True
     timeline = json.loads((tmp_path / "r" / "timeline.json").read_text())
     reduced = {e["pid"] for e in timeline["traceEvents"] if e["name"] == "allreduce gradients"}
     assert reduced == {0, 1, 2, 3}
+    recomputed = {e["pid"] for e in timeline["traceEvents"] if e["name"].startswith("recompute")}
+    assert recomputed == {0, 1, 2, 3}
     losses = _step_losses(tmp_path / "r", rank=1)
     assert sum(losses[-5:]) < sum(losses[:5])
 
