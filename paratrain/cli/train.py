@@ -19,7 +19,7 @@ __all__ = ["add_common", "add_parser"]
 
 STRATEGIES_HELP = (
     "allreduce, bsp, ssp:S (S = staleness bound), asp, gossip:ring|torus|exponential|complete|FILE (a graph, or a "
-    "JSON mixing matrix), pipeline:gpipe|1f1b|pipedream (--stages, --microbatches, --replicas)"
+    "JSON mixing matrix), pipeline:gpipe|1f1b|pipedream|pipedream-vsync (--stages, --microbatches, --replicas)"
 )
 
 

@@ -24,7 +24,8 @@ counts its bubble and peak in-flight activations without running any model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -77,7 +78,7 @@ class Schedule:
     """The steps of every stage, in order.
 
     Attributes:
-        name: ``"gpipe"``, ``"1f1b"`` or ``"pipedream"``.
+        name: ``"gpipe"``, ``"1f1b"``, ``"pipedream"`` or ``"pipedream-vsync"``.
         stages: ``stages[s]`` is stage s's steps.
         microbatches: M.
     """
@@ -192,7 +193,12 @@ def pipedream(stages: int, microbatches: int, *, vertical_sync: bool = False) ->
 
 
 #: The schedules by name, as ``--strategy pipeline:NAME`` spells them.
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "pipedream": pipedream}
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "pipedream": pipedream,
+    "pipedream-vsync": functools.partial(pipedream, vertical_sync=True),
+}
 
 
 def schedule(name: str, stages: int, microbatches: int) -> Schedule:

@@ -197,7 +197,7 @@ def _parse_ssp(name: str, argument: str | None) -> StrategySpec:
 
 
 #: The pipeline schedules (see :mod:`paratrain.pipeline.schedules`; kept here as names, so parsing needs no import).
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "pipedream")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "pipedream", "pipedream-vsync")
 
 
 def _parse_pipeline(name: str, argument: str | None) -> StrategySpec:
@@ -229,7 +229,13 @@ for _info in (
         "D-PSGD over ring|torus|exponential|complete|FILE",
         _parse_gossip,
     ),
-    KindInfo("pipeline", "pipeline:SCHEDULE", "pipeline", "stages over workers: gpipe|1f1b|pipedream", _parse_pipeline),
+    KindInfo(
+        "pipeline",
+        "pipeline:SCHEDULE",
+        "pipeline",
+        "stages over workers: gpipe|1f1b|pipedream|pipedream-vsync",
+        _parse_pipeline,
+    ),
 ):
     register_kind(_info)
 

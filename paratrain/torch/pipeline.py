@@ -75,7 +75,7 @@ class Pipe:
             backward runs the forward again first. Memory per micro-batch in flight drops to its input, for
             about one more forward of compute; the parameters stay exactly the same.
         microbatches: M, micro-batches per mini-batch.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"pipedream"``.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"pipedream"`` or ``"pipedream-vsync"`` (vertical sync).
         optimizer: builds the stage's optimizer from its parameters, e.g. ``lambda p: torch.optim.SGD(p, lr=0.1)``.
         loss_fn: ``loss_fn(output, target)`` of one micro-batch, on the last stage (use ``reduction="sum"`` for
             gradients equal to the whole mini-batch's summed loss).
@@ -197,6 +197,10 @@ class Pipe:
             out = self.loss_fn(out, target)
         return out
 
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the stage's parameters as they are now (a weight version, for vertical sync)."""
+        return {n: p.detach().clone() for n, p in self.module.named_parameters()}
+
     def _apply_gradients(self, trace: Trace | None) -> None:
         """The ``S`` step: with replicas, the copies of this stage first sum their gradients (one allreduce of
         every gradient as one flat buffer); then the optimizer steps and the gradients are cleared."""
@@ -287,12 +291,21 @@ class Pipe:
         holding = 0
         total: float | None = 0.0 if self.is_last else None
         stash = self.schedule.name.startswith("pipedream")
+        # vertical sync: micro-batch m runs on every stage with the version stage 0 gave it, which a later stage
+        # has already stepped past: it keeps the versions that planned forwards still need
+        history = {self.version: self._snapshot()} if self.schedule.name == "pipedream-vsync" else None
+        first_version = self.version  # the plan's versions count from this mini-batch's start
         trace = self._trace
-        for plan_step in self.steps:
+        for index, plan_step in enumerate(self.steps):
             t0 = time.time()
             if plan_step.kind == "S":
                 self._apply_gradients(trace)
                 self.version += 1
+                if history is not None:
+                    later = [first_version + st.version for st in self.steps[index:] if st.kind == "F"]
+                    history[self.version] = self._snapshot()
+                    for old in [v for v in history if not later or v < min(later)]:
+                        del history[old]
                 continue
             mb = plan_step.microbatch
             if plan_step.kind == "F":
@@ -304,7 +317,15 @@ class Pipe:
                     if trace is not None:
                         t0 = _span(trace, f"wait activation {mb}", "waiting", t0)
                 params: dict[str, torch.Tensor] | None = None
-                if stash:  # weight stashing: this micro-batch runs, forward and backward, on today's weights
+                wanted = first_version + plan_step.version
+                if history is not None:  # the version the plan names, kept since stage 0 used it
+                    params = {n: t.clone().requires_grad_(True) for n, t in history[wanted].items()}
+                elif stash:  # weight stashing: this micro-batch runs, forward and backward, on today's weights
+                    if wanted != self.version:
+                        raise RuntimeError(
+                            f"stage {self.stage_index}: the plan says version {wanted} for F{mb}, "
+                            f"the stage holds {self.version}"
+                        )
                     params = {n: p.detach().clone().requires_grad_(True) for n, p in self.module.named_parameters()}
                 saved = [inp.numel() * inp.element_size()]  # what this micro-batch holds until its backward
                 if self.checkpoint:  # re-materialisation: keep the input only, recompute in the backward
@@ -315,7 +336,7 @@ class Pipe:
                     counted.update(_storage(t) for t in (inputs, targets) if t is not None)
                     with torch.autograd.graph.saved_tensors_hooks(_counting(saved, counted), lambda t: t):
                         out = self._forward(inp, params, ys[mb] if self.is_last else None)
-                self.versions.append(("F", mb, self.version))
+                self.versions.append(("F", mb, wanted if stash else self.version))
                 if self.is_last:
                     assert total is not None
                     total += float(out.detach())
@@ -325,7 +346,13 @@ class Pipe:
                     sends.append(transport.isend(self.stage_index + 1, base - activation_tag(mb), [_array(out)]))
                     if trace is not None:
                         _span(trace, f"send activation {mb}", "communication", t0)
-                held[mb] = (inp, None if self.checkpoint else out, params, self.version, sum(saved))
+                held[mb] = (
+                    inp,
+                    None if self.checkpoint else out,
+                    params,
+                    wanted if stash else self.version,
+                    sum(saved),
+                )
                 holding += sum(saved)
                 self.peak_held_bytes = max(self.peak_held_bytes, holding)
                 continue

@@ -46,7 +46,8 @@ def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True)
         parser.add_argument(
             "--strategy",
             default="allreduce",
-            help="allreduce, bsp, ssp:S, asp, gossip:TOPOLOGY or pipeline:gpipe|1f1b|pipedream (default allreduce)",
+            help="allreduce, bsp, ssp:S, asp, gossip:TOPOLOGY or pipeline:gpipe|1f1b|pipedream[-vsync] "
+            "(default allreduce)",
         )
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
     parser.add_argument(

@@ -108,13 +108,16 @@ def test_flushed_pipelines_equal_one_process_per_parameter(schedule: str, stages
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12, err_msg=f"parameter {i}")
 
 
+@pytest.mark.parametrize("vertical_sync", [False, True])
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("microbatches", [1, 3, 8])
-def test_pipedream_uses_the_planned_weight_version_for_every_step(stages: int, microbatches: int) -> None:
-    results = _pipelined(stages, microbatches, "pipedream")
+def test_pipedream_uses_the_planned_weight_version_for_every_step(
+    stages: int, microbatches: int, vertical_sync: bool
+) -> None:
+    results = _pipelined(stages, microbatches, "pipedream-vsync" if vertical_sync else "pipedream")
     from paratrain.pipeline.schedules import pipedream
 
-    plan = pipedream(stages, microbatches)
+    plan = pipedream(stages, microbatches, vertical_sync=vertical_sync)
     for s, (_, versions) in enumerate(results):
         per_step = [(st.kind, st.microbatch, st.version) for st in plan.stages[s] if st.kind != "S"]
         # every mini-batch runs the schedule again; versions keep counting across mini-batches
@@ -334,3 +337,50 @@ def test_trace_spans_follow_the_schedule(schedule: str) -> None:
         assert waits == {"wait sends"} | ({"wait activation", "send gradient"} if rank > 0 else set()) | (
             {"wait gradient", "send activation"} if rank < 2 else set()
         ), rank
+
+
+def test_vertical_sync_runs_each_micro_batch_on_the_weights_of_its_version() -> None:
+    """Not only the recorded numbers: with vertical sync, stage 1's forward of micro-batch 2 (K = 2, M = 3) runs on
+    stage 1's weights of version 1 (after its first step), although the stage holds version 2 by then; its output
+    is what those weights give, and the stashed copy is what the backward differentiates."""
+    seen: dict[int, list[torch.Tensor]] = {}
+
+    def stage(ctx: Context) -> list[tuple[str, int, int]]:
+        pipe = Pipe(
+            _layers(),
+            balance=[4, 4],
+            microbatches=3,
+            schedule="pipedream-vsync",
+            optimizer=_optimizer,
+            loss_fn=nn.MSELoss(reduction="sum"),
+            context=ctx,
+        )
+        if ctx.rank == 1:  # the weights of every version stage 1 goes through, and what each forward ran on
+            original = pipe._forward
+
+            def spy(inp: torch.Tensor, params: dict[str, torch.Tensor] | None, target: torch.Tensor | None):
+                assert params is not None
+                seen.setdefault(len(seen), [t.detach().clone() for t in params.values()])
+                return original(inp, params, target)
+
+            pipe._forward = spy  # type: ignore[method-assign]
+            snapshots = [[p.detach().clone() for p in pipe.module.parameters()]]
+            opt_step = pipe._apply_gradients
+
+            def record(trace: object) -> None:
+                opt_step(None)
+                snapshots.append([p.detach().clone() for p in pipe.module.parameters()])
+
+            pipe._apply_gradients = record  # type: ignore[method-assign,assignment]
+        x, y = _batch(0)
+        pipe.step(x, y)
+        if ctx.rank == 1:
+            used = [[t.numpy() for t in seen[i]] for i in range(3)]
+            want = [snapshots[v] for _, _, v in [e for e in pipe.versions if e[0] == "F"]]
+            for got, expected in zip(used, want, strict=True):
+                for a, b in zip(got, expected, strict=True):
+                    np.testing.assert_array_equal(a, b.numpy())
+        return pipe.versions
+
+    versions = run_ranks(2, stage, timeout=60)
+    assert [v for k, _, v in versions[1] if k == "F"] == [0, 0, 1]  # stage 0's versions, not stage 1's 0, 1, 2
