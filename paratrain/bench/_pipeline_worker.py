@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import sys
 import time
@@ -237,17 +238,17 @@ def _paratrain(args: argparse.Namespace, payload: dict[str, Any]) -> int:
     def trace(name: str, category: str, start: float, end: float) -> None:
         spans.append((name, category, start, end))
 
-    balance = _balance(args)
-    pipe = Pipe(
-        model_layers(args.model),
-        balance=balance,
+    # the timed pipe and the checkpointing probe below differ only in trace= and checkpoint=
+    make = functools.partial(
+        Pipe,
+        balance=_balance(args),
         microbatches=args.microbatches,
         schedule=args.schedule,
         optimizer=optimizer_for,
         loss_fn=loss_fn,
         context=ctx,
-        trace=trace,
     )
+    pipe = make(model_layers(args.model), trace=trace)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float | None:
         spans.clear()
@@ -261,16 +262,7 @@ def _paratrain(args: argparse.Namespace, payload: dict[str, Any]) -> int:
     payload["spans"] = steps
     payload["stage"] = ctx.rank
     # re-materialisation's memory: one more step of a checkpointing pipe on a fresh copy (not timed)
-    probe = Pipe(
-        model_layers(args.model),
-        balance=balance,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
-        optimizer=optimizer_for,
-        loss_fn=loss_fn,
-        context=ctx,
-        checkpoint=True,
-    )
+    probe = make(model_layers(args.model), checkpoint=True)
     x, y = make_batches(args.model, args.batch_size)[0]
     probe.step(x if probe.is_first else None, y if probe.is_last else None)
     payload["held_bytes_checkpoint"] = probe.peak_held_bytes

@@ -180,6 +180,7 @@ def _servers(job: TrainJob, uses_servers: bool) -> int:
 def _resolve_pipeline(job: TrainJob) -> None:
     """Fills in ``--stages`` or ``--workers`` (N = K stages x R replicas) and checks the pipeline's flags."""
     from paratrain.train.models import build_model
+    from paratrain.train.pipeline_worker import flat_layers
 
     for name in ("microbatches", "replicas"):
         if getattr(job, name) < 1:
@@ -203,7 +204,7 @@ def _resolve_pipeline(job: TrainJob) -> None:
     if job.straggler or job.servers:
         raise ConfigError("--straggler and --servers are not for pipelines")
     side = {"fashion-mnist": 28, "digits": 8}.get(job.dataset, 16)  # the layers, not their sizes, matter here
-    layers = len(_flat(build_model(job.model, side=side, classes=10)))
+    layers = len(flat_layers(build_model(job.model, side=side, classes=10)))
     if job.balance != "auto":
         try:
             balance = [int(b) for b in job.balance.split(",")]
@@ -216,12 +217,6 @@ def _resolve_pipeline(job: TrainJob) -> None:
             )
     elif layers < job.stages:
         raise ConfigError(f"--model {job.model} has {layers} layers, too few for {job.stages} stages")
-
-
-def _flat(model: Any) -> list[Any]:
-    from paratrain.train.pipeline_worker import flat_layers
-
-    return flat_layers(model)
 
 
 def _follow_progress(path: Path, stop: threading.Event, total_holder: list[int], desc: str) -> None:
