@@ -34,6 +34,10 @@ Variables (all optional unless a launcher set them):
 ``PARATRAIN_RUN_DIR``           directory for the job's outputs (metrics, plots, timeline)
 ``PARATRAIN_SCRATCH_DIR``       the launcher's scratch directory for this job (removed when the job ends)
 ``PARATRAIN_LOG_LEVEL``         logging level of the ``paratrain`` logger (``WARNING``)
+``PARATRAIN_MAX_RESTARTS``      set by ``paratrain launch --max-restarts R``: a failed rank is restarted (up to R
+                                times in all) and the job goes on; any peer's crash then breaks every pending
+                                receive at once, so that the survivors start recovery (:mod:`paratrain.recovery`)
+``PARATRAIN_RESTART_COUNT``     how many times this rank's process has been restarted (0: the first one)
 ==============================  ==================================================================================
 """
 
@@ -212,6 +216,10 @@ class Settings:
         run_dir: directory for outputs, or None.
         scratch_dir: the launcher's per-job scratch directory, or None when not under ``paratrain launch``.
         launched_by: ``paratrain``, ``torchrun``, ``slurm`` or ``none`` (a single process started by hand).
+        max_restarts: restarts the launcher may still make in this job (``paratrain launch --max-restarts``);
+            above 0 the job is *resilient*: a crashed peer fails every pending receive, not only those from it.
+        restart_count: how many times this rank's process was restarted; above 0 this process replaces a
+            crashed one and must recover its state from the survivors (:mod:`paratrain.recovery`).
     """
 
     rank: int = 0
@@ -237,6 +245,8 @@ class Settings:
     run_dir: str | None = None
     scratch_dir: str | None = None
     launched_by: str = "none"
+    max_restarts: int = 0
+    restart_count: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -270,6 +280,10 @@ class Settings:
             raise ConfigError(
                 f"heartbeat_timeout ({self.heartbeat_timeout}s) must exceed the heartbeat interval "
                 f"({self.heartbeat}s), or every peer would be declared lost"
+            )
+        if self.max_restarts < 0 or self.restart_count < 0:
+            raise ConfigError(
+                f"max_restarts ({self.max_restarts}) and restart_count ({self.restart_count}) must be >= 0"
             )
         for port_name in ("master_port", "rdzv_port"):
             port = getattr(self, port_name)
@@ -371,6 +385,8 @@ class Settings:
             run_dir=env.get("PARATRAIN_RUN_DIR") or None,
             scratch_dir=env.get("PARATRAIN_SCRATCH_DIR") or None,
             launched_by=launched_by,
+            max_restarts=_get_int(env, "PARATRAIN_MAX_RESTARTS", 0),
+            restart_count=_get_int(env, "PARATRAIN_RESTART_COUNT", 0),
         )
 
 

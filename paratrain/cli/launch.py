@@ -55,6 +55,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--timeout", type=float, default=None, help="PARATRAIN_TIMEOUT of blocking calls (s)")
     p.add_argument("--kill", default=None, metavar="SCHEDULE", help=KILL_HELP)
     p.add_argument("--kill-seed", type=int, default=0, help="seed of --kill's random items (default 0)")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="restart a failed worker (up to R times in all) while the others go on; the program must recover "
+        "with paratrain.recovery, as paratrain train does (default 0: a failure stops the job)",
+    )
+    p.add_argument(
+        "--no-spare",
+        action="store_true",
+        help="with --max-restarts: start a restarted rank cold rather than from a warm spare process",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command each rank runs (after --)")
     p.set_defaults(func=_main)
 
@@ -73,6 +86,8 @@ def _main(args: argparse.Namespace) -> int:
             keep_going=args.keep_going,
             kills=args.kill,
             kill_seed=args.kill_seed,
+            max_restarts=args.max_restarts,
+            spare=not args.no_spare,
         )
     except ConfigError as exc:
         print(f"paratrain launch: error: {exc}", file=sys.stderr)

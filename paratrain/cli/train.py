@@ -59,6 +59,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_common(p)
     p.add_argument("--run-dir", default=None, help="where to write the run (default runs/<time>-<strategy>)")
     p.add_argument("--json", default=None, help="also write the summary to this JSON file")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="allreduce: restart a crashed worker (up to R times in all); it recovers the model from the others' "
+        "memory and replays, the others go on, and the result equals the fault-free run's to the bit (default 0)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=10,
+        metavar="K",
+        help="with --max-restarts: steps between in-memory checkpoints (default 10)",
+    )
     p.set_defaults(func=_main)
 
 

@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from paratrain.errors import ConfigError
 from paratrain.launch.failures import (
@@ -46,6 +46,9 @@ from paratrain.launch.failures import (
 from paratrain.launch.groups import die_with_parent, group_alive, signal_group
 from paratrain.launch.pump import Pump, Stream
 from paratrain.launch.wakeup import WakePipe
+
+if TYPE_CHECKING:
+    from paratrain.launch.restarts import Restarts
 
 __all__ = ["EXIT_TIMED_OUT", "Outcome", "ProcFailure", "ProcSpec", "Supervisor"]
 
@@ -90,6 +93,8 @@ class ProcSpec:
             where the survivors carry on without a lost worker); the job still ends with exit code 1.
         kill_after: an injected failure ``(seconds after the start, signal, description)``: the supervisor sends
             the signal then and says so (``paratrain launch --kill``).
+        spare: a warm standby (:mod:`.restarts`): its standard input is a pipe on which it is told which failed
+            rank it replaces; it does not count as running work, and it is released when the work is done.
     """
 
     name: str
@@ -98,6 +103,7 @@ class ProcSpec:
     prefix: str
     essential: bool = True
     kill_after: tuple[float, int, str] | None = None
+    spare: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +131,7 @@ class Outcome:
 class _Child:
     spec: ProcSpec
     popen: subprocess.Popen[bytes]
+    streams: tuple[Stream, ...] = ()
 
 
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
@@ -155,6 +162,7 @@ class Supervisor:
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
         on_exit: Sequence[Callable[[], None]] = (),
+        restarts: Restarts | None = None,
     ) -> None:
         """Prepares a supervisor; nothing is started before ``run()``.
 
@@ -169,6 +177,8 @@ class Supervisor:
                 ``run()`` time if None.
             on_exit: called once each, in order, after every child is gone, whatever the outcome (e.g. to
                 remove a rendezvous file). An exception in one is reported on stderr and the rest still run.
+            restarts: restart failed essential children instead of stopping the job, while the budget lasts,
+                from a warm spare when one runs (:mod:`.restarts`); the job still stops once it is spent.
 
         Raises:
             ConfigError: no specs, a spec with an empty command, a negative grace period, or a deadline that
@@ -191,12 +201,15 @@ class Supervisor:
         self._stdout = stdout
         self._stderr = stderr
         self._on_exit = tuple(on_exit)
+        self._restarts = restarts
+        self._replaced: set[int] = set()  # pids of failed children that a restart replaced
 
         self._lock = threading.Lock()  # guards _children and _started (pids() may come from another thread)
         self._children: list[_Child] = []
         self._started = False
         self._write_lock = threading.Lock()  # one line at a time on the output streams
         self._err: TextIO = sys.stderr
+        self._out: TextIO = sys.stdout
         self._pump: Pump | None = None
 
         self._wake = WakePipe()  # wakes the supervision loop: signal handlers, the output thread
@@ -285,44 +298,57 @@ class Supervisor:
             if self._signals:
                 self._note_stop_signal()
                 return
-            try:
-                # preexec_fn is documented as unsafe with threads because the child may run Python code
-                # while another thread held a lock at fork time. Ours runs two system calls through a
-                # function resolved beforehand, and the output thread starts only after every spawn.
-                popen = subprocess.Popen(
-                    spec.argv,
-                    env=dict(spec.env),
-                    # A job's ranks must not compete for the terminal's input, and being in their own
-                    # sessions they could not use it properly anyway.
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                    preexec_fn=setup,  # noqa: PLW1509
-                )
-            except (OSError, subprocess.SubprocessError) as exc:
-                cause = describe_spawn_error(spec.argv, exc)
-                self._fail([ProcFailure(spec.name, 0, _SPAWN_FAILED_RC, cause)])
+            if self._spawn(spec, setup) is None:
                 return
-            with self._lock:
-                self._children.append(_Child(spec, popen))
+
+    def _spawn(self, spec: ProcSpec, setup: Callable[[], None] | None = None) -> _Child | None:
+        """Starts one child (None, with the failure recorded, if it cannot be started)."""
+        try:
+            # preexec_fn is documented as unsafe with threads because the child may run Python code
+            # while another thread held a lock at fork time. Ours runs two system calls through a
+            # function resolved beforehand, and the output thread only reads pipes.
+            popen = subprocess.Popen(
+                spec.argv,
+                env=dict(spec.env),
+                # A job's ranks must not compete for the terminal's input, and being in their own
+                # sessions they could not use it properly anyway. A spare reads its orders from us.
+                stdin=subprocess.PIPE if spec.spare else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=setup or die_with_parent(),  # noqa: PLW1509
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            cause = describe_spawn_error(spec.argv, exc)
+            self._fail([ProcFailure(spec.name, 0, _SPAWN_FAILED_RC, cause)])
+            return None
+        child = _Child(spec, popen)
+        with self._lock:
+            self._children.append(child)
+        return child
 
     def _start_pump(self, out: TextIO) -> None:
         if self._pump is not None:
             return
+        self._out = out
         streams: list[Stream] = []
         for child in self._children:
-            for pipe, target in ((child.popen.stdout, out), (child.popen.stderr, self._err)):
-                if pipe is not None:
-                    streams.append(Stream(pipe.fileno(), child.spec.prefix, target, bytearray()))
+            streams += self._streams_of(child)
         # End of a child's output usually means the child has exited: wake the loop to look at once.
         self._pump = Pump(streams, self._write_lock, self._wake.poke_from_thread)
         self._pump.start()
 
+    def _streams_of(self, child: _Child) -> list[Stream]:
+        streams = []
+        for pipe, target in ((child.popen.stdout, self._out), (child.popen.stderr, self._err)):
+            if pipe is not None:
+                streams.append(Stream(pipe.fileno(), child.spec.prefix, target, bytearray()))
+        child.streams = tuple(streams)
+        return streams
+
     def _supervise(self) -> None:
         """Waits until every child has exited 0, an essential one has failed, a stop signal arrived, or the
         deadline passed."""
-        essential = {child.popen.pid for child in self._children if child.spec.essential}
         started = time.monotonic()
         kills = sorted(
             ((started + c.spec.kill_after[0], i) for i, c in enumerate(self._children) if c.spec.kill_after),
@@ -333,17 +359,22 @@ class Supervisor:
             if self._signals:
                 self._note_stop_signal()
                 return
-            failed = self._newly_failed({f.pid for f in self._tolerated})
+            essential = {child.popen.pid for child in self._children if child.spec.essential}
+            failed = self._newly_failed({f.pid for f in self._tolerated} | self._replaced)
             for failure in failed:
                 if failure.pid not in essential:
                     self._tolerated.append(failure)
                     self._say(f"{describe_failure(failure)}; the others go on (it is not essential)")
             failed = [f for f in failed if f.pid in essential]
+            if failed and self._restarts is not None:
+                failed = [f for f in failed if not self._restart(f)]
             if failed:
                 self._fail(self._settle(failed))
                 return
-            if self._count_running() == 0:
-                return
+            if self._count_running(spares=False) == 0:
+                if self._count_running() == 0:
+                    return
+                self._release_spares()
             remaining = self._deadline - time.monotonic()
             if remaining <= 0:
                 self._note_deadline()
@@ -351,6 +382,60 @@ class Supervisor:
             if kills:
                 remaining = min(remaining, max(0.0, kills[0][0] - time.monotonic()))
             self._wake.wait(min(_POLL_S, remaining))
+
+    def _restart(self, failure: ProcFailure) -> bool:
+        """Replaces a failed child, from a spare if one runs, if the budget allows; False if it does not."""
+        assert self._restarts is not None
+        failed = next(c for c in self._children if c.popen.pid == failure.pid)
+        spec = self._restarts.replacement(failed.spec)
+        if spec is None:
+            return False
+        self._replaced.add(failure.pid)
+        spares = self._idle_spares()
+        how = "cold (no spare was ready)"
+        child: _Child | None = None
+        for spare in spares:
+            assert spare.popen.stdin is not None
+            try:
+                spare.popen.stdin.write(self._restarts.assignment(spec))
+                spare.popen.stdin.close()
+            except OSError:
+                continue  # it died meanwhile; its exit is reported like any spare's
+            spare.spec = spec
+            for stream in spare.streams:
+                stream.prefix = spec.prefix
+            child, how = spare, f"from the warm spare (pid {spare.popen.pid})"
+            break
+        if child is None:
+            child = self._spawn(spec)
+            if child is None:
+                return True  # the failure to spawn is recorded and stops the job
+            if self._pump is not None:
+                self._pump.add(self._streams_of(child))
+        budget = self._restarts
+        self._say(
+            f"{describe_failure(failure)}; restarting it {how}: restart {budget.used} of {budget.budget}, "
+            "the other ranks go on"
+        )
+        if budget.left > 0 and budget.spare is not None and not self._idle_spares():
+            spare_child = self._spawn(budget.spare)
+            if spare_child is not None and self._pump is not None:
+                self._pump.add(self._streams_of(spare_child))
+        return True
+
+    def _idle_spares(self) -> list[_Child]:
+        return [
+            c
+            for c in self._children
+            if c.spec.spare and c.popen.poll() is None and c.popen.stdin is not None and not c.popen.stdin.closed
+        ]
+
+    def _release_spares(self) -> None:
+        """The work is done: spares read end-of-file and exit 0."""
+        for child in self._children:
+            if child.spec.spare and child.popen.stdin is not None and not child.popen.stdin.closed:
+                with contextlib.suppress(OSError):
+                    child.popen.stdin.close()
 
     def _inject(self, child: _Child) -> None:
         """Sends a child its scheduled signal (a kill schedule's time kill), if it still runs, and says so."""
@@ -413,8 +498,8 @@ class Supervisor:
         running = self._count_running()
         self._say(f"still running after the job's deadline of {self._deadline_s:g} s; stopping {plural(running)}")
 
-    def _count_running(self) -> int:
-        return sum(1 for child in self._children if child.popen.poll() is None)
+    def _count_running(self, *, spares: bool = True) -> int:
+        return sum(1 for child in self._children if child.popen.poll() is None and (spares or not child.spec.spare))
 
     # -- cleanup -------------------------------------------------------------------------------------------
 

@@ -53,10 +53,19 @@ class Pump:
         self._lock = lock
         self._on_eof = on_eof
         self._stop = threading.Event()
+        self._added: list[Stream] = []  # pipes of children started later (restarted ranks), not yet watched
+        self._add_lock = threading.Lock()
+        self._more = True  # more pipes may come: keep running even while none is open
         self._thread = threading.Thread(target=self._run, name="paratrain-launch-output", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def add(self, streams: list[Stream]) -> None:
+        """Relays these pipes too (a child started after the others); picked up within ``_PUMP_POLL_S``."""
+        with self._add_lock:
+            self._added.extend(streams)
+            self._streams.extend(streams)
 
     def finish(self, timeout: float) -> bool:
         """Waits for end-of-file on every pipe, then settles for what is already buffered.
@@ -64,6 +73,7 @@ class Pump:
         Returns:
             True if the thread has ended (so the pipes may be closed).
         """
+        self._more = False
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._stop.set()
@@ -73,10 +83,21 @@ class Pump:
     def _run(self) -> None:
         sel = selectors.DefaultSelector()
         try:
-            for stream in self._streams:
+            with self._add_lock:
+                initial, self._added = list(self._streams), []
+            for stream in initial:
                 sel.register(stream.fd, selectors.EVENT_READ, stream)
             drain_deadline: float | None = None
-            while sel.get_map():
+            while True:
+                with self._add_lock:
+                    added, self._added = self._added, []
+                for stream in added:
+                    sel.register(stream.fd, selectors.EVENT_READ, stream)
+                if not sel.get_map():
+                    if not self._more or self._stop.is_set():
+                        break
+                    time.sleep(_PUMP_POLL_S)  # every pipe is closed, and a restarted child's may yet come
+                    continue
                 if self._stop.is_set():
                     # Asked to stop: take what is readable now, but do not chase a writer that never stops.
                     if drain_deadline is None:

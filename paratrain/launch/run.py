@@ -24,6 +24,7 @@ from paratrain.launch.failures import explain_failure
 from paratrain.launch.kills import kill_env, parse_kills, time_kill
 from paratrain.launch.plan import LaunchPlan, free_port, resolve_command
 from paratrain.launch.procs import Outcome, ProcSpec, Supervisor
+from paratrain.launch.restarts import Restarts, spare_spec
 
 __all__ = ["run_commands", "run_launch", "sweep_run"]
 
@@ -88,6 +89,8 @@ def run_launch(
     stdout: TextIO | None = None,
     kills: str | None = None,
     kill_seed: int = 0,
+    max_restarts: int = 0,
+    spare: bool = True,
 ) -> int:
     """Starts ``nproc`` ranks of ``cmd``, supervises them, cleans up; returns the exit code for the shell.
 
@@ -105,6 +108,10 @@ def run_launch(
         stdout: where the ranks' stdout goes (``sys.stdout`` if None).
         kills: a kill schedule (:mod:`paratrain.launch.kills`): failures injected on purpose.
         kill_seed: the seed of the schedule's ``random`` items.
+        max_restarts: restart a failed worker up to this many times in all while the others go on (they must
+            recover with :mod:`paratrain.recovery`, as ``paratrain train --max-restarts`` does); 0: a failure
+            stops the job.
+        spare: with ``max_restarts``, keep a warm spare running that takes over a failed rank (:mod:`.restarts`).
 
     Returns:
         0 if every process exited 0; 124 (:data:`~paratrain.launch.procs.EXIT_TIMED_OUT`) if the deadline
@@ -121,6 +128,13 @@ def run_launch(
         raise ConfigError(f"--servers must be >= 0, got {servers}")
     if grace < 0:
         raise ConfigError(f"--grace must be >= 0, got {grace}")
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if max_restarts and (servers or keep_going):
+        raise ConfigError(
+            "--max-restarts restarts workers of an allreduce job; it does not combine with --servers (replicate "
+            "the servers instead) or --keep-going (an elastic job shrinks rather than restarts)"
+        )
     if faults:
         from paratrain.transport.faults import FaultSpec
 
@@ -129,7 +143,9 @@ def run_launch(
     argv = resolve_command(cmd)
     run_id = secrets.token_hex(4)
     scratch = tempfile.mkdtemp(prefix=f"paratrain-{run_id}-")
-    server = RendezvousServer(world_size=nproc + servers, bind_addr="127.0.0.1", port=0, timeout=24 * 3600.0)
+    server = RendezvousServer(
+        world_size=nproc + servers, bind_addr="127.0.0.1", port=0, timeout=24 * 3600.0, rounds=max_restarts > 0
+    )
     try:
         plan = LaunchPlan(
             nproc=nproc,
@@ -147,6 +163,8 @@ def run_launch(
         for index, base_env in enumerate(child_environments(plan, os.environ)):
             role, number = ("rank", index) if index < nproc else ("server", index - nproc)
             env = {**base_env, **kill_env(schedule, role, number)}
+            if max_restarts:
+                env["PARATRAIN_MAX_RESTARTS"] = str(max_restarts)
             kill_after = time_kill(schedule, role, number)
             if role == "rank":
                 specs.append(
@@ -170,7 +188,12 @@ def run_launch(
                         kill_after=kill_after,
                     )
                 )
-        outcome = Supervisor(specs, grace_s=grace, deadline_s=deadline_s, stdout=stdout).run()
+        restarts = None
+        if max_restarts:
+            restarts = Restarts(max_restarts, spare_spec(specs[0], prefix=prefix) if spare else None)
+            if restarts.spare is not None:
+                specs.append(restarts.spare)
+        outcome = Supervisor(specs, grace_s=grace, deadline_s=deadline_s, stdout=stdout, restarts=restarts).run()
         if outcome.first_failure is not None:
             note = explain_failure(outcome.first_failure.name, scratch)
             if note:

@@ -23,10 +23,11 @@ from paratrain.collectives.tree import agree
 from paratrain.config import Settings
 from paratrain.errors import ConfigError, NotInitializedError
 from paratrain.runtime.group import COLLECTIVE_TAG_BASE, CollectiveMethods, Group, closed_check
+from paratrain.runtime.spare import SPARE_ENV, await_assignment
 from paratrain.transport.base import Transport
 from paratrain.transport.registry import connect
 
-__all__ = ["COLLECTIVE_TAG_BASE", "Context", "Group", "current", "init", "shutdown"]
+__all__ = ["COLLECTIVE_TAG_BASE", "Context", "Group", "current", "init", "reform", "shutdown"]
 
 log = logging.getLogger("paratrain")
 
@@ -243,6 +244,21 @@ class Context(CollectiveMethods):
                 self._on_close()
             _forget(self)
 
+    def abort(self) -> None:
+        """Leaves a broken job at once: drops every connection without goodbye, as a crash would. Idempotent.
+
+        What :func:`reform` does before meeting the others again; pending operations fail.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.transport.abort()
+        finally:
+            for group in [*self._groups, self.world]:
+                group.close()
+            _forget(self)
+
     def __enter__(self) -> Context:
         return self
 
@@ -351,6 +367,8 @@ def init(
         1
         >>> ctx.shutdown()
     """
+    if env is None and os.environ.get(SPARE_ENV) == "1":
+        await_assignment()  # a warm spare (paratrain launch --max-restarts): wait to be told which rank to be
     settings = Settings.from_env(env if env is not None else os.environ)
     overrides: dict[str, object] = {}
     if transport is not None:
@@ -377,6 +395,26 @@ def init(
         _set_current(ctx)
     log.debug("rank %d of %d initialised (%s)", ctx.rank, ctx.world_size, result.name)
     return ctx
+
+
+def reform(ctx: Context) -> Context:
+    """Leaves a job that lost a rank and meets the others again, in a fresh context of the same shape.
+
+    For resilient jobs (``paratrain launch --max-restarts``): the survivors abort their connections and register
+    at the launcher's rendezvous once more; the round completes when the restarted rank has registered too, and
+    everyone connects afresh (new sockets, new collective tags, new shared-memory segments). Nothing else of
+    ``ctx`` carries over: :mod:`paratrain.recovery` carries the training state across. The new context is the
+    current one.
+
+    Raises:
+        RendezvousError: the others did not all arrive within ``PARATRAIN_RDZV_TIMEOUT`` (no restart came).
+    """
+    ctx.abort()
+    settings = ctx.settings
+    new = Context(settings=settings, transport=connect(settings))
+    _set_current(new)
+    log.info("rank %d: re-formed the job after a failure", new.rank)
+    return new
 
 
 def _serve_and_exit(ctx: Context) -> NoReturn:

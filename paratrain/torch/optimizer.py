@@ -33,11 +33,13 @@ import torch
 
 from paratrain.errors import ConfigError
 from paratrain.launch.kills import kill_point
+from paratrain.recovery.reliable import Reliable
 from paratrain.runtime.context import Context, current
 from paratrain.strategy import StrategySpec, parse_strategy
 from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
 from paratrain.torch.fusion import FusedBucket
 from paratrain.torch.hooks import GradientHooks
+from paratrain.torch.resilient import ReliableAllreduceStrategy
 from paratrain.torch.strategies import Strategy, build_strategy
 
 __all__ = ["DistributedOptimizer"]
@@ -93,6 +95,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             they exist (same update, no overlap with forward and backward), to measure what overlapping saves.
         staleness_lr: ``ssp:S`` and ``asp`` only: the servers scale each gradient by ``1 / max(1, τ)``, τ how many
             update rounds the parameters it was computed on were behind (Zhang et al. 2016). Off by default.
+        reliable: ``"allreduce"`` only: send the buckets through these reliable collectives, so that the job
+            survives a crashed worker (``paratrain launch --max-restarts``; :mod:`paratrain.torch.resilient`).
+            The same update, without overlapping communication with backward.
 
     Raises:
         ConfigError: unknown strategy, bad ``bucket_bytes``, optimizer parameters outside ``model``, or (for
@@ -129,6 +134,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         topology: Any = None,
         overlap: bool = True,
         staleness_lr: bool = False,
+        reliable: Reliable | None = None,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called on purpose: param_groups and state are the wrapped
         # optimizer's (see the properties below), and anything else is looked up there (__getattr__).
@@ -155,6 +161,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 f"staleness_lr=True scales stale gradients on the parameter servers: use it with strategy 'ssp:S' "
                 f"or 'asp', not {strategy!r}"
+            )
+        if reliable is not None and self.spec.kind != "allreduce":
+            raise ConfigError(
+                f"reliable= recovers synchronous allreduce training; strategy {strategy!r} is not (replicate the "
+                "parameter servers for bsp/ssp/asp instead)"
             )
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
@@ -189,14 +200,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._buckets = [FusedBucket(b, params, names, flags=False) for b in self.plan]
         elif not self._local:
             self._buckets = [FusedBucket(b, params, names, flags=not self.spec.uses_servers) for b in self.plan]
-        self._strategy: Strategy = build_strategy(
-            self.spec,
-            self.context,
-            self._buckets,
-            optimizer=optimizer,
-            topology=topology,
-            overlap=overlap,
-            staleness_lr=staleness_lr,
+        self._strategy: Strategy = (
+            ReliableAllreduceStrategy(reliable, self._buckets)
+            if reliable is not None and not self._local
+            else build_strategy(
+                self.spec,
+                self.context,
+                self._buckets,
+                optimizer=optimizer,
+                topology=topology,
+                overlap=overlap,
+                staleness_lr=staleness_lr,
+            )
         )
         self._hooks = GradientHooks(params, owner=self, on_ready=DistributedOptimizer._on_grad_ready)
 

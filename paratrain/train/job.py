@@ -91,6 +91,8 @@ class TrainJob(argparse.Namespace):
     balance: str = "auto"
     checkpoint: bool = False
     kill: str | None = None  # a kill schedule (paratrain.launch.kills), its random items seeded by --seed
+    max_restarts: int = 0  # restart a failed worker while the others go on (paratrain.recovery)
+    checkpoint_every: int = 10  # steps between in-memory checkpoints under max_restarts
 
     def reporting_rank(self) -> int:
         """The rank whose metrics are the job's loss and accuracy: rank 0, or for a pipeline the last stage of
@@ -166,6 +168,12 @@ def validate(job: TrainJob) -> None:
 
         stragglers.parse(job.straggler, seed=job.seed).check_workers(job.workers)
     check_available(job.dataset, data_dir=job.data_dir)
+    if job.max_restarts < 0 or job.checkpoint_every < 1:
+        raise ConfigError("--max-restarts must be >= 0 and --checkpoint-every >= 1")
+    if job.max_restarts and spec.kind != "allreduce":
+        raise ConfigError(
+            f"--max-restarts recovers allreduce training (Rabit's model); {job.strategy!r} does not support it yet"
+        )
     if job.kill:
         from paratrain.launch.kills import parse_kills
 
@@ -296,6 +304,8 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
         argv += ["--no-overlap"]
     if job.eval_every:
         argv += ["--eval-every", str(job.eval_every)]
+    if job.max_restarts:
+        argv += ["--checkpoint-every", str(job.checkpoint_every)]
     stop = threading.Event()
     total = [0]
     follower = None
@@ -311,7 +321,13 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
     try:
         assert job.workers is not None  # validate() filled it in
         code = run_launch(
-            argv, nproc=job.workers, servers=servers, faults=job.network(), kills=job.kill, kill_seed=job.seed
+            argv,
+            nproc=job.workers,
+            servers=servers,
+            faults=job.network(),
+            kills=job.kill,
+            kill_seed=job.seed,
+            max_restarts=job.max_restarts,
         )
     finally:
         stop.set()

@@ -10,6 +10,7 @@ that backward did not hide) and a metrics line; each epoch ends with test accura
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 import paratrain as pt
+from paratrain.recovery import Reliable
 from paratrain.strategy import parse_strategy
 from paratrain.train import stragglers, tasks
 from paratrain.train.data import DATASETS, load_dataset
@@ -24,6 +26,10 @@ from paratrain.train.models import MODELS, build_model, check_model_dataset
 from paratrain.train.record import Recorder
 
 __all__ = ["PROBE_EXAMPLES", "add_training_args", "epoch_line", "main"]
+
+#: Steps between in-memory checkpoints of a job that survives failures (``--max-restarts``): a restarted rank
+#: replays at most this many steps' results. Each checkpoint copies the model and momentum (a memcpy).
+CHECKPOINT_EVERY = 10
 
 #: Test examples a ``--eval-every`` probe evaluates (a fixed prefix of the test set: the same for every run).
 PROBE_EXAMPLES = 2000
@@ -100,6 +106,23 @@ def consensus_eval(ctx: pt.Context, model: Any, x: np.ndarray, y: np.ndarray) ->
     return {"consensus_accuracy": accuracy, "consensus_distance": distance}
 
 
+class _Traffic:
+    """Bytes sent and allreduced so far, across the contexts a recovering job goes through (each starts at 0)."""
+
+    def __init__(self, ctx: pt.Context) -> None:
+        self._ctx = ctx
+        self._before = {"bytes_sent": 0, "allreduce_bytes": 0}
+        self._last = dict(self._before)  # the old context's counts when last read (it is closed when replaced)
+
+    def update(self, ctx: pt.Context) -> dict[str, int]:
+        """The totals, given the context in use now."""
+        if ctx is not self._ctx:
+            self._before = {k: v + self._last[k] for k, v in self._before.items()}
+            self._ctx = ctx
+        self._last = {"bytes_sent": ctx.transport.stats.bytes_sent, "allreduce_bytes": ctx.collectives.allreduce_bytes}
+        return {k: v + self._before[k] for k, v in self._last.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Trains this rank's part of the job and records everything in ``--run-dir``."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -109,22 +132,49 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--quiet", action="store_true", help="no line per epoch from rank 0 (paratrain train prints them itself)"
     )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=CHECKPOINT_EVERY,
+        metavar="K",
+        help="under --max-restarts: keep the training state in memory every K steps (default %(default)s)",
+    )
     args = parser.parse_args(argv)
 
     import torch
 
     import paratrain.torch as ptt
+    from paratrain.torch.resilient import (
+        parameters_digest,
+        reliable_broadcast_parameters,
+        restore_training_state,
+        training_state,
+    )
 
     check_model_dataset(args.model, args.dataset)  # before init: a mismatch fails every rank alike, at once
 
-    ctx = pt.init()
+    # everything that does not depend on the rank comes before init(): a warm spare (--max-restarts) has it
+    # done when it takes over a failed rank (loading digits imports scikit-learn, and torch's first optimizer
+    # imports torch._dynamo: 1.2 s and 1.7 s here)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     torch.manual_seed(args.seed)
     data = load_dataset(args.dataset, data_dir=args.data_dir)
     model = build_model(args.model, side=data.side, classes=data.classes)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    dopt = ptt.DistributedOptimizer(optimizer, model=model, strategy=args.strategy, overlap=not args.no_overlap)
-    ptt.broadcast_parameters(model, root=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # its first one imports torch._dynamo
+    ctx = pt.init()
+    # a job whose failed ranks are restarted sends its gradients through reliable collectives; in a restarted
+    # rank, this is where it catches up with the others (before any other collective)
+    reliable = Reliable(ctx) if ctx.settings.max_restarts > 0 else None
+    dopt = ptt.DistributedOptimizer(
+        optimizer, model=model, strategy=args.strategy, overlap=not args.no_overlap, reliable=reliable
+    )
+    resumed = reliable.load_checkpoint() if reliable is not None else None
+    if resumed is not None:
+        restore_training_state(model, optimizer, resumed)
+    elif reliable is not None:
+        reliable_broadcast_parameters(model, reliable)
+    else:
+        ptt.broadcast_parameters(model, root=0)
     rec = Recorder(args.run_dir, rank=ctx.rank)
     straggler = stragglers.parse(args.straggler, seed=args.seed) if args.straggler else None
     world, rank, batch = ctx.world_size, ctx.rank, args.batch_size
@@ -132,14 +182,20 @@ def main(argv: list[str] | None = None) -> None:
     steps = per_rank // batch
     if steps == 0:
         raise SystemExit(f"batch size {batch} is larger than this worker's {per_rank} examples; lower --batch-size")
-    rec.log(kind="start", epochs=args.epochs, steps_per_epoch=steps, world_size=world, strategy=args.strategy)
-    step = 0
-    evaluating = 0.0  # seconds this rank has spent evaluating: excluded from time-to-accuracy
-    for epoch in range(args.epochs):
+    step = int(resumed.meta["step"]) if resumed is not None else 0
+    evaluating = float(resumed.meta["evaluating"]) if resumed is not None else 0.0  # excluded from time-to-accuracy
+    if resumed is None:
+        rec.log(kind="start", epochs=args.epochs, steps_per_epoch=steps, world_size=world, strategy=args.strategy)
+    for recovery in reliable.recoveries if reliable is not None else []:
+        rec.log(kind="recovery", step=step, **dataclasses.asdict(recovery))
+    seen_recoveries = len(reliable.recoveries) if reliable is not None else 0
+    traffic = _Traffic(ctx)
+    for epoch in range(step // steps, args.epochs):
         order = np.random.default_rng(args.seed * 1_000_003 + epoch).permutation(len(data.y_train))
         mine = order[rank * per_rank : (rank + 1) * per_rank]
-        epoch_loss = 0.0
-        for i in range(steps):
+        epoch_loss = float(resumed.meta["epoch_loss"]) if resumed is not None and epoch == step // steps else 0.0
+        for i in range(step - epoch * steps, steps):
+            replaying = reliable is not None and reliable.replaying
             idx = np.sort(mine[i * batch : (i + 1) * batch])
             xb, yb = torch.from_numpy(data.x_train[idx]), torch.from_numpy(data.y_train[idx])
             t0 = time.time()
@@ -157,6 +213,15 @@ def main(argv: list[str] | None = None) -> None:
             step += 1
             value = loss.item()
             epoch_loss += value
+            if reliable is not None:
+                for recovery in reliable.recoveries[seen_recoveries:]:
+                    rec.log(kind="recovery", step=step, **dataclasses.asdict(recovery))
+                seen_recoveries = len(reliable.recoveries)
+                if step % args.checkpoint_every == 0:
+                    state = training_state(model, optimizer)
+                    reliable.checkpoint(state, {"step": step, "epoch_loss": epoch_loss, "evaluating": evaluating})
+            if replaying:
+                continue  # the process this one replaces has recorded this step already
             rec.add_span("forward", "compute", t0, t1)
             rec.add_span("backward", "compute", t1, t2)
             rec.add_span("step (wait for communication)", "waiting", t2, t3)
@@ -168,8 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                 samples=batch,
                 compute_s=t2 - t0,
                 wait_s=t3 - t2,
-                bytes_sent=ctx.transport.stats.bytes_sent,
-                allreduce_bytes=ctx.collectives.allreduce_bytes,
+                **traffic.update(reliable.ctx if reliable is not None else ctx),
                 **({"straggler_factor": slow} if straggler is not None else {}),
             )
             if args.eval_every > 0 and step % args.eval_every == 0:
@@ -179,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
                 rec.add_span("probe accuracy", "eval", t5, t5 + spent)
                 rec.log(kind="probe", step=step, test_accuracy=probe, eval_s=spent, eval_before_s=evaluating)
                 evaluating += spent
+        if replaying:
+            continue  # the epoch ended while this rank replayed: the process it replaces evaluated it
         t4 = time.time()
         accuracy, test_loss = tasks.evaluate(model, data.x_test, data.y_test)
         rec.add_span("evaluate", "eval", t4, time.time())
@@ -202,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         if rank == 0 and not args.quiet:
             print(epoch_line(epoch + 1, args.epochs, train_loss, accuracy, test_loss), flush=True)
+    rec.log(kind="final", step=step, parameters_sha256=parameters_digest(model))
     close = getattr(dopt, "close", None)
     if callable(close):
         close()

@@ -193,6 +193,7 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
         heartbeat=settings.heartbeat,
         heartbeat_timeout=settings.heartbeat_timeout,
         on_peer_lost=_peer_lost_reporter(settings),
+        resilient=settings.max_restarts > 0,
     )
     server: RendezvousServer | None = None
     try:

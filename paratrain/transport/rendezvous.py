@@ -8,6 +8,12 @@ since torch's own store may hold ``MASTER_PORT``).
 
 Errors are reported, not hung on: a rank that registers twice, or with another world size, is refused with
 a message; if some ranks never arrive, those that did are told which ranks are missing.
+
+A job whose failed ranks are restarted (``paratrain launch --max-restarts``) meets more than once: the server
+then serves *rounds*. Each round is complete when every rank has registered once more (the survivors after they
+saw the failure, the restarted rank as it starts), and answers everyone with the new table and the round's
+number. A second registration of a rank within one round replaces the first: the launcher restarts a rank only
+after its process died, so the newer registration is the live one.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ class RendezvousServer:
         world_size: number of ranks expected.
         bind_addr: address to listen on (``*`` for all interfaces).
         port: TCP port; 0 picks a free one (read :attr:`port` afterwards).
-        timeout: seconds to wait for all ranks before telling those present who is missing.
+        timeout: seconds to wait for all ranks before telling those present who is missing (in rounds mode:
+            counted from a round's first registration).
+        rounds: serve round after round until closed (a job whose ranks are restarted), rather than once.
 
     Example:
         >>> server = RendezvousServer(world_size=1, bind_addr="127.0.0.1", port=0, timeout=5)
@@ -54,9 +62,15 @@ class RendezvousServer:
         >>> server.join()
     """
 
-    def __init__(self, *, world_size: int, bind_addr: str, port: int, timeout: float) -> None:
+    def __init__(self, *, world_size: int, bind_addr: str, port: int, timeout: float, rounds: bool = False) -> None:
         self.world_size = world_size
         self.timeout = timeout
+        self.rounds = rounds
+        #: Rounds completed so far (1 after the job first met).
+        self.round = 0
+        #: Ranks registered for the round being formed, and registrations accepted in all (diagnostics, tests).
+        self.waiting: frozenset[int] = frozenset()
+        self.accepted = 0
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 2000)
@@ -105,6 +119,8 @@ class RendezvousServer:
         registered: dict[int, tuple[bytes, Mapping[str, Any]]] = {}
         deadline = time.monotonic() + self.timeout
         while not self._stop.is_set():
+            if self.rounds and not registered:
+                deadline = time.monotonic() + self.timeout
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(self.world_size)) - set(registered))
@@ -115,6 +131,9 @@ class RendezvousServer:
                 )
                 for ident, _ in registered.values():
                     self._reply(ident, {"v": _VERSION, "error": self.error})
+                if self.rounds:
+                    registered.clear()
+                    continue
                 return
             if not self._sock.poll(int(min(remaining, 0.2) * 1000) + 1):
                 continue
@@ -149,7 +168,11 @@ class RendezvousServer:
             if not 0 <= rank < world:
                 self._reply(ident, {"v": _VERSION, "error": f"rank {rank} outside 0..{world - 1}"})
                 continue
-            if rank in registered:
+            if rank in registered and self.rounds:
+                log.warning(
+                    "rendezvous: rank %d registered again (pid %s); the newer one takes part", rank, info.get("pid")
+                )
+            elif rank in registered:
                 self._reply(
                     ident,
                     {
@@ -162,12 +185,18 @@ class RendezvousServer:
                 )
                 continue
             registered[rank] = (ident, info)
+            self.waiting = frozenset(registered)
+            self.accepted += 1
             if len(registered) == self.world_size:
                 table = [registered[r][1] for r in range(self.world_size)]
                 self.table = table
+                self.round += 1
                 for ident_r, _ in registered.values():
-                    self._reply(ident_r, {"v": _VERSION, "table": table})
-                return
+                    self._reply(ident_r, {"v": _VERSION, "table": table, "round": self.round})
+                if not self.rounds:
+                    return
+                registered.clear()
+                self.waiting = frozenset()
 
 
 def register(

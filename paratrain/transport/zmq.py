@@ -13,6 +13,12 @@ Failure detection, because a hang is the worst failure:
   arrives within a short grace period, the peer is declared lost;
 * a peer that goes silent (hung host, cut cable) is declared lost after ``heartbeat_timeout`` seconds without
   any message; every rank sends a heartbeat to every peer each ``heartbeat`` seconds.
+
+A *resilient* transport (a job the launcher restarts ranks of, ``--max-restarts``) goes further, because its
+survivors must all stop and re-form the job, not only those that waited on the dead rank: a crash fails every
+pending and later receive at once, and the rank tells every other peer (a ``lost`` control message), which do
+the same. So a ring's rank that waits on a live neighbour learns of a death three hops away in one message
+time rather than through a cascade of time-outs, and the grace for a goodbye shrinks to 0.1 s.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ COPY_THRESHOLD = 1 << 16
 #: Tag of transport-internal control messages (heartbeat, bye); refused from users.
 TAG_CONTROL = -(1 << 61)
 _DISCONNECT_GRACE = 0.5
+_RESILIENT_GRACE = 0.1
 
 
 class _SendHandle(Handle[None]):
@@ -105,6 +112,8 @@ class ZmqTransport(Transport):
         use_ipc: allow ipc inside a host (Linux only).
         on_peer_lost: called as ``on_peer_lost(peer, reason)`` (in the receiver thread) when a peer is
             declared lost; the launcher uses it to tell a root failure from the failures it caused.
+        resilient: a crashed peer breaks every receive and is reported to the other peers (see the module
+            docstring); for jobs that recover from failures (:mod:`paratrain.recovery`).
     """
 
     name = "zmq"
@@ -122,8 +131,11 @@ class ZmqTransport(Transport):
         heartbeat_timeout: float = 30.0,
         use_ipc: bool = True,
         on_peer_lost: Callable[[int, str], None] | None = None,
+        resilient: bool = False,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, timeout=timeout)
+        self.resilient = resilient
+        self._grace = _RESILIENT_GRACE if resilient else _DISCONNECT_GRACE
         self.host_id = host_id
         self._heartbeat = heartbeat
         self._heartbeat_timeout = heartbeat_timeout
@@ -274,6 +286,11 @@ class ZmqTransport(Transport):
             except Exception:  # a reporting hook must not break failure detection
                 log.exception("rank %d: on_peer_lost hook failed", self.rank)
         self._box.peer_lost(peer, error)
+        if self.resilient and not expected:
+            for other in self._push:
+                if other != peer and other not in self.lost_peers():
+                    self._send_control(other, "lost", blocking_lock=True, peer=peer)
+            self._box.close(error)
 
     def _handle_frames(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -286,7 +303,11 @@ class ZmqTransport(Transport):
             return
         self._last_heard[msg.src] = time.monotonic()
         if msg.tag == TAG_CONTROL:
-            if msg.meta.get("ctl") == "bye":
+            lost = msg.meta.get("peer")
+            if msg.meta.get("ctl") == "lost" and type(lost) is int and 0 <= lost < self.world_size:
+                if lost != self.rank:
+                    self._declare_lost(lost, f"was reported lost by rank {msg.src}")
+            elif msg.meta.get("ctl") == "bye":
                 self._said_bye.add(msg.src)
                 self._declare_lost(
                     msg.src,
@@ -299,13 +320,13 @@ class ZmqTransport(Transport):
         self.stats.bytes_received += msg.nbytes
         self._box.deliver(msg)
 
-    def _send_control(self, peer: int, ctl: str, *, blocking_lock: bool) -> None:
-        lock = self._push_locks[peer]
+    def _send_control(self, dst: int, ctl: str, *, blocking_lock: bool, **fields: int) -> None:
+        lock = self._push_locks[dst]
         if not lock.acquire(blocking=blocking_lock):
             return  # a data send is in progress on this link; it is as good as a heartbeat
         try:
-            frames, _ = encode(self.rank, TAG_CONTROL, (), {"ctl": ctl})
-            self._push[peer].send_multipart(frames, flags=zmq.NOBLOCK)
+            frames, _ = encode(self.rank, TAG_CONTROL, (), {"ctl": ctl, **fields})
+            self._push[dst].send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         finally:
@@ -323,7 +344,7 @@ class ZmqTransport(Transport):
         try:
             while True:
                 now = time.monotonic()
-                wait_s = max(0.0, min(next_beat - now, _DISCONNECT_GRACE / 2 if self._suspect else next_beat - now))
+                wait_s = max(0.0, min(next_beat - now, self._grace / 2 if self._suspect else next_beat - now))
                 events = dict(poller.poll(timeout=int(wait_s * 1000.0) + 1))
                 if self._wake_rx in events:
                     return
@@ -347,7 +368,7 @@ class ZmqTransport(Transport):
                 for peer, since in list(self._suspect.items()):
                     if peer in self._said_bye:
                         del self._suspect[peer]
-                    elif now - since >= _DISCONNECT_GRACE:
+                    elif now - since >= self._grace:
                         del self._suspect[peer]
                         self._declare_lost(peer, "closed its connection without saying goodbye (crashed or killed)")
                 if now >= next_beat:

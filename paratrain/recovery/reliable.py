@@ -1,0 +1,289 @@
+"""Reliable collectives with in-memory checkpoints: a failed rank restarts and catches up; nobody rolls back.
+
+Rabit's model (Chen et al., "Rabit: a reliable allreduce and broadcast interface"), for data-parallel training
+where every rank holds the same model. The program is a sequence of *reliable operations* (allreduce and
+broadcast), numbered 0, 1, 2... alike on every rank, and now and then a :meth:`Reliable.checkpoint` of its state:
+
+    rel = Reliable(ctx)
+    ckpt = rel.load_checkpoint()         # None on a fresh start; a restarted rank gets the newest from a peer
+    start = 0 if ckpt is None else restore(ckpt)
+    for step in range(start, steps):
+        grad = rel.allreduce(local_gradient(step), op="mean")
+        update(grad)
+        if step % 10 == 9:
+            rel.checkpoint(state(), meta={"step": step + 1})
+
+The update rule is the program's own; what this module guarantees is that every rank sees, for operation n,
+the bits the fault-free run would have seen:
+
+- a checkpoint is a copy of the state in this rank's memory; every rank holds the same one (the model is
+  replicated by data parallelism), so it costs no communication and survives any single failure. Each rank also
+  keeps the results of the operations since one before its checkpoint;
+- when a peer crashes (``paratrain launch --max-restarts`` restarts it), the operation in progress fails on every
+  survivor (a resilient transport breaks every receive). The survivors :func:`~paratrain.runtime.context.reform`
+  the job with the replacement, all report what they hold, and run the same :func:`~.plan.plan_recovery`: the
+  replacement receives the newest checkpoint and the results since it, and a survivor one operation behind
+  receives that one result. Then the interrupted operation runs again, live, with the same inputs;
+- the replacement's program restarts from the checkpoint and *replays*: each reliable operation up to the
+  frontier returns the received result without communicating, so its state evolves exactly as the others' did.
+
+Determinism is the program's part: the same inputs in the same order on every run (data order a function of the
+step, no unseeded randomness). A replayed operation whose input shape differs from the recorded result's is
+reported as a :class:`~.plan.RecoveryError` rather than silently diverging.
+
+Unlike Rabit, the survivors do not block a restart on a fixed schedule of their own: they re-form as soon as
+the replacement registers, and a warm spare makes that a fraction of a second (see ``benchmarks/recovery``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from paratrain.errors import PeerLostError, TransportClosedError
+from paratrain.recovery.plan import RankState, RecoveryError, RecoveryPlan, plan_recovery
+from paratrain.runtime.context import Context, current, reform
+
+__all__ = ["Checkpoint", "Recovery", "Reliable"]
+
+log = logging.getLogger("paratrain.recovery")
+
+Array = npt.NDArray[Any]
+#: What breaks an operation when a peer crashes; anything else (a timeout, a bad argument) is not recovered.
+_BROKEN = (PeerLostError, TransportClosedError)
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A state saved by :meth:`Reliable.checkpoint`.
+
+    Attributes:
+        version: 1 for the first checkpoint of the job, then 2, 3...
+        seq: reliable operations completed when it was taken (where a restarted rank resumes).
+        arrays: the state's arrays, by name (copies, owned by the checkpoint).
+        meta: small values saved with it (e.g. the step).
+    """
+
+    version: int
+    seq: int
+    arrays: Mapping[str, Array]
+    meta: Mapping[str, int | float | str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """One recovery as this rank lived it (times are ``time.time()``, seconds).
+
+    Attributes:
+        failed_at: when the broken operation was noticed (a survivor) or the process started (a replacement).
+        reformed_at: when the job had met again (the rendezvous round completed).
+        done_at: when this rank had everything it needed (checkpoint and results received).
+        frontier: the operation everyone ran live next.
+        replayed: results received to replay (a replacement) or to skip one behind (a survivor).
+        bytes_received: bytes of checkpoint and results received.
+        restarted: this rank is the replacement.
+    """
+
+    failed_at: float
+    reformed_at: float
+    done_at: float
+    frontier: int
+    replayed: int
+    bytes_received: int
+    restarted: bool
+
+
+def _meta_value(value: object) -> int | float | str:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError(f"checkpoint meta values must be int, float or str, got {type(value).__name__}")
+    return value
+
+
+class Reliable:
+    """Reliable allreduce and broadcast with in-memory checkpoints over a context (see the module docstring).
+
+    Create it right after ``paratrain.init()``, before any other collective: in a replacement process the
+    constructor is where it catches up with the survivors.
+
+    Args:
+        ctx: the context (default: the current one). It is replaced after a failure: read :attr:`ctx`.
+        reform: how to meet the others again (tests may substitute it).
+
+    Raises:
+        RecoveryError: (in a replacement) the survivors do not hold what it needs.
+    """
+
+    def __init__(self, ctx: Context | None = None, *, reform: Callable[[Context], Context] = reform) -> None:
+        self.ctx = ctx if ctx is not None else current()
+        self._reform = reform
+        #: Reliable operations completed; the number of the next one.
+        self.seq = 0
+        self._checkpoint: Checkpoint | None = None
+        self._cache: dict[int, tuple[str, Array]] = {}
+        self._replay: dict[int, tuple[str, Array]] = {}
+        self._loaded: Checkpoint | None = None
+        #: Every recovery this rank took part in, oldest first.
+        self.recoveries: list[Recovery] = []
+        if self.ctx.settings.restart_count > 0:
+            self._join()
+
+    @property
+    def replaying(self) -> bool:
+        """True while this rank still replays received results (it is catching up after a restart)."""
+        return bool(self._replay)
+
+    @property
+    def resilient(self) -> bool:
+        """True when the launcher restarts failed ranks (otherwise a failure is raised, as without this class)."""
+        return self.ctx.settings.max_restarts > 0
+
+    # -- the program's side --------------------------------------------------------------------------------
+
+    def load_checkpoint(self) -> Checkpoint | None:
+        """The checkpoint to resume from: None on a fresh start (or if none was taken before a failure)."""
+        return self._loaded
+
+    def checkpoint(self, arrays: Mapping[str, Any], meta: Mapping[str, object] | None = None) -> Checkpoint:
+        """Saves ``arrays`` (copied) and ``meta`` as the state to restart from; forgets older results. Local."""
+        copies = {str(name): np.array(value, copy=True) for name, value in arrays.items()}
+        version = (self._checkpoint.version if self._checkpoint is not None else 0) + 1
+        values = {str(k): _meta_value(v) for k, v in (meta or {}).items()}
+        self._checkpoint = Checkpoint(version, self.seq, copies, values)
+        # keep one result before the checkpoint: a survivor one operation behind may need it
+        for seq in [s for s in self._cache if s < self.seq - 1]:
+            del self._cache[seq]
+        return self._checkpoint
+
+    def allreduce(self, x: Any, op: str = "sum") -> Array:
+        """The reliable ``allreduce`` of ``x`` (not modified); returns a new array, the same bits on every rank."""
+        array = np.asarray(x)
+        return self._operation("allreduce", array, lambda ctx: np.asarray(ctx.allreduce(array, op=op)))
+
+    def broadcast(self, x: Any, root: int = 0) -> Array:
+        """The reliable ``broadcast`` of ``root``'s ``x`` (not modified); returns a new array."""
+        array = np.asarray(x)
+        return self._operation("broadcast", array, lambda ctx: np.asarray(ctx.broadcast(array.copy(), root=root)))
+
+    # -- operations ----------------------------------------------------------------------------------------
+
+    def _operation(self, kind: str, array: Array, run: Callable[[Context], Array]) -> Array:
+        seq = self.seq
+        replayed = self._replay.pop(seq, None)
+        while replayed is None:
+            try:
+                result = run(self.ctx)
+                break
+            except _BROKEN as exc:
+                if not self.resilient:
+                    raise
+                log.warning("rank %d: reliable %s #%d broken (%s); recovering", self.ctx.rank, kind, seq, exc)
+                self._recover(time.time())
+                replayed = self._replay.pop(seq, None)
+        if replayed is not None:
+            recorded_kind, result = replayed
+            if recorded_kind != kind or result.shape != array.shape or result.dtype != array.dtype:
+                raise RecoveryError(
+                    f"rank {self.ctx.rank}: replaying reliable operation {seq}: the program asks for a {kind} of "
+                    f"{array.shape} {array.dtype}, the job ran a {recorded_kind} of {result.shape} {result.dtype}. "
+                    "The program must make the same reliable calls in the same order on every run"
+                )
+        self._cache[seq] = (kind, result)
+        self.seq = seq + 1
+        return result.copy()
+
+    # -- recovery ------------------------------------------------------------------------------------------
+
+    def _state(self, *, restarted: bool) -> RankState:
+        if restarted:
+            return RankState.restarted()
+        ckpt = self._checkpoint
+        cache_lo = min(self._cache, default=self.seq)
+        return RankState(self.seq, ckpt.version if ckpt else 0, ckpt.seq if ckpt else 0, cache_lo)
+
+    def _join(self) -> None:
+        """A replacement's catch-up, at construction: the job has just re-formed around it."""
+        started = time.time()
+        self._exchange(started, started, restarted=True)
+
+    def _recover(self, failed_at: float) -> None:
+        """A survivor's side: re-form (again, if another rank fails meanwhile) and exchange."""
+        limit = self.ctx.settings.max_restarts + 1
+        for attempt in range(limit):
+            self.ctx = self._reform(self.ctx)
+            try:
+                self._exchange(failed_at, time.time(), restarted=False)
+                return
+            except _BROKEN as exc:
+                if attempt + 1 == limit:
+                    raise
+                log.warning("rank %d: a rank failed during recovery (%s); re-forming again", self.ctx.rank, exc)
+
+    def _exchange(self, failed_at: float, reformed_at: float, *, restarted: bool) -> None:
+        ctx = self.ctx
+        mine = self._state(restarted=restarted)
+        table = np.asarray(ctx.allgather(np.asarray(mine.as_list(), dtype=np.int64)))
+        states = [RankState(*(int(v) for v in row)) for row in table.reshape(ctx.world_size, 4)]
+        plan = plan_recovery(states)
+        tag = ctx.next_collective_tag()
+        self._send(ctx, plan, tag)
+        received = self._receive(ctx, plan, tag, states)
+        if restarted:
+            self.seq = plan.start(ctx.rank, states)
+        self.recoveries.append(
+            Recovery(failed_at, reformed_at, time.time(), plan.frontier, len(self._replay), received, restarted)
+        )
+        log.info(
+            "rank %d: recovered (frontier %d, %d results to replay, %d bytes received)",
+            ctx.rank,
+            plan.frontier,
+            len(self._replay),
+            received,
+        )
+
+    def _send(self, ctx: Context, plan: RecoveryPlan, tag: int) -> None:
+        me = ctx.rank
+        transport = ctx.workers
+        if plan.checkpoint is not None and plan.checkpoint.src == me:
+            ckpt = self._checkpoint
+            assert ckpt is not None and ckpt.version == plan.checkpoint.version
+            names = list(ckpt.arrays)
+            meta = {"version": ckpt.version, "seq": ckpt.seq, "names": names, "meta": dict(ckpt.meta)}
+            for dst in plan.checkpoint.dst:
+                transport.send(dst, tag, [ckpt.arrays[n] for n in names], meta)
+        for t in plan.transfers:
+            if t.src == me:
+                for seq in range(t.lo, t.hi):
+                    kind, result = self._cache[seq]
+                    transport.send(t.dst, tag, [result], {"seq": seq, "kind": kind})
+
+    def _receive(self, ctx: Context, plan: RecoveryPlan, tag: int, states: list[RankState]) -> int:
+        me = ctx.rank
+        transport = ctx.workers
+        received = 0
+        if plan.checkpoint is not None and me in plan.checkpoint.dst:
+            msg = transport.recv(plan.checkpoint.src, tag)
+            names, meta = msg.meta.get("names"), msg.meta.get("meta")
+            if not isinstance(names, list) or len(names) != len(msg.arrays) or not isinstance(meta, dict):
+                raise RecoveryError(f"rank {me}: a malformed checkpoint came from rank {plan.checkpoint.src}")
+            arrays = {str(n): np.array(a, copy=True) for n, a in zip(names, msg.arrays, strict=True)}
+            values = {str(k): _meta_value(v) for k, v in meta.items()}
+            self._checkpoint = Checkpoint(plan.checkpoint.version, plan.checkpoint.seq, arrays, values)
+            self._loaded = self._checkpoint
+            received += msg.nbytes
+        for t in plan.transfers:
+            if t.dst != me:
+                continue
+            for seq in range(t.lo, t.hi):
+                msg = transport.recv(t.src, tag)
+                kind = msg.meta.get("kind")
+                if msg.meta.get("seq") != seq or kind not in ("allreduce", "broadcast") or len(msg.arrays) != 1:
+                    raise RecoveryError(f"rank {me}: expected the result of operation {seq} from rank {t.src}")
+                self._replay[seq] = (str(kind), np.array(msg.arrays[0], copy=True))
+                received += msg.nbytes
+        return received
