@@ -74,6 +74,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="K",
         help="with --max-restarts: steps between in-memory checkpoints (default 10)",
     )
+    p.add_argument(
+        "--no-spare",
+        action="store_true",
+        help="with --max-restarts: start a restarted worker cold instead of from a warm spare process",
+    )
     p.set_defaults(func=_main)
 
 

@@ -5,6 +5,8 @@ schedule (``paratrain launch --kill`` and ``paratrain train --kill``) names each
 
     1@step=5            rank 1 gets SIGKILL as its 5th optimizer step begins (DistributedOptimizer.step, Pipe.step)
     0@step=3:TERM       rank 0 gets SIGTERM there instead
+    1@checkpoint=2      rank 1 gets SIGKILL while it takes its 2nd in-memory checkpoint (paratrain.recovery):
+                        the state is copied, not yet kept
     1@2.5s              rank 1 gets SIGKILL 2.5 s after the job started (sent by the launcher)
     server0@1s:KILL     parameter server 0, 1 s after the start (servers have no steps: time only)
     random@step=2-40    a worker and a step drawn from the seed (``--kill-seed``), the same on every run
@@ -28,19 +30,21 @@ from dataclasses import dataclass
 
 from paratrain.errors import ConfigError
 
-__all__ = ["ENV", "HELP", "Kill", "kill_env", "kill_point", "parse_kills", "time_kill"]
+__all__ = ["ENV", "HELP", "Kill", "checkpoint_kill_point", "kill_env", "kill_point", "parse_kills", "time_kill"]
 
-#: The environment variable that tells a rank its step kill: ``STEP:SIGNUM:TEXT``.
+#: The environment variable that tells a rank its step kill: ``STEP:SIGNUM:TEXT`` (a checkpoint kill: ``cV:...``).
 ENV = "PARATRAIN_KILL"
 
 HELP = (
-    "kill schedule, comma-separated: RANK@step=K (SIGKILL as rank RANK's K-th optimizer step begins), RANK@2.5s "
-    "(2.5 s after the start), serverS@1s, random@step=A-B (a worker and step drawn from --kill-seed); add :TERM, "
-    ":INT... for another signal"
+    "kill schedule, comma-separated: RANK@step=K (SIGKILL as rank RANK's K-th optimizer step begins), "
+    "RANK@checkpoint=V (while it takes its V-th in-memory checkpoint, with --max-restarts), RANK@2.5s (2.5 s after "
+    "the start), serverS@1s, random@step=A-B (a worker and step drawn from --kill-seed); add :TERM, :INT... for "
+    "another signal"
 )
 
 _ITEM = re.compile(
-    r"^(?P<who>random|server\d+|\d+)@(?:step=(?P<step>\d+)(?:-(?P<last>\d+))?|(?P<secs>\d+(?:\.\d+)?)s)"
+    r"^(?P<who>random|server\d+|\d+)@(?:step=(?P<step>\d+)(?:-(?P<last>\d+))?|checkpoint=(?P<ckpt>\d+)"
+    r"|(?P<secs>\d+(?:\.\d+)?)s)"
     r"(?::(?P<sig>[A-Za-z0-9]+))?$"
 )
 
@@ -56,6 +60,7 @@ class Kill:
         after_s: seconds after the job's start at which the launcher sends the signal, or None for a step kill.
         signum: the signal.
         text: the schedule item it came from, for messages.
+        checkpoint: the in-memory checkpoint (1-based) during which the rank kills itself, or None.
     """
 
     role: str
@@ -64,6 +69,7 @@ class Kill:
     after_s: float | None
     signum: int
     text: str
+    checkpoint: int | None = None
 
     @property
     def name(self) -> str:
@@ -72,7 +78,12 @@ class Kill:
 
     def describe(self) -> str:
         """E.g. ``"SIGKILL to rank 1 at step 5 (--kill 1@step=5)"``."""
-        when = f"at step {self.step}" if self.step is not None else f"{self.after_s:g} s after the start"
+        if self.checkpoint is not None:
+            when = f"during checkpoint {self.checkpoint}"
+        elif self.step is not None:
+            when = f"at step {self.step}"
+        else:
+            when = f"{self.after_s:g} s after the start"
         return f"{signal.Signals(self.signum).name} to {self.name} {when} (--kill {self.text})"
 
 
@@ -115,12 +126,16 @@ def parse_kills(text: str, *, nproc: int, servers: int = 0, seed: int = 0) -> li
         match = _ITEM.match(item)
         if match is None:
             raise ConfigError(
-                f"--kill {item!r}: write RANK@step=K, RANK@2.5s, serverS@1s or random@step=A-B, optionally :SIGNAL"
+                f"--kill {item!r}: write RANK@step=K, RANK@checkpoint=V, RANK@2.5s, serverS@1s or random@step=A-B, "
+                "optionally :SIGNAL"
             )
         who, signum = match["who"], _signum(match["sig"], item)
         step = int(match["step"]) if match["step"] is not None else None
         last = int(match["last"]) if match["last"] is not None else step
         after_s = float(match["secs"]) if match["secs"] is not None else None
+        ckpt = int(match["ckpt"]) if match["ckpt"] is not None else None
+        if ckpt is not None and (ckpt < 1 or who == "random" or who.startswith("server")):
+            raise ConfigError(f"--kill {item}: checkpoint kills are of a worker rank, counted from 1")
         if step is not None and last is not None and (step < 1 or last < step):
             raise ConfigError(f"--kill {item}: steps count from 1, and a range A-B needs A <= B")
         if who == "random":
@@ -143,7 +158,7 @@ def parse_kills(text: str, *, nproc: int, servers: int = 0, seed: int = 0) -> li
             role, index = "rank", int(who)
             if index >= nproc:
                 raise ConfigError(f"--kill {item}: the job has {nproc} worker(s), ranks 0..{nproc - 1}")
-        kills.append(Kill(role, index, step, after_s, signum, item))
+        kills.append(Kill(role, index, step, after_s, signum, item, ckpt))
     named = [k.name for k in kills]
     twice = sorted({name for name in named if named.count(name) > 1})
     if twice:
@@ -164,26 +179,41 @@ def kill_env(kills: list[Kill], role: str, index: int) -> dict[str, str]:
     for kill in kills:
         if kill.role == role and kill.index == index and kill.step is not None:
             return {ENV: f"{kill.step}:{kill.signum}:{kill.text}"}
+        if kill.role == role and kill.index == index and kill.checkpoint is not None:
+            return {ENV: f"c{kill.checkpoint}:{kill.signum}:{kill.text}"}
     return {}
 
 
 @functools.cache
-def _scheduled() -> tuple[int, int, str] | None:
+def _scheduled() -> tuple[str, int, int, str] | None:
     raw = os.environ.get(ENV)
     if not raw:
         return None
-    step, signum, text = raw.split(":", 2)
-    return int(step), int(signum), text
+    where, signum, text = raw.split(":", 2)
+    if where.startswith("c"):
+        return "checkpoint", int(where[1:]), int(signum), text
+    return "step", int(where), int(signum), text
 
 
 def kill_point(step: int) -> None:
     """Called by every optimizer step (``step`` from 1): if this process's kill schedule names this step, it says
     so on stderr and sends itself the signal. Costs one cached lookup otherwise."""
+    _fire("step", step)
+
+
+def checkpoint_kill_point(version: int) -> None:
+    """Called by every in-memory checkpoint (``version`` from 1) between copying the state and keeping it."""
+    _fire("checkpoint", version)
+
+
+def _fire(where: str, number: int) -> None:
     scheduled = _scheduled()
-    if scheduled is None or scheduled[0] != step:
+    if scheduled is None or scheduled[:2] != (where, number):
         return
-    _, signum, text = scheduled
-    print(f"paratrain: injected fault: {signal.Signals(signum).name} at step {step} (--kill {text})", file=sys.stderr)
+    _, _, signum, text = scheduled
+    print(
+        f"paratrain: injected fault: {signal.Signals(signum).name} at {where} {number} (--kill {text})", file=sys.stderr
+    )
     sys.stderr.flush()
     sys.stdout.flush()
     os.kill(os.getpid(), signum)

@@ -14,9 +14,11 @@ only the supervisor, which then stops the children in order instead of leaving t
 A job may also be given a deadline: a hung rank (or a server loop that is not ours to instrument) is then
 stopped like a failed one, so that a caller such as a benchmark never waits for ever and never has to hunt
 down processes itself. It may also carry injected failures (the time kills of a kill schedule, :mod:`.kills`),
-which it sends on time and announces. The output relay is in :mod:`.pump`, the process-group helpers in
-:mod:`.groups`, and the words for failures in :mod:`.failures`; what stays here (about 500 lines) is the one
-supervision loop, its signal handlers and its cleanup, which share the children's state and read together.
+which it sends on time and announces. With a restart budget (:mod:`.restarts`, ``--max-restarts``) a failed child
+is replaced instead, from a warm spare when one runs, and the job goes on. The output relay is in :mod:`.pump`,
+the process-group helpers in :mod:`.groups`, the words for failures in :mod:`.failures`, the budget and the
+replacement's environment in :mod:`.restarts`; what stays here (about 620 lines) is the one supervision loop,
+its restarts, signal handlers and cleanup, which share the children's state and read together.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paratrain.errors import PeerLostError, TransportClosedError
+from paratrain.launch.kills import checkpoint_kill_point
 from paratrain.recovery.plan import RankState, RecoveryError, RecoveryPlan, plan_recovery
 from paratrain.runtime.context import Context, current, reform
 
@@ -154,6 +155,7 @@ class Reliable:
         copies = {str(name): np.array(value, copy=True) for name, value in arrays.items()}
         version = (self._checkpoint.version if self._checkpoint is not None else 0) + 1
         values = {str(k): _meta_value(v) for k, v in (meta or {}).items()}
+        checkpoint_kill_point(version)  # paratrain launch --kill RANK@checkpoint=V: a death mid-checkpoint
         self._checkpoint = Checkpoint(version, self.seq, copies, values)
         # keep one result before the checkpoint: a survivor one operation behind may need it
         for seq in [s for s in self._cache if s < self.seq - 1]:

@@ -93,6 +93,7 @@ class TrainJob(argparse.Namespace):
     kill: str | None = None  # a kill schedule (paratrain.launch.kills), its random items seeded by --seed
     max_restarts: int = 0  # restart a failed worker while the others go on (paratrain.recovery)
     checkpoint_every: int = 10  # steps between in-memory checkpoints under max_restarts
+    no_spare: bool = False  # under max_restarts: restart cold, without a warm spare
 
     def reporting_rank(self) -> int:
         """The rank whose metrics are the job's loss and accuracy: rank 0, or for a pipeline the last stage of
@@ -328,6 +329,7 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
             kills=job.kill,
             kill_seed=job.seed,
             max_restarts=job.max_restarts,
+            spare=not job.no_spare,
         )
     finally:
         stop.set()

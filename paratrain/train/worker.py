@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     for epoch in range(step // steps, args.epochs):
         order = np.random.default_rng(args.seed * 1_000_003 + epoch).permutation(len(data.y_train))
         mine = order[rank * per_rank : (rank + 1) * per_rank]
-        epoch_loss = float(resumed.meta["epoch_loss"]) if resumed is not None and epoch == step // steps else 0.0
+        mid_epoch = resumed is not None and epoch == step // steps and step % steps != 0
+        epoch_loss = float(resumed.meta["epoch_loss"]) if mid_epoch and resumed is not None else 0.0
         for i in range(step - epoch * steps, steps):
             replaying = reliable is not None and reliable.replaying
             idx = np.sort(mine[i * batch : (i + 1) * batch])
@@ -213,6 +214,21 @@ def main(argv: list[str] | None = None) -> None:
             step += 1
             value = loss.item()
             epoch_loss += value
+            if not replaying:  # a replaying rank replaces a process that recorded this step already
+                rec.add_span("forward", "compute", t0, t1)
+                rec.add_span("backward", "compute", t1, t2)
+                rec.add_span("step (wait for communication)", "waiting", t2, t3)
+                rec.log(
+                    kind="step",
+                    epoch=epoch + 1,
+                    step=step,
+                    loss=value,
+                    samples=batch,
+                    compute_s=t2 - t0,
+                    wait_s=t3 - t2,
+                    **traffic.update(reliable.ctx if reliable is not None else ctx),
+                    **({"straggler_factor": slow} if straggler is not None else {}),
+                )
             if reliable is not None:
                 for recovery in reliable.recoveries[seen_recoveries:]:
                     rec.log(kind="recovery", step=step, **dataclasses.asdict(recovery))
@@ -221,21 +237,7 @@ def main(argv: list[str] | None = None) -> None:
                     state = training_state(model, optimizer)
                     reliable.checkpoint(state, {"step": step, "epoch_loss": epoch_loss, "evaluating": evaluating})
             if replaying:
-                continue  # the process this one replaces has recorded this step already
-            rec.add_span("forward", "compute", t0, t1)
-            rec.add_span("backward", "compute", t1, t2)
-            rec.add_span("step (wait for communication)", "waiting", t2, t3)
-            rec.log(
-                kind="step",
-                epoch=epoch + 1,
-                step=step,
-                loss=value,
-                samples=batch,
-                compute_s=t2 - t0,
-                wait_s=t3 - t2,
-                **traffic.update(reliable.ctx if reliable is not None else ctx),
-                **({"straggler_factor": slow} if straggler is not None else {}),
-            )
+                continue
             if args.eval_every > 0 and step % args.eval_every == 0:
                 t5 = time.time()
                 probe, _ = tasks.evaluate(model, data.x_test[:PROBE_EXAMPLES], data.y_test[:PROBE_EXAMPLES])

@@ -64,24 +64,26 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(next(iter(digests)))
 
 
-@pytest.mark.parametrize("kill", ["1@step=3", "0@step=5", "1@step=6", "0@step=14"])
+# (kill, the operation everyone ran live next, results the replacement replayed): a broadcast is operation 0 and
+# step k's allreduce operation k; checkpoints after steps 5, 10, ... are taken at operations 6, 11, ...
+@pytest.mark.parametrize(
+    ("kill", "frontier", "replayed"),
+    [("1@step=3", 3, 3), ("0@step=5", 5, 5), ("1@step=6", 6, 0), ("0@step=14", 14, 3), ("1@checkpoint=2", 11, 0)],
+)
 def test_a_killed_worker_is_restarted_and_the_final_model_is_bitwise_the_fault_free_one(
-    tmp_path: Path, fault_free: str, kill: str
+    tmp_path: Path, fault_free: str, kill: str, frontier: int, replayed: int
 ) -> None:
     records = _train(tmp_path, "--kill", kill)
     assert _digests(records) == {fault_free}
     killed = int(kill[0])
-    survivor = 1 - killed
     recoveries = [r for r in records if r["kind"] == "recovery"]
-    assert {(r["rank"], r["restarted"]) for r in recoveries} == {(killed, True), (survivor, False)}
-    # no rollback: the survivor's steps are recorded once each, in order, 1..22
-    steps = [r["step"] for r in records if r["kind"] == "step" and r["rank"] == survivor]
-    assert steps == list(range(1, 23))
-    # the replacement resumed from the newest checkpoint at or before the kill and replayed up to it
-    kill_step = int(kill.split("=")[1])
+    assert {(r["rank"], r["restarted"]) for r in recoveries} == {(killed, True), (1 - killed, False)}
+    # no rollback, nothing twice: every rank's steps are recorded once each, in order (the replacement does not
+    # record the steps it replays)
+    for rank in (0, 1):
+        assert [r["step"] for r in records if r["kind"] == "step" and r["rank"] == rank] == list(range(1, 23))
     replacement = next(r for r in recoveries if r["restarted"])
-    assert replacement["frontier"] == kill_step  # the broadcast, then one allreduce per step before the kill
-    assert replacement["replayed"] == replacement["frontier"] - 5 * ((kill_step - 1) // 5) - (1 if kill_step > 5 else 0)
+    assert (replacement["frontier"], replacement["replayed"]) == (frontier, replayed)
 
 
 def test_a_resilient_transport_breaks_every_receive_when_any_peer_crashes() -> None:
@@ -103,3 +105,33 @@ def test_a_resilient_transport_breaks_every_receive_when_any_peer_crashes() -> N
     finally:
         for t in transports:
             t.abort()
+
+
+def test_the_readme_example_survives_its_kill_with_the_same_parameters() -> None:
+    pytest.importorskip("torch")
+
+    def run(*flags: str) -> set[str]:
+        out = subprocess.run(
+            [
+                *CLI,
+                "launch",
+                "-n",
+                "2",
+                "--max-restarts",
+                "1",
+                *flags,
+                "--",
+                "python",
+                "-m",
+                "paratrain.examples.resilient",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=200,
+            check=False,
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        return {line.rsplit(" ", 1)[1] for line in out.stdout.splitlines() if "parameters" in line}
+
+    killed = run("--kill", "1@step=7")
+    assert len(killed) == 1 and killed == run()
