@@ -127,9 +127,8 @@ def _timing(records: list[dict[str, Any]]) -> dict[str, Any]:
     death = max(r["time"] for r in killed) if killed else first["failed_at"]
     # the records of this recovery (a later death in the same run has its own, seconds later): the survivors
     # that broke with the first, and the replacements that finished catching up when those survivors did
-    held = [r for r in recoveries if not r["restarted"] and abs(r["failed_at"] - first["failed_at"]) < 3]
-    done = max(r["done_at"] for r in held)
-    joined = [r for r in recoveries if r["restarted"] and abs(r["done_at"] - done) < 1]
+    held = [r for r in recoveries if not r["restarted"] and r["frontier"] == first["frontier"]]
+    joined = [r for r in recoveries if r["restarted"] and r["frontier"] == first["frontier"]]
     back = min(
         r["time"] for r in records if r["kind"] == "step" and r["rank"] in survivors and r["step"] == frontier_step
     )
@@ -304,7 +303,11 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"paratrain, one death, restarted {how} -> back at the failed step: {_spread(ours)}")
     theirs = [r for r in report["torchrun"] if "total_s" in r]
     lines.append(
-        "torchrun --max-restarts 1, death -> restarted workers running: " + _spread([r["restarted_s"] for r in theirs])
+        "torchrun --max-restarts 1, death -> new worker processes started: " + _spread([r["spawned_s"] for r in theirs])
+    )
+    lines.append(
+        "torchrun --max-restarts 1, death -> restarted workers ready (torch imported, process group, data, model, "
+        "checkpoint loaded): " + _spread([r["restarted_s"] for r in theirs])
     )
     lines.append(
         "torchrun --max-restarts 1, death -> back at the failed step: " + _spread([r["total_s"] for r in theirs])
