@@ -486,10 +486,10 @@ def _add_recovery_parser(bench_sub: argparse._SubParsersAction[argparse.Argument
     """Registers ``bench recovery``."""
     p = bench_sub.add_parser(
         "recovery",
-        help="kill workers on 12 schedules: bitwise-equal results and recovery time vs torchrun --max-restarts",
+        help="kill workers on 16 schedules: bitwise-equal results and recovery time vs torchrun --max-restarts",
         description=(
-            "Runs paratrain train --max-restarts on the digits MLP with 12 kill schedules (2 and 3 workers, before, "
-            "at and after a checkpoint, two deaths at once and in a row), checks each final model is bitwise the "
+            "Runs paratrain train --max-restarts on the digits MLP with 14 kill schedules (2 and 3 workers, before, "
+            "at, during and after a checkpoint, two deaths at once and in a row), checks each final model is bitwise the "
             "fault-free run's and that no survivor rolled back, and times death -> detected -> re-formed -> "
             "transferred -> back at the failed step, beside torchrun --max-restarts 1 on the same job with a disk "
             "checkpoint; two more schedules restart cold (no warm spare), as torchrun must. Takes about 7 minutes."

@@ -34,7 +34,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from paratrain.errors import ConfigError
 from paratrain.launch.failures import (
@@ -49,10 +49,7 @@ from paratrain.launch.groups import die_with_parent, group_alive, signal_group
 from paratrain.launch.pump import Pump, Stream
 from paratrain.launch.wakeup import WakePipe
 
-if TYPE_CHECKING:
-    from paratrain.launch.restarts import Restarts
-
-__all__ = ["EXIT_TIMED_OUT", "Outcome", "ProcFailure", "ProcSpec", "Supervisor"]
+__all__ = ["EXIT_TIMED_OUT", "Outcome", "ProcFailure", "ProcSpec", "RestartPolicy", "Supervisor"]
 
 #: The exit code of a job stopped at its deadline: what ``timeout(1)`` returns, and what a benchmark worker's own
 #: watchdog exits with, so that a shell script reads both the same way.
@@ -106,6 +103,27 @@ class ProcSpec:
     essential: bool = True
     kill_after: tuple[float, int, str] | None = None
     spare: bool = False
+
+
+class RestartPolicy(Protocol):
+    """What the supervisor asks of a restart budget (:class:`paratrain.launch.restarts.Restarts` is the one)."""
+
+    budget: int
+    used: int
+    spare: ProcSpec | None
+
+    @property
+    def left(self) -> int:
+        """Restarts still allowed."""
+        ...
+
+    def replacement(self, failed: ProcSpec) -> ProcSpec | None:
+        """The spec that replaces ``failed`` (counted against the budget), or None when the budget is spent."""
+        ...
+
+    def assignment(self, spec: ProcSpec) -> bytes:
+        """The line a warm spare reads to become ``spec``'s process."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +182,7 @@ class Supervisor:
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
         on_exit: Sequence[Callable[[], None]] = (),
-        restarts: Restarts | None = None,
+        restarts: RestartPolicy | None = None,
     ) -> None:
         """Prepares a supervisor; nothing is started before ``run()``.
 

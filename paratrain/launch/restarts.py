@@ -21,14 +21,17 @@ from dataclasses import dataclass, replace
 
 from paratrain.launch.kills import ENV as KILL_ENV
 from paratrain.launch.procs import ProcSpec
-from paratrain.runtime.spare import SPARE_ENV
 
-__all__ = ["Restarts", "spare_spec"]
+__all__ = ["SPARE_ENV", "Restarts", "spare_spec"]
+
+#: Set in a spare's environment: its ``paratrain.init()`` waits on standard input for the rank it becomes
+#: (:mod:`paratrain.runtime.spare`).
+SPARE_ENV = "PARATRAIN_SPARE"
 
 
 @dataclass(slots=True)
 class Restarts:
-    """The job's restart budget and the template of its spares.
+    """The job's restart budget and the template of its spares (the supervisor's :class:`~.procs.RestartPolicy`).
 
     Attributes:
         budget: restarts allowed in the whole job.

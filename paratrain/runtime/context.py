@@ -232,31 +232,26 @@ class Context(CollectiveMethods):
 
         Pending ``*_async`` collectives fail (wait for their handles first to let them finish).
         """
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.transport.close()
-        finally:
-            for group in [*self._groups, self.world]:
-                group.close()
-            if self._on_close is not None:
-                self._on_close()
-            _forget(self)
+        self._leave(self.transport.close)
 
     def abort(self) -> None:
         """Leaves a broken job at once: drops every connection without goodbye, as a crash would. Idempotent.
 
         What :func:`reform` does before meeting the others again; pending operations fail.
         """
+        self._leave(self.transport.abort)
+
+    def _leave(self, release: Callable[[], None]) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            self.transport.abort()
+            release()
         finally:
             for group in [*self._groups, self.world]:
                 group.close()
+            if self._on_close is not None:
+                self._on_close()
             _forget(self)
 
     def __enter__(self) -> Context:

@@ -16,10 +16,9 @@ import json
 import os
 import sys
 
-__all__ = ["SPARE_ENV", "await_assignment"]
+from paratrain.launch.restarts import SPARE_ENV
 
-#: Set in a spare's environment by the launcher.
-SPARE_ENV = "PARATRAIN_SPARE"
+__all__ = ["SPARE_ENV", "await_assignment"]
 
 
 def await_assignment() -> None:

@@ -2,7 +2,7 @@
 
 Layers, bottom up (README "Layout"): the pure base (errors, config, the plan IR, strategy names) -> transports
 and the process launcher -> the shared-memory segment -> algorithms (collectives, ps, gossip) -> the runtime
-(Context, groups) -> the public API (``import paratrain``) and the test harness -> front ends (torch, train,
+(Context, groups) -> recovery, the public API (``import paratrain``) and the test harness -> front ends (torch, train,
 bench, cli, examples).
 Every import counts, also those inside functions and under TYPE_CHECKING: an import hidden in a function is
 still a tie, and a circle that only works because of the hiding breaks when someone moves the import.
@@ -33,6 +33,7 @@ LAYERS = {
     "gossip": 3,
     "pipeline": 3,
     "runtime": 4,
+    "recovery": 5,  # reliable collectives over the runtime (it re-forms contexts); the torch front end uses it
     "__init__": 5,  # the public API (paratrain.init, allreduce...): what user scripts and our workers import
     "testing": 5,
     "torch": 6,
