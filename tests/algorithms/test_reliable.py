@@ -109,6 +109,69 @@ def test_a_replacement_replays_from_the_survivor_and_ends_bitwise_equal(die_at: 
     assert results["replacement"].tobytes() == expected[1].tobytes() == expected[0].tobytes()
 
 
+def test_a_replacement_that_dies_during_the_recovery_is_replaced_again() -> None:
+    """The survivor re-forms, the first replacement crashes before the exchange completes, the survivor re-forms
+    once more with a second replacement: still bitwise the fault-free result, still no rollback."""
+    expected = _fault_free()
+    fabrics = [InprocFabric(2, timeout=30) for _ in range(3)]
+    rounds = iter(fabrics[1:])
+    died = [threading.Event(), threading.Event()]
+    results: dict[str, np.ndarray] = {}
+    survivor_steps: list[int] = []
+    errors: list[BaseException] = []
+
+    def reform(old: Context) -> Context:
+        old.abort()
+        return _ctx(next(rounds), 0)
+
+    def run(name: str, fn: Callable[[], np.ndarray | None]) -> None:
+        try:
+            out = fn()
+            if out is not None:
+                results[name] = out
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+            for fabric in fabrics:
+                fabric.fail_all(exc)
+
+    def survivor() -> np.ndarray:
+        return _train(Reliable(_ctx(fabrics[0], 0), reform=reform), 0, log=survivor_steps)
+
+    def doomed() -> None:
+        try:
+            _train(Reliable(_ctx(fabrics[0], 1)), 1, die_at=5)
+        finally:
+            died[0].set()
+
+    def first_replacement() -> None:
+        died[0].wait(30)
+        try:
+            _ctx(fabrics[1], 1, restarted=True).abort()  # it joins the round, then crashes before catching up
+        finally:
+            died[1].set()
+
+    def second_replacement() -> np.ndarray:
+        died[1].wait(30)
+        return _train(Reliable(_ctx(fabrics[2], 1, restarted=True)), 1)
+
+    threads = [
+        threading.Thread(target=run, args=(name, fn))
+        for name, fn in (
+            ("survivor", survivor),
+            ("doomed", doomed),
+            ("first", first_replacement),
+            ("replacement", second_replacement),
+        )
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not errors, errors
+    assert survivor_steps == list(range(STEPS))
+    assert results["survivor"].tobytes() == results["replacement"].tobytes() == expected[0].tobytes()
+
+
 def test_without_restarts_a_lost_peer_is_raised_as_before() -> None:
     fabric = InprocFabric(2, timeout=10)
 
