@@ -6,10 +6,17 @@ back. The consistency model is the worker's: each pull tells the servers which c
 completed (:meth:`~.consistency.Policy.required_done`), and the servers answer only then. A pull is served
 from the local cache when the cached copy is fresh enough under the model ("check the cache first; if too
 old, update from the network"); pushes always go to the servers, so caching never loses an update.
+
+With ``replicas=R`` every chunk lives on R servers (primary-backup, Li et al. OSDI'14; the server side is in
+:mod:`.server`): a request goes to the chunk's first live replica, and a push is acknowledged only when every live
+replica applied it. A request whose server dies is sent again to the next live replica (the push with the same
+sequence number, so the servers apply it once), and :meth:`KVStore.clock` first waits until this clock's pushes
+are acknowledged, so that a backup never counts a clock before it holds that clock's pushes.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -23,7 +30,7 @@ import numpy.typing as npt
 from paratrain._arrays import as_numpy_view, dtype_from_name
 from paratrain._current import current_context
 from paratrain.config import Settings
-from paratrain.errors import CommTimeoutError, ConfigError
+from paratrain.errors import CommTimeoutError, ConfigError, PeerLostError
 from paratrain.plan.ir import Action, Slice
 from paratrain.ps.consistency import Policy
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
@@ -104,6 +111,11 @@ class KVStore:
         chunk_bytes: target chunk size; smaller balances servers better and overlaps more, at more messages.
         cache: serve pulls from a local copy when the model allows it.
         join: announce this worker to the servers (needed only to come back after :meth:`close`).
+        replicas: servers holding each chunk, ``1 <= R <= S``. With 2 or more, a push is acknowledged only
+            once every replica has it and the job survives the death of R - 1 servers (requests fail over to
+            the next replica); the price is one more server-to-server hop per push and a clock that waits
+            for its pushes' acknowledgements. Default: ``settings.ps_replicas`` when the settings have it
+            (``PARATRAIN_PS_REPLICAS``, ``paratrain launch --replicas``), else 1.
 
     Example:
         >>> import numpy as np
@@ -132,6 +144,7 @@ class KVStore:
         cache: bool = True,
         join: bool = False,
         staleness_lr: bool = False,
+        replicas: int | None = None,
     ) -> None:
         ctx = context if context is not None else _default_context()
         settings = ctx.settings
@@ -144,6 +157,18 @@ class KVStore:
             raise ConfigError("a KVStore is used by workers; this process is a server")
         if chunk_bytes <= 0:
             raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if replicas is None:
+            replicas = int(getattr(settings, "ps_replicas", 1))
+        if not 1 <= replicas <= settings.num_servers:
+            raise ConfigError(
+                f"replicas={replicas} needs 1..{settings.num_servers} servers (the job has {settings.num_servers}); "
+                "start more servers or lower replicas"
+            )
+        self.replicas = replicas
+        self._seqs = itertools.count()  # push sequence numbers: servers apply each (worker, seq) once
+        self._unacked: list[Handle[None]] = []  # this clock's pushes (replicated: clock() waits for them)
+        self._dead: set[int] = set()  # server ranks seen lost
+        self.failovers = 0  # requests sent again to another replica after their server died
         self.policy = Policy.parse(consistency, staleness)
         self._optimizer = make_optimizer(optimizer)
         self._transport = ctx.transport
@@ -182,8 +207,90 @@ class KVStore:
         with self._lock:
             request_id = next(self._ids)
         handle = self._transport.irecv(server, reply_tag(request_id))
-        self._transport.isend(server, REQUEST_TAG, arrays, {**meta, "id": request_id})
+        try:
+            self._transport.isend(server, REQUEST_TAG, arrays, {**meta, "id": request_id})
+        except PeerLostError:
+            self._transport.cancel_recv(handle)
+            raise
         return handle, server
+
+    def _live(self, server: int) -> bool:
+        if server in self._dead:
+            return False
+        if server in self._transport.lost_peers():
+            self._dead.add(server)
+            return False
+        return True
+
+    def _owner(self, chunk: Chunk) -> int:
+        """The transport rank of the chunk's first live replica (its owner now)."""
+        for index in chunk.replicas:
+            server = self._servers[index]
+            if self._live(server):
+                return server
+        raise PeerLostError(
+            f"worker {self.rank}: every replica of chunk {chunk.index} (servers {list(chunk.replicas)}) is gone; "
+            "the job cannot go on: restart it (with more replicas to survive more failures)",
+            peer=self._servers[chunk.replicas[-1]],
+        )
+
+    def _lost(self, exc: PeerLostError, server: int) -> None:
+        """Records that ``server`` died; re-raises when requests have nowhere else to go."""
+        if self.replicas == 1:
+            raise exc
+        self._dead.add(server)
+        self.failovers += 1
+
+    def _send_failover(self, chunk: Chunk, meta: dict[str, Any], arrays: Sequence[Any] = ()) -> Handle[Message]:
+        """Sends a request to the chunk's owner; if that server dies before answering, to the next replica.
+
+        Non-blocking: the handle completes with the answer (or the error of the last replica)."""
+        result: Handle[Message] = Handle()
+
+        def attempt() -> None:
+            while True:
+                try:
+                    server = self._owner(chunk)
+                except PeerLostError as exc:
+                    result.set_error(exc)
+                    return
+                try:
+                    handle, _ = self._request(server, meta, arrays)
+                except PeerLostError as exc:
+                    try:
+                        self._lost(exc, server)
+                    except PeerLostError:
+                        result.set_error(exc)
+                        return
+                    continue
+                except BaseException as exc:
+                    result.set_error(exc)
+                    return
+                handle.add_done_callback(functools.partial(answered, server=server))
+                return
+
+        def answered(h: Handle[Message], server: int) -> None:
+            exc = h.exception()
+            if isinstance(exc, PeerLostError) and self.replicas > 1 and not self._closed:
+                self._lost(exc, server)
+                attempt()
+            elif exc is not None:
+                result.set_error(exc)
+            else:
+                result.set_result(h.wait(0))
+
+        attempt()
+        return result
+
+    def _ask(self, chunk: Chunk, meta: dict[str, Any], arrays: Sequence[Any], what: str) -> Message:
+        """A blocking request to the chunk's owner, sent again to the next replica if that server dies."""
+        while True:
+            server = self._owner(chunk)
+            try:
+                handle, _ = self._request(server, meta, arrays)
+                return self._wait(handle, server, what)
+            except PeerLostError as exc:
+                self._lost(exc, server)
 
     def _wait(self, handle: Handle[Message], server: int, what: str) -> Message:
         try:
@@ -257,7 +364,9 @@ class KVStore:
             raise TypeError(f"keys are str or int, not {type(key).__name__}")
         arr, dtype_name = as_numpy_view(array)
         shape = tuple(int(d) for d in arr.shape)
-        chunks = plan_chunks(key, shape, arr.itemsize, self.num_servers, chunk_bytes=self._chunk_bytes)
+        chunks = plan_chunks(
+            key, shape, arr.itemsize, self.num_servers, chunk_bytes=self._chunk_bytes, replicas=self.replicas
+        )
         rows = _rows(arr)
         spec = self._optimizer.spec() if self._optimizer is not None else None
         pending = []
@@ -275,7 +384,11 @@ class KVStore:
                 "staleness_lr": self._staleness_lr,
                 "eager": self.policy.kind == "asp" or self.policy.staleness > 0,
             }
-            pending.append(self._request(self._servers[chunk.server], meta, [part] if self.rank == 0 else []))
+            if self.replicas > 1:
+                meta["replicas"] = [self._servers[r] for r in chunk.replicas]
+            for server in (self._servers[r] for r in chunk.replicas):
+                if self._live(server):
+                    pending.append(self._request(server, meta, [part] if self.rank == 0 else []))
         for handle, server in pending:
             self._wait(handle, server, f"init of key {key!r}")
         row_bytes = math.prod(rows.shape[1:]) * arr.itemsize
@@ -302,6 +415,27 @@ class KVStore:
         versions = self._versions[key]
         # the plan's sends, in chunk order; each request posts its reply's receive first (the plan's recv)
         sends = [a for a in info.push if a.kind == "send"]
+        if self.replicas > 1:
+            pending = [
+                (
+                    self._send_failover(
+                        c,
+                        {
+                            "op": "push",
+                            "key": key,
+                            "chunk": c.index,
+                            "version": versions[c.index],
+                            "seq": next(self._seqs),
+                        },
+                        [rows[_slice(a)]],
+                    ),
+                    a.peer,
+                )
+                for a, c in zip(sends, info.chunks, strict=True)
+            ]
+            handle = self._all(pending, f"push to key {key!r}")
+            self._unacked.append(handle)
+            return handle
         pending = [
             self._request(
                 a.peer,
@@ -329,15 +463,26 @@ class KVStore:
         rows = _rows(out)
         sends = [a for a in info.pull if a.kind == "send"]
         copies = [a for a in info.pull if a.kind == "copy"]
+        what = f"pull of key {key!r}"
         pending = [
-            (c, *self._request(a.peer, {"op": "pull", "key": key, "chunk": c.index, "required": required}))
+            (
+                c,
+                *(
+                    self._request(a.peer, {"op": "pull", "key": key, "chunk": c.index, "required": required})
+                    if self.replicas == 1
+                    else (
+                        self._send_failover(c, {"op": "pull", "key": key, "chunk": c.index, "required": required}),
+                        -1,
+                    )
+                ),
+            )
             for a, c in zip(sends, info.chunks, strict=True)
         ]
         done = None
         parts = []
         versions = self._versions[key]
         for (chunk, handle, server), copy in zip(pending, copies, strict=True):
-            msg = self._wait(handle, server, f"pull of key {key!r}")
+            msg = self._wait(handle, server, what)
             rows[_slice(copy)] = msg.arrays[0]
             parts.append(msg.arrays[0])
             chunk_done = int(msg.meta.get("done", 0))
@@ -348,6 +493,26 @@ class KVStore:
             self._cache[key] = (done or 0, parts, list(versions))
         return out
 
+    def pull_replicas(self, key: str | int) -> list[npt.NDArray[Any]]:
+        """Every replica's copy of ``key`` (the i-th: each chunk as its i-th live replica holds it), read as
+        :meth:`pull` reads. For audits and tests: with ``replicas=R`` all R copies are equal after every clock.
+        Blocks; bypasses the cache."""
+        info = self._key(key)
+        required = self.policy.required_done(self._clock)
+        copies = []
+        for i in range(self.replicas):
+            out = np.empty(info.shape, dtype=info.storage)
+            rows = _rows(out)
+            for c in info.chunks:
+                live = [self._servers[r] for r in c.replicas if self._live(self._servers[r])]
+                server = live[min(i, len(live) - 1)]
+                handle, _ = self._request(server, {"op": "pull", "key": key, "chunk": c.index, "required": required})
+                rows[c.row_start : c.row_stop] = self._wait(handle, server, f"pull of a replica of key {key!r}").arrays[
+                    0
+                ]
+            copies.append(out)
+        return copies
+
     def push_rows(self, key: str | int, row_ids: Any, values: Any) -> Handle[None]:
         """Adds ``values[i]`` to row ``row_ids[i]`` of ``key`` (embedding-style sparse update). Asynchronous."""
         info = self._key(key)
@@ -357,15 +522,18 @@ class KVStore:
             raise ValueError(f"row_ids must be 1-D, got shape {ids.shape}")
         self._check(key, info, vals, dtype_name, ids.size)
         self._cache.pop(key, None)
-        pending = [
-            self._request(
-                self._servers[c.server],
-                {"op": "push", "key": key, "chunk": c.index, "rows": True, "version": self._versions[key][c.index]},
-                [local.astype(np.int64), vals[positions]],
-            )
-            for c, positions, local in split_rows(info.chunks, ids)
-        ]
-        return self._all(pending, f"push_rows to key {key!r}")
+        pending = []
+        for c, positions, local in split_rows(info.chunks, ids):
+            meta = {"op": "push", "key": key, "chunk": c.index, "rows": True, "version": self._versions[key][c.index]}
+            arrays = [local.astype(np.int64), vals[positions]]
+            if self.replicas == 1:
+                pending.append(self._request(self._servers[c.server], meta, arrays))
+            else:
+                pending.append((self._send_failover(c, {**meta, "seq": next(self._seqs)}, arrays), -1))
+        handle = self._all(pending, f"push_rows to key {key!r}")
+        if self.replicas > 1:
+            self._unacked.append(handle)
+        return handle
 
     def pull_rows(self, key: str | int, row_ids: Any) -> npt.NDArray[Any]:
         """Rows ``row_ids`` of ``key`` (shape ``(len(row_ids), *key.shape[1:])``), as the model allows. Blocks."""
@@ -375,18 +543,14 @@ class KVStore:
             raise ValueError(f"row_ids must be 1-D, got shape {ids.shape}")
         out = np.empty((ids.size, *info.shape[1:]), dtype=info.storage)
         required = self.policy.required_done(self._clock)
-        pending = [
-            (
-                c.index,
-                positions,
-                *self._request(
-                    self._servers[c.server],
-                    {"op": "pull", "key": key, "chunk": c.index, "rows": True, "required": required},
-                    [local.astype(np.int64)],
-                ),
-            )
-            for c, positions, local in split_rows(info.chunks, ids)
-        ]
+        pending = []
+        for c, positions, local in split_rows(info.chunks, ids):
+            meta = {"op": "pull", "key": key, "chunk": c.index, "rows": True, "required": required}
+            arrays = [local.astype(np.int64)]
+            if self.replicas == 1:
+                pending.append((c.index, positions, *self._request(self._servers[c.server], meta, arrays)))
+            else:
+                pending.append((c.index, positions, self._send_failover(c, meta, arrays), -1))
         versions = self._versions[key]
         for index, positions, handle, server in pending:
             msg = self._wait(handle, server, f"pull_rows of key {key!r}")
@@ -397,23 +561,54 @@ class KVStore:
 
     def clock(self) -> None:
         """Ends this worker's iteration. Under BSP/SSP it waits while this worker would be more than s ahead."""
+        meta: dict[str, Any] = {"op": "clock", "clock": self._clock + 1, "id": -1}
+        if self.replicas > 1:
+            # a backup must hold this clock's pushes before it counts the clock: wait for their acknowledgements
+            unacked, self._unacked = self._unacked, []
+            for push in unacked:
+                push.wait(self.timeout)
+            meta["acked"] = next(self._seqs)  # every push numbered below is acknowledged: never sent again
         self._clock += 1
         for action in clock_actions(self._servers):
-            self._transport.isend(action.peer, REQUEST_TAG, (), {"op": "clock", "clock": self._clock, "id": -1})
+            if not self._live(action.peer):
+                continue
+            try:
+                self._transport.isend(action.peer, REQUEST_TAG, (), meta)
+            except PeerLostError as exc:
+                self._lost(exc, action.peer)
         if not self.policy.may_run(self._clock, self._min_done):
             required = self.policy.required_done(self._clock)
-            server = self._servers[self.rank % len(self._servers)]
-            handle, _ = self._request(server, {"op": "wait_clock", "required": required})
-            self._wait(handle, server, f"clock {self._clock} (waiting for the slowest worker)")
+            what = f"clock {self._clock} (waiting for the slowest worker)"
+            while True:
+                live = [s for s in self._servers if self._live(s)]
+                if not live:
+                    raise PeerLostError(f"worker {self.rank}: every server is gone", peer=self._servers[-1])
+                server = live[self.rank % len(live)]
+                try:
+                    handle, _ = self._request(server, {"op": "wait_clock", "required": required})
+                    self._wait(handle, server, what)
+                    break
+                except PeerLostError as exc:
+                    self._lost(exc, server)
 
     def close(self) -> None:
         """Leaves: the servers stop counting this worker's clock. Idempotent."""
         if self._closed:
             return
-        pending = [self._request(s, {"op": "leave"}) for s in self._servers]
+        pending = []
+        for server in self._servers:
+            if not self._live(server):
+                continue
+            try:
+                pending.append(self._request(server, {"op": "leave"}))
+            except PeerLostError as exc:
+                self._lost(exc, server)
         self._closed = True
         for handle, server in pending:
-            self._wait(handle, server, "leave")
+            try:
+                self._wait(handle, server, "leave")
+            except PeerLostError as exc:
+                self._lost(exc, server)
 
     def __enter__(self) -> KVStore:
         return self

@@ -13,6 +13,15 @@ optimizer step on the mean gradient of a round, in every consistency model (:mod
 why): under BSP and SSP a round is a clock, applied when every live worker has completed it; under ASP a round
 is every N pushes as they arrive, N the live workers.
 
+Replication (``KVStore(replicas=R)``, Li et al. OSDI'14's primary-backup scheme): every chunk has a replica list
+of server ranks, given at ``init``; the first live one owns it. The owner applies a worker's push, forwards it
+(``replicate``, with the round it joined) to the other live replicas, and acknowledges the worker only when every
+one of them acknowledged (``replicated``), so an acknowledged update survives the loss of any R - 1 servers. The
+loop never blocks on a backup: pushes awaiting acknowledgements are kept in ``_forwards`` and answered as they
+arrive, or at once when a backup is lost. Pushes carry a per-worker sequence number; a server applies each
+(worker, sequence) once, so a push the worker retries on a backup after its owner died (and which the owner may
+or may not have forwarded before dying) is never applied twice nor lost.
+
 Robustness: a malformed or invalid request is answered with an error and the loop goes on; a worker whose
 process dies (its connection drops, or heartbeats stop) is removed from the clock bookkeeping and logged, so
 the others are not blocked forever; the loop ends when no live worker is left.
@@ -20,6 +29,7 @@ the others are not blocked forever; the loop ends when no live worker is left.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -44,6 +54,10 @@ __all__ = ["ParameterServer", "ServerStats"]
 log = logging.getLogger("paratrain.ps.server")
 
 
+#: Operations one server sends another (replication), accepted from server ranks only.
+_SERVER_OPS = ("replicate", "replicated")
+
+
 class _RejectedError(Exception):
     """A request the server refuses; the message goes back to the worker."""
 
@@ -63,6 +77,17 @@ class _Chunk:
     view: npt.NDArray[Any] | None = None  # the preview while no push or step changes it (never modified)
     version: int = 0  # rounds applied so far (clock mode: every clock < version is applied)
     sends: list[Handle[None]] = field(default_factory=list)  # replies still reading `value`
+    replicas: tuple[int, ...] = ()  # transport ranks of the servers holding this chunk, owner first (replication)
+
+
+@dataclass
+class _Forward:
+    """A push applied here whose worker is answered once every other live replica has it too."""
+
+    worker: int
+    request_id: int
+    waiting: set[int]  # server ranks that have not acknowledged yet
+    error: str | None = None  # a backup rejected it (a bug: replicas hold the same chunks), told to the worker
 
 
 @dataclass
@@ -76,6 +101,10 @@ class ServerStats:
     bytes_in: int = 0
     bytes_out: int = 0
     workers_lost: list[int] = field(default_factory=list)  # crashed or killed (not those that shut down cleanly)
+    forwarded: int = 0  # pushes sent on to backups
+    replicated: int = 0  # pushes received from another replica and applied here
+    duplicates: int = 0  # pushes (or forwards) already applied here, acknowledged without applying again
+    servers_lost: list[int] = field(default_factory=list)  # other servers seen dead (their chunks fail over)
 
 
 class ParameterServer:
@@ -118,6 +147,12 @@ class ParameterServer:
         self._waiting_clocks: list[tuple[int, Mapping[str, Any]]] = []
         self._waiting_inits: dict[tuple[Any, int], list[tuple[int, Mapping[str, Any]]]] = {}
         self._min_done = 0
+        # replication: sequence numbers applied per worker, pushes awaiting backups, server ranks seen lost
+        self._applied: dict[int, set[int]] = {}
+        self._forwards: dict[int, _Forward] = {}
+        self._forward_ids = 0
+        self._servers_lost: set[int] = set()
+        self._replicated = False  # some chunk here has backups
 
     # -- the loop ------------------------------------------------------------------------------------------
 
@@ -146,7 +181,7 @@ class ParameterServer:
                 raise _RejectedError("request without an integer id")
             if handler is None:
                 raise _RejectedError(f"unknown operation {op!r}")
-            if msg.src not in self.done:
+            if msg.src not in self.done and not (op in _SERVER_OPS and msg.src >= self.num_workers):
                 raise _RejectedError(f"rank {msg.src} is not a worker of this job")
             handler(msg)
         except _RejectedError as exc:
@@ -159,8 +194,15 @@ class ParameterServer:
         self.stats.rejected += 1
         request_id = msg.meta.get("id")
         log.error("server %d rejected %r from rank %d: %s", self.transport.rank, msg.meta.get("op"), msg.src, why)
-        if isinstance(request_id, int):
-            self._reply(msg.src, request_id, error=f"server {self.transport.rank}: {why}")
+        if not isinstance(request_id, int):
+            return
+        if msg.meta.get("op") == "replicate" and msg.src >= self.num_workers:
+            with contextlib.suppress(PeerLostError, TransportClosedError):
+                self.transport.isend(
+                    msg.src, REQUEST_TAG, (), {"op": "replicated", "id": request_id, "error": f"backup {why}"}
+                )
+            return
+        self._reply(msg.src, request_id, error=f"server {self.transport.rank}: {why}")
 
     def _reply(
         self, worker: int, request_id: int, arrays: Sequence[Any] = (), *, chunk: _Chunk | None = None, **fields: Any
@@ -191,7 +233,10 @@ class ParameterServer:
     # -- membership and clocks -----------------------------------------------------------------------------
 
     def _check_lost(self) -> None:
-        lost = self.transport.lost_peers() & self.live
+        gone = self.transport.lost_peers()
+        if self._replicated and len(gone) > len(self._servers_lost):
+            self._check_lost_servers(gone)
+        lost = gone & self.live
         departed = self.transport.departed_peers() if lost else frozenset()
         for worker in sorted(lost):
             if worker in departed:
@@ -214,6 +259,25 @@ class ParameterServer:
             self.live.discard(worker)
         if lost:
             self._advance()
+
+    def _check_lost_servers(self, gone: frozenset[int]) -> None:
+        """Stops waiting for backups that died: their pushes are acknowledged with the replicas still alive."""
+        new = sorted(s for s in gone if s >= self.num_workers and s not in self._servers_lost)
+        departed = self.transport.departed_peers() if new else frozenset()
+        for server in new:
+            self._servers_lost.add(server)
+            if server in departed:  # a clean shutdown, at the end of the job
+                log.info("server %d: server %d shut down", self.transport.rank, server)
+                continue
+            self.stats.servers_lost.append(server)
+            log.warning(
+                "server %d: server %d is gone; its chunks fail over to their backups", self.transport.rank, server
+            )
+        for forward_id, forward in list(self._forwards.items()):
+            forward.waiting -= self._servers_lost
+            if not forward.waiting:
+                del self._forwards[forward_id]
+                self._answer_forward(forward)
 
     def _advance(self) -> None:
         """Recomputes the slowest clock; applies completed synchronous steps; answers what became allowed."""
@@ -262,6 +326,10 @@ class ParameterServer:
         if msg.src not in self.live:
             raise _RejectedError(f"worker {msg.src} has left; create a new KVStore (join=True) to come back")
         self.done[msg.src] += 1
+        acked = msg.meta.get("acked")  # every push numbered below it is acknowledged: it will not be retried
+        applied = self._applied.get(msg.src)
+        if isinstance(acked, int) and applied:
+            applied.difference_update([seq for seq in applied if seq < acked])
         if clock != self.done[msg.src]:
             log.error(
                 "server %d: worker %d says clock %r, expected %d",
@@ -279,6 +347,7 @@ class ParameterServer:
             self._waiting_clocks.append((msg.src, msg.meta))
 
     def _op_join(self, msg: Message) -> None:
+        self._applied.pop(msg.src, None)  # a new KVStore numbers its pushes from 0 again
         others = [self.done[w] for w in self.live if w != msg.src]
         self.done[msg.src] = max(self.done[msg.src], min(others) if others else self._min_done)
         self.live.add(msg.src)
@@ -287,6 +356,7 @@ class ParameterServer:
 
     def _op_leave(self, msg: Message) -> None:
         self.live.discard(msg.src)
+        self._applied.pop(msg.src, None)
         self._reply(msg.src, msg.meta["id"])
         self._advance()
 
@@ -334,6 +404,11 @@ class ParameterServer:
             raise _RejectedError(
                 f"init of key {key!r}: data {value.shape} {msg.dtypes[0]} != announced {shape} {dtype_name}"
             )
+        replicas = meta.get("replicas", [])
+        if not isinstance(replicas, list) or not all(
+            isinstance(r, int) and self.num_workers <= r < self.transport.world_size for r in replicas
+        ):
+            raise _RejectedError(f"init of key {key!r}: replicas must be a list of server ranks")
         optimizer = make_optimizer(meta.get("optimizer"))
         if optimizer is not None and np.dtype(dtype_from_name(dtype_name)).kind != "f":
             raise _RejectedError(f"key {key!r}: an optimizer needs a float array, not {dtype_name}")
@@ -348,7 +423,9 @@ class ParameterServer:
             mode=mode_of(str(consistency)),
             staleness_lr=bool(meta.get("staleness_lr", False)),
             eager=bool(meta.get("eager", False)),
+            replicas=tuple(replicas),
         )
+        self._replicated = self._replicated or len(replicas) > 1
         self._reply(msg.src, meta["id"])
         for worker, waiting in self._waiting_inits.pop((key, index), []):
             fake = Message(src=worker, tag=REQUEST_TAG, meta=waiting)
@@ -364,8 +441,8 @@ class ParameterServer:
             raise _RejectedError(f"row ids outside 0..{chunk.value.shape[0] - 1} of chunk {msg.meta.get('chunk')}")
         return rows.astype(np.int64, copy=False)
 
-    def _op_push(self, msg: Message) -> None:
-        chunk = self._chunk(msg.meta)
+    def _push_data(self, chunk: _Chunk, msg: Message) -> tuple[npt.NDArray[np.int64] | None, npt.NDArray[Any]]:
+        """The row ids (or None) and the data of a push or a forwarded push, validated against ``chunk``."""
         rows = self._rows_of(chunk, msg, 2)
         data = msg.arrays[-1] if msg.arrays else None
         if data is None or msg.dtypes[-1] != chunk.dtype_name:
@@ -377,7 +454,27 @@ class ParameterServer:
                 f"push to key {msg.meta['key']!r} chunk {msg.meta['chunk']} has shape {data.shape}, expected "
                 f"{expected} (the key is {chunk.key_shape} {chunk.dtype_name})"
             )
-        self.stats.pushes += 1
+        return rows, data
+
+    def _seen(self, worker: int, seq: Any) -> bool:
+        """Whether push ``seq`` of ``worker`` was applied here already (and records it if not)."""
+        if not isinstance(seq, int):
+            return False
+        applied = self._applied.setdefault(worker, set())
+        if seq in applied:
+            self.stats.duplicates += 1
+            return True
+        applied.add(seq)
+        return False
+
+    def _apply(
+        self,
+        chunk: _Chunk,
+        rows: npt.NDArray[np.int64] | None,
+        data: npt.NDArray[Any],
+        round_id: int,
+        read: Any,
+    ) -> None:
         self.stats.bytes_in += data.nbytes
         if chunk.optimizer is None:
             self._quiesce(chunk)
@@ -386,13 +483,91 @@ class ParameterServer:
             else:
                 np.add.at(chunk.value, rows, data)
         else:
-            read = msg.meta.get("version")
-            round_id = round_of_push(chunk.mode, self.done[msg.src], chunk.version)
             weight = staleness_weight(round_id, read if isinstance(read, int) else None, aware=chunk.staleness_lr)
             chunk.pending.setdefault(round_id, RoundSum()).add(data, rows, weight, chunk.value)
             chunk.view = None
             self._commit(chunk)
-        self._reply(msg.src, msg.meta["id"])
+
+    def _op_push(self, msg: Message) -> None:
+        chunk = self._chunk(msg.meta)
+        rows, data = self._push_data(chunk, msg)
+        self.stats.pushes += 1
+        round_id = round_of_push(chunk.mode, self.done[msg.src], chunk.version)
+        if not self._seen(msg.src, msg.meta.get("seq")):
+            self._apply(chunk, rows, data, round_id, msg.meta.get("version"))
+        # forward to the other live replicas (again after a failover: they drop what they already have)
+        me = self.transport.rank
+        waiting: set[int] = set()
+        forward_id = self._forward_ids
+        if len(chunk.replicas) > 1 and isinstance(msg.meta.get("seq"), int):
+            meta = {
+                "op": "replicate",
+                "id": forward_id,
+                "key": msg.meta["key"],
+                "chunk": msg.meta["chunk"],
+                "worker": msg.src,
+                "seq": msg.meta["seq"],
+                "round": round_id,
+                "version": msg.meta.get("version"),
+                "rows": bool(msg.meta.get("rows")),
+            }
+            for server in chunk.replicas:
+                if server == me or server in self._servers_lost:
+                    continue
+                try:
+                    self.transport.isend(server, REQUEST_TAG, msg.arrays, meta)
+                except (PeerLostError, TransportClosedError) as exc:
+                    log.warning("server %d: cannot forward to server %d: %s", me, server, exc)
+                    continue
+                waiting.add(server)
+                self.stats.forwarded += 1
+        if waiting:
+            self._forward_ids += 1
+            self._forwards[forward_id] = _Forward(msg.src, msg.meta["id"], waiting)
+        else:
+            self._reply(msg.src, msg.meta["id"])
+
+    def _op_replicate(self, msg: Message) -> None:
+        """A push another replica applied: apply it here in the same round, then acknowledge it to that server."""
+        meta = msg.meta
+        worker, round_id = meta.get("worker"), meta.get("round")
+        if not isinstance(worker, int) or worker not in self.done or not isinstance(round_id, int):
+            raise _RejectedError("replicate without a valid worker and round")
+        chunk = self._chunk(meta)
+        rows, data = self._push_data(chunk, msg)
+        if not self._seen(worker, meta.get("seq")):
+            self.stats.replicated += 1
+            self._apply(
+                chunk,
+                rows,
+                data,
+                max(round_id, chunk.version) if chunk.mode == "clock" else round_id,
+                meta.get("version"),
+            )
+        try:
+            self.transport.isend(msg.src, REQUEST_TAG, (), {"op": "replicated", "id": meta["id"]})
+        except (PeerLostError, TransportClosedError) as exc:
+            log.warning("server %d: cannot acknowledge to server %d: %s", self.transport.rank, msg.src, exc)
+
+    def _op_replicated(self, msg: Message) -> None:
+        """A backup has a forwarded push: answer its worker once every backup has it."""
+        forward = self._forwards.get(msg.meta["id"])
+        if forward is None:
+            return
+        forward.waiting.discard(msg.src)
+        error = msg.meta.get("error")
+        if isinstance(error, str):
+            forward.error = f"server {msg.src}: {error}"
+        if not forward.waiting:
+            del self._forwards[msg.meta["id"]]
+            self._answer_forward(forward)
+
+    def _answer_forward(self, forward: _Forward) -> None:
+        if forward.error is None:
+            self._reply(forward.worker, forward.request_id)
+        else:
+            self.stats.rejected += 1
+            self._reply(forward.worker, forward.request_id, error=forward.error)
 
     def _op_pull(self, msg: Message) -> None:
         self._chunk(msg.meta)  # validates now: an unknown key is an error at once, not after waiting

@@ -1,0 +1,203 @@
+"""Replicated parameter servers (``replicas=2``): replicas agree, nothing changes but the cost, and a server's
+death loses no acknowledged update and applies none twice (in-process ranks; a server is killed by aborting its
+transport, as a crash would)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from paratrain import Context
+from paratrain.config import Settings
+from paratrain.errors import ConfigError
+from paratrain.ps import KVStore
+from paratrain.ps.server import ParameterServer, ServerStats
+from paratrain.testing import run_ranks
+from paratrain.transport.registry import local_job
+
+pytestmark = pytest.mark.timeout(90)
+
+SGD = {"name": "sgd", "lr": 0.5, "momentum": 0.5}
+
+
+def _grad(w: np.ndarray, rank: int, step: int) -> np.ndarray:
+    """A gradient that depends on the parameters, with exact (dyadic) sums in any order."""
+    return np.floor(np.sin(w * (rank + 1) + step) * 8) / 8
+
+
+def _train(replicas: int, *, steps: int = 5, check: bool = False) -> Callable[[Context], Any]:
+    def worker(ctx: Context) -> tuple[np.ndarray, list[bool]]:
+        kv = KVStore(optimizer=SGD, context=ctx, replicas=replicas, chunk_bytes=64)  # 8 rows a chunk
+        kv.init("w", np.arange(40, dtype=np.float64) / 8)
+        agree = []
+        for step in range(steps):
+            w = kv.pull("w")
+            kv.push("w", _grad(w, ctx.rank, step))
+            kv.clock()
+            if check:
+                copies = kv.pull_replicas("w")
+                agree.append(all(np.array_equal(copies[0], c) for c in copies[1:]))
+                kv.clock()  # nobody pushes again before every worker has compared the copies
+        out = kv.pull("w")
+        kv.close()
+        return out, agree
+
+    return worker
+
+
+@pytest.mark.parametrize("servers", [2, 3])
+def test_replicated_bsp_equals_unreplicated_and_replicas_agree_after_every_clock(servers: int) -> None:
+    plain = run_ranks(3, _train(1), servers=servers)
+    replicated = run_ranks(3, _train(2, check=True), servers=servers)
+    for (a, _), (b, agree) in zip(plain, replicated, strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert agree == [True] * 5
+
+
+def test_replicated_sums_dense_and_rows() -> None:
+    def worker(ctx: Context) -> tuple[np.ndarray, np.ndarray, list[bool]]:
+        kv = KVStore(context=ctx, replicas=3, chunk_bytes=64)
+        kv.init("d", np.zeros(50, dtype=np.int64))
+        kv.init("t", np.zeros((20, 2), dtype=np.int64))
+        agree = []
+        for c in range(4):
+            kv.push("d", np.arange(50, dtype=np.int64) * (ctx.rank + 1))
+            kv.push_rows("t", np.array([c, 19 - c, c]), np.ones((3, 2), dtype=np.int64))
+            kv.clock()
+            copies = kv.pull_replicas("d") + kv.pull_replicas("t")
+            agree.append(all(np.array_equal(copies[i], copies[j]) for i, j in ((0, 1), (0, 2), (3, 4), (3, 5))))
+            kv.clock()
+        out = kv.pull("d"), kv.pull_rows("t", np.arange(20))
+        kv.close()
+        return out[0], out[1], agree
+
+    for d, t, agree in run_ranks(2, worker, servers=3):
+        np.testing.assert_array_equal(d, np.arange(50) * 3 * 4)
+        expected = np.zeros((20, 2), dtype=np.int64)
+        for c in range(4):
+            np.add.at(expected, [c, 19 - c, c], 2)
+        np.testing.assert_array_equal(t, expected)
+        assert agree == [True] * 4
+
+
+def test_replicas_outside_the_servers_is_an_error() -> None:
+    def worker(ctx: Context) -> None:
+        with pytest.raises(ConfigError, match="replicas=3"):
+            KVStore(context=ctx, replicas=3)
+
+    run_ranks(1, worker, servers=2)
+
+
+# -- a server dies ---------------------------------------------------------------------------------------------
+
+
+def _run_with_kill(
+    workers: int, servers: int, fn: Callable[[Context, Callable[[], float]], Any], *, timeout: float = 60.0
+) -> tuple[list[Any], list[ServerStats | None]]:
+    """Runs ``fn(ctx, kill)`` on in-process workers beside parameter-server threads; ``kill()`` crashes the
+    first server (its transport aborts, as a killed process's connections drop) and returns when it did."""
+    total = workers + servers
+    job = local_job("inproc", total, timeout=timeout)
+    results: list[Any] = [None] * workers
+    stats: list[ServerStats | None] = [None] * servers
+    errors: list[BaseException] = []
+    killed = threading.Lock()
+
+    def kill() -> float:
+        with killed:
+            job.transports[workers].abort()
+            return time.monotonic()
+
+    def body(rank: int) -> None:
+        settings = Settings(
+            rank=rank,
+            world_size=total,
+            local_rank=rank,
+            local_world_size=total,
+            transport="inproc",
+            timeout=timeout,
+            num_servers=servers,
+            role="worker" if rank < workers else "server",
+        )
+        ctx = Context(settings=settings, transport=job.transports[rank])
+        try:
+            if rank < workers:
+                results[rank] = fn(ctx, kill)
+            else:
+                server = ParameterServer(job.transports[rank], num_workers=workers, timeout=timeout)
+                stats[rank - workers] = server.serve()
+        except BaseException as exc:
+            errors.append(exc)
+            if job.fail_all is not None:
+                job.fail_all(exc)
+        finally:
+            ctx.shutdown()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(total)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    for t in job.transports:
+        t.abort()
+    assert not [t for t in threads if t.is_alive()], "a rank hung"
+    if errors:
+        raise errors[0]
+    return results, stats
+
+
+@pytest.mark.parametrize("kill_at", [0, 2, 4])
+def test_a_killed_server_fails_over_and_the_model_equals_the_fault_free_run(kill_at: int) -> None:
+    steps = 6
+    expected = run_ranks(3, _train(1, steps=steps), servers=3)[0][0]
+
+    def worker(ctx: Context, kill: Callable[[], float]) -> tuple[np.ndarray, int]:
+        kv = KVStore(optimizer=SGD, context=ctx, replicas=2, chunk_bytes=64)
+        kv.init("w", np.arange(40, dtype=np.float64) / 8)
+        for step in range(steps):
+            w = kv.pull("w")
+            handle = kv.push("w", _grad(w, ctx.rank, step))
+            if step == kill_at and ctx.rank == 0:
+                kill()  # while pushes are in flight
+            handle.wait(30)
+            kv.clock()
+        out = kv.pull("w")
+        kv.close()
+        return out, kv.failovers
+
+    results, stats = _run_with_kill(3, 3, worker)
+    for out, _ in results:
+        np.testing.assert_array_equal(out, expected)
+    assert sum(f for _, f in results) > 0
+    assert all(s is not None and s.servers_lost == [3] for s in stats[1:])
+
+
+def test_audit_no_update_lost_or_applied_twice_across_a_server_kill() -> None:
+    """Every worker adds 1 to every element of an integer key once per clock; a server dies mid-run."""
+    workers, clocks, size = 3, 12, 64
+
+    def worker(ctx: Context, kill: Callable[[], float]) -> tuple[np.ndarray, list[np.ndarray]]:
+        kv = KVStore(context=ctx, replicas=2, chunk_bytes=64)
+        kv.init("n", np.zeros(size, dtype=np.int64))
+        for c in range(clocks):
+            kv.push("n", np.ones(size, dtype=np.int64))
+            if c == clocks // 2 and ctx.rank == 1:
+                kill()
+            kv.clock()
+        kv.clock()
+        out = kv.pull("n")
+        copies = kv.pull_replicas("n")
+        kv.close()
+        return out, copies
+
+    results, stats = _run_with_kill(workers, 3, worker)
+    for out, copies in results:
+        np.testing.assert_array_equal(out, np.full(size, workers * clocks))  # none lost, none applied twice
+        for copy in copies:
+            np.testing.assert_array_equal(copy, out)
+    assert all(s is not None and s.servers_lost == [3] for s in stats[1:])
