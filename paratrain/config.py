@@ -30,6 +30,8 @@ Variables (all optional unless a launcher set them):
                                 ``WORLD_SIZE`` workers; a server's ``RANK`` is its index among the servers
 ``PARATRAIN_SERVERS``           under torchrun or SLURM: the last S of the ``WORLD_SIZE`` processes are
                                 parameter servers (their ``paratrain.init()`` serves, then exits)
+``PARATRAIN_PS_REPLICAS``       set by ``paratrain launch --replicas R``: every parameter-server chunk lives on R
+                                servers (primary-backup); a job survives R - 1 server deaths (default 1)
 ``PARATRAIN_RUN_ID``            identifies the job (names of ipc endpoints and shared memory)
 ``PARATRAIN_RUN_DIR``           directory for the job's outputs (metrics, plots, timeline)
 ``PARATRAIN_SCRATCH_DIR``       the launcher's scratch directory for this job (removed when the job ends)
@@ -212,6 +214,8 @@ class Settings:
         num_servers: parameter-server processes in the job. Ranks ``0..world_size - num_servers - 1`` are
             the workers, the last ``num_servers`` ranks the servers; ``rank`` and ``world_size`` count both
             (they are the transport's), while :attr:`num_workers` and :attr:`role_rank` count one role.
+        ps_replicas: servers holding each parameter-server chunk (``KVStore``'s default ``replicas``); 2 or
+            more survive server deaths at the cost of a server-to-server hop per push.
         run_id: identifier of the job, used to name ipc endpoints and shared memory.
         run_dir: directory for outputs, or None.
         scratch_dir: the launcher's per-job scratch directory, or None when not under ``paratrain launch``.
@@ -241,6 +245,7 @@ class Settings:
     faults: str | None = None
     role: str = "worker"
     num_servers: int = 0
+    ps_replicas: int = 1
     run_id: str = "default"
     run_dir: str | None = None
     scratch_dir: str | None = None
@@ -266,6 +271,10 @@ class Settings:
             raise ConfigError(
                 f"{self.num_servers} servers leave no worker in a job of {self.world_size} processes; "
                 "a job needs at least one worker"
+            )
+        if self.ps_replicas < 1 or (self.num_servers and self.ps_replicas > self.num_servers):
+            raise ConfigError(
+                f"PARATRAIN_PS_REPLICAS={self.ps_replicas} needs 1..{self.num_servers} (the parameter servers)"
             )
         expected_role = "server" if self.rank >= self.world_size - self.num_servers else "worker"
         if self.role != expected_role:
@@ -378,6 +387,7 @@ class Settings:
             faults=env.get("PARATRAIN_FAULTS") or None,
             role=role,
             num_servers=num_servers,
+            ps_replicas=_get_int(env, "PARATRAIN_PS_REPLICAS", 1),
             run_id=env.get("PARATRAIN_RUN_ID")
             or env.get("TORCHELASTIC_RUN_ID")
             or env.get("SLURM_JOB_ID")

@@ -44,6 +44,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="parameter-server processes to start beside the workers (they run paratrain's server loop, not CMD)",
     )
     p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="R",
+        help="parameter servers holding each key chunk (primary-backup, default 1); with R >= 2 a dead server's "
+        "chunks fail over to their backups and the job goes on",
+    )
+    p.add_argument(
         "--keep-going",
         action="store_true",
         help="a failed worker does not stop the others (elastic parameter-server jobs); servers stay essential",
@@ -83,6 +91,7 @@ def _main(args: argparse.Namespace) -> int:
             faults=args.faults,
             timeout=args.timeout,
             servers=args.servers,
+            replicas=args.replicas,
             keep_going=args.keep_going,
             kills=args.kill,
             kill_seed=args.kill_seed,

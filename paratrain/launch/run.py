@@ -85,6 +85,7 @@ def run_launch(
     timeout: float | None = None,
     servers: int = 0,
     keep_going: bool = False,
+    replicas: int = 1,
     deadline_s: float | None = None,
     stdout: TextIO | None = None,
     kills: str | None = None,
@@ -103,6 +104,8 @@ def run_launch(
         faults: a fault spec for every rank's transport, checked here once.
         timeout: ``PARATRAIN_TIMEOUT`` of the ranks' blocking calls (not a limit on the job; see ``deadline_s``).
         servers: parameter-server processes started beside the workers (they run ``paratrain.runtime.serve``).
+        replicas: parameter servers holding each chunk (``PARATRAIN_PS_REPLICAS``); above 1 a server's death
+            does not stop the job: its chunks fail over to their backups (:mod:`paratrain.ps.server`).
         keep_going: a failed worker does not stop the others; servers stay essential.
         deadline_s: stop the whole job if it still runs this many seconds after it started (None: no limit).
         stdout: where the ranks' stdout goes (``sys.stdout`` if None).
@@ -126,6 +129,8 @@ def run_launch(
         raise ConfigError(f"-n must be at least 1, got {nproc}")
     if servers < 0:
         raise ConfigError(f"--servers must be >= 0, got {servers}")
+    if replicas < 1 or (replicas > 1 and replicas > servers):
+        raise ConfigError(f"--replicas {replicas} needs at least as many --servers (got {servers})")
     if grace < 0:
         raise ConfigError(f"--grace must be >= 0, got {grace}")
     if max_restarts < 0:
@@ -163,6 +168,8 @@ def run_launch(
         for index, base_env in enumerate(child_environments(plan, os.environ)):
             role, number = ("rank", index) if index < nproc else ("server", index - nproc)
             env = {**base_env, **kill_env(schedule, role, number)}
+            if replicas > 1:
+                env["PARATRAIN_PS_REPLICAS"] = str(replicas)
             if max_restarts:
                 env["PARATRAIN_MAX_RESTARTS"] = str(max_restarts)
             kill_after = time_kill(schedule, role, number)
@@ -185,6 +192,7 @@ def run_launch(
                         argv=serve,
                         env=env,
                         prefix=f"[server{number}]: " if prefix else "",
+                        essential=replicas == 1,  # replicated: its chunks fail over, the job goes on
                         kill_after=kill_after,
                     )
                 )
@@ -194,6 +202,16 @@ def run_launch(
             if restarts.spare is not None:
                 specs.append(restarts.spare)
         outcome = Supervisor(specs, grace_s=grace, deadline_s=deadline_s, stdout=stdout, restarts=restarts).run()
+        lost = outcome.first_failure
+        if replicas > 1 and not keep_going and outcome.exit_code == 1 and lost and lost.name.startswith("server "):
+            # only servers failed (workers are essential): their chunks' backups took over
+            print(
+                f"paratrain launch: {lost.name} died; its chunks failed over to their backups "
+                f"(--replicas {replicas}) and the job completed",
+                file=sys.stderr,
+                flush=True,
+            )
+            outcome = Outcome(0, None, None)
         if outcome.first_failure is not None:
             note = explain_failure(outcome.first_failure.name, scratch)
             if note:

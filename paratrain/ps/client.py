@@ -158,7 +158,7 @@ class KVStore:
         if chunk_bytes <= 0:
             raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
         if replicas is None:
-            replicas = int(getattr(settings, "ps_replicas", 1))
+            replicas = settings.ps_replicas
         if not 1 <= replicas <= settings.num_servers:
             raise ConfigError(
                 f"replicas={replicas} needs 1..{settings.num_servers} servers (the job has {settings.num_servers}); "

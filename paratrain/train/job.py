@@ -161,6 +161,14 @@ def validate(job: TrainJob) -> None:
         resolve_mixing(spec.topology, job.workers)
     if spec.uses_servers:
         Policy.parse(spec.kind, spec.staleness)
+        servers = _servers(job, True)
+        if not 1 <= job.replicas <= servers:
+            raise ConfigError(
+                f"--replicas {job.replicas}: each parameter-server chunk needs that many distinct servers; "
+                f"give --servers {max(job.replicas, 2)} or more (now {servers})"
+            )
+    elif spec.family != "pipeline" and job.replicas != 1:
+        raise ConfigError("--replicas is for pipelines (R pipelines) and parameter servers (R copies of each chunk)")
     job.network()
     if job.no_overlap and not spec.exchanges_parameters:
         raise ConfigError("--no-overlap is for gossip strategies (allreduce and bsp/ssp/asp always overlap)")
@@ -325,6 +333,7 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
             argv,
             nproc=job.workers,
             servers=servers,
+            replicas=job.replicas if servers else 1,
             faults=job.network(),
             kills=job.kill,
             kill_seed=job.seed,

@@ -50,7 +50,8 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
         "--replicas",
         type=int,
         default=1,
-        help="pipelines: R pipelines side by side, each stage's copies summing gradients (default 1)",
+        help="pipelines: R pipelines side by side, each stage's copies summing gradients; bsp/ssp/asp: R servers "
+        "hold each parameter chunk (primary-backup), so the job survives R - 1 server deaths (default 1)",
     )
     parser.add_argument(
         "--balance",
