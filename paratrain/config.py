@@ -40,30 +40,45 @@ Variables (all optional unless a launcher set them):
                                 times in all) and the job goes on; any peer's crash then breaks every pending
                                 receive at once, so that the survivors start recovery (:mod:`paratrain.recovery`)
 ``PARATRAIN_RESTART_COUNT``     how many times this rank's process has been restarted (0: the first one)
+``PARATRAIN_SECRET``            the job's secret, in hex (at least 16 bytes; ``paratrain launch`` makes 32 random
+                                bytes per job): every connection (rendezvous, workers, parameter servers) is
+                                authenticated with keys derived from it (:mod:`paratrain.transport.auth`). Under
+                                torchrun or SLURM, give every rank the same one; a job of several processes
+                                without one refuses to start
+``PARATRAIN_INSECURE``          ``1``: run a job of several processes without a secret, unauthenticated (only on a
+                                network nothing else can reach; saves CURVE's cost on TCP, see the module above)
 ==============================  ==================================================================================
 """
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import dataclasses
 import os
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from paratrain.errors import ConfigError
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
+    "MIN_SECRET_BYTES",
+    "SECRET_ENV",
     "Settings",
     "first_host_of_nodelist",
     "host_id",
     "parse_duration",
+    "parse_secret",
 ]
 
 DEFAULT_MASTER_PORT = 29500
+#: The environment variable that carries the job's secret, in hex.
+SECRET_ENV = "PARATRAIN_SECRET"
+#: The shortest secret accepted: 128 bits, out of reach of guessing.
+MIN_SECRET_BYTES = 16
 #: Accepted ``PARATRAIN_TRANSPORT`` values: the built-ins, and whatever :mod:`paratrain.transport.registry`
 #: registers (it tells this module through :func:`allow_transport`).
 _TRANSPORTS = ["zmq", "inproc"]
@@ -91,6 +106,13 @@ def _get_opt_int(env: Mapping[str, str], name: str) -> int | None:
 def _get_int(env: Mapping[str, str], name: str, default: int) -> int:
     value = _get_opt_int(env, name)
     return default if value is None else value
+
+
+def _get_flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"environment variable {name}={raw!r} must be 1 or 0")
+    return raw == "1"
 
 
 def _get_float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -130,6 +152,26 @@ def parse_duration(text: str) -> float:
     if match is None:
         raise ConfigError(f"{text!r} is not a duration; write e.g. 30, 2.5s, 2ms or 500us")
     return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+def parse_secret(text: str, *, name: str = SECRET_ENV) -> bytes:
+    """The job's secret written as hex (``PARATRAIN_SECRET``).
+
+    Raises:
+        ConfigError: not hex, or shorter than :data:`MIN_SECRET_BYTES` bytes.
+
+    Example:
+        >>> len(parse_secret("00" * 32))
+        32
+    """
+    how = 'make one with: python -c "import secrets; print(secrets.token_hex(32))" and give every rank the same'
+    try:
+        secret = binascii.unhexlify(text.strip())
+    except (binascii.Error, ValueError):
+        raise ConfigError(f"{name} is not hex; {how}") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"{name} has {len(secret)} bytes, fewer than {MIN_SECRET_BYTES}; {how}")
+    return secret
 
 
 def first_host_of_nodelist(nodelist: str) -> str:
@@ -224,6 +266,9 @@ class Settings:
             above 0 the job is *resilient*: a crashed peer fails every pending receive, not only those from it.
         restart_count: how many times this rank's process was restarted; above 0 this process replaces a
             crashed one and must recover its state from the survivors (:mod:`paratrain.recovery`).
+        secret: the job's secret; every connection is authenticated with keys derived from it. Not shown by
+            ``repr``. None: a multi-process ZeroMQ job refuses to start unless :attr:`insecure`.
+        insecure: run without a secret, unauthenticated (``PARATRAIN_INSECURE=1``); ignored when a secret is set.
     """
 
     rank: int = 0
@@ -252,6 +297,8 @@ class Settings:
     launched_by: str = "none"
     max_restarts: int = 0
     restart_count: int = 0
+    secret: bytes | None = field(default=None, repr=False)
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -294,6 +341,8 @@ class Settings:
             raise ConfigError(
                 f"max_restarts ({self.max_restarts}) and restart_count ({self.restart_count}) must be >= 0"
             )
+        if self.secret is not None and len(self.secret) < MIN_SECRET_BYTES:
+            raise ConfigError(f"the job secret has {len(self.secret)} bytes, fewer than {MIN_SECRET_BYTES}")
         for port_name in ("master_port", "rdzv_port"):
             port = getattr(self, port_name)
             if not 0 < port < 65536:
@@ -397,6 +446,8 @@ class Settings:
             launched_by=launched_by,
             max_restarts=_get_int(env, "PARATRAIN_MAX_RESTARTS", 0),
             restart_count=_get_int(env, "PARATRAIN_RESTART_COUNT", 0),
+            secret=parse_secret(env[SECRET_ENV]) if env.get(SECRET_ENV, "").strip() else None,
+            insecure=_get_flag(env, "PARATRAIN_INSECURE"),
         )
 
 

@@ -100,6 +100,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _add_consistency_parser(bench_sub)
     _add_pipeline_parser(bench_sub)
     _add_recovery_parser(bench_sub)
+    _add_auth_parser(bench_sub)
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -512,3 +513,40 @@ def _recovery(args: argparse.Namespace) -> int:
     code = 0 if all(r["bitwise_equal"] and r["no_rollback"] for r in report["schedules"]) else 1
     return _report("recovery", render(report), report, args.json, code)
 
+
+def _add_auth_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Registers ``bench auth``."""
+    p = bench_sub.add_parser(
+        "auth",
+        help="what authentication costs: latency (4 KiB) and bandwidth (16 MiB) with and without a secret",
+        description=(
+            "Two processes measure paratrain's round trip and one-way bandwidth over TCP (different host ids) and "
+            "ipc (the same host id), without a secret and with one (CURVE on TCP, a checked password on ipc), "
+            "every configuration once per round, interleaved; reports the median and min-max over rounds."
+        ),
+    )
+    p.add_argument("--repeat", type=int, default=5, help="rounds of every configuration, interleaved (default 5)")
+    p.add_argument("--round-trips", type=int, default=2000, help="timed 4 KiB ping-pongs per run (default 2000)")
+    p.add_argument("--messages", type=int, default=8, help="16 MiB messages per bandwidth run (default 8)")
+    p.add_argument("--latency-size", type=_sizes, default=[4 << 10], help="ping-pong payload (default 4KiB)")
+    p.add_argument("--bandwidth-size", type=_sizes, default=[16 << 20], help="bulk message size (default 16MiB)")
+    p.add_argument("--json", default=None, help="also write the report to this JSON file")
+    p.set_defaults(func=_auth)
+
+
+def _auth(args: argparse.Namespace) -> int:
+    from paratrain.bench.auth import AuthBenchOptions, render, run_auth_bench
+
+    try:
+        options = AuthBenchOptions(
+            latency_bytes=args.latency_size[0],
+            bandwidth_bytes=args.bandwidth_size[0],
+            round_trips=args.round_trips,
+            messages=args.messages,
+            repeat=args.repeat,
+        )
+    except ValueError as exc:
+        print(f"paratrain bench auth: error: {exc}", file=sys.stderr)
+        return 2
+    report = run_auth_bench(options)
+    return _report("auth", render(report), report, args.json, 0)

@@ -13,7 +13,8 @@ __all__ = ["add_parser"]
 
 _EPILOG = """\
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun sets
-them, plus PARATRAIN_* variables (role, run id, rendezvous address). A first word 'python' or a script
+them, plus PARATRAIN_* variables (role, run id, rendezvous address, and PARATRAIN_SECRET: 32 random bytes made
+per job, with which every connection of the job is authenticated). A first word 'python' or a script
 ending in .py runs with the interpreter of paratrain itself. Output lines are prefixed with [rankK]:.
 If any rank fails, the others are stopped (SIGTERM, then SIGKILL after --grace seconds) and launch exits 1
 naming the rank and the cause. Ctrl-C stops every rank and exits 130.

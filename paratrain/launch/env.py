@@ -32,7 +32,8 @@ def child_environments(plan: LaunchPlan, base: Mapping[str, str]) -> list[dict[s
 
     Workers see ``WORLD_SIZE`` = the number of workers (as torch code expects); servers get
     ``PARATRAIN_ROLE=server`` and ``RANK`` = their index among the servers; everyone gets
-    ``PARATRAIN_NUM_SERVERS``. The transport numbers servers after the workers.
+    ``PARATRAIN_NUM_SERVERS``. The transport numbers servers after the workers. Every process gets the plan's
+    ``PARATRAIN_SECRET`` (it replaces one ``base`` may carry: the secret is the job's, not the shell's).
     """
     envs = []
     total = plan.nproc + plan.servers
@@ -63,6 +64,8 @@ def child_environments(plan: LaunchPlan, base: Mapping[str, str]) -> list[dict[s
                 "PARATRAIN_SCRATCH_DIR": plan.scratch_dir,
             }
         )
+        if plan.secret:
+            env["PARATRAIN_SECRET"] = plan.secret
         if plan.faults is not None:
             env["PARATRAIN_FAULTS"] = plan.faults
         if plan.timeout is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from paratrain.errors import ConfigError
 
@@ -26,6 +26,7 @@ class LaunchPlan:
         faults: a fault spec every rank applies to its transport, or None.
         timeout: ``PARATRAIN_TIMEOUT`` of blocking calls in the ranks, or None for the default.
         servers: parameter-server processes started beside the workers.
+        secret: the job's secret in hex (``PARATRAIN_SECRET`` of every process, spares too); not shown by ``repr``.
     """
 
     nproc: int
@@ -37,6 +38,7 @@ class LaunchPlan:
     faults: str | None = None
     timeout: float | None = None
     servers: int = 0
+    secret: str = field(default="", repr=False)
 
 
 def free_port() -> int:

@@ -116,6 +116,10 @@ def run_launch(
             stops the job.
         spare: with ``max_restarts``, keep a warm spare running that takes over a failed rank (:mod:`.restarts`).
 
+    Every process of the job (and every spare and restarted rank: they copy a rank's environment) gets the job's
+    ``PARATRAIN_SECRET``, 32 random bytes made here, so the rendezvous hosted here and every rank accept only
+    each other (:mod:`paratrain.transport.auth`).
+
     Returns:
         0 if every process exited 0; 124 (:data:`~paratrain.launch.procs.EXIT_TIMED_OUT`) if the deadline
         stopped the job; 130 or 143 if SIGINT or SIGTERM did; otherwise 1.
@@ -123,6 +127,7 @@ def run_launch(
     Raises:
         ConfigError: a bad argument or fault spec, or no command.
     """
+    from paratrain.transport.auth import new_secret
     from paratrain.transport.rendezvous import RendezvousServer
 
     if nproc < 1:
@@ -147,9 +152,15 @@ def run_launch(
     schedule = parse_kills(kills, nproc=nproc, servers=servers, seed=kill_seed) if kills else []
     argv = resolve_command(cmd)
     run_id = secrets.token_hex(4)
+    secret = new_secret()  # per job: every rank, server and spare gets it; nothing else can join or send
     scratch = tempfile.mkdtemp(prefix=f"paratrain-{run_id}-")
     server = RendezvousServer(
-        world_size=nproc + servers, bind_addr="127.0.0.1", port=0, timeout=24 * 3600.0, rounds=max_restarts > 0
+        world_size=nproc + servers,
+        bind_addr="127.0.0.1",
+        port=0,
+        timeout=24 * 3600.0,
+        rounds=max_restarts > 0,
+        secret=secret,
     )
     try:
         plan = LaunchPlan(
@@ -162,6 +173,7 @@ def run_launch(
             faults=faults,
             timeout=timeout,
             servers=servers,
+            secret=secret.hex(),
         )
         server.start()
         specs = []

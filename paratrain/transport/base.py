@@ -101,9 +101,17 @@ class Handle(Generic[T]):
 
 
 class TransportStats:
-    """Counters a transport keeps: messages and bytes sent/received, malformed messages dropped."""
+    """Counters a transport keeps: messages and bytes sent/received, malformed messages dropped, connections
+    refused (a handshake without the job's secret: see :mod:`paratrain.transport.auth`)."""
 
-    __slots__ = ("bytes_received", "bytes_sent", "dropped_malformed", "messages_received", "messages_sent")
+    __slots__ = (
+        "bytes_received",
+        "bytes_sent",
+        "dropped_malformed",
+        "messages_received",
+        "messages_sent",
+        "refused_connections",
+    )
 
     def __init__(self) -> None:
         self.messages_sent = 0
@@ -111,6 +119,7 @@ class TransportStats:
         self.messages_received = 0
         self.bytes_received = 0
         self.dropped_malformed = 0
+        self.refused_connections = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict (for metrics files)."""

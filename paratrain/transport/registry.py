@@ -10,6 +10,7 @@ themselves. A new transport (shared memory, RDMA) registers here and becomes a v
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -17,8 +18,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from paratrain.config import Settings, allow_transport
+from paratrain.config import SECRET_ENV, Settings, allow_transport
 from paratrain.errors import ConfigError, RendezvousError
+from paratrain.transport.auth import new_secret
 from paratrain.transport.base import Transport
 from paratrain.transport.faults import FaultSpec, FaultyTransport
 from paratrain.transport.inproc import InprocFabric
@@ -26,6 +28,8 @@ from paratrain.transport.rendezvous import RendezvousServer, register
 from paratrain.transport.zmq import ZmqTransport
 
 __all__ = ["LocalJob", "TransportKind", "connect", "kinds", "local_job", "register_transport"]
+
+log = logging.getLogger("paratrain.transport")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,16 +139,32 @@ def _local_inproc(world_size: int, timeout: float) -> LocalJob:
 # -- zmq ----------------------------------------------------------------------------------------------------------
 
 
-def zmq_transports(world_size: int, *, timeout: float = 30.0, host_ids: list[str] | None = None) -> list[Transport]:
-    """``world_size`` connected ZeroMQ transports in this process (loopback TCP, or ipc for equal host ids)."""
+def zmq_transports(
+    world_size: int,
+    *,
+    timeout: float = 30.0,
+    host_ids: list[str] | None = None,
+    secret: bytes | None = None,
+    insecure: bool = False,
+) -> list[Transport]:
+    """``world_size`` connected ZeroMQ transports in this process (loopback TCP, or ipc for equal host ids).
+
+    Their connections are authenticated with ``secret``, a fresh one if None, or not at all if ``insecure``.
+    Returns once every link's handshake is complete.
+    """
     hosts = host_ids or ["local"] * world_size
+    if insecure and secret is not None:
+        raise ValueError("give a secret or insecure=True, not both")
+    job_secret = None if insecure else secret or new_secret()
     transports = [
-        ZmqTransport(rank=r, world_size=world_size, host_id=hosts[r], timeout=timeout, run_id="test")
+        ZmqTransport(rank=r, world_size=world_size, host_id=hosts[r], timeout=timeout, run_id="test", secret=job_secret)
         for r in range(world_size)
     ]
     table = [t.endpoints() for t in transports]
     for t in transports:
         t.connect(table)
+    for t in transports:  # so that a test's first sends are on the wire, not queued behind a handshake
+        t.wait_linked(timeout)
     return list(transports)
 
 
@@ -180,8 +200,38 @@ def _peer_lost_reporter(settings: Settings) -> Callable[[int, str], None] | None
     return report
 
 
+def job_secret(settings: Settings) -> bytes | None:
+    """The secret this rank's connections are authenticated with; None only where the user opted out.
+
+    Why refuse rather than run open: a job without a secret accepts registrations, messages and parameter-server
+    pushes from any process that reaches a port, so it must be asked for (``PARATRAIN_INSECURE=1``), not
+    fallen into by forgetting a variable on one launcher.
+
+    Raises:
+        ConfigError: neither ``PARATRAIN_SECRET`` nor ``PARATRAIN_INSECURE=1`` (with the way to set one).
+    """
+    if settings.secret is not None:
+        if settings.insecure:
+            log.warning("rank %d: PARATRAIN_INSECURE=1 is ignored: %s is set", settings.rank, SECRET_ENV)
+        return settings.secret
+    if settings.insecure:
+        log.warning(
+            "rank %d: PARATRAIN_INSECURE=1: connections are not authenticated; any process that reaches this "
+            "job's ports can join it or send to its ranks",
+            settings.rank,
+        )
+        return None
+    raise ConfigError(
+        f"rank {settings.rank}: no {SECRET_ENV} for a job of {settings.world_size} processes. paratrain launch "
+        "sets one per job; under torchrun or SLURM give every rank the same one, e.g. "
+        f'export {SECRET_ENV}=$(python -c "import secrets; print(secrets.token_hex(32))") before starting them '
+        "(on a network nothing else can reach, PARATRAIN_INSECURE=1 runs without authentication)"
+    )
+
+
 def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
     """One rank of a real job: bind, meet the others at the rendezvous (rank 0 hosts it), connect."""
+    secret = job_secret(settings)
     bind = settings.advertise_addr or _route_address(settings.rdzv_addr)
     zt = ZmqTransport(
         rank=settings.rank,
@@ -194,6 +244,7 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
         heartbeat_timeout=settings.heartbeat_timeout,
         on_peer_lost=_peer_lost_reporter(settings),
         resilient=settings.max_restarts > 0,
+        secret=secret,
     )
     server: RendezvousServer | None = None
     try:
@@ -204,6 +255,7 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
                 bind_addr="127.0.0.1" if loopback else "*",
                 port=settings.rdzv_port,
                 timeout=settings.rdzv_timeout,
+                secret=secret,
             )
             server.start()
         table = register(
@@ -213,6 +265,7 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
             world_size=settings.world_size,
             info=zt.endpoints(),
             timeout=settings.rdzv_timeout,
+            secret=secret,
         )
         zt.connect(table)
     except BaseException:

@@ -14,6 +14,12 @@ then serves *rounds*. Each round is complete when every rank has registered once
 saw the failure, the restarted rank as it starts), and answers everyone with the new table and the round's
 number. A second registration of a rank within one round replaces the first: the launcher restarts a rank only
 after its process died, so the newer registration is the live one.
+
+Given the job's secret, the server's socket is a CURVE server and each rank a CURVE client with keys derived from
+it (:mod:`paratrain.transport.auth`): a process without the secret can neither register (take a rank's place in
+the table, or learn the endpoints) nor make the server read a byte; each refusal is counted in
+:attr:`RendezvousServer.refused` and logged (rate-limited), and :func:`register` fails at once, saying so, when the
+server refuses it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import msgpack
 import zmq
 
 from paratrain.errors import RendezvousError
+from paratrain.transport.auth import BROKEN_HANDSHAKE, REFUSAL_EVENTS, Guard, JobKeys, refusal_reason
 
 __all__ = ["RendezvousServer", "register"]
 
@@ -53,6 +60,7 @@ class RendezvousServer:
         timeout: seconds to wait for all ranks before telling those present who is missing (in rounds mode:
             counted from a round's first registration).
         rounds: serve round after round until closed (a job whose ranks are restarted), rather than once.
+        secret: the job's secret: only ranks holding it may connect (see the module docstring). None: anyone.
 
     Example:
         >>> server = RendezvousServer(world_size=1, bind_addr="127.0.0.1", port=0, timeout=5)
@@ -62,7 +70,16 @@ class RendezvousServer:
         >>> server.join()
     """
 
-    def __init__(self, *, world_size: int, bind_addr: str, port: int, timeout: float, rounds: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        bind_addr: str,
+        port: int,
+        timeout: float,
+        rounds: bool = False,
+        secret: bytes | None = None,
+    ) -> None:
         self.world_size = world_size
         self.timeout = timeout
         self.rounds = rounds
@@ -71,9 +88,19 @@ class RendezvousServer:
         #: Ranks registered for the round being formed, and registrations accepted in all (diagnostics, tests).
         self.waiting: frozenset[int] = frozenset()
         self.accepted = 0
+        #: Connections refused for want of the job's secret (always 0 without a secret).
+        self.refused = 0
         self._ctx = zmq.Context(io_threads=1)
+        self._guard: Guard | None = None
+        keys = JobKeys.derive(secret) if secret is not None else None
+        if keys is not None:
+            self._guard = Guard(self._ctx, keys, name="rendezvous", on_refused=self._count_refusal)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 2000)
+        if self._guard is not None and keys is not None:
+            self._guard.watch(self._sock)
+            keys.serve_curve(self._sock, domain="rendezvous")
+            self._guard.start()
         try:
             if port == 0:
                 self.port = self._sock.bind_to_random_port(f"tcp://{bind_addr}")
@@ -82,6 +109,8 @@ class RendezvousServer:
                 self.port = port
         except zmq.ZMQError as exc:
             self._sock.close(linger=0)
+            if self._guard is not None:
+                self._guard.close()
             self._ctx.term()
             raise RendezvousError(
                 f"cannot listen for rendezvous on {bind_addr}:{port}: {exc}. Another job may use this port: "
@@ -91,6 +120,9 @@ class RendezvousServer:
         self._thread: threading.Thread | None = None
         self.error: str | None = None
         self.table: list[Mapping[str, Any]] | None = None
+
+    def _count_refusal(self) -> None:
+        self.refused += 1
 
     def start(self) -> None:
         """Serves in a daemon thread."""
@@ -110,6 +142,8 @@ class RendezvousServer:
             self._thread.join(timeout=5)
         if not self._sock.closed:
             self._sock.close()
+            if self._guard is not None:  # after the socket it guards
+                self._guard.close()
             self._ctx.term()
 
     def _reply(self, ident: bytes, obj: Any) -> None:
@@ -199,29 +233,44 @@ class RendezvousServer:
                 self.waiting = frozenset()
 
 
+#: Handshakes dropped in a row before :func:`register` concludes that the server refuses its keys (one dropped
+#: handshake may be a server going down; three, 0.1 s apart, are a server that drops this rank's keys).
+_BROKEN_HANDSHAKES = 3
+
+
 def register(
-    addr: str, port: int, *, rank: int, world_size: int, info: Mapping[str, Any], timeout: float
+    addr: str,
+    port: int,
+    *,
+    rank: int,
+    world_size: int,
+    info: Mapping[str, Any],
+    timeout: float,
+    secret: bytes | None = None,
 ) -> list[dict[str, Any]]:
     """Registers this rank's ``info`` and blocks until everyone's arrives (or ``timeout``).
+
+    Args:
+        secret: the job's secret (the server's must be the same), or None to connect unauthenticated.
 
     Returns:
         The info of every rank, indexed by rank.
 
     Raises:
-        RendezvousError: refused by the server, or no complete table within ``timeout`` seconds.
+        RendezvousError: refused by the server (also for want of the server's secret: at once, not after
+            ``timeout``), or no complete table within ``timeout`` seconds.
     """
     ctx = zmq.Context(io_threads=1)
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    address = f"tcp://{addr}:{port}"
+    monitor = sock.get_monitor_socket(REFUSAL_EVENTS | BROKEN_HANDSHAKE)
     try:
-        sock.connect(f"tcp://{addr}:{port}")
+        if secret is not None:
+            JobKeys.derive(secret).authenticate_client(sock, address)
+        sock.connect(address)
         sock.send_multipart([b"", _pack({"v": _VERSION, "rank": rank, "world_size": world_size, "info": dict(info)})])
-        if not sock.poll(int(timeout * 1000)):
-            raise RendezvousError(
-                f"rank {rank}: no answer from the rendezvous at {addr}:{port} within {timeout:.0f}s. Are all "
-                f"{world_size} ranks started, and is {addr} reachable from this host? (raise "
-                "PARATRAIN_RDZV_TIMEOUT if ranks start slowly)"
-            )
+        _await_answer(sock, monitor, rank=rank, world_size=world_size, where=f"{addr}:{port}", timeout=timeout)
         parts = sock.recv_multipart()
         try:
             reply = _unpack(parts[-1])
@@ -236,5 +285,41 @@ def register(
             raise RendezvousError(f"rank {rank}: rendezvous reply lacks a table of {world_size} entries")
         return table
     finally:
+        monitor.close(linger=0)
         sock.close(linger=0)
         ctx.term()
+
+
+def _await_answer(
+    sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes], *, rank: int, world_size: int, where: str, timeout: float
+) -> None:
+    """Blocks until the server's answer is readable on ``sock``; raises if it refuses the handshake or is silent."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    deadline = time.monotonic() + timeout
+    broken = 0
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RendezvousError(
+                f"rank {rank}: no answer from the rendezvous at {where} within {timeout:.0f}s. Are all "
+                f"{world_size} ranks started, and is {where.rsplit(':', 1)[0]} reachable from this host? (raise "
+                "PARATRAIN_RDZV_TIMEOUT if ranks start slowly)"
+            )
+        events = dict(poller.poll(int(remaining * 1000) + 1))
+        if sock in events:
+            return
+        if monitor not in events:
+            continue
+        frames = monitor.recv_multipart()
+        if len(frames) != 2 or len(frames[0]) != 6:
+            continue
+        event, value = int.from_bytes(frames[0][:2], "little"), int.from_bytes(frames[0][2:], "little")
+        broken = broken + 1 if event & BROKEN_HANDSHAKE else broken
+        if event & REFUSAL_EVENTS or broken >= _BROKEN_HANDSHAKES:
+            raise RendezvousError(
+                f"rank {rank}: the rendezvous at {where} refused this rank: {refusal_reason(event, value)}. Every "
+                "rank needs the job's PARATRAIN_SECRET (paratrain launch sets it; under torchrun or SLURM export "
+                "the same value on every rank)"
+            )

@@ -19,6 +19,14 @@ survivors must all stop and re-form the job, not only those that waited on the d
 pending and later receive at once, and the rank tells every other peer (a ``lost`` control message), which do
 the same. So a ring's rank that waits on a live neighbour learns of a death three hops away in one message
 time rather than through a cascade of time-outs, and the grace for a goodbye shrinks to 0.1 s.
+
+Authentication: given the job's ``secret``, the PULL socket's TCP endpoint is a CURVE server and its ipc endpoint
+a PLAIN server with a password derived from the secret, every PUSH authenticates accordingly, and a
+:class:`~paratrain.transport.auth.Guard` (this transport's ZAP handler) accepts only the job's credentials: a
+process without the secret cannot deliver a single message, and each refused connection is counted in
+``stats.refused_connections`` and logged (rate-limited). Why CURVE on TCP and a password on ipc, and what it
+costs: :mod:`paratrain.transport.auth`. Without a secret the sockets accept anyone (tests, and jobs run with
+``PARATRAIN_INSECURE=1``).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from typing import Any
 import zmq
 
 from paratrain.errors import CommTimeoutError, MessageError, PeerLostError, TransportClosedError
+from paratrain.transport.auth import REFUSAL_EVENTS, Guard, JobKeys, refusal_reason
 from paratrain.transport.base import ANY_SOURCE, ANY_TAG, Handle, Transport
 from paratrain.transport.matching import Mailbox
 from paratrain.transport.wire import Message, decode, encode
@@ -114,6 +123,8 @@ class ZmqTransport(Transport):
             declared lost; the launcher uses it to tell a root failure from the failures it caused.
         resilient: a crashed peer breaks every receive and is reported to the other peers (see the module
             docstring); for jobs that recover from failures (:mod:`paratrain.recovery`).
+        secret: the job's secret (every rank's the same): connections are authenticated with keys derived from it
+            (see the module docstring). None: no authentication, anyone who reaches the sockets may send.
     """
 
     name = "zmq"
@@ -132,6 +143,7 @@ class ZmqTransport(Transport):
         use_ipc: bool = True,
         on_peer_lost: Callable[[int, str], None] | None = None,
         resilient: bool = False,
+        secret: bytes | None = None,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, timeout=timeout)
         self.resilient = resilient
@@ -144,16 +156,32 @@ class ZmqTransport(Transport):
         self._box = Mailbox(rank=rank, world_size=world_size)
         self._closed = False
         self._close_lock = threading.Lock()
+        try:
+            self._keys = JobKeys.derive(secret) if secret is not None else None
+        except BaseException:
+            self._ctx.term()
+            raise
+        self._guard: Guard | None = None
+        if self._keys is not None:
+            self._guard = Guard(self._ctx, self._keys, name=f"rank {rank}", on_refused=self._count_refusal)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
+        if self._guard is not None and self._keys is not None:
+            self._guard.watch(self._pull)
+            self._keys.serve_curve(self._pull, domain="tcp")
         self._pull.bind(f"tcp://{bind_addr}:0")
         tcp_endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         ipc_endpoint = ""
         if use_ipc and sys.platform.startswith("linux"):
             safe_run = "".join(c if c.isalnum() else "_" for c in run_id)[:24]
             ipc_endpoint = f"ipc://@paratrain-{safe_run}-{rank}-{os.getpid()}-{secrets.token_hex(4)}"
+            if self._guard is not None and self._keys is not None:
+                self._keys.serve_plain(self._pull, domain="ipc")
+                self._guard.allow_plain("ipc", self._keys.ipc_password(ipc_endpoint))
             self._pull.bind(ipc_endpoint)
+        if self._guard is not None:
+            self._guard.start()
         self._endpoints = {"tcp": tcp_endpoint, "ipc": ipc_endpoint, "host": host_id, "pid": os.getpid()}
         self._wake_addr = f"inproc://wake-{id(self)}-{secrets.token_hex(4)}"
         self._wake_rx = self._ctx.socket(zmq.PAIR)
@@ -168,6 +196,8 @@ class ZmqTransport(Transport):
         self._last_heard: dict[int, float] = {}
         self._said_bye: set[int] = set()
         self._suspect: dict[int, float] = {}
+        self._linked: set[int] = set()  # peers our PUSH has completed a handshake with
+        self._linked_cond = threading.Condition()
         self._lost: dict[int, PeerLostError] = {}
         self._state_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -176,6 +206,18 @@ class ZmqTransport(Transport):
     def endpoints(self) -> dict[str, Any]:
         """What other ranks need to reach this one: TCP and ipc endpoints, host id, pid."""
         return dict(self._endpoints)
+
+    def peer_endpoints(self, peer: int) -> dict[str, Any]:
+        """What rank ``peer`` published (its :meth:`endpoints`), once connected; for diagnostics."""
+        return dict(self._peer_info[peer])
+
+    @property
+    def authenticated(self) -> bool:
+        """True when connections are authenticated with the job's secret."""
+        return self._keys is not None
+
+    def _count_refusal(self) -> None:
+        self.stats.refused_connections += 1
 
     def host_ids(self) -> list[str]:
         """The host id of every rank (after :meth:`connect`); equal ids share a host."""
@@ -198,7 +240,11 @@ class ZmqTransport(Transport):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            self._monitors[peer] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            if self._keys is not None:
+                self._keys.authenticate_client(sock, address)
+            self._monitors[peer] = sock.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | REFUSAL_EVENTS
+            )
             sock.connect(address)
             self._push[peer] = sock
             self._push_locks[peer] = threading.Lock()
@@ -206,6 +252,29 @@ class ZmqTransport(Transport):
             self._last_heard[peer] = now
         self._thread = threading.Thread(target=self._run, name=f"paratrain-zmq-rx-{self.rank}", daemon=True)
         self._thread.start()
+
+    def wait_linked(self, timeout: float) -> None:
+        """Blocks until this rank's connection to every live peer has completed its handshake. Thread-safe.
+
+        Not needed to send (messages queue until then); for a caller that must know its first messages left
+        before, say, it aborts on purpose (tests), and to see a refused handshake before the first message.
+
+        Raises:
+            CommTimeoutError: some handshakes not done within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._linked_cond:
+            while True:
+                missing = set(self._push) - self._linked - self.lost_peers()
+                remaining = deadline - time.monotonic()
+                if not missing:
+                    return
+                if remaining <= 0:
+                    raise CommTimeoutError(
+                        f"rank {self.rank}: no completed handshake with ranks {sorted(missing)} within {timeout}s; "
+                        "are they alive, and do they hold this job's PARATRAIN_SECRET?"
+                    )
+                self._linked_cond.wait(min(remaining, 0.1))
 
     # -- sending ---------------------------------------------------------------------------------------
 
@@ -359,10 +428,22 @@ class ZmqTransport(Transport):
                     if mon in events:
                         while True:
                             try:
-                                mon.recv_multipart(flags=zmq.NOBLOCK)
+                                event = mon.recv_multipart(flags=zmq.NOBLOCK)
                             except zmq.Again:
                                 break
-                            if peer not in self._said_bye:
+                            kind = int.from_bytes(event[0][:2], "little") if event and len(event[0]) == 6 else 0
+                            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                                with self._linked_cond:
+                                    self._linked.add(peer)
+                                    self._linked_cond.notify_all()
+                            elif kind & REFUSAL_EVENTS:
+                                why = refusal_reason(kind, int.from_bytes(event[0][2:], "little"))
+                                self._declare_lost(
+                                    peer,
+                                    f"refused this rank's connection: {why}. Every rank of a job needs the same "
+                                    "PARATRAIN_SECRET",
+                                )
+                            elif peer not in self._said_bye:
                                 self._suspect.setdefault(peer, time.monotonic())
                 now = time.monotonic()
                 for peer, since in list(self._suspect.items()):
@@ -429,6 +510,8 @@ class ZmqTransport(Transport):
         for sock in self._push.values():
             sock.close()
         self._pull.close(linger=0)
+        if self._guard is not None:  # after the socket it guards: it must answer until that is gone
+            self._guard.close()
         self._wake_rx.close(linger=0)
         self._wake_tx.close(linger=0)
         self._ctx.term()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -175,9 +176,11 @@ def _env_job(tmp_path: Path, extra: dict[str, str], world: int, rank_var: str) -
     """,
     )
     procs = []
+    secret = secrets.token_hex(32)  # what the user exports on every rank when paratrain launch does not
     for r in range(world):
         env = dict(os.environ, **extra)
         env[rank_var] = str(r)
+        env["PARATRAIN_SECRET"] = secret
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(script)],
@@ -246,7 +249,8 @@ def test_under_torchrun(tmp_path: Path) -> None:
         text=True,
         timeout=60,
         check=False,
-        env={**os.environ, "PARATRAIN_RDZV_PORT": str(_free_port())},  # MASTER_PORT + 1 may be taken
+        # MASTER_PORT + 1 may be taken; torchrun hands its environment, the job's secret too, to every rank
+        env={**os.environ, "PARATRAIN_RDZV_PORT": str(_free_port()), "PARATRAIN_SECRET": secrets.token_hex(32)},
     )
     assert out.returncode == 0, out.stderr
     for r in range(2):

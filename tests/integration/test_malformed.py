@@ -11,6 +11,7 @@ import zmq
 
 from paratrain.errors import RendezvousError
 from paratrain.testing import zmq_transports
+from paratrain.transport.auth import JobKeys, new_secret
 from paratrain.transport.rendezvous import RendezvousServer, register
 from paratrain.transport.wire import MAGIC, VERSION, encode
 
@@ -18,11 +19,16 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_receiver_drops_garbage_and_keeps_serving(caplog: pytest.LogCaptureFixture) -> None:
-    a, b = zmq_transports(2, timeout=10)
+    # the stray holds the job's secret (a buggy or compromised peer): authentication lets it in, validation
+    # must still stop it (tests/integration/test_auth.py: a stray without the secret never gets this far)
+    secret = new_secret()
+    a, b = zmq_transports(2, timeout=10, secret=secret)
     ctx = zmq.Context()
     stray = ctx.socket(zmq.PUSH)
     stray.setsockopt(zmq.LINGER, 0)
-    stray.connect(b.endpoints()["tcp"])  # type: ignore[attr-defined]
+    address = b.endpoints()["tcp"]  # type: ignore[attr-defined]
+    JobKeys.derive(secret).authenticate_client(stray, address)
+    stray.connect(address)
     try:
         valid, _ = encode(0, 1, [np.arange(4)])
         forged_src, _ = encode(1, 1, [np.arange(4)])  # claims to come from b itself

@@ -82,7 +82,9 @@ def test_two_hosts_over_tcp_with_latency(tmp_path: Path, two_hosts: tuple[str, s
         pt.shutdown()
     """)
     )
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR=addr_a, MASTER_PORT="29400")
+    env = dict(
+        os.environ, WORLD_SIZE="2", MASTER_ADDR=addr_a, MASTER_PORT="29400", PARATRAIN_SECRET=secrets.token_hex(32)
+    )
     procs = [
         subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, str(script)],

@@ -74,6 +74,7 @@ def test_same_script_serves_every_role_under_torchrun(tmp_path: Path) -> None:
     # Under torchrun, PARATRAIN_SERVERS=1 makes the last rank a server: its pt.init() serves, then exits.
     pytest.importorskip("torch")
     import os
+    import secrets
     import socket
 
     script = tmp_path / "job.py"
@@ -111,7 +112,12 @@ def test_same_script_serves_every_role_under_torchrun(tmp_path: Path) -> None:
         timeout=60,
         check=False,
         # the rendezvous port is reserved too: MASTER_PORT + 1 (the default) may be taken by another program
-        env={**os.environ, "PARATRAIN_SERVERS": "1", "PARATRAIN_RDZV_PORT": str(_free_port())},
+        env={
+            **os.environ,
+            "PARATRAIN_SERVERS": "1",
+            "PARATRAIN_RDZV_PORT": str(_free_port()),
+            "PARATRAIN_SECRET": secrets.token_hex(32),
+        },
     )
     assert out.returncode == 0, out.stderr
     assert sorted(p.read_text() for p in tmp_path.glob("job.py.*.out")) == ["0 2 2.0", "1 2 2.0"]
