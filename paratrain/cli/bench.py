@@ -203,6 +203,12 @@ def _add_ps_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser
     )
     p.add_argument("--workers", type=int, default=2, help="worker processes W (default 2)")
     p.add_argument("--servers", type=int, default=1, help="parameter-server processes S (default 1)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="servers holding each chunk (primary-backup; default 1): run 1 and 2 to measure replication's cost",
+    )
     p.add_argument("--size", type=_sizes, default=None, help="key size(s), comma-separated (default 16MiB)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per size (default: 300 small .. 10 large)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per size before timing (default 3)")
@@ -231,6 +237,7 @@ def _ps(args: argparse.Namespace) -> int:
             workers=args.workers,
             servers=args.servers,
             sizes=tuple(args.size or [16 << 20]),
+            replicas=args.replicas,
             consistency=args.consistency,
             iters=args.iters,
             warmup=args.warmup,
@@ -489,11 +496,12 @@ def _add_recovery_parser(bench_sub: argparse._SubParsersAction[argparse.Argument
         "recovery",
         help="kill workers on 16 schedules: bitwise-equal results and recovery time vs torchrun --max-restarts",
         description=(
-            "Runs paratrain train --max-restarts on the digits MLP with 14 kill schedules (2 and 3 workers, before, "
-            "at, during and after a checkpoint, two deaths at once and in a row), checks each final model is bitwise the "
-            "fault-free run's and that no survivor rolled back, and times death -> detected -> re-formed -> "
-            "transferred -> back at the failed step, beside torchrun --max-restarts 1 on the same job with a disk "
-            "checkpoint; two more schedules restart cold (no warm spare), as torchrun must. Takes about 7 minutes."
+            "Runs paratrain train --max-restarts on the digits MLP with 14 kill schedules (2 and 3 workers, "
+            "before, at, during and after a checkpoint, two deaths at once and in a row), checks each final "
+            "model is bitwise the fault-free run's and that no survivor rolled back, and times death -> detected "
+            "-> re-formed -> transferred -> back at the failed step, beside torchrun --max-restarts 1 on the same "
+            "job with a disk checkpoint; two more schedules restart cold (no warm spare), as torchrun must. Takes "
+            "about 8 minutes."
         ),
     )
     p.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (default 5)")
