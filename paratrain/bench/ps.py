@@ -99,11 +99,14 @@ class PSBenchOptions(SizedOptions):
         workers: worker processes W.
         servers: server processes S (the ceiling job has as many echo ranks).
         consistency: ``bsp``, ``asp`` or ``ssp:S`` (see :func:`parse_consistency`).
+        replicas: servers holding each chunk (``paratrain launch --replicas``): with 2 every push is also
+            forwarded to a backup and acknowledged after it; compare ``--replicas 2`` with 1 for its cost.
     """
 
     workers: int
     servers: int
     consistency: str = "bsp"
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         harness.require_at_least_one(self, "workers")
@@ -112,6 +115,8 @@ class PSBenchOptions(SizedOptions):
         if not self.sizes or any(s <= 0 or s % 4 for s in self.sizes):
             raise ValueError(f"--size must be positive multiples of 4 bytes, got {list(self.sizes)}")
         parse_consistency(self.consistency)
+        if not 1 <= self.replicas <= self.servers:
+            raise ValueError(f"--replicas must be 1..{self.servers} (the servers), got {self.replicas}")
         SizedOptions.__post_init__(self)
 
 
@@ -124,11 +129,13 @@ def _run_engine(engine: str, options: PSBenchOptions, out_dir: str) -> dict[str,
     if engine == "ps":
         cmd = ["python", "-m", "paratrain.bench._ps_worker", *args, "--consistency", options.consistency]
         nproc, servers = options.workers, options.servers
+        replicas = options.replicas
     else:
         cmd = ["python", "-m", "paratrain.bench._ps_ceiling_worker", *args]
         nproc, servers = options.workers + options.servers, 0
+        replicas = 1
     problem = harness.launch_job(
-        cmd, nproc=nproc, servers=servers, timeout=options.timeout, deadline_s=options.deadline_s()
+        cmd, nproc=nproc, servers=servers, replicas=replicas, timeout=options.timeout, deadline_s=options.deadline_s()
     )
     return harness.judge({engine: harness.collect(out_dir, engine, options.workers, who="worker")}, problem)
 
@@ -341,6 +348,7 @@ def run_bench(options: PSBenchOptions, *, out: TextIO | None = None) -> tuple[di
         "benchmark": "ps",
         "workers": options.workers,
         "servers": options.servers,
+        "replicas": options.replicas,
         "consistency": options.consistency,
         "dtype": "float32",
         "sizes": list(options.sizes),

@@ -114,8 +114,8 @@ class KVStore:
         replicas: servers holding each chunk, ``1 <= R <= S``. With 2 or more, a push is acknowledged only
             once every replica has it and the job survives the death of R - 1 servers (requests fail over to
             the next replica); the price is one more server-to-server hop per push and a clock that waits
-            for its pushes' acknowledgements. Default: ``settings.ps_replicas`` when the settings have it
-            (``PARATRAIN_PS_REPLICAS``, ``paratrain launch --replicas``), else 1.
+            for its pushes' acknowledgements. Default: ``settings.ps_replicas`` (``PARATRAIN_PS_REPLICAS``,
+            set by ``paratrain launch --replicas``; 1 unless set).
 
     Example:
         >>> import numpy as np
@@ -390,7 +390,13 @@ class KVStore:
                 if self._live(server):
                     pending.append(self._request(server, meta, [part] if self.rank == 0 else []))
         for handle, server in pending:
-            self._wait(handle, server, f"init of key {key!r}")
+            try:
+                self._wait(handle, server, f"init of key {key!r}")
+            except PeerLostError as exc:  # a replica died: the others hold the chunk (else the next call says so)
+                self._lost(exc, server)
+        if self.replicas > 1:
+            for chunk in chunks:
+                self._owner(chunk)  # raises if every replica of a chunk is gone
         row_bytes = math.prod(rows.shape[1:]) * arr.itemsize
         self._keys[key] = _Key(
             shape,
