@@ -153,6 +153,7 @@ class ParameterServer:
         self._forward_ids = 0
         self._servers_lost: set[int] = set()
         self._replicated = False  # some chunk here has backups
+        self._gone_seen: frozenset[int] = frozenset()  # the lost peers when servers were last checked
 
     # -- the loop ------------------------------------------------------------------------------------------
 
@@ -234,7 +235,8 @@ class ParameterServer:
 
     def _check_lost(self) -> None:
         gone = self.transport.lost_peers()
-        if self._replicated and len(gone) > len(self._servers_lost):
+        if self._replicated and gone != self._gone_seen:
+            self._gone_seen = gone
             self._check_lost_servers(gone)
         lost = gone & self.live
         departed = self.transport.departed_peers() if lost else frozenset()
@@ -493,9 +495,9 @@ class ParameterServer:
         rows, data = self._push_data(chunk, msg)
         self.stats.pushes += 1
         round_id = round_of_push(chunk.mode, self.done[msg.src], chunk.version)
-        if not self._seen(msg.src, msg.meta.get("seq")):
-            self._apply(chunk, rows, data, round_id, msg.meta.get("version"))
-        # forward to the other live replicas (again after a failover: they drop what they already have)
+        new = not self._seen(msg.src, msg.meta.get("seq"))
+        # forward to the other live replicas first, so that they apply it while this server does (again after a
+        # failover: they drop what they already have); the frames are read, never written, so they go zero-copy
         me = self.transport.rank
         waiting: set[int] = set()
         forward_id = self._forward_ids
@@ -521,6 +523,8 @@ class ParameterServer:
                     continue
                 waiting.add(server)
                 self.stats.forwarded += 1
+        if new:
+            self._apply(chunk, rows, data, round_id, msg.meta.get("version"))
         if waiting:
             self._forward_ids += 1
             self._forwards[forward_id] = _Forward(msg.src, msg.meta["id"], waiting)

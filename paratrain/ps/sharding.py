@@ -411,7 +411,8 @@ def plan_chunks(
         chunk_bytes: target chunk size; see :data:`DEFAULT_CHUNK_BYTES` for the trade-off.
         replicas: servers per chunk, ``1 <= R <= S``: the primary (``Chunk.server``) and R - 1 ``Chunk.backups``.
             The trade-off: R copies survive R - 1 failed servers but take R times the memory, and a primary
-            forwards every push R - 1 times. 1 (no backups) until the servers replicate; then 2 is the usual.
+            forwards every push R - 1 times (``KVStore(replicas=R)``, ``paratrain launch --replicas R``; measured
+            in ``benchmarks/ps_replication``). 1 (no backups) by default; 2 is the usual when servers may fail.
 
     Returns:
         The chunks in row order; their ``index`` is their position in the list.

@@ -177,19 +177,21 @@ def test_a_killed_server_fails_over_and_the_model_equals_the_fault_free_run(kill
     assert all(s is not None and s.servers_lost == [3] for s in stats[1:])
 
 
-def test_audit_no_update_lost_or_applied_twice_across_a_server_kill() -> None:
+@pytest.mark.parametrize(("consistency", "staleness"), [("bsp", None), ("ssp", 2)])
+def test_audit_no_update_lost_or_applied_twice_across_a_server_kill(consistency: str, staleness: int | None) -> None:
     """Every worker adds 1 to every element of an integer key once per clock; a server dies mid-run."""
     workers, clocks, size = 3, 12, 64
 
     def worker(ctx: Context, kill: Callable[[], float]) -> tuple[np.ndarray, list[np.ndarray]]:
-        kv = KVStore(context=ctx, replicas=2, chunk_bytes=64)
+        kv = KVStore(consistency, staleness, context=ctx, replicas=2, chunk_bytes=64)
         kv.init("n", np.zeros(size, dtype=np.int64))
         for c in range(clocks):
             kv.push("n", np.ones(size, dtype=np.int64))
             if c == clocks // 2 and ctx.rank == 1:
                 kill()
             kv.clock()
-        kv.clock()
+        for _ in range(1 + (staleness or 0)):  # then a read reflects every worker's pushes
+            kv.clock()
         out = kv.pull("n")
         copies = kv.pull_replicas("n")
         kv.close()
