@@ -13,6 +13,10 @@ replica applied it. A request whose server dies is sent again to the next live r
 sequence number, so the servers apply it once), and :meth:`KVStore.clock` first waits until this clock's pushes
 are acknowledged, so that a backup never counts a clock before it holds that clock's pushes. (Tested under BSP,
 where the replicated run is bitwise the unreplicated one; SSP and ASP forward the same way, untested so far.)
+
+One module (about 620 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
+pulls, the sequence numbers that deduplicate retried pushes and the failover to the next live replica share the
+same pending-request bookkeeping and read together.
 """
 
 from __future__ import annotations

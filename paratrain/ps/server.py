@@ -25,6 +25,10 @@ or may not have forwarded before dying) is never applied twice nor lost.
 Robustness: a malformed or invalid request is answered with an error and the loop goes on; a worker whose
 process dies (its connection drops, or heartbeats stop) is removed from the clock bookkeeping and logged, so
 the others are not blocked forever; the loop ends when no live worker is left.
+
+One module (about 600 lines) because the server loop, its clock bookkeeping and the primary-backup forwarding
+share one request dispatch and one table of chunks; the pure rules live in rounds.py, consistency.py and
+sharding.py.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ process without the secret cannot deliver a single message, and each refused con
 ``stats.refused_connections`` and logged (rate-limited). Why CURVE on TCP and a password on ipc, and what it
 costs: :mod:`paratrain.transport.auth`. Without a secret the sockets accept anyone (tests, and jobs run with
 ``PARATRAIN_INSECURE=1``).
+
+One module (about 520 lines): sending, the receiver thread, failure detection (including the resilient mode)
+and shutdown share the sockets and the per-peer state, and read together; authentication is in auth.py.
 """
 
 from __future__ import annotations
