@@ -74,8 +74,9 @@ COLD_SCHEDULES: tuple[Schedule, ...] = (
 )
 
 
-def _kills(schedule: Schedule) -> int:
-    return schedule.kill.count(",") + 1
+def _deaths(kill: str) -> int:
+    """How many processes a ``--kill`` schedule kills."""
+    return kill.count(",") + 1
 
 
 def _train(
@@ -224,7 +225,7 @@ def run_bench(
                 workers=schedule.workers,
                 epochs=schedule.epochs,
                 kill=schedule.kill,
-                restarts=_kills(schedule),
+                restarts=_deaths(schedule.kill),
                 every=every,
                 seed=seed,
                 deadline=deadline,
@@ -257,16 +258,19 @@ def run_bench(
                     print(f"torchrun: {report['torchrun'][-1]}", file=sys.stderr)
     theirs = [r["total_s"] for r in report["torchrun"] if "total_s" in r]
     for key, spare in (("ratio_total", True), ("ratio_total_cold", False)):
-        ours = [
-            r["total_s"] for r in report["schedules"] if "total_s" in r and _kills_of(r) == 1 and r["spare"] == spare
-        ]
+        ours = _one_death_totals(report, spare=spare)
         if ours and theirs:
             report[key] = statistics.median(ours) / statistics.median(theirs)
     return report
 
 
-def _kills_of(row: dict[str, Any]) -> int:
-    return str(row["kill"]).count(",") + 1
+def _one_death_totals(report: dict[str, Any], *, spare: bool) -> list[float]:
+    """Death -> back at the failed step, in seconds, of the schedules that kill one process, warm or cold."""
+    return [
+        r["total_s"]
+        for r in report["schedules"]
+        if "total_s" in r and _deaths(str(r["kill"])) == 1 and r["spare"] == spare
+    ]
 
 
 def _ms(value: Any) -> str:
@@ -296,9 +300,7 @@ def render(report: dict[str, Any]) -> str:
     equal = sum(1 for r in report["schedules"] if r["bitwise_equal"])
     lines += ["", f"bitwise equal to the fault-free run: {equal} of {len(report['schedules'])} schedules (times in ms)"]
     for spare, how in ((True, "from a warm spare"), (False, "cold")):
-        ours = [
-            r["total_s"] for r in report["schedules"] if "total_s" in r and _kills_of(r) == 1 and r["spare"] == spare
-        ]
+        ours = _one_death_totals(report, spare=spare)
         if ours:
             lines.append(f"paratrain, one death, restarted {how} -> back at the failed step: {_spread(ours)}")
     theirs = [r for r in report["torchrun"] if "total_s" in r]
