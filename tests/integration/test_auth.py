@@ -386,8 +386,12 @@ for name, address in (("server tcp", targets["tcp"]), ("server ipc", targets["ip
     for kind in ("no secret", "wrong secret"):
         sock = ctx.socket(zmq.DEALER if name == "rdzv" else zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
+        # a name of our own: pyzmq's default names the monitor after the socket's fd, which the next socket of
+        # this loop may reuse before the old monitor's endpoint is gone ("Address already in use")
+        failed = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
         monitor = sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            failed | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+            addr="inproc://intruder-" + (name + "-" + kind).replace(" ", "-"),
         )
         if kind == "wrong secret":
             wrong.authenticate_client(sock, address)
