@@ -170,8 +170,12 @@ class KVStore:
                 "start more servers or lower replicas"
             )
         self.replicas = replicas
-        self._seqs = itertools.count()  # push sequence numbers: servers apply each (worker, seq) once
-        self._unacked: list[Handle[None]] = []  # this clock's pushes (replicated: clock() waits for them)
+        self._next_seq = 0  # push sequence numbers: servers apply each (worker, seq) once
+        # replicated pushes not yet seen acknowledged, as (their first sequence number, handle): clock() tells the
+        # servers the lowest of them, below which they may forget the sequence numbers they applied
+        self._unacked: list[tuple[int, Handle[None]]] = []
+        # server rank -> how many of this clock's pushes it must hold before it counts the clock (replicated)
+        self._expect: dict[int, int] = {}
         self._dead: set[int] = set()  # server ranks seen lost
         self.failovers = 0  # requests sent again to another replica after their server died
         self.policy = Policy.parse(consistency, staleness)
@@ -218,6 +222,16 @@ class KVStore:
             self._transport.cancel_recv(handle)
             raise
         return handle, server
+
+    def _seq(self, chunk: Chunk) -> int:
+        """A new push sequence number for a push to ``chunk``, counted for every replica of the chunk: each of them
+        must hold this push before it counts this worker's next clock."""
+        seq = self._next_seq
+        self._next_seq += 1
+        for index in chunk.replicas:
+            server = self._servers[index]
+            self._expect[server] = self._expect.get(server, 0) + 1
+        return seq
 
     def _live(self, server: int) -> bool:
         if server in self._dead:
@@ -436,7 +450,8 @@ class KVStore:
                             "key": key,
                             "chunk": c.index,
                             "version": versions[c.index],
-                            "seq": next(self._seqs),
+                            "seq": self._seq(c),
+                            "wclock": self._clock,
                         },
                         [rows[_slice(a)]],
                     ),
@@ -445,7 +460,7 @@ class KVStore:
                 for a, c in zip(sends, info.chunks, strict=True)
             ]
             handle = self._all(pending, f"push to key {key!r}")
-            self._unacked.append(handle)
+            self._unacked.append((self._next_seq - len(pending), handle))
             return handle
         pending = [
             self._request(
@@ -540,10 +555,11 @@ class KVStore:
             if self.replicas == 1:
                 pending.append(self._request(self._servers[c.server], meta, arrays))
             else:
-                pending.append((self._send_failover(c, {**meta, "seq": next(self._seqs)}, arrays), -1))
+                meta = {**meta, "seq": self._seq(c), "wclock": self._clock}
+                pending.append((self._send_failover(c, meta, arrays), -1))
         handle = self._all(pending, f"push_rows to key {key!r}")
         if self.replicas > 1:
-            self._unacked.append(handle)
+            self._unacked.append((self._next_seq - len(pending), handle))
         return handle
 
     def pull_rows(self, key: str | int, row_ids: Any) -> npt.NDArray[Any]:
@@ -573,18 +589,28 @@ class KVStore:
     def clock(self) -> None:
         """Ends this worker's iteration. Under BSP/SSP it waits while this worker would be more than s ahead."""
         meta: dict[str, Any] = {"op": "clock", "clock": self._clock + 1, "id": -1}
+        expect: dict[int, int] = {}
         if self.replicas > 1:
-            # a backup must hold this clock's pushes before it counts the clock: wait for their acknowledgements
-            unacked, self._unacked = self._unacked, []
-            for push in unacked:
-                push.wait(self.timeout)
-            meta["acked"] = next(self._seqs)  # every push numbered below is acknowledged: never sent again
+            # Sent at once, without waiting for this clock's pushes to be acknowledged: each server is told how
+            # many of them it must hold (its own and those forwarded by other replicas) and counts the clock only
+            # then (ParameterServer._op_clock), so a backup still never counts a clock before it has its pushes.
+            still: list[tuple[int, Handle[None]]] = []
+            for first, push in self._unacked:
+                if not push.done():
+                    still.append((first, push))
+                elif push.exception() is not None:
+                    push.wait(0)  # a rejected push: its error, now
+            self._unacked = still
+            # every push numbered below this is acknowledged: never sent again, its number may be forgotten
+            meta["acked"] = min((first for first, _ in still), default=self._next_seq)
+            expect, self._expect = self._expect, {}
         self._clock += 1
         for action in clock_actions(self._servers):
             if self.replicas > 1 and not self._live(action.peer):
                 continue
             try:
-                self._transport.isend(action.peer, REQUEST_TAG, (), meta)
+                sent = {**meta, "expect": expect.get(action.peer, 0)} if self.replicas > 1 else meta
+                self._transport.isend(action.peer, REQUEST_TAG, (), sent)
             except PeerLostError as exc:
                 self._lost(exc, action.peer)
         if not self.policy.may_run(self._clock, self._min_done):

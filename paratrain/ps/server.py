@@ -108,6 +108,7 @@ class ServerStats:
     forwarded: int = 0  # pushes sent on to backups
     replicated: int = 0  # pushes received from another replica and applied here
     duplicates: int = 0  # pushes (or forwards) already applied here, acknowledged without applying again
+    clocks_held: int = 0  # worker clocks that arrived before pushes of theirs forwarded by another replica
     servers_lost: list[int] = field(default_factory=list)  # other servers seen dead (their chunks fail over)
 
 
@@ -156,6 +157,10 @@ class ParameterServer:
         self._forwards: dict[int, _Forward] = {}
         self._forward_ids = 0
         self._servers_lost: set[int] = set()
+        # (worker, its clock) -> that clock's pushes held here; worker -> its requests held back behind a clock
+        # of it that waits for pushes still on their way from other replicas (_op_clock); its first is that clock
+        self._held: dict[tuple[int, int], int] = {}
+        self._queued: dict[int, list[Message]] = {}
         self._replicated = False  # some chunk here has backups
         self._gone_seen: frozenset[int] = frozenset()  # the lost peers when servers were last checked
 
@@ -173,10 +178,55 @@ class ParameterServer:
             except (PeerLostError, TransportClosedError) as exc:
                 log.warning("server %d: %s; stopping", t.rank, exc)
                 break
-            self._handle(msg)
+            self._receive(msg)
+            if self._queued:
+                self._release()
             self._check_lost()
         self._flush_sends()
         return self.stats
+
+    def _receive(self, msg: Message) -> None:
+        """Handles a request, or holds it back behind a clock of its worker not counted yet (in order, as if that
+        clock arrived later). A push of a clock already sent is not held back: it is a push sent again after its
+        server died, and the held-back clock may be waiting for it."""
+        queue = self._queued.get(msg.src)
+        if queue is not None:
+            wclock, until = msg.meta.get("wclock"), queue[0].meta.get("clock")
+            retry = (
+                msg.meta.get("op") == "push" and isinstance(wclock, int) and isinstance(until, int) and wclock < until
+            )
+            if not retry:
+                queue.append(msg)
+                return
+        self._handle(msg)
+
+    def _release(self) -> None:
+        """Handles the held-back requests of every worker whose first held-back clock now has all its pushes."""
+        for worker in list(self._queued):
+            queue = self._queued[worker]
+            if not self._holds_pushes(queue[0]):
+                continue
+            del self._queued[worker]
+            for i, msg in enumerate(queue):
+                if worker in self._queued:  # a later clock waits again: the rest stays behind it
+                    self._queued[worker].extend(queue[i:])
+                    break
+                self._handle(msg)
+
+    def _holds_pushes(self, clock: Message) -> bool:
+        """Whether this server holds every push the worker made in the clock that ``clock`` ends (replication:
+        the worker says how many, ``expect``; the pushes come from it or, forwarded, from other replicas)."""
+        expect, number = clock.meta.get("expect"), clock.meta.get("clock")
+        if not isinstance(expect, int) or not isinstance(number, int) or expect <= 0:
+            return True
+        return self._held.get((clock.src, number - 1), 0) >= expect
+
+    def _forget(self, worker: int) -> None:
+        """Drops what replication kept of ``worker`` (it left, joined again or died)."""
+        self._applied.pop(worker, None)
+        self._queued.pop(worker, None)
+        for held in [h for h in self._held if h[0] == worker]:
+            del self._held[held]
 
     def _handle(self, msg: Message) -> None:
         op = msg.meta.get("op")
@@ -263,6 +313,9 @@ class ParameterServer:
                 )
                 self.stats.workers_lost.append(worker)
             self.live.discard(worker)
+            self._queued.pop(worker, None)  # its held-back requests die with it (its pushes are applied)
+            for held in [h for h in self._held if h[0] == worker]:
+                del self._held[held]
         if lost:
             self._advance()
 
@@ -331,6 +384,15 @@ class ParameterServer:
         clock = msg.meta.get("clock")
         if msg.src not in self.live:
             raise _RejectedError(f"worker {msg.src} has left; create a new KVStore (join=True) to come back")
+        if not self._holds_pushes(msg):
+            # Replicated: pushes of this clock forwarded by their owner are still on their way. Counting the clock
+            # now could take a step of the server-side optimizer without them (the replicas would differ), so the
+            # clock, and whatever its worker sends after it, waits for them (_receive, _release).
+            self._queued[msg.src] = [msg]
+            self.stats.clocks_held += 1
+            return
+        if isinstance(clock, int):
+            self._held.pop((msg.src, clock - 1), None)
         self.done[msg.src] += 1
         acked = msg.meta.get("acked")  # every push numbered below it is acknowledged: it will not be retried
         applied = self._applied.get(msg.src)
@@ -353,7 +415,7 @@ class ParameterServer:
             self._waiting_clocks.append((msg.src, msg.meta))
 
     def _op_join(self, msg: Message) -> None:
-        self._applied.pop(msg.src, None)  # a new KVStore numbers its pushes from 0 again
+        self._forget(msg.src)  # a new KVStore numbers its pushes and clocks afresh
         others = [self.done[w] for w in self.live if w != msg.src]
         self.done[msg.src] = max(self.done[msg.src], min(others) if others else self._min_done)
         self.live.add(msg.src)
@@ -362,7 +424,7 @@ class ParameterServer:
 
     def _op_leave(self, msg: Message) -> None:
         self.live.discard(msg.src)
-        self._applied.pop(msg.src, None)
+        self._forget(msg.src)
         self._reply(msg.src, msg.meta["id"])
         self._advance()
 
@@ -462,16 +524,19 @@ class ParameterServer:
             )
         return rows, data
 
-    def _seen(self, worker: int, seq: Any) -> bool:
-        """Whether push ``seq`` of ``worker`` was applied here already (and records it if not)."""
+    def _consume(self, worker: int, seq: Any, wclock: Any) -> bool:
+        """Whether push ``seq`` of ``worker`` is new here (to apply), recording it and counting it as held for the
+        worker's clock ``wclock`` if so. A push without a sequence number (unreplicated) is always new."""
         if not isinstance(seq, int):
-            return False
+            return True
         applied = self._applied.setdefault(worker, set())
         if seq in applied:
             self.stats.duplicates += 1
-            return True
+            return False
         applied.add(seq)
-        return False
+        if isinstance(wclock, int):
+            self._held[(worker, wclock)] = self._held.get((worker, wclock), 0) + 1
+        return True
 
     def _apply(
         self,
@@ -496,37 +561,23 @@ class ParameterServer:
 
     def _op_push(self, msg: Message) -> None:
         chunk = self._chunk(msg.meta)
-        rows, data = self._push_data(chunk, msg)
+        seq = msg.meta.get("seq")
+        new = self._consume(msg.src, seq, msg.meta.get("wclock"))
+        replicated = len(chunk.replicas) > 1 and isinstance(seq, int)
+        try:
+            rows, data = self._push_data(chunk, msg)
+        except _RejectedError:
+            if replicated and new:  # the backups count it too (applying nothing), so no clock waits for it
+                self._forward(chunk, msg, {"skip": True, "id": -1}, ())
+            raise
         self.stats.pushes += 1
         round_id = round_of_push(chunk.mode, self.done[msg.src], chunk.version)
-        new = not self._seen(msg.src, msg.meta.get("seq"))
         # forward to the other live replicas first, so that they apply it while this server does (again after a
         # failover: they drop what they already have); the frames are read, never written, so they go zero-copy
-        me = self.transport.rank
         waiting: set[int] = set()
         forward_id = self._forward_ids
-        if len(chunk.replicas) > 1 and isinstance(msg.meta.get("seq"), int):
-            meta = {
-                "op": "replicate",
-                "id": forward_id,
-                "key": msg.meta["key"],
-                "chunk": msg.meta["chunk"],
-                "worker": msg.src,
-                "seq": msg.meta["seq"],
-                "round": round_id,
-                "version": msg.meta.get("version"),
-                "rows": bool(msg.meta.get("rows")),
-            }
-            for server in chunk.replicas:
-                if server == me or server in self._servers_lost:
-                    continue
-                try:
-                    self.transport.isend(server, REQUEST_TAG, msg.arrays, meta)
-                except (PeerLostError, TransportClosedError) as exc:
-                    log.warning("server %d: cannot forward to server %d: %s", me, server, exc)
-                    continue
-                waiting.add(server)
-                self.stats.forwarded += 1
+        if replicated:
+            waiting = self._forward(chunk, msg, {"id": forward_id, "round": round_id}, msg.arrays)
         if new:
             self._apply(chunk, rows, data, round_id, msg.meta.get("version"))
         if waiting:
@@ -535,15 +586,50 @@ class ParameterServer:
         else:
             self._reply(msg.src, msg.meta["id"])
 
+    def _forward(self, chunk: _Chunk, msg: Message, fields: dict[str, Any], arrays: Sequence[Any]) -> set[int]:
+        """Sends worker push ``msg`` on to the chunk's other live replicas (``replicate``); returns their ranks."""
+        meta = {
+            "op": "replicate",
+            "key": msg.meta["key"],
+            "chunk": msg.meta["chunk"],
+            "worker": msg.src,
+            "seq": msg.meta["seq"],
+            "wclock": msg.meta.get("wclock"),
+            "version": msg.meta.get("version"),
+            "rows": bool(msg.meta.get("rows")),
+            **fields,
+        }
+        me = self.transport.rank
+        sent: set[int] = set()
+        for server in chunk.replicas:
+            if server == me or server in self._servers_lost:
+                continue
+            try:
+                self.transport.isend(server, REQUEST_TAG, arrays, meta)
+            except (PeerLostError, TransportClosedError) as exc:
+                log.warning("server %d: cannot forward to server %d: %s", me, server, exc)
+                continue
+            sent.add(server)
+            self.stats.forwarded += 1
+        return sent
+
     def _op_replicate(self, msg: Message) -> None:
-        """A push another replica applied: apply it here in the same round, then acknowledge it to that server."""
+        """A push another replica applied: apply it here in the same round, then acknowledge it to that server.
+
+        It counts towards its worker's clock here (``wclock``) even when it carries nothing to apply (``skip``: its
+        owner rejected it), so that the clock is not held back for it forever."""
         meta = msg.meta
         worker, round_id = meta.get("worker"), meta.get("round")
-        if not isinstance(worker, int) or worker not in self.done or not isinstance(round_id, int):
-            raise _RejectedError("replicate without a valid worker and round")
+        if not isinstance(worker, int) or worker not in self.done:
+            raise _RejectedError("replicate without a valid worker")
         chunk = self._chunk(meta)
+        new = self._consume(worker, meta.get("seq"), meta.get("wclock"))
+        if meta.get("skip"):
+            return
+        if not isinstance(round_id, int):
+            raise _RejectedError("replicate without a valid round")
         rows, data = self._push_data(chunk, msg)
-        if not self._seen(worker, meta.get("seq")):
+        if new:
             self.stats.replicated += 1
             self._apply(
                 chunk,

@@ -4,6 +4,7 @@ transport, as a crash would)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +19,9 @@ from paratrain.errors import ConfigError
 from paratrain.ps import KVStore
 from paratrain.ps.server import ParameterServer, ServerStats
 from paratrain.testing import run_ranks
+from paratrain.transport.base import Handle, Transport
 from paratrain.transport.registry import local_job
+from paratrain.transport.wire import Message
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -97,12 +100,20 @@ def test_replicas_outside_the_servers_is_an_error() -> None:
 
 
 def _run_with_kill(
-    workers: int, servers: int, fn: Callable[[Context, Callable[[], float]], Any], *, timeout: float = 60.0
+    workers: int,
+    servers: int,
+    fn: Callable[[Context, Callable[[], float]], Any],
+    *,
+    timeout: float = 60.0,
+    wrap: Callable[[list[Transport]], None] | None = None,
 ) -> tuple[list[Any], list[ServerStats | None]]:
     """Runs ``fn(ctx, kill)`` on in-process workers beside parameter-server threads; ``kill()`` crashes the
-    first server (its transport aborts, as a killed process's connections drop) and returns when it did."""
+    first server (its transport aborts, as a killed process's connections drop) and returns when it did.
+    ``wrap(transports)`` may wrap the job's transports before anyone starts (to order messages)."""
     total = workers + servers
     job = local_job("inproc", total, timeout=timeout)
+    if wrap is not None:
+        wrap(job.transports)
     results: list[Any] = [None] * workers
     stats: list[ServerStats | None] = [None] * servers
     errors: list[BaseException] = []
@@ -203,3 +214,75 @@ def test_audit_no_update_lost_or_applied_twice_across_a_server_kill(consistency:
         for copy in copies:
             np.testing.assert_array_equal(copy, out)
     assert all(s is not None and s.servers_lost == [3] for s in stats[1:])
+
+
+# -- a clock that overtakes the pushes forwarded to a backup ---------------------------------------------------
+
+
+def _forwards_after_clocks(workers: int, transports: list[Transport]) -> None:
+    """Makes every push a server forwards reach the other server only after that server received the pushing
+    worker's clock for it: the order the worker's clock, sent without waiting for acknowledgements, allows.
+
+    A forward (``replicate``) is held back at its sender until its receiver has seen the worker's clock
+    ``wclock + 1``; that receiver sends it on itself, in the same call that returns the clock to its loop, so the
+    loop always handles the clock first. Deterministic: an order of messages, no timing."""
+    lock = threading.Lock()
+    clocks: dict[tuple[int, int], int] = {}  # (server rank, worker) -> the last clock it received
+    held: list[tuple[Callable[..., Handle[None]], int, int, Any, dict[str, Any]]] = []
+
+    def due(dst: int, meta: dict[str, Any]) -> bool:
+        return clocks.get((dst, meta["worker"]), 0) >= meta["wclock"] + 1
+
+    for t in transports[workers:]:
+        send, receive = t.isend, t.recv
+
+        def isend(dst: int, tag: int, arrays: Any = (), meta: Any = None, *, send: Any = send) -> Handle[None]:
+            if meta is not None and meta.get("op") == "replicate":
+                with lock:
+                    if not due(dst, meta):
+                        held.append((send, dst, tag, list(arrays), dict(meta)))
+                        return Handle.completed(None)
+            result: Handle[None] = send(dst, tag, arrays, meta)
+            return result
+
+        def recv(
+            src: int, tag: int, timeout: float | None = None, *, receive: Any = receive, me: int = t.rank
+        ) -> Message:
+            msg: Message = receive(src, tag, timeout=timeout)
+            if msg.meta.get("op") == "clock":
+                with lock:
+                    clocks[(me, msg.src)] = msg.meta["clock"]
+                    ready = [h for h in held if h[1] == me and due(me, h[4])]
+                    held[:] = [h for h in held if not (h[1] == me and due(me, h[4]))]
+                for send_, dst, tag_, arrays, meta in ready:
+                    send_(dst, tag_, arrays, meta)
+            return msg
+
+        t.isend = isend  # type: ignore[method-assign]
+        t.recv = recv  # type: ignore[method-assign]
+
+
+def test_a_clock_reaching_a_backup_before_its_forwarded_pushes_is_counted_after_them() -> None:
+    """The worker sends its clock without waiting for its pushes' acknowledgements; a server counts it only when
+    it holds every push of that clock it replicates, so the replicated run still equals the unreplicated one."""
+    workers, steps = 2, 4
+    expected = run_ranks(workers, _train(1, steps=steps), servers=2)[0][0]
+
+    def worker(ctx: Context, kill: Callable[[], float]) -> tuple[np.ndarray, list[np.ndarray]]:
+        kv = KVStore(optimizer=SGD, context=ctx, replicas=2, chunk_bytes=64)
+        kv.init("w", np.arange(40, dtype=np.float64) / 8)
+        for step in range(steps):
+            w = kv.pull("w")
+            kv.push("w", _grad(w, ctx.rank, step))
+            kv.clock()
+        out = kv.pull("w")
+        copies = kv.pull_replicas("w")
+        kv.close()
+        return out, copies
+
+    results, stats = _run_with_kill(workers, 2, worker, wrap=functools.partial(_forwards_after_clocks, workers))
+    for out, copies in results:
+        np.testing.assert_array_equal(out, expected)
+        for copy in copies:
+            np.testing.assert_array_equal(copy, out)
+    assert all(s is not None and s.clocks_held > 0 and s.replicated > 0 for s in stats)
