@@ -10,9 +10,12 @@ old, update from the network"); pushes always go to the servers, so caching neve
 With ``replicas=R`` every chunk lives on R servers (primary-backup, Li et al. OSDI'14; the server side is in
 :mod:`.server`): a request goes to the chunk's first live replica, and a push is acknowledged only when every live
 replica applied it. A request whose server dies is sent again to the next live replica (the push with the same
-sequence number, so the servers apply it once), and :meth:`KVStore.clock` first waits until this clock's pushes
-are acknowledged, so that a backup never counts a clock before it holds that clock's pushes. (Tested under BSP,
-where the replicated run is bitwise the unreplicated one; SSP and ASP forward the same way, untested so far.)
+sequence number, so the servers apply it once). :meth:`KVStore.clock` does not wait for its pushes'
+acknowledgements (that was a server-to-server round trip on every clock): it tells each server how many of this
+clock's pushes that server replicates, and a server counts the clock only once it holds that many, so a backup
+still never counts a clock before it holds that clock's pushes. (Tested under BSP, where the replicated run is
+bitwise the unreplicated one even when every clock overtakes the forwarded pushes, and SSP(2) across a server
+kill; ASP forwards the same way.)
 
 One module (about 620 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
 pulls, the sequence numbers that deduplicate retried pushes and the failover to the next live replica share the
@@ -118,8 +121,9 @@ class KVStore:
         join: announce this worker to the servers (needed only to come back after :meth:`close`).
         replicas: servers holding each chunk, ``1 <= R <= S``. With 2 or more, a push is acknowledged only
             once every replica has it and the job survives the death of R - 1 servers (requests fail over to
-            the next replica); the price is one more server-to-server hop per push and a clock that waits
-            for its pushes' acknowledgements. Default: ``settings.ps_replicas`` (``PARATRAIN_PS_REPLICAS``,
+            the next replica); the price is one more server-to-server hop per push (a server counts a clock
+            only once it holds the clock's pushes forwarded to it) and twice the bytes each server receives and
+            adds. Default: ``settings.ps_replicas`` (``PARATRAIN_PS_REPLICAS``,
             set by ``paratrain launch --replicas``; 1 unless set).
 
     Example:

@@ -20,7 +20,12 @@ one of them acknowledged (``replicated``), so an acknowledged update survives th
 loop never blocks on a backup: pushes awaiting acknowledgements are kept in ``_forwards`` and answered as they
 arrive, or at once when a backup is lost. Pushes carry a per-worker sequence number; a server applies each
 (worker, sequence) once, so a push the worker retries on a backup after its owner died (and which the owner may
-or may not have forwarded before dying) is never applied twice nor lost.
+or may not have forwarded before dying) is never applied twice nor lost. A worker sends its clock without waiting
+for acknowledgements, with the number of that clock's pushes this server must hold (``expect``: those whose chunk
+it replicates, direct or forwarded, counted per (worker, clock) as they are applied): until it holds them the
+clock and everything its worker sends after it wait in ``_queued`` (except a push of that clock sent again after
+its owner died, which the clock may be waiting for). So every replica counts clock k of a worker with exactly
+that worker's clock-k pushes, and takes the same optimizer steps on the same sums as the others.
 
 Robustness: a malformed or invalid request is answered with an error and the loop goes on; a worker whose
 process dies (its connection drops, or heartbeats stop) is removed from the clock bookkeeping and logged, so
