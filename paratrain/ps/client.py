@@ -591,9 +591,14 @@ class KVStore:
         return out
 
     def clock(self) -> None:
-        """Ends this worker's iteration. Under BSP/SSP it waits while this worker would be more than s ahead."""
+        """Ends this worker's iteration. Under BSP/SSP it waits while this worker would be more than s ahead.
+
+        Raises:
+            PSRequestError: (replicated) a push already answered was rejected; the clock was counted anyway.
+        """
         meta: dict[str, Any] = {"op": "clock", "clock": self._clock + 1, "id": -1}
         expect: dict[int, int] = {}
+        rejected: BaseException | None = None
         if self.replicas > 1:
             # Sent at once, without waiting for this clock's pushes to be acknowledged: each server is told how
             # many of them it must hold (its own and those forwarded by other replicas) and counts the clock only
@@ -602,8 +607,8 @@ class KVStore:
             for first, push in self._unacked:
                 if not push.done():
                     still.append((first, push))
-                elif push.exception() is not None:
-                    push.wait(0)  # a rejected push: its error, now
+                elif rejected is None:
+                    rejected = push.exception()  # raised once the clock is sent: the servers count it anyway
             self._unacked = still
             # every push numbered below this is acknowledged: never sent again, its number may be forgotten
             meta["acked"] = min((first for first, _ in still), default=self._next_seq)
@@ -631,6 +636,8 @@ class KVStore:
                     break
                 except PeerLostError as exc:
                     self._lost(exc, server)
+        if rejected is not None:
+            raise rejected
 
     def close(self) -> None:
         """Leaves: the servers stop counting this worker's clock. Idempotent."""

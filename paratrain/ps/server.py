@@ -206,17 +206,22 @@ class ParameterServer:
         self._handle(msg)
 
     def _release(self) -> None:
-        """Handles the held-back requests of every worker whose first held-back clock now has all its pushes."""
-        for worker in list(self._queued):
-            queue = self._queued[worker]
-            if not self._holds_pushes(queue[0]):
-                continue
-            del self._queued[worker]
-            for i, msg in enumerate(queue):
-                if worker in self._queued:  # a later clock waits again: the rest stays behind it
-                    self._queued[worker].extend(queue[i:])
-                    break
-                self._handle(msg)
+        """Handles the held-back requests of every worker whose first held-back clock now has all its pushes.
+
+        Each goes through :meth:`_receive` again: behind a later clock that waits in turn, the others stay held
+        back, but a push sent again for that later clock (it arrived behind the first one) is applied, or the
+        later clock would wait for a push held back behind itself. Repeats while that releases a clock."""
+        released = True
+        while released:
+            released = False
+            for worker in list(self._queued):
+                queue = self._queued.get(worker)
+                if queue is None or not self._holds_pushes(queue[0]):
+                    continue
+                del self._queued[worker]
+                released = True
+                for msg in queue:
+                    self._receive(msg)
 
     def _holds_pushes(self, clock: Message) -> bool:
         """Whether this server holds every push the worker made in the clock that ``clock`` ends (replication:

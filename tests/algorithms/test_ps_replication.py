@@ -17,6 +17,7 @@ from paratrain import Context
 from paratrain.config import Settings
 from paratrain.errors import ConfigError
 from paratrain.ps import KVStore
+from paratrain.ps.protocol import PSRequestError
 from paratrain.ps.server import ParameterServer, ServerStats
 from paratrain.testing import run_ranks
 from paratrain.transport.base import Handle, Transport
@@ -286,3 +287,51 @@ def test_a_clock_reaching_a_backup_before_its_forwarded_pushes_is_counted_after_
         for copy in copies:
             np.testing.assert_array_equal(copy, out)
     assert all(s is not None and s.clocks_held > 0 and s.replicated > 0 for s in stats)
+
+
+def _corrupt_pushes_of_clock(worker: int, wclock: int, transports: list[Transport]) -> None:
+    """Worker ``worker``'s pushes made at clock ``wclock`` leave with float64 data for an int64 key (a fault on its
+    wire, after the KVStore's own checks), so their owner rejects them."""
+    t = transports[worker]
+    send = t.isend
+
+    def isend(dst: int, tag: int, arrays: Any = (), meta: Any = None) -> Handle[None]:
+        if meta is not None and meta.get("op") == "push" and meta.get("wclock") == wclock:
+            arrays = [np.asarray(a, dtype=np.float64) for a in arrays]
+        result: Handle[None] = send(dst, tag, arrays, meta)
+        return result
+
+    t.isend = isend  # type: ignore[method-assign]
+
+
+def test_a_push_its_owner_rejects_does_not_hold_back_the_clock_on_its_backup() -> None:
+    """The owner tells the backups to count a push it rejected (``skip``), else a backup would wait for it forever
+    before counting the worker's clock; the worker gets the rejection, and no replica applied the push."""
+    workers, clocks = 2, 3
+
+    def worker(ctx: Context, kill: Callable[[], float]) -> tuple[np.ndarray, list[np.ndarray], int]:
+        kv = KVStore(context=ctx, replicas=2, chunk_bytes=64)  # 2 chunks: each server owns one, backs up the other
+        kv.init("n", np.zeros(16, dtype=np.int64))
+        errors = 0
+        for c in range(clocks):
+            handle = kv.push("n", np.ones(16, dtype=np.int64))
+            if c == 1 and ctx.rank == 0:
+                with pytest.raises(PSRequestError, match="carries float64"):
+                    handle.wait(30)
+                with pytest.raises(PSRequestError):
+                    kv.clock()  # sent and counted, then the rejection is raised
+                errors += 1
+            else:
+                kv.clock()
+        out = kv.pull("n")
+        copies = kv.pull_replicas("n")
+        kv.close()
+        return out, copies, errors
+
+    results, stats = _run_with_kill(workers, 2, worker, wrap=functools.partial(_corrupt_pushes_of_clock, 0, 1))
+    for out, copies, _ in results:
+        np.testing.assert_array_equal(out, np.full(16, workers * clocks - 1))  # worker 0's clock-1 push is lost
+        for copy in copies:
+            np.testing.assert_array_equal(copy, out)
+    assert [e for _, _, e in results] == [1, 0]
+    assert all(s is not None and s.rejected == 1 for s in stats)
