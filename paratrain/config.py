@@ -266,6 +266,13 @@ class Settings:
             above 0 the job is *resilient*: a crashed peer fails every pending receive, not only those from it.
         restart_count: how many times this rank's process was restarted; above 0 this process replaces a
             crashed one and must recover its state from the survivors (:mod:`paratrain.recovery`).
+        min_workers: above 0 the job is *elastic* (``paratrain launch --min-workers``): a worker that dies for
+            good (no restart left, or none ready) is dropped and the others go on while at least this many remain;
+            a replacement joins later. Ranks are then renumbered: :attr:`member` is the stable identity.
+        member: this process's member id in an elastic job, the rank it was launched as (never changes, while
+            :attr:`rank` and :attr:`world_size` describe the job as it stands); None: equal to ``rank``.
+        launched_workers: the workers the job was launched with (``WORLD_SIZE``), which an elastic job keeps as
+            its number of data shards whatever its size; 0: equal to ``world_size``.
         secret: the job's secret; every connection is authenticated with keys derived from it. Not shown by
             ``repr``. None: a multi-process ZeroMQ job refuses to start unless :attr:`insecure`.
         insecure: run without a secret, unauthenticated (``PARATRAIN_INSECURE=1``); ignored when a secret is set.
@@ -297,6 +304,9 @@ class Settings:
     launched_by: str = "none"
     max_restarts: int = 0
     restart_count: int = 0
+    min_workers: int = 0
+    member: int | None = None
+    launched_workers: int = 0
     secret: bytes | None = field(default=None, repr=False)
     insecure: bool = False
 
@@ -341,6 +351,12 @@ class Settings:
             raise ConfigError(
                 f"max_restarts ({self.max_restarts}) and restart_count ({self.restart_count}) must be >= 0"
             )
+        if self.min_workers < 0 or self.min_workers > max(self.world_size, self.launched_workers):
+            raise ConfigError(
+                f"min_workers ({self.min_workers}) must be between 0 and the job's {self.world_size} workers"
+            )
+        if self.min_workers and self.num_servers:
+            raise ConfigError("an elastic job (min_workers) has no parameter servers: replicate them instead")
         if self.secret is not None and len(self.secret) < MIN_SECRET_BYTES:
             raise ConfigError(f"the job secret has {len(self.secret)} bytes, fewer than {MIN_SECRET_BYTES}")
         for port_name in ("master_port", "rdzv_port"):
@@ -357,6 +373,27 @@ class Settings:
     def role_rank(self) -> int:
         """This process's index among the processes of its role."""
         return self.rank if self.role == "worker" else self.rank - self.num_workers
+
+    @property
+    def resilient(self) -> bool:
+        """True when the job outlives a worker's death (restarts or elastic): collectives then break on any
+        crash, for :mod:`paratrain.recovery` to mend."""
+        return self.max_restarts > 0 or self.min_workers > 0
+
+    @property
+    def elastic(self) -> bool:
+        """True when the job's membership may change (``min_workers`` > 0)."""
+        return self.min_workers > 0
+
+    @property
+    def member_id(self) -> int:
+        """The stable identity of this process in the job (see :attr:`member`)."""
+        return self.rank if self.member is None else self.member
+
+    @property
+    def job_workers(self) -> int:
+        """The workers the job was launched with (see :attr:`launched_workers`)."""
+        return self.launched_workers or self.num_workers
 
     def replace(self, **changes: object) -> Settings:
         """A copy with some fields changed (validated again)."""
@@ -446,6 +483,7 @@ class Settings:
             launched_by=launched_by,
             max_restarts=_get_int(env, "PARATRAIN_MAX_RESTARTS", 0),
             restart_count=_get_int(env, "PARATRAIN_RESTART_COUNT", 0),
+            min_workers=_get_int(env, "PARATRAIN_MIN_WORKERS", 0),
             secret=parse_secret(env[SECRET_ENV]) if env.get(SECRET_ENV, "").strip() else None,
             insecure=_get_flag(env, "PARATRAIN_INSECURE"),
         )

@@ -77,6 +77,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="with --max-restarts: start a restarted rank cold rather than from a warm spare process",
     )
+    p.add_argument(
+        "--min-workers",
+        type=int,
+        default=0,
+        metavar="M",
+        help="elastic job: a worker that fails with no warm spare ready is dropped and the others go on, "
+        "renumbered, while M remain; with --max-restarts a cold replacement joins at their next checkpoint "
+        "(the program must use paratrain.recovery, as paratrain train does; default 0: not elastic)",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command each rank runs (after --)")
     p.set_defaults(func=_main)
 
@@ -98,6 +107,7 @@ def _main(args: argparse.Namespace) -> int:
             kill_seed=args.kill_seed,
             max_restarts=args.max_restarts,
             spare=not args.no_spare,
+            min_workers=args.min_workers,
         )
     except ConfigError as exc:
         print(f"paratrain launch: error: {exc}", file=sys.stderr)

@@ -72,12 +72,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=int,
         default=10,
         metavar="K",
-        help="with --max-restarts: steps between in-memory checkpoints (default 10)",
+        help="with --max-restarts or --min-workers: steps between in-memory checkpoints, where joiners are "
+        "admitted too (default 10)",
     )
     p.add_argument(
         "--no-spare",
         action="store_true",
         help="with --max-restarts: start a restarted worker cold instead of from a warm spare process",
+    )
+    p.add_argument(
+        "--min-workers",
+        type=int,
+        default=0,
+        metavar="M",
+        help="allreduce, elastic: a worker that dies with no warm spare ready is dropped and the others go on "
+        "while M remain, each taking more of every step's examples (the global batch stays the launched one); "
+        "with --max-restarts its cold replacement joins at the next checkpoint (default 0: not elastic)",
     )
     p.set_defaults(func=_main)
 

@@ -125,6 +125,14 @@ class RestartPolicy(Protocol):
         """The line a warm spare reads to become ``spec``'s process."""
         ...
 
+    def shrink(self, failed: ProcSpec, *, spare_ready: bool) -> int | None:
+        """An elastic job drops ``failed`` instead of waiting for it: the workers left, or None (it waits)."""
+        ...
+
+    def finished(self, spec: ProcSpec) -> None:
+        """``spec``'s process exited 0 (an elastic job then stops waiting for joiners once every member has)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
@@ -155,6 +163,10 @@ class _Child:
 
 
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+def _workers(count: int) -> str:
+    return "worker" if count == 1 else "workers"
 
 
 class Supervisor:
@@ -223,6 +235,7 @@ class Supervisor:
         self._on_exit = tuple(on_exit)
         self._restarts = restarts
         self._replaced: set[int] = set()  # pids of failed children that a restart replaced
+        self._finished: set[int] = set()  # pids of children seen to exit 0 (told to the restart policy)
 
         self._lock = threading.Lock()  # guards _children and _started (pids() may come from another thread)
         self._children: list[_Child] = []
@@ -386,6 +399,8 @@ class Supervisor:
                     self._tolerated.append(failure)
                     self._say(f"{describe_failure(failure)}; the others go on (it is not essential)")
             failed = [f for f in failed if f.pid in essential]
+            if self._restarts is not None:
+                self._note_finished()
             if failed and self._restarts is not None:
                 failed = [f for f in failed if not self._restart(f)]
             if failed:
@@ -407,6 +422,9 @@ class Supervisor:
         """Replaces a failed child, from a spare if one runs, if the budget allows; False if it does not."""
         assert self._restarts is not None
         failed = next(c for c in self._children if c.popen.pid == failure.pid)
+        left = self._restarts.shrink(failed.spec, spare_ready=bool(self._idle_spares()))
+        if left is not None:
+            return self._shrink(failure, failed, left)
         spec = self._restarts.replacement(failed.spec)
         if spec is None:
             return False
@@ -442,6 +460,31 @@ class Supervisor:
             if spare_child is not None and self._pump is not None:
                 self._pump.add(self._streams_of(spare_child))
         return True
+
+    def _shrink(self, failure: ProcFailure, failed: _Child, left: int) -> bool:
+        """The elastic job went on without ``failed``; a cold replacement, if the budget allows, joins later."""
+        assert self._restarts is not None
+        self._replaced.add(failure.pid)
+        spec = self._restarts.replacement(failed.spec)
+        if spec is None:
+            self._say(f"{describe_failure(failure)}; the job goes on with {left} {_workers(left)}")
+            return True
+        child = self._spawn(spec)
+        if child is not None and self._pump is not None:
+            self._pump.add(self._streams_of(child))
+        budget = self._restarts
+        self._say(
+            f"{describe_failure(failure)}; the job goes on with {left} {_workers(left)}, and a replacement "
+            f"started cold joins it at a checkpoint: restart {budget.used} of {budget.budget}"
+        )
+        return True
+
+    def _note_finished(self) -> None:
+        assert self._restarts is not None
+        for child in self._children:
+            if child.popen.pid not in self._finished and not child.spec.spare and child.popen.poll() == 0:
+                self._finished.add(child.popen.pid)
+                self._restarts.finished(child.spec)
 
     def _idle_spares(self) -> list[_Child]:
         return [

@@ -12,21 +12,84 @@ budget lasts. Without a live spare (two failures at once) the rank is started co
 The budget is the job's, as torchrun's ``--max-restarts``: R restarts in all, whichever ranks fail. A replaced
 process carries ``PARATRAIN_RESTART_COUNT`` one higher than the one it replaces, and never the failed one's kill
 schedule (an injected fault fires once, not in every replacement).
+
+An *elastic* job (``--min-workers M``, :class:`Membership`) does not make the survivors wait for a cold start:
+when a worker fails and no warm spare is ready (or the budget is spent), the launcher drops it from the
+rendezvous's members and the survivors go on without it, as long as M remain; a cold replacement, if the budget
+allows one, joins when it is ready (at the members' next checkpoint). A warm spare still replaces in place, since
+that is faster than re-forming twice.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from paratrain.launch.kills import ENV as KILL_ENV
 from paratrain.launch.procs import ProcSpec
 
-__all__ = ["SPARE_ENV", "Restarts", "spare_spec"]
+__all__ = ["JOIN_FILE", "SPARE_ENV", "Membership", "Restarts", "spare_spec", "write_join_round"]
+
+#: In the launcher's scratch directory: the rendezvous round in which a waiting joiner will be admitted (written
+#: when one registers; an elastic job's members read it at their checkpoints, :mod:`paratrain.recovery`).
+JOIN_FILE = "join-round"
 
 #: Set in a spare's environment: its ``paratrain.init()`` waits on standard input for the rank it becomes
 #: (:mod:`paratrain.runtime.spare`).
 SPARE_ENV = "PARATRAIN_SPARE"
+
+
+class Members(Protocol):
+    """What :class:`Membership` needs of the rendezvous (:class:`~paratrain.transport.rendezvous.RendezvousServer`)."""
+
+    @property
+    def members(self) -> list[int]:
+        """The job's member ids now."""
+        ...
+
+    def remove(self, member: int) -> bool:
+        """Drops ``member`` from the job for good."""
+        ...
+
+    def finish(self, member: int) -> None:
+        """``member`` completed its work."""
+        ...
+
+
+@dataclass(slots=True)
+class Membership:
+    """An elastic job's floor and the rendezvous that tracks its members.
+
+    Attributes:
+        min_workers: the fewest workers the job goes on with.
+        rendezvous: where the members meet (it forms each round without the dropped ones).
+    """
+
+    min_workers: int
+    rendezvous: Members
+
+    def drop(self, failed: ProcSpec) -> int | None:
+        """Drops ``failed``'s member if at least ``min_workers`` remain; the workers left, or None (too few)."""
+        member = int(failed.env["RANK"])
+        members = self.rendezvous.members
+        if member in members and len(members) - 1 < self.min_workers:
+            return None
+        self.rendezvous.remove(member)  # a joiner not yet admitted is not a member: nothing to drop
+        return len(self.rendezvous.members)
+
+    def finished(self, spec: ProcSpec) -> None:
+        """A worker exited 0: once every member has, joiners still waiting are told the job is over."""
+        self.rendezvous.finish(int(spec.env["RANK"]))
+
+
+def write_join_round(scratch_dir: str, round_number: int) -> None:
+    """Tells the members that a joiner waits for ``round_number`` (read at their checkpoints; atomic)."""
+    path = os.path.join(scratch_dir, JOIN_FILE)
+    with open(path + ".tmp", "w", encoding="ascii") as fh:
+        fh.write(f"{round_number}\n")
+    os.replace(path + ".tmp", path)
 
 
 @dataclass(slots=True)
@@ -37,11 +100,29 @@ class Restarts:
         budget: restarts allowed in the whole job.
         spare: the spec a spare is started from (None: every restart is cold).
         used: restarts made so far.
+        membership: an elastic job's (see the module docstring); None: a failure waits for its restart.
     """
 
     budget: int
     spare: ProcSpec | None = None
     used: int = 0
+    membership: Membership | None = None
+
+    def shrink(self, failed: ProcSpec, *, spare_ready: bool) -> int | None:
+        """In an elastic job, drops ``failed`` rather than wait for it when no warm spare can replace it in place.
+
+        Returns:
+            The workers left when it dropped the failed member; None when the job waits for a restart instead
+            (not elastic, a spare is ready with budget left, or too few would remain).
+        """
+        if self.membership is None or failed.spare or (spare_ready and self.left > 0):
+            return None
+        return self.membership.drop(failed)
+
+    def finished(self, spec: ProcSpec) -> None:
+        """``spec``'s process exited 0 (see :meth:`Membership.finished`)."""
+        if self.membership is not None and not spec.spare:
+            self.membership.finished(spec)
 
     @property
     def left(self) -> int:

@@ -24,7 +24,7 @@ from paratrain.launch.failures import explain_failure
 from paratrain.launch.kills import kill_env, parse_kills, time_kill
 from paratrain.launch.plan import LaunchPlan, free_port, resolve_command
 from paratrain.launch.procs import Outcome, ProcSpec, Supervisor
-from paratrain.launch.restarts import Restarts, spare_spec
+from paratrain.launch.restarts import Membership, Restarts, spare_spec, write_join_round
 
 __all__ = ["run_commands", "run_launch", "sweep_run"]
 
@@ -92,6 +92,7 @@ def run_launch(
     kill_seed: int = 0,
     max_restarts: int = 0,
     spare: bool = True,
+    min_workers: int = 0,
 ) -> int:
     """Starts ``nproc`` ranks of ``cmd``, supervises them, cleans up; returns the exit code for the shell.
 
@@ -115,6 +116,9 @@ def run_launch(
             recover with :mod:`paratrain.recovery`, as ``paratrain train --max-restarts`` does); 0: a failure
             stops the job.
         spare: with ``max_restarts``, keep a warm spare running that takes over a failed rank (:mod:`.restarts`).
+        min_workers: above 0 the job is elastic: a worker that fails with no warm spare ready is dropped and the
+            others go on (renumbered) while at least this many remain; a cold replacement (``max_restarts``)
+            joins at their next checkpoint (:mod:`paratrain.recovery`).
 
     Every process of the job (and every spare and restarted rank: they copy a rank's environment) gets the job's
     ``PARATRAIN_SECRET``, 32 random bytes made here, so the rendezvous hosted here and every rank accept only
@@ -145,6 +149,13 @@ def run_launch(
             "--max-restarts restarts workers of an allreduce job; it does not combine with --servers (replicate "
             "the servers instead) or --keep-going (an elastic job shrinks rather than restarts)"
         )
+    if not 0 <= min_workers <= nproc:
+        raise ConfigError(f"--min-workers must be between 0 and -n ({nproc}), got {min_workers}")
+    if min_workers and (servers or keep_going):
+        raise ConfigError(
+            "--min-workers makes an allreduce job elastic; it does not combine with --servers (replicate the "
+            "servers instead) or --keep-going"
+        )
     if faults:
         from paratrain.transport.faults import FaultSpec
 
@@ -159,7 +170,9 @@ def run_launch(
         bind_addr="127.0.0.1",
         port=0,
         timeout=24 * 3600.0,
-        rounds=max_restarts > 0,
+        rounds=max_restarts > 0 or min_workers > 0,
+        elastic=min_workers > 0,
+        on_joiner=(lambda round_number: write_join_round(scratch, round_number)) if min_workers else None,
         secret=secret,
     )
     try:
@@ -184,6 +197,8 @@ def run_launch(
                 env["PARATRAIN_PS_REPLICAS"] = str(replicas)
             if max_restarts:
                 env["PARATRAIN_MAX_RESTARTS"] = str(max_restarts)
+            if min_workers:
+                env["PARATRAIN_MIN_WORKERS"] = str(min_workers)
             kill_after = time_kill(schedule, role, number)
             if role == "rank":
                 specs.append(
@@ -209,8 +224,12 @@ def run_launch(
                     )
                 )
         restarts = None
-        if max_restarts:
-            restarts = Restarts(max_restarts, spare_spec(specs[0], prefix=prefix) if spare else None)
+        if max_restarts or min_workers:
+            restarts = Restarts(
+                max_restarts,
+                spare_spec(specs[0], prefix=prefix) if spare and max_restarts else None,
+                membership=Membership(min_workers, server) if min_workers else None,
+            )
             if restarts.spare is not None:
                 specs.append(restarts.spare)
         outcome = Supervisor(specs, grace_s=grace, deadline_s=deadline_s, stdout=stdout, restarts=restarts).run()

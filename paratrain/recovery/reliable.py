@@ -33,11 +33,23 @@ reported as a :class:`~.plan.RecoveryError` rather than silently diverging.
 
 Unlike Rabit, the survivors do not block a restart on a fixed schedule of their own: they re-form as soon as
 the replacement registers, and a warm spare makes that a fraction of a second (see ``benchmarks/recovery``).
+
+**Elastic jobs** (``paratrain launch --min-workers``, :attr:`~paratrain.config.Settings.elastic`) may also change
+size. When a worker dies with no warm replacement, the launcher drops it and the survivors re-form without it
+(renumbered, a smaller ring); its replacement, started cold, *joins* later: at the next :meth:`Reliable.checkpoint`
+every rank agrees (one small allreduce, made only in elastic jobs) whether someone waits to join, and if so they
+re-form with it and it receives the checkpoint just taken. An operation whose inputs came from every rank (a
+gradient sum) cannot simply run again in a smaller job: the dead rank's part would be missing. So when the
+members change during such an operation, it raises :class:`RegroupedError` after the recovery, on every rank that
+was in it; the program recomputes its inputs for the new job (its share of the data) and calls it again, with
+the same operation number. Operations marked ``whole=False`` (where any subset of ranks gives an acceptable
+result, as the join check's maximum) run again at once instead.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -48,16 +60,36 @@ import numpy.typing as npt
 
 from paratrain.errors import PeerLostError, TransportClosedError
 from paratrain.launch.kills import checkpoint_kill_point
+from paratrain.launch.restarts import JOIN_FILE
 from paratrain.recovery.plan import RankState, RecoveryError, RecoveryPlan, plan_recovery
 from paratrain.runtime.context import Context, current, reform
 
-__all__ = ["Checkpoint", "Recovery", "Reliable"]
+__all__ = ["Checkpoint", "Recovery", "RegroupedError", "Reliable"]
 
 log = logging.getLogger("paratrain.recovery")
 
 Array = npt.NDArray[Any]
 #: What breaks an operation when a peer crashes; anything else (a timeout, a bad argument) is not recovered.
 _BROKEN = (PeerLostError, TransportClosedError)
+
+
+class RegroupedError(RuntimeError):
+    """The job's members changed during a reliable operation that needs every rank's input (elastic jobs).
+
+    The job has re-formed (read :attr:`Reliable.ctx` for the new rank and size); recompute this operation's
+    input for the new job and make the same call again.
+
+    Attributes:
+        seq: the operation to call again.
+        members: the member ids of the new job, in rank order.
+    """
+
+    def __init__(self, seq: int, members: list[int]) -> None:
+        super().__init__(
+            f"reliable operation {seq}: the job re-formed with members {members}; recompute its input and call again"
+        )
+        self.seq = seq
+        self.members = members
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +120,9 @@ class Recovery:
         frontier: the operation everyone ran live next.
         replayed: results received to replay (a replacement) or to skip one behind (a survivor).
         bytes_received: bytes of checkpoint and results received.
-        restarted: this rank is the replacement.
+        restarted: this rank is the replacement (or, in an elastic job, a joiner).
+        members: the member ids of the job as it re-formed, in rank order.
+        world_size: the size of the job as it re-formed.
     """
 
     failed_at: float
@@ -98,6 +132,8 @@ class Recovery:
     replayed: int
     bytes_received: int
     restarted: bool
+    members: tuple[int, ...] = ()
+    world_size: int = 0
 
 
 def _meta_value(value: object) -> int | float | str:
@@ -131,6 +167,9 @@ class Reliable:
         self._loaded: Checkpoint | None = None
         #: Every recovery this rank took part in, oldest first.
         self.recoveries: list[Recovery] = []
+        #: The member ids of the job, in rank order (they change only in an elastic job).
+        self.members: list[int] = list(range(self.ctx.world_size))
+        self._regrouped = False  # the last recovery changed the members
         if self.ctx.settings.restart_count > 0:
             self._join()
 
@@ -142,7 +181,12 @@ class Reliable:
     @property
     def resilient(self) -> bool:
         """True when the launcher restarts failed ranks (otherwise a failure is raised, as without this class)."""
-        return self.ctx.settings.max_restarts > 0
+        return self.ctx.settings.resilient
+
+    @property
+    def elastic(self) -> bool:
+        """True when the job may change size (``--min-workers``): see the module docstring."""
+        return self.ctx.settings.elastic
 
     # -- the program's side --------------------------------------------------------------------------------
 
@@ -152,29 +196,57 @@ class Reliable:
 
     def checkpoint(self, arrays: Mapping[str, Any], meta: Mapping[str, object] | None = None) -> Checkpoint:
         """Saves ``arrays`` (copied) and ``meta`` as the state to restart from; forgets older results. Local."""
+        # an elastic job first agrees whether someone waits to join (then they meet below, after the copy)
+        joining = self.elastic and self._join_wanted()
         copies = {str(name): np.array(value, copy=True) for name, value in arrays.items()}
         version = (self._checkpoint.version if self._checkpoint is not None else 0) + 1
         values = {str(k): _meta_value(v) for k, v in (meta or {}).items()}
         checkpoint_kill_point(version)  # paratrain launch --kill RANK@checkpoint=V: a death mid-checkpoint
-        self._checkpoint = Checkpoint(version, self.seq, copies, values)
+        ckpt = self._checkpoint = Checkpoint(version, self.seq, copies, values)
         # keep one result before the checkpoint: a survivor one operation behind may need it
         for seq in [s for s in self._cache if s < self.seq - 1]:
             del self._cache[seq]
-        return self._checkpoint
+        if joining:
+            log.info("rank %d: admitting a joiner at checkpoint %d", self.ctx.rank, version)
+            self._recover(time.time())
+            self._regrouped = False  # between operations: nothing to recompute
+        return ckpt
 
-    def allreduce(self, x: Any, op: str = "sum") -> Array:
-        """The reliable ``allreduce`` of ``x`` (not modified); returns a new array, the same bits on every rank."""
+    def _join_wanted(self) -> bool:
+        """Whether any rank saw a joiner waiting for a round after this job's (a reliable maximum)."""
+        wanted = 0
+        scratch = self.ctx.settings.scratch_dir
+        if scratch is not None:
+            try:
+                with open(os.path.join(scratch, JOIN_FILE), encoding="ascii") as fh:
+                    wanted = int(fh.read().strip() or 0)
+            except (OSError, ValueError):
+                wanted = 0
+        agreed = self.allreduce(np.array([wanted], dtype=np.int64), op="max", whole=False)
+        return int(agreed[0]) > self.ctx.transport.round
+
+    def allreduce(self, x: Any, op: str = "sum", *, whole: bool = True) -> Array:
+        """The reliable ``allreduce`` of ``x`` (not modified); returns a new array, the same bits on every rank.
+
+        Args:
+            whole: the result needs every rank's input. In an elastic job whose members change during the call
+                it then raises :class:`RegroupedError` (recompute ``x`` for the new job and call again); with False
+                it runs again at once among the new members.
+        """
         array = np.asarray(x)
-        return self._operation("allreduce", array, lambda ctx: np.asarray(ctx.allreduce(array, op=op)))
+        return self._operation("allreduce", array, lambda ctx: np.asarray(ctx.allreduce(array, op=op)), whole)
 
     def broadcast(self, x: Any, root: int = 0) -> Array:
-        """The reliable ``broadcast`` of ``root``'s ``x`` (not modified); returns a new array."""
+        """The reliable ``broadcast`` of ``root``'s ``x`` (not modified); returns a new array. In an elastic job
+        whose members change during it, the new job's rank ``root`` sends."""
         array = np.asarray(x)
-        return self._operation("broadcast", array, lambda ctx: np.asarray(ctx.broadcast(array.copy(), root=root)))
+        return self._operation(
+            "broadcast", array, lambda ctx: np.asarray(ctx.broadcast(array.copy(), root=root)), False
+        )
 
     # -- operations ----------------------------------------------------------------------------------------
 
-    def _operation(self, kind: str, array: Array, run: Callable[[Context], Array]) -> Array:
+    def _operation(self, kind: str, array: Array, run: Callable[[Context], Array], whole: bool) -> Array:
         seq = self.seq
         replayed = self._replay.pop(seq, None)
         while replayed is None:
@@ -191,6 +263,9 @@ class Reliable:
             log.warning("rank %d: reliable %s #%d broken (%s); recovering", self.ctx.rank, kind, seq, why)
             self._recover(failed_at)
             replayed = self._replay.pop(seq, None)
+            if replayed is None and whole and self._regrouped:
+                self._regrouped = False
+                raise RegroupedError(seq, list(self.members))
         if replayed is not None:
             recorded_kind, result = replayed
             if recorded_kind != kind or result.shape != array.shape or result.dtype != array.dtype:
@@ -219,7 +294,8 @@ class Reliable:
 
     def _recover(self, failed_at: float) -> None:
         """A survivor's side: re-form (again, if another rank fails meanwhile) and exchange."""
-        limit = self.ctx.settings.max_restarts + 1
+        settings = self.ctx.settings
+        limit = settings.max_restarts + 1 + (settings.job_workers if settings.elastic else 0)
         for attempt in range(limit):
             self.ctx = self._reform(self.ctx)
             try:
@@ -233,8 +309,12 @@ class Reliable:
     def _exchange(self, failed_at: float, reformed_at: float, *, restarted: bool) -> None:
         ctx = self.ctx
         mine = self._state(restarted=restarted)
-        table = np.asarray(ctx.allgather(np.asarray(mine.as_list(), dtype=np.int64)))
-        states = [RankState(*(int(v) for v in row)) for row in table.reshape(ctx.world_size, 4)]
+        row = [*mine.as_list(), ctx.settings.member_id]
+        table = np.asarray(ctx.allgather(np.asarray(row, dtype=np.int64))).reshape(ctx.world_size, 5)
+        states = [RankState(*(int(v) for v in r[:4])) for r in table]
+        members = [int(r[4]) for r in table]
+        self._regrouped = not restarted and members != self.members
+        self.members = members
         plan = plan_recovery(states)
         tag = ctx.next_collective_tag()
         self._send(ctx, plan, tag)
@@ -242,7 +322,17 @@ class Reliable:
         if restarted:
             self.seq = plan.start(ctx.rank, states)
         self.recoveries.append(
-            Recovery(failed_at, reformed_at, time.time(), plan.frontier, len(self._replay), received, restarted)
+            Recovery(
+                failed_at,
+                reformed_at,
+                time.time(),
+                plan.frontier,
+                len(self._replay),
+                received,
+                restarted,
+                tuple(members),
+                ctx.world_size,
+            )
         )
         log.info(
             "rank %d: recovered (frontier %d, %d results to replay, %d bytes received)",

@@ -383,6 +383,7 @@ def init(
         settings = settings.replace(**overrides)
 
     result = connect(settings, fabric=fabric)
+    settings = _placed(settings, result)
     ctx = Context(settings=settings, transport=result)
     if settings.role == "server":
         _serve_and_exit(ctx)
@@ -393,23 +394,38 @@ def init(
 
 
 def reform(ctx: Context) -> Context:
-    """Leaves a job that lost a rank and meets the others again, in a fresh context of the same shape.
+    """Leaves a job that lost a rank and meets the others again, in a fresh context.
 
-    For resilient jobs (``paratrain launch --max-restarts``): the survivors abort their connections and register
-    at the launcher's rendezvous once more; the round completes when the restarted rank has registered too, and
-    everyone connects afresh (new sockets, new collective tags, new shared-memory segments). Nothing else of
-    ``ctx`` carries over: :mod:`paratrain.recovery` carries the training state across. The new context is the
-    current one.
+    For resilient jobs (``paratrain launch --max-restarts`` or ``--min-workers``): the survivors abort their
+    connections and register at the launcher's rendezvous once more; the round completes when every member has
+    registered (a restarted rank too; in an elastic job, without a member the launcher dropped and with any
+    joiner waiting), and everyone connects afresh (new sockets, new collective tags, new shared-memory
+    segments). In an elastic job the new context may have another size and this process another rank. Nothing
+    else of ``ctx`` carries over: :mod:`paratrain.recovery` carries the training state across. The new context
+    is the current one.
 
     Raises:
         RendezvousError: the others did not all arrive within ``PARATRAIN_RDZV_TIMEOUT`` (no restart came).
     """
     ctx.abort()
     settings = ctx.settings
-    new = Context(settings=settings, transport=connect(settings))
+    transport = connect(settings)
+    new = Context(settings=_placed(settings, transport), transport=transport)
     _set_current(new)
-    log.info("rank %d: re-formed the job after a failure", new.rank)
+    log.info("rank %d of %d: re-formed the job after a failure", new.rank, new.world_size)
     return new
+
+
+def _placed(settings: Settings, transport: Transport) -> Settings:
+    """``settings`` with the rank and size an elastic rendezvous gave ``transport`` (unchanged otherwise)."""
+    if not settings.elastic or (transport.rank, transport.world_size) == (settings.rank, settings.world_size):
+        return settings
+    return settings.replace(
+        rank=transport.rank,
+        world_size=transport.world_size,
+        member=settings.member_id,
+        launched_workers=settings.job_workers,
+    )
 
 
 def _serve_and_exit(ctx: Context) -> NoReturn:

@@ -33,7 +33,7 @@ import torch
 
 from paratrain.errors import ConfigError
 from paratrain.launch.kills import kill_point
-from paratrain.recovery.reliable import Reliable
+from paratrain.recovery.reliable import RegroupedError, Reliable
 from paratrain.runtime.context import Context, current
 from paratrain.strategy import StrategySpec, parse_strategy
 from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
@@ -97,7 +97,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             update rounds the parameters it was computed on were behind (Zhang et al. 2016). Off by default.
         reliable: ``"allreduce"`` only: send the buckets through these reliable collectives, so that the job
             survives a crashed worker (``paratrain launch --max-restarts``; :mod:`paratrain.torch.resilient`).
-            The same update, without overlapping communication with backward.
+            The same update, without overlapping communication with backward. In an elastic job
+            (``--min-workers``) ``step()`` may raise :class:`~paratrain.recovery.RegroupedError`: the job lost or
+            gained a worker mid-step; compute this step's gradients again for the new job (its rank and size are
+            ``reliable.ctx``'s) and call ``step()`` again.
 
     Raises:
         ConfigError: unknown strategy, bad ``bucket_bytes``, optimizer parameters outside ``model``, or (for
@@ -327,7 +330,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.synchronize()
+        try:
+            self.synchronize()
+        except RegroupedError:
+            self._steps -= 1  # the program computes this step again, for the re-formed job, and calls step() again
+            raise
         with self._lock:
             self._strategy.apply(self._inner)
             self._synchronized = False

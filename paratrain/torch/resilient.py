@@ -46,15 +46,26 @@ class ReliableAllreduceStrategy(Strategy):
     def __init__(self, reliable: Reliable, buckets: Sequence[FusedBucket]) -> None:
         super().__init__(buckets)
         self.reliable = reliable
+        self._done: list[torch.Tensor] = []  # this step's averaged buckets, kept across a RegroupedError
 
     def launch(self, k: int) -> None:
         """Nothing starts during backward: every bucket is one numbered operation, made in :meth:`finish`."""
 
     def finish(self) -> None:
-        """Averages every bucket, in plan order, and writes the means into ``param.grad``."""
-        for bucket in self.buckets:
-            mean = self.reliable.allreduce(bucket.buffer.numpy(), op="mean")
-            bucket.give(torch.from_numpy(mean))
+        """Averages every bucket, in plan order, and writes the means into ``param.grad``.
+
+        In an elastic job whose members change during bucket k, :class:`~paratrain.recovery.RegroupedError`
+        leaves here; the buckets before k keep their averages (they are complete: every rank of the old job
+        took part), and the call after the program recomputed its gradients for the new job resumes at k.
+        """
+        for k, bucket in enumerate(self.buckets):
+            if k < len(self._done):
+                bucket.give(self._done[k])
+                continue
+            mean = torch.from_numpy(self.reliable.allreduce(bucket.buffer.numpy(), op="mean"))
+            self._done.append(mean)
+            bucket.give(mean)
+        self._done = []
 
     def apply(self, optimizer: torch.optim.Optimizer) -> None:
         """Runs the wrapped optimizer on the averaged gradients (identically on every rank)."""

@@ -94,6 +94,7 @@ class TrainJob(argparse.Namespace):
     max_restarts: int = 0  # restart a failed worker while the others go on (paratrain.recovery)
     checkpoint_every: int = 10  # steps between in-memory checkpoints under max_restarts
     no_spare: bool = False  # under max_restarts: restart cold, without a warm spare
+    min_workers: int = 0  # elastic: go on without a failed worker while this many remain
 
     def reporting_rank(self) -> int:
         """The rank whose metrics are the job's loss and accuracy: rank 0, or for a pipeline the last stage of
@@ -182,6 +183,11 @@ def validate(job: TrainJob) -> None:
     if job.max_restarts and spec.kind != "allreduce":
         raise ConfigError(
             f"--max-restarts recovers allreduce training (Rabit's model); {job.strategy!r} does not support it yet"
+        )
+    if job.min_workers and (spec.kind != "allreduce" or not 0 < job.min_workers <= (job.workers or 0)):
+        raise ConfigError(
+            f"--min-workers needs the allreduce strategy and 1..{job.workers} (the workers); got "
+            f"{job.min_workers} with {job.strategy!r}"
         )
     if job.kill:
         from paratrain.launch.kills import parse_kills
@@ -313,7 +319,7 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
         argv += ["--no-overlap"]
     if job.eval_every:
         argv += ["--eval-every", str(job.eval_every)]
-    if job.max_restarts:
+    if job.max_restarts or job.min_workers:
         argv += ["--checkpoint-every", str(job.checkpoint_every)]
     stop = threading.Event()
     total = [0]
@@ -339,6 +345,7 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
             kill_seed=job.seed,
             max_restarts=job.max_restarts,
             spare=not job.no_spare,
+            min_workers=job.min_workers,
         )
     finally:
         stop.set()

@@ -18,12 +18,13 @@ from typing import Any
 import numpy as np
 
 import paratrain as pt
-from paratrain.recovery import Reliable
+from paratrain.recovery import RegroupedError, Reliable
 from paratrain.strategy import parse_strategy
 from paratrain.train import stragglers, tasks
 from paratrain.train.data import DATASETS, load_dataset
 from paratrain.train.models import MODELS, build_model, check_model_dataset
 from paratrain.train.record import Recorder
+from paratrain.train.shards import step_share
 
 __all__ = ["PROBE_EXAMPLES", "add_training_args", "epoch_line", "main"]
 
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = pt.init()
     # a job whose failed ranks are restarted sends its gradients through reliable collectives; in a restarted
     # rank, this is where it catches up with the others (before any other collective)
-    reliable = Reliable(ctx) if ctx.settings.max_restarts > 0 else None
+    reliable = Reliable(ctx) if ctx.settings.resilient else None
     dopt = ptt.DistributedOptimizer(
         optimizer, model=model, strategy=args.strategy, overlap=not args.no_overlap, reliable=reliable
     )
@@ -175,41 +176,48 @@ def main(argv: list[str] | None = None) -> None:
         reliable_broadcast_parameters(model, reliable)
     else:
         ptt.broadcast_parameters(model, root=0)
-    rec = Recorder(args.run_dir, rank=ctx.rank)
+    # files are named by member: in an elastic job ranks are renumbered when workers leave or join
+    rec = Recorder(args.run_dir, rank=ctx.settings.member_id)
     straggler = stragglers.parse(args.straggler, seed=args.seed) if args.straggler else None
-    world, rank, batch = ctx.world_size, ctx.rank, args.batch_size
-    per_rank = len(data.y_train) // world
+    shards, batch = ctx.settings.job_workers, args.batch_size  # an elastic job keeps its launched size's batches
+    per_rank = len(data.y_train) // shards
     steps = per_rank // batch
     if steps == 0:
         raise SystemExit(f"batch size {batch} is larger than this worker's {per_rank} examples; lower --batch-size")
     step = int(resumed.meta["step"]) if resumed is not None else 0
     evaluating = float(resumed.meta["evaluating"]) if resumed is not None else 0.0  # excluded from time-to-accuracy
     if resumed is None:
-        rec.log(kind="start", epochs=args.epochs, steps_per_epoch=steps, world_size=world, strategy=args.strategy)
+        rec.log(kind="start", epochs=args.epochs, steps_per_epoch=steps, world_size=shards, strategy=args.strategy)
     for recovery in reliable.recoveries if reliable is not None else []:
         rec.log(kind="recovery", step=step, **dataclasses.asdict(recovery))
     seen_recoveries = len(reliable.recoveries) if reliable is not None else 0
     traffic = _Traffic(ctx)
     for epoch in range(step // steps, args.epochs):
         order = np.random.default_rng(args.seed * 1_000_003 + epoch).permutation(len(data.y_train))
-        mine = order[rank * per_rank : (rank + 1) * per_rank]
         mid_epoch = resumed is not None and epoch == step // steps and step % steps != 0
         epoch_loss = float(resumed.meta["epoch_loss"]) if mid_epoch and resumed is not None else 0.0
         for i in range(step - epoch * steps, steps):
             replaying = reliable is not None and reliable.replaying
-            idx = np.sort(mine[i * batch : (i + 1) * batch])
-            xb, yb = torch.from_numpy(data.x_train[idx]), torch.from_numpy(data.y_train[idx])
-            t0 = time.time()
-            loss = tasks.loss(model(xb), yb)
-            t1 = time.time()
-            dopt.zero_grad()
-            loss.backward()  # type: ignore[no-untyped-call]
-            t2 = time.time()
-            slow = straggler.factor(rank, step + 1) if straggler is not None else 1.0  # the step it is recorded as
-            if slow != 1.0:  # emulate a straggler: this step's compute takes `slow` times as long
-                time.sleep((t2 - t0) * (slow - 1.0))
+            while True:  # more than once only when an elastic job changes size during the step
+                live = reliable.ctx if reliable is not None else ctx
+                rank = live.rank
+                share = step_share(order, shards=shards, batch=batch, step=i, world_size=live.world_size, rank=rank)
+                xb, yb = torch.from_numpy(data.x_train[share.indices]), torch.from_numpy(data.y_train[share.indices])
+                t0 = time.time()
+                loss = tasks.loss(model(xb), yb)
+                t1 = time.time()
+                dopt.zero_grad()
+                (loss if share.scale == 1.0 else loss * share.scale).backward()  # type: ignore[no-untyped-call]
                 t2 = time.time()
-            dopt.step()
+                slow = straggler.factor(rank, step + 1) if straggler is not None else 1.0  # the step it is recorded as
+                if slow != 1.0:  # emulate a straggler: this step's compute takes `slow` times as long
+                    time.sleep((t2 - t0) * (slow - 1.0))
+                    t2 = time.time()
+                try:
+                    dopt.step()
+                    break
+                except RegroupedError as exc:
+                    rec.log(kind="regrouped", step=step + 1, members=exc.members)
             t3 = time.time()
             step += 1
             value = loss.item()
@@ -223,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                     epoch=epoch + 1,
                     step=step,
                     loss=value,
-                    samples=batch,
+                    samples=len(share.indices),
                     compute_s=t2 - t0,
                     wait_s=t3 - t2,
                     **traffic.update(reliable.ctx if reliable is not None else ctx),
@@ -268,9 +276,11 @@ def main(argv: list[str] | None = None) -> None:
             eval_before_s=eval_before,
             **extra,
         )
-        if rank == 0 and not args.quiet:
+        if (reliable.ctx if reliable is not None else ctx).rank == 0 and not args.quiet:
             print(epoch_line(epoch + 1, args.epochs, train_loss, accuracy, test_loss), flush=True)
     rec.log(kind="final", step=step, parameters_sha256=parameters_digest(model))
+    if (reliable.ctx if reliable is not None else ctx).rank == 0:  # every data-parallel replica holds this model
+        torch.save(model.state_dict(), os.path.join(args.run_dir, "model.pt"))
     close = getattr(dopt, "close", None)
     if callable(close):
         close()

@@ -143,6 +143,9 @@ class Transport(abc.ABC):
             raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
         self.rank = rank
         self.world_size = world_size
+        #: The rendezvous round that formed this job as this transport sees it (an elastic job's, which changes
+        #: membership from round to round; 0 where nobody counts).
+        self.round = 0
         self.timeout = timeout
         self.stats = TransportStats()
 

@@ -134,6 +134,7 @@ class FaultyTransport(Transport):
 
     def __init__(self, inner: Transport, spec: FaultSpec) -> None:
         super().__init__(rank=inner.rank, world_size=inner.world_size, timeout=inner.timeout)
+        self.round = inner.round
         self.inner = inner
         self.spec = spec
         self.stats = inner.stats

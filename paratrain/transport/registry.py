@@ -24,7 +24,7 @@ from paratrain.transport.auth import new_secret
 from paratrain.transport.base import Transport
 from paratrain.transport.faults import FaultSpec, FaultyTransport
 from paratrain.transport.inproc import InprocFabric
-from paratrain.transport.rendezvous import RendezvousServer, register
+from paratrain.transport.rendezvous import RendezvousServer, admit, register
 from paratrain.transport.zmq import ZmqTransport
 
 __all__ = ["LocalJob", "TransportKind", "connect", "kinds", "local_job", "register_transport"]
@@ -243,11 +243,14 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
         heartbeat=settings.heartbeat,
         heartbeat_timeout=settings.heartbeat_timeout,
         on_peer_lost=_peer_lost_reporter(settings),
-        resilient=settings.max_restarts > 0,
+        resilient=settings.resilient,
         secret=secret,
     )
     server: RendezvousServer | None = None
     try:
+        if settings.elastic:
+            _admit(zt, settings, secret)
+            return zt
         if settings.rank == 0 and not settings.rdzv_hosted:
             loopback = bind == "127.0.0.1"
             server = RendezvousServer(
@@ -275,6 +278,31 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
         if server is not None:
             server.join(timeout=5)
     return zt
+
+
+def _admit(zt: ZmqTransport, settings: Settings, secret: bytes | None) -> None:
+    """An elastic job's member meets the others at the launcher's rendezvous and takes the rank it is given."""
+    if not settings.rdzv_hosted:
+        raise ConfigError(
+            "an elastic job (PARATRAIN_MIN_WORKERS) needs paratrain launch's rendezvous, which tracks who is in "
+            "the job; under torchrun use its own elasticity (--nnodes MIN:MAX)"
+        )
+    # a joiner waits until the members next checkpoint: allow it as long as a blocking call may take
+    admission = admit(
+        settings.rdzv_addr,
+        settings.rdzv_port,
+        member=settings.member_id,
+        world_size=settings.job_workers,
+        info=zt.endpoints(),
+        timeout=max(settings.rdzv_timeout, settings.timeout),
+        secret=secret,
+    )
+    if admission is None:  # the caller aborts zt on the way out
+        log.info("member %d: the job finished before this replacement could join; nothing to do", settings.member_id)
+        raise SystemExit(0)
+    zt.renumber(admission.rank, len(admission.table))
+    zt.round = admission.round
+    zt.connect(admission.table)
 
 
 register_transport(

@@ -15,6 +15,13 @@ saw the failure, the restarted rank as it starts), and answers everyone with the
 number. A second registration of a rank within one round replaces the first: the launcher restarts a rank only
 after its process died, so the newer registration is the live one.
 
+An *elastic* job (``paratrain launch --min-workers``) also changes who takes part. Each process registers under
+its *member* id (the rank it was launched as, which never changes); the server keeps the list of members, the
+launcher removes one that died for good (:meth:`RendezvousServer.remove`), and a process whose member id is not
+on the list is a *joiner*: it waits until the members next meet, and is admitted then. A round is complete when
+every member has registered, and its answer renumbers everyone: ranks ``0..W-1`` in member order, so that a
+rank that rejoins gets its old rank back once everyone has. :func:`admit` is the member's side.
+
 Given the job's secret, the server's socket is a CURVE server and each rank a CURVE client with keys derived from
 it (:mod:`paratrain.transport.auth`): a process without the secret can neither register (take a rank's place in
 the table, or learn the endpoints) nor make the server read a byte; each refusal is counted in
@@ -27,7 +34,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -36,7 +44,7 @@ import zmq
 from paratrain.errors import RendezvousError
 from paratrain.transport.auth import BROKEN_HANDSHAKE, REFUSAL_EVENTS, Guard, JobKeys, refusal_reason
 
-__all__ = ["RendezvousServer", "register"]
+__all__ = ["Admission", "RendezvousServer", "admit", "register"]
 
 log = logging.getLogger("paratrain.rendezvous")
 _VERSION = 1
@@ -60,6 +68,9 @@ class RendezvousServer:
         timeout: seconds to wait for all ranks before telling those present who is missing (in rounds mode:
             counted from a round's first registration).
         rounds: serve round after round until closed (a job whose ranks are restarted), rather than once.
+        elastic: (with ``rounds``) registrations name members, the membership changes (see the module docstring).
+        on_joiner: (elastic) called with the round a joiner will be admitted in, when one registers; the
+            launcher uses it to tell the members (they look at their next checkpoint).
         secret: the job's secret: only ranks holding it may connect (see the module docstring). None: anyone.
 
     Example:
@@ -78,11 +89,20 @@ class RendezvousServer:
         port: int,
         timeout: float,
         rounds: bool = False,
+        elastic: bool = False,
+        on_joiner: Callable[[int], None] | None = None,
         secret: bytes | None = None,
     ) -> None:
+        if elastic and not rounds:
+            raise ValueError("an elastic rendezvous serves rounds")
         self.world_size = world_size
         self.timeout = timeout
         self.rounds = rounds
+        self.elastic = elastic
+        self._on_joiner = on_joiner
+        self._members_lock = threading.Lock()
+        self._members = list(range(world_size))
+        self._finished: set[int] = set()
         #: Rounds completed so far (1 after the job first met).
         self.round = 0
         #: Ranks registered for the round being formed, and registrations accepted in all (diagnostics, tests).
@@ -116,6 +136,13 @@ class RendezvousServer:
                 f"cannot listen for rendezvous on {bind_addr}:{port}: {exc}. Another job may use this port: "
                 "set MASTER_PORT or PARATRAIN_RDZV_PORT to a free one"
             ) from None
+        # remove() wakes the serving thread through this pair (a ZeroMQ socket is used by one thread at a time:
+        # the sending end only under _members_lock)
+        self._wake_addr = f"inproc://rendezvous-wake-{id(self)}"
+        self._wake_rx = self._ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(self._wake_addr)
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(self._wake_addr)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None
@@ -123,6 +150,39 @@ class RendezvousServer:
 
     def _count_refusal(self) -> None:
         self.refused += 1
+
+    @property
+    def members(self) -> list[int]:
+        """The member ids of the job as it stands (elastic: after removals and admissions), in rank order."""
+        with self._members_lock:
+            return list(self._members)
+
+    def remove(self, member: int) -> bool:
+        """Takes ``member`` out of the job for good (it died and will not come back as itself); the members'
+        next round completes without it. False if it was not a member.
+        """
+        with self._members_lock:
+            if member not in self._members:
+                return False
+            self._members.remove(member)
+            if not self._wake_tx.closed:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+        log.info("rendezvous: member %d removed; the job goes on with %d", member, len(self._members))
+        return True
+
+    def finish(self, member: int) -> None:
+        """``member`` completed its work (its process exited 0). Once every member has, the job is over: a
+        joiner still waiting, or registering later, is told so (:func:`admit` then returns None)."""
+        with self._members_lock:
+            self._finished.add(member)
+            if not self._wake_tx.closed:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+
+    @property
+    def over(self) -> bool:
+        """True once every member of an elastic job has finished (see :meth:`finish`)."""
+        with self._members_lock:
+            return self.elastic and bool(self._members) and set(self._members) <= self._finished
 
     def start(self) -> None:
         """Serves in a daemon thread."""
@@ -142,6 +202,9 @@ class RendezvousServer:
             self._thread.join(timeout=5)
         if not self._sock.closed:
             self._sock.close()
+            with self._members_lock:
+                self._wake_tx.close(linger=0)
+            self._wake_rx.close(linger=0)
             if self._guard is not None:  # after the socket it guards
                 self._guard.close()
             self._ctx.term()
@@ -152,90 +215,153 @@ class RendezvousServer:
     def _serve(self) -> None:
         registered: dict[int, tuple[bytes, Mapping[str, Any]]] = {}
         deadline = time.monotonic() + self.timeout
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
         while not self._stop.is_set():
-            if self.rounds and not registered:
-                deadline = time.monotonic() + self.timeout
+            members = self.members
+            if self.over and registered:  # joiners waiting for a job that has ended
+                for ident, _ in registered.values():
+                    self._reply(ident, {"v": _VERSION, "over": True})
+                registered.clear()
+                self.waiting = frozenset()
+            if self.rounds and not registered.keys() & set(members):
+                deadline = time.monotonic() + self.timeout  # a round starts with its first member (not a joiner)
+            if registered and set(members) <= registered.keys() and registered.keys() & set(members):
+                self._complete(registered, members)
+                if not self.rounds:
+                    return
+                registered.clear()
+                self.waiting = frozenset()
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = sorted(set(range(self.world_size)) - set(registered))
-                self.error = (
-                    f"rendezvous timed out after {self.timeout:.0f}s: ranks {missing} never registered "
-                    f"({len(registered)} of {self.world_size} did). Did every rank start, with the same "
-                    "WORLD_SIZE and MASTER_ADDR/PARATRAIN_RDZV_PORT?"
-                )
-                for ident, _ in registered.values():
-                    self._reply(ident, {"v": _VERSION, "error": self.error})
+                self._time_out(registered, members)
                 if self.rounds:
-                    registered.clear()
                     continue
                 return
-            if not self._sock.poll(int(min(remaining, 0.2) * 1000) + 1):
+            events = dict(poller.poll(int(min(remaining, 0.2) * 1000) + 1))
+            if self._wake_rx in events:
+                self._wake_rx.recv()
+            if self._sock not in events:
                 continue
             parts = self._sock.recv_multipart()
             if len(parts) != 3:
                 log.error("rendezvous: dropped a malformed request of %d frames", len(parts))
                 continue
-            ident = parts[0]
-            try:
-                req = _unpack(parts[2])
-                if not isinstance(req, dict) or req.get("v") != _VERSION:
-                    raise ValueError("not a paratrain rendezvous request of this version")
-                rank, world, info = req["rank"], req["world_size"], req["info"]
-                if type(rank) is not int or type(world) is not int or not isinstance(info, dict):
-                    raise ValueError("rank, world_size must be integers and info a map")
-            except Exception as exc:
-                log.error("rendezvous: dropped a malformed request: %s", exc)
-                self._reply(ident, {"v": _VERSION, "error": f"malformed rendezvous request: {exc}"})
-                continue
-            if world != self.world_size:
-                self._reply(
-                    ident,
-                    {
-                        "v": _VERSION,
-                        "error": (
-                            f"rank {rank} says the world size is {world}, but the rendezvous expects "
-                            f"{self.world_size}: start every rank with the same WORLD_SIZE"
-                        ),
-                    },
-                )
-                continue
-            if not 0 <= rank < world:
-                self._reply(ident, {"v": _VERSION, "error": f"rank {rank} outside 0..{world - 1}"})
-                continue
-            if rank in registered and self.rounds:
-                log.warning(
-                    "rendezvous: rank %d registered again (pid %s); the newer one takes part", rank, info.get("pid")
-                )
-            elif rank in registered:
-                self._reply(
-                    ident,
-                    {
-                        "v": _VERSION,
-                        "error": (
-                            f"rank {rank} registered twice (pids {registered[rank][1].get('pid')} and "
-                            f"{info.get('pid')}): two processes were given the same RANK"
-                        ),
-                    },
-                )
-                continue
-            registered[rank] = (ident, info)
-            self.waiting = frozenset(registered)
-            self.accepted += 1
-            if len(registered) == self.world_size:
-                table = [registered[r][1] for r in range(self.world_size)]
-                self.table = table
-                self.round += 1
-                for ident_r, _ in registered.values():
-                    self._reply(ident_r, {"v": _VERSION, "table": table, "round": self.round})
-                if not self.rounds:
-                    return
-                registered.clear()
-                self.waiting = frozenset()
+            self._accept(parts[0], parts[2], registered, members)
+
+    def _time_out(self, registered: dict[int, tuple[bytes, Mapping[str, Any]]], members: list[int]) -> None:
+        missing = sorted(set(members) - set(registered))
+        self.error = (
+            f"rendezvous timed out after {self.timeout:.0f}s: ranks {missing} never registered "
+            f"({len(registered.keys() & set(members))} of {len(members)} did). Did every rank start, with the same "
+            "WORLD_SIZE and MASTER_ADDR/PARATRAIN_RDZV_PORT?"
+        )
+        for member in [m for m in registered if m in members or not self.rounds]:
+            self._reply(registered.pop(member)[0], {"v": _VERSION, "error": self.error})
+
+    def _complete(self, registered: dict[int, tuple[bytes, Mapping[str, Any]]], members: list[int]) -> None:
+        """Answers a complete round: the table in member order, with joiners admitted (elastic)."""
+        admitted = sorted(registered) if self.elastic else members
+        with self._members_lock:
+            self._members = list(admitted)
+        table = [registered[m][1] for m in admitted]
+        self.table = table
+        self.round += 1
+        for rank, member in enumerate(admitted):
+            answer = {"v": _VERSION, "table": table, "round": self.round, "rank": rank, "members": admitted}
+            self._reply(registered[member][0], answer)
+        if len(admitted) != len(members):
+            log.info(
+                "rendezvous: round %d admits %s; members now %s",
+                self.round,
+                sorted(set(admitted) - set(members)),
+                admitted,
+            )
+
+    def _accept(
+        self, ident: bytes, body: bytes, registered: dict[int, tuple[bytes, Mapping[str, Any]]], members: list[int]
+    ) -> None:
+        """Records one registration, or answers it with why it is refused."""
+        try:
+            req = _unpack(body)
+            if not isinstance(req, dict) or req.get("v") != _VERSION:
+                raise ValueError("not a paratrain rendezvous request of this version")
+            rank, world, info = req["rank"], req["world_size"], req["info"]
+            if type(rank) is not int or type(world) is not int or not isinstance(info, dict):
+                raise ValueError("rank, world_size must be integers and info a map")
+        except Exception as exc:
+            log.error("rendezvous: dropped a malformed request: %s", exc)
+            self._reply(ident, {"v": _VERSION, "error": f"malformed rendezvous request: {exc}"})
+            return
+        if bool(req.get("elastic")) != self.elastic:
+            mode = "an elastic" if self.elastic else "a fixed-size"
+            self._reply(ident, {"v": _VERSION, "error": f"rank {rank} does not know that this is {mode} job"})
+            return
+        if world != self.world_size:
+            self._reply(
+                ident,
+                {
+                    "v": _VERSION,
+                    "error": (
+                        f"rank {rank} says the world size is {world}, but the rendezvous expects "
+                        f"{self.world_size}: start every rank with the same WORLD_SIZE"
+                    ),
+                },
+            )
+            return
+        if not 0 <= rank < world:
+            self._reply(ident, {"v": _VERSION, "error": f"rank {rank} outside 0..{world - 1}"})
+            return
+        if rank in registered and self.rounds:
+            log.warning(
+                "rendezvous: rank %d registered again (pid %s); the newer one takes part", rank, info.get("pid")
+            )
+        elif rank in registered:
+            self._reply(
+                ident,
+                {
+                    "v": _VERSION,
+                    "error": (
+                        f"rank {rank} registered twice (pids {registered[rank][1].get('pid')} and "
+                        f"{info.get('pid')}): two processes were given the same RANK"
+                    ),
+                },
+            )
+            return
+        if self.over:
+            self._reply(ident, {"v": _VERSION, "over": True})
+            return
+        registered[rank] = (ident, info)
+        self.waiting = frozenset(registered)
+        self.accepted += 1
+        if self.elastic and rank not in members:
+            log.info("rendezvous: member %d waits to join (round %d)", rank, self.round + 1)
+            if self._on_joiner is not None:
+                self._on_joiner(self.round + 1)
 
 
 #: Handshakes dropped in a row before :func:`register` concludes that the server refuses its keys (one dropped
 #: handshake may be a server going down; three, 0.1 s apart, are a server that drops this rank's keys).
 _BROKEN_HANDSHAKES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A member's place in the job as a rendezvous round formed it.
+
+    Attributes:
+        table: every rank's info, indexed by rank.
+        rank: this process's rank in it.
+        round: the round's number (1 when the job first met).
+        members: the member id of every rank.
+    """
+
+    table: list[dict[str, Any]]
+    rank: int
+    round: int
+    members: list[int]
 
 
 def register(
@@ -260,16 +386,79 @@ def register(
         RendezvousError: refused by the server (also for want of the server's secret: at once, not after
             ``timeout``), or no complete table within ``timeout`` seconds.
     """
+    reply = _request(addr, port, rank=rank, world_size=world_size, info=info, timeout=timeout, secret=secret)
+    table = reply.get("table")
+    if not isinstance(table, list) or len(table) != world_size or not all(isinstance(t, dict) for t in table):
+        raise RendezvousError(f"rank {rank}: rendezvous reply lacks a table of {world_size} entries")
+    return table
+
+
+def admit(
+    addr: str,
+    port: int,
+    *,
+    member: int,
+    world_size: int,
+    info: Mapping[str, Any],
+    timeout: float,
+    secret: bytes | None = None,
+) -> Admission | None:
+    """:func:`register` for a member of an elastic job: blocks until a round admits it, and says where.
+
+    ``world_size`` is the size the job was launched with (every process's the same); the round's may be smaller.
+
+    Returns:
+        Where the round placed this member, or None when the job's members have all finished meanwhile (a
+        replacement that was not needed in the end).
+
+    Raises:
+        RendezvousError: as :func:`register`.
+    """
+    reply = _request(
+        addr, port, rank=member, world_size=world_size, info=info, timeout=timeout, secret=secret, elastic=True
+    )
+    if reply.get("over") is True:
+        return None
+    table, rank, rnd, members = reply.get("table"), reply.get("rank"), reply.get("round"), reply.get("members")
+    if (
+        not isinstance(table, list)
+        or not all(isinstance(t, dict) for t in table)
+        or not isinstance(members, list)
+        or len(members) != len(table)
+        or type(rank) is not int
+        or not 0 <= rank < len(table)
+        or members[rank] != member
+        or type(rnd) is not int
+    ):
+        raise RendezvousError(f"member {member}: malformed elastic rendezvous reply")
+    return Admission(table, rank, rnd, [int(m) for m in members])
+
+
+def _request(
+    addr: str,
+    port: int,
+    *,
+    rank: int,
+    world_size: int,
+    info: Mapping[str, Any],
+    timeout: float,
+    secret: bytes | None,
+    elastic: bool = False,
+) -> dict[str, Any]:
+    """One registration and the server's answer (a map without ``error``)."""
     ctx = zmq.Context(io_threads=1)
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     address = f"tcp://{addr}:{port}"
     monitor = sock.get_monitor_socket(REFUSAL_EVENTS | BROKEN_HANDSHAKE)
+    request: dict[str, Any] = {"v": _VERSION, "rank": rank, "world_size": world_size, "info": dict(info)}
+    if elastic:
+        request["elastic"] = True
     try:
         if secret is not None:
             JobKeys.derive(secret).authenticate_client(sock, address)
         sock.connect(address)
-        sock.send_multipart([b"", _pack({"v": _VERSION, "rank": rank, "world_size": world_size, "info": dict(info)})])
+        sock.send_multipart([b"", _pack(request)])
         _await_answer(sock, monitor, rank=rank, world_size=world_size, where=f"{addr}:{port}", timeout=timeout)
         parts = sock.recv_multipart()
         try:
@@ -280,10 +469,7 @@ def register(
             raise RendezvousError(f"rank {rank}: malformed rendezvous reply")
         if "error" in reply:
             raise RendezvousError(f"rank {rank}: {reply['error']}")
-        table = reply.get("table")
-        if not isinstance(table, list) or len(table) != world_size or not all(isinstance(t, dict) for t in table):
-            raise RendezvousError(f"rank {rank}: rendezvous reply lacks a table of {world_size} entries")
-        return table
+        return reply
     finally:
         monitor.close(linger=0)
         sock.close(linger=0)

@@ -228,6 +228,22 @@ class ZmqTransport(Transport):
             self.host_id if r == self.rank else str(self._peer_info[r].get("host", "")) for r in range(self.world_size)
         ]
 
+    def renumber(self, rank: int, world_size: int) -> None:
+        """Takes the rank and world size an elastic rendezvous gave this process (before :meth:`connect`).
+
+        An elastic job's members learn their place only from the round's answer, after they published their
+        endpoints (which do not depend on the rank); nothing can have arrived yet, as no peer knows them.
+
+        Raises:
+            RuntimeError: already connected.
+        """
+        if self._thread is not None:
+            raise RuntimeError(f"rank {self.rank}: renumber() after connect()")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
+        self.rank, self.world_size = rank, world_size
+        self._box = Mailbox(rank=rank, world_size=world_size)
+
     def connect(self, table: Sequence[Mapping[str, Any]]) -> None:
         """Connects to every peer given everyone's :meth:`endpoints` (indexed by rank) and starts receiving."""
         if len(table) != self.world_size:
