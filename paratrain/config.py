@@ -40,6 +40,9 @@ Variables (all optional unless a launcher set them):
                                 times in all) and the job goes on; any peer's crash then breaks every pending
                                 receive at once, so that the survivors start recovery (:mod:`paratrain.recovery`)
 ``PARATRAIN_RESTART_COUNT``     how many times this rank's process has been restarted (0: the first one)
+``PARATRAIN_MIN_WORKERS``       set by ``paratrain launch --min-workers M``: the job is elastic: a worker that dies
+                                with no warm spare ready is dropped while M remain, a replacement joins later;
+                                ranks are renumbered (``RANK`` stays the process's member id)
 ``PARATRAIN_SECRET``            the job's secret, in hex (at least 16 bytes; ``paratrain launch`` makes 32 random
                                 bytes per job): every connection (rendezvous, workers, parameter servers) is
                                 authenticated with keys derived from it (:mod:`paratrain.transport.auth`). Under

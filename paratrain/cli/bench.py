@@ -512,12 +512,29 @@ def _add_recovery_parser(bench_sub: argparse._SubParsersAction[argparse.Argument
     p.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (default 5)")
     p.add_argument("--torchrun-repeat", type=int, default=3, help="torchrun anchor runs, interleaved (default 3)")
     p.add_argument("--quick", action="store_true", help="the first 3 schedules and one torchrun run")
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="instead: an elastic job (train --workers 3 --min-workers 2) shrinking at 4 kill steps and growing "
+        "back with a cold replacement: its models against the fault-free run's, and the times (paratrain.bench."
+        "elastic; about 4 minutes per --repeat)",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="with --elastic: rounds of every run, interleaved")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     p.set_defaults(func=_recovery)
 
 
 def _recovery(args: argparse.Namespace) -> int:
     from paratrain.bench.recovery import COLD_SCHEDULES, DEFAULT_SCHEDULES, render, run_bench
+
+    if args.elastic:
+        from paratrain.bench import elastic
+
+        found = elastic.run_elastic_bench(
+            elastic.KILL_STEPS[:1] if args.quick else elastic.KILL_STEPS, repeat=args.repeat
+        )
+        good = found["fault_free_bitwise_equal"] and all(r["exit"] == 0 and r["ranks_equal"] for r in found["runs"])
+        return _report("recovery", elastic.render(found), found, args.json, 0 if good else 1)
 
     schedules = DEFAULT_SCHEDULES[:3] if args.quick else DEFAULT_SCHEDULES + COLD_SCHEDULES
     report = run_bench(
