@@ -78,11 +78,12 @@ class Recorder:
 
 def reporting_rank(records: list[dict[str, Any]]) -> int:
     """The rank whose loss and accuracy stand for the run: the one whose ``start`` record says ``reports``
-    (a pipeline's last stage of pipeline 0, which computes the loss), else rank 0."""
+    (a pipeline's last stage of pipeline 0, which computes the loss), else the lowest that finished (rank 0,
+    unless an elastic job went on without it), else rank 0."""
     for r in records:
         if r.get("kind") == "start" and r.get("reports"):
             return int(r["rank"])
-    return 0
+    return min((int(r["rank"]) for r in records if r.get("kind") == "final"), default=0)
 
 
 def merge_run(run_dir: str | Path) -> list[dict[str, Any]]:

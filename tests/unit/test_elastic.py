@@ -213,3 +213,12 @@ def test_an_elastic_job_goes_on_without_a_failed_worker_and_a_cold_replacement_s
     assert rdzv.members == [0, 2] and "the job goes on with 2 workers" in err.getvalue()
     assert ("member 1 life 1" in out.getvalue()) == (budget == 1)
     assert sorted(rdzv.done) == ([0, 1, 2] if budget else [0, 2])  # the replacement's clean exit is told too
+
+
+def test_the_run_reports_the_lowest_member_that_finished() -> None:
+    from paratrain.train.record import reporting_rank
+
+    finals = [{"kind": "final", "rank": r} for r in (2, 1)]
+    assert reporting_rank([{"kind": "eval", "rank": 0}, *finals]) == 1  # member 0 died and the job went on
+    assert reporting_rank([{"kind": "start", "rank": 3, "reports": True}, *finals]) == 3  # a pipeline's last stage
+    assert reporting_rank([]) == 0
