@@ -114,7 +114,8 @@ class Recovery:
     """One recovery as this rank lived it (times are ``time.time()``, seconds).
 
     Attributes:
-        failed_at: when the broken operation was noticed (a survivor) or the process started (a replacement).
+        failed_at: when the broken operation was noticed (a survivor), the process started (a replacement), or
+            the checkpoint that admits a joiner began (a member of an elastic job).
         reformed_at: when the job had met again (the rendezvous round completed).
         done_at: when this rank had everything it needed (checkpoint and results received).
         frontier: the operation everyone ran live next.
