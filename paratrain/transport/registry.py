@@ -245,6 +245,7 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
         on_peer_lost=_peer_lost_reporter(settings),
         resilient=settings.resilient,
         secret=secret,
+        quick_failover=settings.ps_replicas > 1,
     )
     server: RendezvousServer | None = None
     try:

@@ -18,7 +18,9 @@ A *resilient* transport (a job the launcher restarts ranks of, ``--max-restarts`
 survivors must all stop and re-form the job, not only those that waited on the dead rank: a crash fails every
 pending and later receive at once, and the rank tells every other peer (a ``lost`` control message), which do
 the same. So a ring's rank that waits on a live neighbour learns of a death three hops away in one message
-time rather than through a cascade of time-outs, and the grace for a goodbye shrinks to 0.1 s.
+time rather than through a cascade of time-outs, and the grace for a goodbye shrinks to 0.1 s. A job with
+replicated parameter servers asks for the short grace only (``quick_failover``): a dead server's chunks fail over
+to their backups that much sooner, while a crash still fails only the receives that wait on the dead peer.
 
 Authentication: given the job's ``secret``, the PULL socket's TCP endpoint is a CURVE server and its ipc endpoint
 a PLAIN server with a password derived from the secret, every PUSH authenticates accordingly, and a
@@ -128,6 +130,8 @@ class ZmqTransport(Transport):
             docstring); for jobs that recover from failures (:mod:`paratrain.recovery`).
         secret: the job's secret (every rank's the same): connections are authenticated with keys derived from it
             (see the module docstring). None: no authentication, anyone who reaches the sockets may send.
+        quick_failover: a dropped connection without a goodbye is a lost peer after 0.1 s rather than 0.5 s
+            (implied by ``resilient``; replicated parameter servers use it alone).
     """
 
     name = "zmq"
@@ -147,10 +151,11 @@ class ZmqTransport(Transport):
         on_peer_lost: Callable[[int, str], None] | None = None,
         resilient: bool = False,
         secret: bytes | None = None,
+        quick_failover: bool = False,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, timeout=timeout)
         self.resilient = resilient
-        self._grace = _RESILIENT_GRACE if resilient else _DISCONNECT_GRACE
+        self._grace = _RESILIENT_GRACE if resilient or quick_failover else _DISCONNECT_GRACE
         self.host_id = host_id
         self._heartbeat = heartbeat
         self._heartbeat_timeout = heartbeat_timeout
