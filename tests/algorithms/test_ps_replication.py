@@ -17,7 +17,7 @@ from paratrain import Context
 from paratrain.config import Settings
 from paratrain.errors import ConfigError
 from paratrain.ps import KVStore
-from paratrain.ps.protocol import PSRequestError
+from paratrain.ps.protocol import REQUEST_TAG, PSRequestError
 from paratrain.ps.server import ParameterServer, ServerStats
 from paratrain.testing import run_ranks
 from paratrain.transport.base import Handle, Transport
@@ -335,3 +335,46 @@ def test_a_push_its_owner_rejects_does_not_hold_back_the_clock_on_its_backup() -
             np.testing.assert_array_equal(copy, out)
     assert [e for _, _, e in results] == [1, 0]
     assert all(s is not None and s.rejected == 1 for s in stats)
+
+
+def test_a_push_sent_again_behind_a_later_held_back_clock_is_applied_when_an_earlier_clock_is_released() -> None:
+    """Regression (the audit under SSP(2) hung about 1 run in 6): server B held back worker 0's clock 1, waiting
+    for a push forwarded by owner A; A died, and the worker sent that push, and a push of its clock 1 (which clock 2
+    waits for), to B itself, the second one first. The second arrived while clock 1 was the first held back, so it
+    was held back too; once clock 1 was released, it must not stay held back behind clock 2, which waits for it.
+
+    The worker's messages are queued in B's mailbox in this order before B's loop runs; the loop ends when the
+    worker's final ``leave`` is handled, i.e. only if nothing stays held back."""
+    job = local_job("inproc", 3, timeout=10.0)  # worker 0, server A = rank 1 (dead: nobody serves it), B = rank 2
+    worker = job.transports[0]
+
+    def send(arrays: list[np.ndarray], **meta: Any) -> None:
+        worker.isend(2, REQUEST_TAG, arrays, {"id": 0, **meta})
+
+    def push(chunk: int, seq: int, wclock: int) -> None:
+        send([np.full(8, 10**seq, dtype=np.int64)], op="push", key="k", chunk=chunk, seq=seq, wclock=wclock, version=0)
+
+    init = {"op": "init", "key": "k", "dtype": "int64", "shape": [8], "key_shape": [16], "consistency": "ssp"}
+    send([np.zeros(8, dtype=np.int64)], **init, chunk=0, replicas=[1, 2])  # chunk 0: owner A, backup B
+    send([np.zeros(8, dtype=np.int64)], **init, chunk=1, replicas=[2, 1])  # chunk 1: owner B, backup A
+    push(1, seq=1, wclock=0)
+    send([], op="clock", clock=1, expect=2)  # held back: chunk 0's push (seq 0) was to come forwarded by A
+    push(1, seq=3, wclock=1)
+    send([], op="clock", clock=2, expect=2)
+    push(0, seq=2, wclock=1)  # sent again to B after A died, before seq 0: held back behind clock 1
+    push(0, seq=0, wclock=0)  # sent again to B: releases clock 1, then seq 2 must release clock 2
+    send([], op="leave")
+    server = ParameterServer(job.transports[2], num_workers=1, timeout=10.0, poll=0.05)
+    stop = threading.Event()
+    timer = threading.Timer(20.0, stop.set)  # only a safety net: a correct server returns at the leave
+    timer.start()
+    try:
+        stats = server.serve(stop)
+    finally:
+        timer.cancel()
+        for t in job.transports:
+            t.abort()
+    assert not stop.is_set(), "a request stayed held back"
+    assert server.done[0] == 2 and stats.clocks_held == 2 and stats.pushes == 4
+    np.testing.assert_array_equal(server._chunks[("k", 0)].value, np.full(8, 1 + 100))
+    np.testing.assert_array_equal(server._chunks[("k", 1)].value, np.full(8, 10 + 1000))
