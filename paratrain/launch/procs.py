@@ -134,6 +134,10 @@ class RestartPolicy(Protocol):
         """``spec``'s process exited 0 (an elastic job then stops waiting for joiners once every member has)."""
         ...
 
+    def warm(self, spec: ProcSpec, pid: int) -> bool:
+        """Whether the spare ``pid`` has finished starting and can take over at once."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
@@ -423,7 +427,7 @@ class Supervisor:
         """Replaces a failed child, from a spare if one runs, if the budget allows; False if it does not."""
         assert self._restarts is not None
         failed = next(c for c in self._children if c.popen.pid == failure.pid)
-        left = self._restarts.shrink(failed.spec, spare_ready=bool(self._idle_spares()))
+        left = self._restarts.shrink(failed.spec, spare_ready=self._warm_spare())
         if left is not None:
             return self._shrink(failure, failed, left)
         spec = self._restarts.replacement(failed.spec)
@@ -486,6 +490,11 @@ class Supervisor:
             if child.popen.pid not in self._finished and not child.spec.spare and child.popen.poll() == 0:
                 self._finished.add(child.popen.pid)
                 self._restarts.finished(child.spec)
+
+    def _warm_spare(self) -> bool:
+        """Whether an idle spare has finished starting (imported everything) and can take over at once."""
+        assert self._restarts is not None
+        return any(self._restarts.warm(c.spec, c.popen.pid) for c in self._idle_spares())
 
     def _idle_spares(self) -> list[_Child]:
         return [

@@ -30,7 +30,16 @@ from typing import Protocol
 from paratrain.launch.kills import ENV as KILL_ENV
 from paratrain.launch.procs import ProcSpec
 
-__all__ = ["JOIN_FILE", "SPARE_ENV", "Membership", "Restarts", "spare_spec", "write_join_round"]
+__all__ = [
+    "JOIN_FILE",
+    "SPARE_ENV",
+    "Membership",
+    "Restarts",
+    "mark_spare_warm",
+    "spare_is_warm",
+    "spare_spec",
+    "write_join_round",
+]
 
 #: In the launcher's scratch directory: the rendezvous round in which a waiting joiner will be admitted (written
 #: when one registers; an elastic job's members read it at their checkpoints, :mod:`paratrain.recovery`).
@@ -84,6 +93,27 @@ class Membership:
         self.rendezvous.finish(int(spec.env["RANK"]))
 
 
+def _warm_path(scratch_dir: str, pid: int) -> str:
+    return os.path.join(scratch_dir, f"spare-warm.{pid}")
+
+
+def mark_spare_warm(scratch_dir: str | None) -> None:
+    """Called by a spare when it waits for its rank with everything imported: it can take over at once."""
+    if scratch_dir is not None:
+        with open(_warm_path(scratch_dir, os.getpid()), "w", encoding="ascii"):
+            pass
+
+
+def spare_is_warm(spec: ProcSpec, pid: int) -> bool:
+    """Whether spare process ``pid`` (started from ``spec``) has said it is warm (:func:`mark_spare_warm`).
+
+    Why ask: a spare started for the next failure is idle at once but needs seconds to import torch; an elastic
+    job should not wait for one that is not ready yet when it can go on without the failed worker.
+    """
+    scratch = spec.env.get("PARATRAIN_SCRATCH_DIR")
+    return scratch is not None and os.path.exists(_warm_path(scratch, pid))
+
+
 def write_join_round(scratch_dir: str, round_number: int) -> None:
     """Tells the members that a joiner waits for ``round_number`` (read at their checkpoints; atomic)."""
     path = os.path.join(scratch_dir, JOIN_FILE)
@@ -109,7 +139,8 @@ class Restarts:
     membership: Membership | None = None
 
     def shrink(self, failed: ProcSpec, *, spare_ready: bool) -> int | None:
-        """In an elastic job, drops ``failed`` rather than wait for it when no warm spare can replace it in place.
+        """In an elastic job, drops ``failed`` rather than wait for it when no warm spare can replace it in place
+        (``spare_ready``: one is idle and has said it is warm).
 
         Returns:
             The workers left when it dropped the failed member; None when the job waits for a restart instead
@@ -118,6 +149,11 @@ class Restarts:
         if self.membership is None or failed.spare or (spare_ready and self.left > 0):
             return None
         return self.membership.drop(failed)
+
+    @staticmethod
+    def warm(spec: ProcSpec, pid: int) -> bool:
+        """Whether spare ``pid`` has said it is warm (:func:`spare_is_warm`)."""
+        return spare_is_warm(spec, pid)
 
     def finished(self, spec: ProcSpec) -> None:
         """``spec``'s process exited 0 (see :meth:`Membership.finished`)."""

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from paratrain.launch.restarts import SPARE_ENV
+from paratrain.launch.restarts import SPARE_ENV, mark_spare_warm
 
 __all__ = ["SPARE_ENV", "await_assignment"]
 
@@ -28,6 +28,7 @@ def await_assignment() -> None:
         SystemExit: (code 0) the launcher closed the pipe: the job ended without needing this spare.
         RuntimeError: the line is not a JSON map of strings (not something our launcher writes).
     """
+    mark_spare_warm(os.environ.get("PARATRAIN_SCRATCH_DIR") or None)  # an elastic launcher may now rely on us
     line = sys.stdin.buffer.readline()
     if not line.strip():
         raise SystemExit(0)

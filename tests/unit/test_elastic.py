@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -222,3 +223,46 @@ def test_the_run_reports_the_lowest_member_that_finished() -> None:
     assert reporting_rank([{"kind": "eval", "rank": 0}, *finals]) == 1  # member 0 died and the job went on
     assert reporting_rank([{"kind": "start", "rank": 3, "reports": True}, *finals]) == 3  # a pipeline's last stage
     assert reporting_rank([]) == 0
+
+
+# rank 1 fails on its first life once the spare (if the test gives one a scratch directory) says it is warm
+WAITING_CHILD = """
+import glob, os, sys, time
+if os.environ.get("PARATRAIN_SPARE") == "1":
+    from paratrain.runtime.spare import await_assignment
+    await_assignment()
+life = os.environ.get("PARATRAIN_RESTART_COUNT", "0")
+print(f"member {os.environ['RANK']} life {life}", flush=True)
+scratch = os.environ.get("PARATRAIN_SCRATCH_DIR")
+if os.environ["RANK"] == "1" and life == "0":
+    deadline = time.monotonic() + 20
+    while scratch and not glob.glob(os.path.join(scratch, "spare-warm.*")) and time.monotonic() < deadline:
+        time.sleep(0.01)  # polls for the spare's mark (an event, not a guess at timing)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_an_elastic_job_uses_a_spare_only_once_it_is_warm(tmp_path: Path, warm: bool) -> None:
+    env = {"PYTHONPATH": ":".join(sys.path), **({"PARATRAIN_SCRATCH_DIR": str(tmp_path)} if warm else {})}
+    specs = [
+        ProcSpec(f"rank {r}", [sys.executable, "-c", WAITING_CHILD], {"RANK": str(r), **env}, f"[rank{r}]: ")
+        for r in range(3)
+    ]
+    rdzv = _Rendezvous([0, 1, 2])
+    restarts = Restarts(1, spare_spec(specs[0], prefix=True), membership=Membership(2, rdzv))
+    out, err = io.StringIO(), io.StringIO()
+    outcome = Supervisor(
+        [*specs, restarts.spare],  # type: ignore[list-item]
+        grace_s=1,
+        deadline_s=30,
+        stdout=out,
+        stderr=err,
+        restarts=restarts,
+    ).run()
+    assert outcome.exit_code == 0, err.getvalue()
+    if warm:  # replaced in place: the job never shrank
+        assert "restarting it from the warm spare" in err.getvalue() and rdzv.members == [0, 1, 2]
+    else:  # a spare that has not said it is warm is not waited for: the job goes on without member 1
+        assert "the job goes on with 2 workers" in err.getvalue() and rdzv.members == [0, 2]
+    assert "member 1 life 1" in out.getvalue()
