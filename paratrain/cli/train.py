@@ -72,8 +72,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=int,
         default=10,
         metavar="K",
-        help="with --max-restarts or --min-workers: steps between in-memory checkpoints, where joiners are "
-        "admitted too (default 10)",
+        help="with --max-restarts, --min-workers or --checkpoint-dir: steps between checkpoints (in memory, and "
+        "on disk with --checkpoint-dir), where joiners are admitted too (default 10)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="allreduce: also write every checkpoint to DIR/checkpoint.npz; the same command run again after "
+        "the whole job died resumes from it (the final model is the uninterrupted run's)",
     )
     p.add_argument(
         "--no-spare",

@@ -31,6 +31,11 @@ Determinism is the program's part: the same inputs in the same order on every ru
 step, no unseeded randomness). A replayed operation whose input shape differs from the recorded result's is
 reported as a :class:`~.plan.RecoveryError` rather than silently diverging.
 
+With ``checkpoint_dir``, rank 0 also writes each checkpoint to ``<dir>/checkpoint.npz`` (atomically: a crash leaves
+the previous one), and a job started afresh resumes from it: the answer when every rank died at once, which no
+memory survives. Every rank must see the same directory (one host, or a shared filesystem); they check that
+they read the same version. The file holds arrays (loaded without pickle) and the meta as JSON.
+
 Unlike Rabit, the survivors do not block a restart on a fixed schedule of their own: they re-form as soon as
 the replacement registers, and a warm spare makes that a fraction of a second (see ``benchmarks/recovery``).
 
@@ -48,11 +53,13 @@ result, as the join check's maximum) run again at once instead.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,7 +71,7 @@ from paratrain.launch.restarts import JOIN_FILE
 from paratrain.recovery.plan import RankState, RecoveryError, RecoveryPlan, plan_recovery
 from paratrain.runtime.context import Context, current, reform
 
-__all__ = ["Checkpoint", "Recovery", "RegroupedError", "Reliable"]
+__all__ = ["Checkpoint", "Recovery", "RegroupedError", "Reliable", "load_checkpoint_file", "save_checkpoint"]
 
 log = logging.getLogger("paratrain.recovery")
 
@@ -143,6 +150,49 @@ def _meta_value(value: object) -> int | float | str:
     return value
 
 
+CHECKPOINT_FILE = "checkpoint.npz"
+_META_KEY = "__paratrain_checkpoint__"
+
+
+def save_checkpoint(ckpt: Checkpoint, directory: str | os.PathLike[str]) -> Path:
+    """Writes ``ckpt`` to ``<directory>/checkpoint.npz``, replacing the previous one atomically; returns the path."""
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    names = list(ckpt.arrays)
+    head = {"version": ckpt.version, "seq": ckpt.seq, "meta": dict(ckpt.meta), "names": names}
+    arrays = {f"a{i}": np.asarray(ckpt.arrays[name]) for i, name in enumerate(names)}
+    arrays[_META_KEY] = np.frombuffer(json.dumps(head).encode("utf-8"), dtype=np.uint8)
+    tmp = folder / f".{CHECKPOINT_FILE}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **arrays)  # type: ignore[arg-type]
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, folder / CHECKPOINT_FILE)
+    return folder / CHECKPOINT_FILE
+
+
+def load_checkpoint_file(directory: str | os.PathLike[str]) -> Checkpoint | None:
+    """The checkpoint :func:`save_checkpoint` wrote in ``directory``, or None if there is none.
+
+    Raises:
+        RecoveryError: the file is not a checkpoint of this format (the message names it).
+    """
+    path = Path(directory) / CHECKPOINT_FILE
+    if not path.exists():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            head = json.loads(bytes(data[_META_KEY]).decode("utf-8"))
+            names = [str(n) for n in head["names"]]
+            arrays = {name: np.array(data[f"a{i}"]) for i, name in enumerate(names)}
+        meta = {str(k): _meta_value(v) for k, v in dict(head["meta"]).items()}
+        return Checkpoint(int(head["version"]), int(head["seq"]), arrays, meta)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RecoveryError(
+            f"{path} is not a paratrain checkpoint ({exc}); remove it or choose another directory"
+        ) from None
+
+
 class Reliable:
     """Reliable allreduce and broadcast with in-memory checkpoints over a context (see the module docstring).
 
@@ -152,14 +202,23 @@ class Reliable:
     Args:
         ctx: the context (default: the current one). It is replaced after a failure: read :attr:`ctx`.
         reform: how to meet the others again (tests may substitute it).
+        checkpoint_dir: also keep each checkpoint on disk there (rank 0 writes), and resume from it when the job
+            starts afresh (see the module docstring).
 
     Raises:
         RecoveryError: (in a replacement) the survivors do not hold what it needs.
     """
 
-    def __init__(self, ctx: Context | None = None, *, reform: Callable[[Context], Context] = reform) -> None:
+    def __init__(
+        self,
+        ctx: Context | None = None,
+        *,
+        reform: Callable[[Context], Context] = reform,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.ctx = ctx if ctx is not None else current()
         self._reform = reform
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         #: Reliable operations completed; the number of the next one.
         self.seq = 0
         self._checkpoint: Checkpoint | None = None
@@ -173,6 +232,8 @@ class Reliable:
         self._regrouped = False  # the last recovery changed the members
         if self.ctx.settings.restart_count > 0:
             self._join()
+        elif self.checkpoint_dir is not None:
+            self._resume_from_disk()
 
     @property
     def replaying(self) -> bool:
@@ -207,6 +268,8 @@ class Reliable:
         # keep one result before the checkpoint: a survivor one operation behind may need it
         for seq in [s for s in self._cache if s < self.seq - 1]:
             del self._cache[seq]
+        if self.checkpoint_dir is not None and self.ctx.rank == 0:
+            save_checkpoint(ckpt, self.checkpoint_dir)
         if joining:
             log.info("rank %d: admitting a joiner at checkpoint %d", self.ctx.rank, version)
             self._recover(time.time())
@@ -287,6 +350,22 @@ class Reliable:
         ckpt = self._checkpoint
         cache_lo = min(self._cache, default=self.seq)
         return RankState(self.seq, ckpt.version if ckpt else 0, ckpt.seq if ckpt else 0, cache_lo)
+
+    def _resume_from_disk(self) -> None:
+        """A fresh job: every rank loads the newest checkpoint on disk, if any, and resumes at its operation."""
+        assert self.checkpoint_dir is not None
+        ckpt = load_checkpoint_file(self.checkpoint_dir)
+        version = ckpt.version if ckpt is not None else 0
+        seen = np.asarray(self.ctx.allgather(np.array([version], dtype=np.int64))).reshape(-1)
+        if len(set(seen.tolist())) != 1:
+            raise RecoveryError(
+                f"rank {self.ctx.rank}: the ranks read different checkpoints in {self.checkpoint_dir} (versions "
+                f"{seen.tolist()}); the directory must be the same for every rank (a shared filesystem)"
+            )
+        if ckpt is not None:
+            self._checkpoint = self._loaded = ckpt
+            self.seq = ckpt.seq
+            log.info("rank %d: resumed from %s (checkpoint %d)", self.ctx.rank, self.checkpoint_dir, version)
 
     def _join(self) -> None:
         """A replacement's catch-up, at construction: the job has just re-formed around it."""

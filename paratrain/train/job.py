@@ -95,6 +95,7 @@ class TrainJob(argparse.Namespace):
     checkpoint_every: int = 10  # steps between in-memory checkpoints under max_restarts
     no_spare: bool = False  # under max_restarts: restart cold, without a warm spare
     min_workers: int = 0  # elastic: go on without a failed worker while this many remain
+    checkpoint_dir: str | None = None  # also keep checkpoints on disk; a job started again resumes from there
 
     def reporting_rank(self) -> int:
         """The rank whose metrics are the job's loss and accuracy: rank 0, or for a pipeline the last stage of
@@ -184,6 +185,8 @@ def validate(job: TrainJob) -> None:
         raise ConfigError(
             f"--max-restarts recovers allreduce training (Rabit's model); {job.strategy!r} does not support it yet"
         )
+    if job.checkpoint_dir and spec.kind != "allreduce":
+        raise ConfigError(f"--checkpoint-dir checkpoints allreduce training; {job.strategy!r} does not support it yet")
     if job.min_workers and (spec.kind != "allreduce" or not 0 < job.min_workers <= (job.workers or 0)):
         raise ConfigError(
             f"--min-workers needs the allreduce strategy and 1..{job.workers} (the workers); got "
@@ -319,8 +322,10 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
         argv += ["--no-overlap"]
     if job.eval_every:
         argv += ["--eval-every", str(job.eval_every)]
-    if job.max_restarts or job.min_workers:
+    if job.max_restarts or job.min_workers or job.checkpoint_dir:
         argv += ["--checkpoint-every", str(job.checkpoint_every)]
+    if job.checkpoint_dir:
+        argv += ["--checkpoint-dir", str(Path(job.checkpoint_dir).resolve())]
     stop = threading.Event()
     total = [0]
     follower = None

@@ -134,6 +134,11 @@ def main(argv: list[str] | None = None) -> None:
         "--quiet", action="store_true", help="no line per epoch from rank 0 (paratrain train prints them itself)"
     )
     parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="also keep each checkpoint on disk here, and resume from it when the job starts again",
+    )
+    parser.add_argument(
         "--checkpoint-every",
         type=int,
         default=CHECKPOINT_EVERY,
@@ -165,13 +170,21 @@ def main(argv: list[str] | None = None) -> None:
     ctx = pt.init()
     # a job whose failed ranks are restarted sends its gradients through reliable collectives; in a restarted
     # rank, this is where it catches up with the others (before any other collective)
-    reliable = Reliable(ctx) if ctx.settings.resilient else None
+    # with --checkpoint-dir, a job started again after a total failure resumes here from the disk checkpoint
+    wanted = ctx.settings.resilient or args.checkpoint_dir is not None
+    reliable = Reliable(ctx, checkpoint_dir=args.checkpoint_dir) if wanted else None
     dopt = ptt.DistributedOptimizer(
         optimizer, model=model, strategy=args.strategy, overlap=not args.no_overlap, reliable=reliable
     )
     resumed = reliable.load_checkpoint() if reliable is not None else None
     if resumed is not None:
-        restore_training_state(model, optimizer, resumed)
+        try:
+            restore_training_state(model, optimizer, resumed)
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise SystemExit(
+                f"the checkpoint to resume from does not fit this model and optimizer ({exc!r}); it was taken by "
+                f"another training job: remove {args.checkpoint_dir or 'it'} or choose another --checkpoint-dir"
+            ) from None
     elif reliable is not None:
         reliable_broadcast_parameters(model, reliable)
     else:

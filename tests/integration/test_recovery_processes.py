@@ -86,6 +86,27 @@ def test_a_killed_worker_is_restarted_and_the_final_model_is_bitwise_the_fault_f
     assert (replacement["frontier"], replacement["replayed"]) == (frontier, replayed)
 
 
+def test_a_job_that_died_whole_resumes_from_its_disk_checkpoint_to_the_fault_free_model(
+    tmp_path: Path, fault_free: str
+) -> None:
+    common = ["train", "--epochs", "2", "--checkpoint-every", "5", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    died = subprocess.run(
+        [*CLI, *common, "--run-dir", str(tmp_path / "first"), "--kill", "1@step=12"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert died.returncode != 0 and (tmp_path / "ckpt" / "checkpoint.npz").exists(), died.stderr[-2000:]
+    again = subprocess.run(
+        [*CLI, *common, "--run-dir", str(tmp_path / "again")], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "again" / "rank0.metrics.jsonl").read_text().splitlines()]
+    assert min(r["step"] for r in records if r["kind"] == "step") == 11  # from the checkpoint after step 10
+    assert {r["parameters_sha256"] for r in records if r["kind"] == "final"} == {fault_free}
+
+
 def test_a_resilient_transport_breaks_every_receive_when_any_peer_crashes() -> None:
     transports = [
         ZmqTransport(rank=r, world_size=3, host_id="h", timeout=20, run_id="t", resilient=True) for r in range(3)
