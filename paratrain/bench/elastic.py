@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from paratrain.train.record import read_records
+
 __all__ = ["KILL_STEPS", "render", "run_elastic_bench"]
 
 #: Steps a worker is killed at (checkpoints every 5): before the first, at one's step, just after one, mid-interval.
@@ -38,9 +40,7 @@ def _train(out: Path, *flags: str, epochs: int, deadline: float) -> dict[str, An
     cmd = [sys.executable, "-m", "paratrain.cli.main", "train", "--workers", "3", "--epochs", str(epochs)]
     cmd += ["--checkpoint-every", "5", "--run-dir", str(run_dir), *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=deadline, check=False)
-    records: list[dict[str, Any]] = []
-    for path in sorted(run_dir.glob("rank*.metrics.jsonl")):
-        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_records(run_dir)
     return {"exit": done.returncode, "records": records, "model": run_dir / "model.pt", "error": done.stderr[-1500:]}
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.launch.plan import free_port
+from paratrain.train.record import read_records
 
 __all__ = ["COLD_SCHEDULES", "DEFAULT_SCHEDULES", "Schedule", "render", "run_bench"]
 
@@ -101,9 +102,7 @@ def _train(
     if not spare:
         cmd += ["--no-spare"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=deadline, check=False)
-    records: list[dict[str, Any]] = []
-    for path in sorted(run_dir.glob("rank*.metrics.jsonl")):
-        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_records(run_dir)
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     return done.returncode, records, summary, done.stderr[-2000:]
 

@@ -86,14 +86,20 @@ def reporting_rank(records: list[dict[str, Any]]) -> int:
     return min((int(r["rank"]) for r in records if r.get("kind") == "final"), default=0)
 
 
-def merge_run(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Merges every rank's files into ``metrics.jsonl`` and ``timeline.json``; returns the metrics records."""
-    directory = Path(run_dir)
+def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every rank's metrics records of a run directory, file by file in rank order (nothing is written)."""
     records: list[dict[str, Any]] = []
-    for path in sorted(directory.glob("rank*.metrics.jsonl")):
+    for path in sorted(Path(run_dir).glob("rank*.metrics.jsonl")):
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 records.append(json.loads(line))
+    return records
+
+
+def merge_run(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Merges every rank's files into ``metrics.jsonl`` and ``timeline.json``; returns the metrics records."""
+    directory = Path(run_dir)
+    records = read_records(directory)
     records.sort(key=lambda r: (r.get("time", 0.0), r.get("rank", 0)))
     with (directory / "metrics.jsonl").open("w", encoding="utf-8") as fh:
         for record in records:

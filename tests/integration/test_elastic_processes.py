@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from paratrain.train.record import read_records
+
 pytestmark = pytest.mark.timeout(300)
 
 CLI = [sys.executable, "-m", "paratrain.cli.main"]
@@ -95,9 +97,7 @@ def _train(run_dir: Path, *flags: str) -> dict[str, object]:
         check=False,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    records = []
-    for path in sorted(run_dir.glob("rank*.metrics.jsonl")):
-        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_records(run_dir)
     return {
         "digests": {r["rank"]: r["parameters_sha256"] for r in records if r["kind"] == "final"},
         "recoveries": [r for r in records if r["kind"] == "recovery"],

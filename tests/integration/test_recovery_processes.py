@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from paratrain.errors import PeerLostError
+from paratrain.train.record import read_records
 from paratrain.transport.zmq import ZmqTransport
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,9 +46,7 @@ def _train(run_dir: Path, *flags: str) -> list[dict[str, object]]:
         check=False,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    records = []
-    for path in sorted(run_dir.glob("rank*.metrics.jsonl")):
-        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_records(run_dir)
     return records
 
 
