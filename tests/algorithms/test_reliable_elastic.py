@@ -128,3 +128,66 @@ def test_an_elastic_job_shrinks_recomputes_the_step_and_takes_a_joiner_back(tmp_
         assert results[name][0].tobytes() == exact.tobytes(), name
     assert results["m0"][1] == results["m2"][1] == 1  # step 6 recomputed once, for 2 workers
     assert logs[0] == logs[2] == list(range(STEPS))  # every step once, in order: no rollback
+
+
+def test_a_joiner_waiting_when_another_member_dies_is_admitted_by_that_recovery_and_replays(tmp_path: Path) -> None:
+    """Member 1 dies (the job shrinks to 0 and 2); its replacement is still waiting when member 2 dies between
+    checkpoints: the recovery that follows admits the replacement, which loads the last checkpoint and replays the
+    results since it, while member 0 recomputes the interrupted step for the job of 0 and 1."""
+    first, shrunk, mixed = InprocFabric(3, timeout=30), InprocFabric(2, timeout=30), InprocFabric(2, timeout=30)
+    ROUNDS.update({id(first): 1, id(shrunk): 2, id(mixed): 3})
+    second_death = threading.Event()
+    results: dict[str, tuple[np.ndarray, int]] = {}
+    log0: list[int] = []
+    errors: list[BaseException] = []
+
+    def reformer(member: int, rounds: list[tuple[InprocFabric, list[int]]]) -> Callable[[Context], Context]:
+        left = iter(rounds)
+
+        def reform(old: Context) -> Context:
+            old.abort()
+            fabric, members = next(left)
+            return _ctx(fabric, member, members, tmp_path)
+
+        return reform
+
+    def guarded(name: str, fn: Callable[[], tuple[np.ndarray, int]]) -> None:
+        try:
+            results[name] = fn()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+            for fabric in (first, shrunk, mixed):
+                fabric.fail_all(exc)
+
+    def member0() -> tuple[np.ndarray, int]:
+        rel = Reliable(_ctx(first, 0, [0, 1, 2], tmp_path), reform=reformer(0, [(shrunk, [0, 2]), (mixed, [0, 1])]))
+        return _run(rel, log=log0)
+
+    def member1() -> tuple[np.ndarray, int]:
+        return _run(Reliable(_ctx(first, 1, [0, 1, 2], tmp_path)), die_at=6)
+
+    def member2() -> tuple[np.ndarray, int]:
+        try:
+            rel = Reliable(_ctx(first, 2, [0, 1, 2], tmp_path), reform=reformer(2, [(shrunk, [0, 2])]))
+            return _run(rel, die_at=10)
+        finally:
+            second_death.set()
+
+    def joiner() -> tuple[np.ndarray, int]:
+        second_death.wait(30)
+        rel = Reliable(_ctx(mixed, 1, [0, 1], tmp_path, joiner=True))
+        (joined,) = rel.recoveries
+        assert joined.restarted and joined.members == (0, 1) and joined.replayed > 0
+        return _run(rel)
+
+    jobs = [("m0", member0), ("m1", member1), ("m2", member2), ("joiner", joiner)]
+    threads = [threading.Thread(target=guarded, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not errors, errors
+    exact = sum((_value(t, v) for t in range(STEPS) for v in range(SHARDS)), np.zeros(3))
+    assert results["m0"][0].tobytes() == results["joiner"][0].tobytes() == exact.tobytes()
+    assert results["m0"][1] == 2  # step 6 recomputed for 0 and 2, step 10 for 0 and 1
+    assert log0 == list(range(STEPS))
