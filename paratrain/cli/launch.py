@@ -17,7 +17,8 @@ them, plus PARATRAIN_* variables (role, run id, rendezvous address, and PARATRAI
 per job, with which every connection of the job is authenticated). A first word 'python' or a script
 ending in .py runs with the interpreter of paratrain itself. Output lines are prefixed with [rankK]:.
 If any rank fails, the others are stopped (SIGTERM, then SIGKILL after --grace seconds) and launch exits 1
-naming the rank and the cause. Ctrl-C stops every rank and exits 130.
+naming the rank and the cause (with --max-restarts the rank is restarted instead; with --min-workers an elastic
+job goes on without it). Ctrl-C stops every rank and exits 130.
 
 --kill injects failures on purpose (SIGKILL unless another signal is named), reproducibly: RANK@step=K fires as
 the rank's K-th optimizer step begins (DistributedOptimizer.step, Pipe.step), RANK@2.5s is sent by launch.
@@ -25,6 +26,8 @@ the rank's K-th optimizer step begins (DistributedOptimizer.step, Pipe.step), RA
 examples:
   paratrain launch -n 4 -- python -m paratrain.examples.barriers
   paratrain launch -n 2 --kill 1@step=5 -- python train.py
+  paratrain launch -n 3 --min-workers 2 --max-restarts 1 --no-spare --kill 1@checkpoint=2 \
+      -- python -m paratrain.examples.elastic --until-joined
 """
 
 
