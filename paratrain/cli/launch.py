@@ -26,7 +26,7 @@ the rank's K-th optimizer step begins (DistributedOptimizer.step, Pipe.step), RA
 examples:
   paratrain launch -n 4 -- python -m paratrain.examples.barriers
   paratrain launch -n 2 --kill 1@step=5 -- python train.py
-  paratrain launch -n 3 --min-workers 2 --max-restarts 1 --no-spare --kill 1@checkpoint=2 \
+  paratrain launch -n 3 --min-workers 2 --max-restarts 1 --no-spare --kill 1@checkpoint=2 \\
       -- python -m paratrain.examples.elastic --until-joined
 """
 
