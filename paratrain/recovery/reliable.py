@@ -376,10 +376,12 @@ class Reliable:
         """A survivor's side: re-form (again, if another rank fails meanwhile) and exchange."""
         settings = self.ctx.settings
         limit = settings.max_restarts + 1 + (settings.job_workers if settings.elastic else 0)
+        before = list(self.members)  # against the job the broken operation ran in, however many attempts
         for attempt in range(limit):
             self.ctx = self._reform(self.ctx)
             try:
                 self._exchange(failed_at, time.time(), restarted=False)
+                self._regrouped = self.members != before
                 return
             except _BROKEN as exc:
                 if attempt + 1 == limit:
@@ -393,7 +395,6 @@ class Reliable:
         table = np.asarray(ctx.allgather(np.asarray(row, dtype=np.int64))).reshape(ctx.world_size, 5)
         states = [RankState(*(int(v) for v in r[:4])) for r in table]
         members = [int(r[4]) for r in table]
-        self._regrouped = not restarted and members != self.members
         self.members = members
         plan = plan_recovery(states)
         tag = ctx.next_collective_tag()
