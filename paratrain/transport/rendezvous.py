@@ -102,6 +102,7 @@ class RendezvousServer:
         self._on_joiner = on_joiner
         self._members_lock = threading.Lock()
         self._members = list(range(world_size))
+        self._purge: set[int] = set()
         self._finished: set[int] = set()
         #: Rounds completed so far (1 after the job first met).
         self.round = 0
@@ -165,6 +166,7 @@ class RendezvousServer:
             if member not in self._members:
                 return False
             self._members.remove(member)
+            self._purge.add(member)  # its registration for a round being formed came from the dead process
             if not self._wake_tx.closed:
                 self._wake_tx.send(b"", zmq.NOBLOCK)
         log.info("rendezvous: member %d removed; the job goes on with %d", member, len(self._members))
@@ -219,6 +221,7 @@ class RendezvousServer:
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
         while not self._stop.is_set():
+            self._drop_removed(registered)
             members = self.members
             if self.over and registered:  # joiners waiting for a job that has ended
                 for ident, _ in registered.values():
@@ -228,7 +231,8 @@ class RendezvousServer:
             if self.rounds and not registered.keys() & set(members):
                 deadline = time.monotonic() + self.timeout  # a round starts with its first member (not a joiner)
             if registered and set(members) <= registered.keys() and registered.keys() & set(members):
-                self._complete(registered, members)
+                if not self._complete(registered, members):
+                    continue  # a member was removed meanwhile: look again without it
                 if not self.rounds:
                     return
                 registered.clear()
@@ -251,6 +255,15 @@ class RendezvousServer:
                 continue
             self._accept(parts[0], parts[2], registered, members)
 
+    def _drop_removed(self, registered: dict[int, tuple[bytes, Mapping[str, Any]]]) -> None:
+        """Forgets registrations of members removed since (a dead process's): a round must not admit them."""
+        with self._members_lock:
+            purge, self._purge = self._purge, set()
+        for member in purge:
+            if registered.pop(member, None) is not None:
+                log.info("rendezvous: dropped the registration of removed member %d", member)
+        self.waiting = frozenset(registered)
+
     def _time_out(self, registered: dict[int, tuple[bytes, Mapping[str, Any]]], members: list[int]) -> None:
         missing = sorted(set(members) - set(registered))
         self.error = (
@@ -261,10 +274,13 @@ class RendezvousServer:
         for member in [m for m in registered if m in members or not self.rounds]:
             self._reply(registered.pop(member)[0], {"v": _VERSION, "error": self.error})
 
-    def _complete(self, registered: dict[int, tuple[bytes, Mapping[str, Any]]], members: list[int]) -> None:
-        """Answers a complete round: the table in member order, with joiners admitted (elastic)."""
+    def _complete(self, registered: dict[int, tuple[bytes, Mapping[str, Any]]], members: list[int]) -> bool:
+        """Answers a complete round: the table in member order, with joiners admitted (elastic). False (nothing
+        answered) when a member was removed since ``members`` was read."""
         admitted = sorted(registered) if self.elastic else members
         with self._members_lock:
+            if self._purge:  # a member was removed meanwhile: do not re-admit its dead registration
+                return False
             self._members = list(admitted)
         table = [registered[m][1] for m in admitted]
         self.table = table
@@ -279,6 +295,7 @@ class RendezvousServer:
                 sorted(set(admitted) - set(members)),
                 admitted,
             )
+        return True
 
     def _accept(
         self, ident: bytes, body: bytes, registered: dict[int, tuple[bytes, Mapping[str, Any]]], members: list[int]
@@ -333,6 +350,7 @@ class RendezvousServer:
         if self.over:
             self._reply(ident, {"v": _VERSION, "over": True})
             return
+        self._drop_removed(registered)  # before this registration: it may be a removed member's replacement
         registered[rank] = (ident, info)
         self.waiting = frozenset(registered)
         self.accepted += 1

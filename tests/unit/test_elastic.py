@@ -266,3 +266,32 @@ def test_an_elastic_job_uses_a_spare_only_once_it_is_warm(tmp_path: Path, warm: 
     else:  # a spare that has not said it is warm is not waited for: the job goes on without member 1
         assert "the job goes on with 2 workers" in err.getvalue() and rdzv.members == [0, 2]
     assert "member 1 life 1" in out.getvalue()
+
+
+def test_a_member_removed_after_registering_is_not_admitted_with_its_dead_registration() -> None:
+    import msgpack
+    import zmq
+
+    server = RendezvousServer(world_size=3, bind_addr="127.0.0.1", port=0, timeout=20, rounds=True, elastic=True)
+    server.start()
+    ctx = zmq.Context()
+    dead = ctx.socket(zmq.DEALER)  # member 1 registers, then its process dies (nobody reads the answer)
+    dead.setsockopt(zmq.LINGER, 0)
+    try:
+        dead.connect(f"tcp://127.0.0.1:{server.port}")
+        request = {"v": 1, "rank": 1, "world_size": 3, "info": {"who": "dead"}, "elastic": True}
+        dead.send_multipart([b"", msgpack.packb(request)])
+        _await(lambda: server.waiting == {1})
+        assert server.remove(1)
+        _await(lambda: server.waiting == frozenset())
+        m = _Members(server)
+        m.start("b0", 0)
+        m.start("b2", 2)
+        m.join()
+        b0 = m.got["b0"]
+        assert b0 is not None and b0.members == [0, 2] and b0.table == [{"who": "b0"}, {"who": "b2"}]
+        assert server.members == [0, 2]
+    finally:
+        dead.close()
+        ctx.term()
+        server.close()
