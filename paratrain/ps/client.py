@@ -17,7 +17,7 @@ still never counts a clock before it holds that clock's pushes. (Tested under BS
 bitwise the unreplicated one even when every clock overtakes the forwarded pushes, and SSP(2) across a server
 kill; ASP forwards the same way.)
 
-One module (about 620 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
+One module (about 670 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
 pulls, the sequence numbers that deduplicate retried pushes and the failover to the next live replica share the
 same pending-request bookkeeping and read together.
 """

@@ -31,7 +31,7 @@ Robustness: a malformed or invalid request is answered with an error and the loo
 process dies (its connection drops, or heartbeats stop) is removed from the clock bookkeeping and logged, so
 the others are not blocked forever; the loop ends when no live worker is left.
 
-One module (about 600 lines) because the server loop, its clock bookkeeping and the primary-backup forwarding
+One module (about 700 lines) because the server loop, its clock bookkeeping and the primary-backup forwarding
 share one request dispatch and one table of chunks; the pure rules live in rounds.py, consistency.py and
 sharding.py.
 """

@@ -30,7 +30,7 @@ process without the secret cannot deliver a single message, and each refused con
 costs: :mod:`paratrain.transport.auth`. Without a secret the sockets accept anyone (tests, and jobs run with
 ``PARATRAIN_INSECURE=1``).
 
-One module (about 520 lines): sending, the receiver thread, failure detection (including the resilient mode)
+One module (about 540 lines): sending, the receiver thread, failure detection (including the resilient mode)
 and shutdown share the sockets and the per-peer state, and read together; authentication is in auth.py.
 """
 
