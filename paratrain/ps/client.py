@@ -15,7 +15,7 @@ acknowledgements (that was a server-to-server round trip on every clock): it tel
 clock's pushes that server replicates, and a server counts the clock only once it holds that many, so a backup
 still never counts a clock before it holds that clock's pushes. (Tested under BSP, where the replicated run is
 bitwise the unreplicated one even when every clock overtakes the forwarded pushes, and SSP(2) across a server
-kill; ASP forwards the same way.)
+kill; under ASP an integer audit across a server kill, each push waited for, counts every push once.)
 
 One module (about 670 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
 pulls, the sequence numbers that deduplicate retried pushes and the failover to the next live replica share the

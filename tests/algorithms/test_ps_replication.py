@@ -217,6 +217,33 @@ def test_audit_no_update_lost_or_applied_twice_across_a_server_kill(consistency:
     assert all(s is not None and s.servers_lost == [3] for s in stats[1:])
 
 
+def test_audit_under_asp_no_acknowledged_update_is_lost_or_applied_twice_across_a_server_kill() -> None:
+    """ASP has no clock bound, so each worker waits for every push's acknowledgement (it is then on every live
+    replica) and the workers meet before reading: the count is exact although a server dies mid-run."""
+    workers, clocks, size = 3, 12, 64
+
+    def worker(ctx: Context, kill: Callable[[], float]) -> tuple[np.ndarray, list[np.ndarray]]:
+        kv = KVStore("asp", None, context=ctx, replicas=2, chunk_bytes=64)
+        kv.init("n", np.zeros(size, dtype=np.int64))
+        for c in range(clocks):
+            kv.push("n", np.ones(size, dtype=np.int64)).wait(30)
+            if c == clocks // 2 and ctx.rank == 1:
+                kill()
+            kv.clock()
+        ctx.barrier()
+        out = kv.pull("n")
+        copies = kv.pull_replicas("n")
+        kv.close()
+        return out, copies
+
+    results, stats = _run_with_kill(workers, 3, worker)
+    for out, copies in results:
+        np.testing.assert_array_equal(out, np.full(size, workers * clocks))
+        for copy in copies:
+            np.testing.assert_array_equal(copy, out)
+    assert all(s is not None and s.servers_lost == [3] for s in stats[1:])
+
+
 # -- a clock that overtakes the pushes forwarded to a backup ---------------------------------------------------
 
 
