@@ -74,3 +74,20 @@ def test_epoch_lines_are_written_through_the_progress_bar(
     ]
     assert written == expected
     assert capsys.readouterr().out.splitlines() == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--strategy", "bsp", "--min-workers", "1"], "--min-workers needs the allreduce strategy"),
+        (["--workers", "2", "--min-workers", "3"], "--min-workers needs the allreduce strategy and 1..2"),
+        (["--strategy", "gossip:ring", "--checkpoint-dir", "ckpt"], "--checkpoint-dir checkpoints allreduce"),
+    ],
+)
+def test_elastic_and_disk_checkpoint_flags_are_checked_before_any_worker_starts(
+    flags: list[str], says: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(paratrain.launch.run, "run_launch", _no_launch)
+    monkeypatch.setattr(paratrain.train.job, "run_launch", _no_launch, raising=False)
+    assert main(["train", "--epochs", "1", *flags]) == 2
+    assert says in capsys.readouterr().err
