@@ -70,38 +70,62 @@ def _run(rel: Reliable, *, die_at: int | None = None, log: list[int] | None = No
     return state, regroups
 
 
-def test_an_elastic_job_shrinks_recomputes_the_step_and_takes_a_joiner_back(tmp_path: Path) -> None:
-    first, shrunk, whole = InprocFabric(3, timeout=30), InprocFabric(2, timeout=30), InprocFabric(3, timeout=30)
-    ROUNDS.update({id(first): 1, id(shrunk): 2, id(whole): 3})
-    died = threading.Event()
+def _reformer(
+    member: int,
+    rounds: list[tuple[InprocFabric, list[int]]],
+    scratch: Path,
+    on_shrink: Callable[[], None] = lambda: None,
+) -> Callable[[Context], Context]:
+    """What member ``member``'s recoveries meet in: the next of ``rounds`` (a fabric and its members) each time."""
+    left = iter(rounds)
+
+    def reform(old: Context) -> Context:
+        old.abort()
+        fabric, members = next(left)
+        if len(members) < SHARDS:
+            on_shrink()
+        return _ctx(fabric, member, members, scratch)
+
+    return reform
+
+
+def _run_threads(
+    jobs: list[tuple[str, Callable[[], tuple[np.ndarray, int]]]], fabrics: list[InprocFabric]
+) -> dict[str, tuple[np.ndarray, int]]:
+    """Runs each job on a thread; the first error wakes every fabric and is raised."""
     results: dict[str, tuple[np.ndarray, int]] = {}
-    logs: dict[int, list[int]] = {0: [], 2: []}
     errors: list[BaseException] = []
-
-    def reformer(member: int) -> Callable[[Context], Context]:
-        rounds = iter([(shrunk, [0, 2]), (whole, [0, 1, 2])])
-
-        def reform(old: Context) -> Context:
-            old.abort()
-            fabric, members = next(rounds)
-            if fabric is shrunk:  # the launcher started a replacement; it waits to join
-                (tmp_path / JOIN_FILE).write_text("3\n")
-            return _ctx(fabric, member, members, tmp_path)
-
-        return reform
 
     def guarded(name: str, fn: Callable[[], tuple[np.ndarray, int]]) -> None:
         try:
             results[name] = fn()
         except BaseException as exc:  # reported below
             errors.append(exc)
-            for fabric in (first, shrunk, whole):
+            for fabric in fabrics:
                 fabric.fail_all(exc)
 
+    threads = [threading.Thread(target=guarded, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not errors, errors
+    return results
+
+
+def test_an_elastic_job_shrinks_recomputes_the_step_and_takes_a_joiner_back(tmp_path: Path) -> None:
+    first, shrunk, whole = InprocFabric(3, timeout=30), InprocFabric(2, timeout=30), InprocFabric(3, timeout=30)
+    ROUNDS.update({id(first): 1, id(shrunk): 2, id(whole): 3})
+    died = threading.Event()
+    logs: dict[int, list[int]] = {0: [], 2: []}
+
+    def announce_joiner() -> None:  # the launcher started a replacement; it waits to join
+        (tmp_path / JOIN_FILE).write_text("3\n")
+
     def survivor(member: int) -> Callable[[], tuple[np.ndarray, int]]:
-        return lambda: _run(
-            Reliable(_ctx(first, member, [0, 1, 2], tmp_path), reform=reformer(member)), log=logs[member]
-        )
+        rounds = [(shrunk, [0, 2]), (whole, [0, 1, 2])]
+        reform = _reformer(member, rounds, tmp_path, announce_joiner)
+        return lambda: _run(Reliable(_ctx(first, member, [0, 1, 2], tmp_path), reform=reform), log=logs[member])
 
     def doomed() -> tuple[np.ndarray, int]:
         try:
@@ -117,12 +141,7 @@ def test_an_elastic_job_shrinks_recomputes_the_step_and_takes_a_joiner_back(tmp_
         return _run(rel)
 
     jobs = [("m0", survivor(0)), ("m2", survivor(2)), ("doomed", doomed), ("joiner", joiner)]
-    threads = [threading.Thread(target=guarded, args=job) for job in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
-    assert not errors, errors
+    results = _run_threads(jobs, [first, shrunk, whole])
     exact = sum((_value(t, v) for t in range(STEPS) for v in range(SHARDS)), np.zeros(3))
     for name in ("m0", "m2", "joiner"):
         assert results[name][0].tobytes() == exact.tobytes(), name
@@ -137,30 +156,12 @@ def test_a_joiner_waiting_when_another_member_dies_is_admitted_by_that_recovery_
     first, shrunk, mixed = InprocFabric(3, timeout=30), InprocFabric(2, timeout=30), InprocFabric(2, timeout=30)
     ROUNDS.update({id(first): 1, id(shrunk): 2, id(mixed): 3})
     second_death = threading.Event()
-    results: dict[str, tuple[np.ndarray, int]] = {}
     log0: list[int] = []
-    errors: list[BaseException] = []
-
-    def reformer(member: int, rounds: list[tuple[InprocFabric, list[int]]]) -> Callable[[Context], Context]:
-        left = iter(rounds)
-
-        def reform(old: Context) -> Context:
-            old.abort()
-            fabric, members = next(left)
-            return _ctx(fabric, member, members, tmp_path)
-
-        return reform
-
-    def guarded(name: str, fn: Callable[[], tuple[np.ndarray, int]]) -> None:
-        try:
-            results[name] = fn()
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-            for fabric in (first, shrunk, mixed):
-                fabric.fail_all(exc)
 
     def member0() -> tuple[np.ndarray, int]:
-        rel = Reliable(_ctx(first, 0, [0, 1, 2], tmp_path), reform=reformer(0, [(shrunk, [0, 2]), (mixed, [0, 1])]))
+        rel = Reliable(
+            _ctx(first, 0, [0, 1, 2], tmp_path), reform=_reformer(0, [(shrunk, [0, 2]), (mixed, [0, 1])], tmp_path)
+        )
         return _run(rel, log=log0)
 
     def member1() -> tuple[np.ndarray, int]:
@@ -168,7 +169,7 @@ def test_a_joiner_waiting_when_another_member_dies_is_admitted_by_that_recovery_
 
     def member2() -> tuple[np.ndarray, int]:
         try:
-            rel = Reliable(_ctx(first, 2, [0, 1, 2], tmp_path), reform=reformer(2, [(shrunk, [0, 2])]))
+            rel = Reliable(_ctx(first, 2, [0, 1, 2], tmp_path), reform=_reformer(2, [(shrunk, [0, 2])], tmp_path))
             return _run(rel, die_at=10)
         finally:
             second_death.set()
@@ -181,12 +182,7 @@ def test_a_joiner_waiting_when_another_member_dies_is_admitted_by_that_recovery_
         return _run(rel)
 
     jobs = [("m0", member0), ("m1", member1), ("m2", member2), ("joiner", joiner)]
-    threads = [threading.Thread(target=guarded, args=job) for job in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
-    assert not errors, errors
+    results = _run_threads(jobs, [first, shrunk, mixed])
     exact = sum((_value(t, v) for t in range(STEPS) for v in range(SHARDS)), np.zeros(3))
     assert results["m0"][0].tobytes() == results["joiner"][0].tobytes() == exact.tobytes()
     assert results["m0"][1] == 2  # step 6 recomputed for 0 and 2, step 10 for 0 and 1
