@@ -15,15 +15,33 @@ from typing import TypeVar
 from paratrain.config import Settings
 from paratrain.errors import CommTimeoutError, ConfigError, ParatrainError
 from paratrain.runtime.context import Context
+from paratrain.transport.base import Transport
 from paratrain.transport.registry import local_job, zmq_transports
 
-__all__ = ["RankFailedError", "run_ranks", "zmq_transports"]
+__all__ = ["RankFailedError", "rank_context", "run_ranks", "zmq_transports"]
 
 R = TypeVar("R")
 
 
 class RankFailedError(ParatrainError, RuntimeError):
     """Another rank of an in-process job failed; this rank was woken so as not to hang."""
+
+
+def rank_context(transport: Transport, *, workers: int, servers: int = 0, timeout: float = 60.0) -> Context:
+    """The context of ``transport``'s rank in an in-process job of ``workers`` workers and ``servers`` parameter
+    servers (the last ranks), as :func:`run_ranks` builds it; for tests that run their ranks themselves."""
+    total, rank = workers + servers, transport.rank
+    settings = Settings(
+        rank=rank,
+        world_size=total,
+        local_rank=rank,
+        local_world_size=total,
+        transport="inproc",
+        timeout=timeout,
+        num_servers=servers,
+        role="worker" if rank < workers else "server",
+    )
+    return Context(settings=settings, transport=transport)
 
 
 def run_ranks(
@@ -83,17 +101,7 @@ def run_ranks(
                 t.abort(wake)
 
     def body(rank: int) -> None:
-        settings = Settings(
-            rank=rank,
-            world_size=total,
-            local_rank=rank,
-            local_world_size=total,
-            transport="inproc",
-            timeout=timeout,
-            num_servers=servers,
-            role="worker" if rank < workers else "server",
-        )
-        ctx = Context(settings=settings, transport=transports[rank])
+        ctx = rank_context(transports[rank], workers=workers, servers=servers, timeout=timeout)
         try:
             if rank < workers:
                 results[rank] = fn(ctx)

@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 
 from paratrain import Context
-from paratrain.config import Settings
 from paratrain.errors import ConfigError
 from paratrain.ps import KVStore
 from paratrain.ps.protocol import REQUEST_TAG, PSRequestError
 from paratrain.ps.server import ParameterServer, ServerStats
-from paratrain.testing import run_ranks
+from paratrain.testing import rank_context, run_ranks
 from paratrain.transport.base import Handle, Transport
 from paratrain.transport.registry import local_job
 from paratrain.transport.wire import Message
@@ -126,17 +125,7 @@ def _run_with_kill(
             return time.monotonic()
 
     def body(rank: int) -> None:
-        settings = Settings(
-            rank=rank,
-            world_size=total,
-            local_rank=rank,
-            local_world_size=total,
-            transport="inproc",
-            timeout=timeout,
-            num_servers=servers,
-            role="worker" if rank < workers else "server",
-        )
-        ctx = Context(settings=settings, transport=job.transports[rank])
+        ctx = rank_context(job.transports[rank], workers=workers, servers=servers, timeout=timeout)
         try:
             if rank < workers:
                 results[rank] = fn(ctx, kill)

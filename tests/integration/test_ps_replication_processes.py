@@ -5,6 +5,7 @@ update is lost or applied twice, and the failover (death -> first push served by
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -69,7 +70,7 @@ kv.close()
 def _run(tmp_path: Path, *args: str, kill_at: int = -1) -> list[dict[str, object]]:
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))
-    env = {**__import__("os").environ, "OUT_DIR": str(tmp_path), "KILL_AT": str(kill_at)}
+    env = {**os.environ, "OUT_DIR": str(tmp_path), "KILL_AT": str(kill_at)}
     out = subprocess.run(
         [*LAUNCH, "-n", "3", "--servers", "2", *args, str(script)],
         capture_output=True,
