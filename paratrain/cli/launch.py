@@ -28,6 +28,8 @@ examples:
   paratrain launch -n 2 --kill 1@step=5 -- python train.py
   paratrain launch -n 3 --min-workers 2 --max-restarts 1 --no-spare --kill 1@checkpoint=2 \\
       -- python -m paratrain.examples.elastic --until-joined
+  paratrain launch -n 2 --servers 2 --replicas 2 --max-restarts 1 --kill server0@2s \\
+      -- python -m paratrain.examples.ps_restart
 """
 
 
@@ -73,7 +75,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=0,
         metavar="R",
         help="restart a failed worker (up to R times in all) while the others go on; the program must recover "
-        "with paratrain.recovery, as paratrain train does (default 0: a failure stops the job)",
+        "with paratrain.recovery, as paratrain train does (default 0: a failure stops the job). With --servers "
+        "and --replicas >= 2 it restarts dead parameter servers instead, each catching up from its chunks' "
+        "other replicas",
     )
     p.add_argument(
         "--no-spare",

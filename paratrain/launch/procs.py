@@ -95,6 +95,9 @@ class ProcSpec:
             the signal then and says so (``paratrain launch --kill``).
         spare: a warm standby (:mod:`.restarts`): its standard input is a pipe on which it is told which failed
             rank it replaces; it does not count as running work, and it is released when the work is done.
+        restartable: whether the restart budget covers this child: None (the default) for essential children only;
+            True for one that is not essential either (a replicated parameter server, which catches up from the
+            other replicas, :mod:`paratrain.ps.resync`); False for none (a parameter-server job's workers).
     """
 
     name: str
@@ -104,6 +107,7 @@ class ProcSpec:
     essential: bool = True
     kill_after: tuple[float, int, str] | None = None
     spare: bool = False
+    restartable: bool | None = None
 
 
 class RestartPolicy(Protocol):
@@ -398,8 +402,20 @@ class Supervisor:
                 self._note_stop_signal()
                 return
             essential = {child.popen.pid for child in self._children if child.spec.essential}
+            covered = {
+                child.popen.pid
+                for child in self._children
+                if child.spec.restartable or (child.spec.restartable is None and child.spec.essential)
+            }
             failed = self._newly_failed({f.pid for f in self._tolerated} | self._replaced)
             for failure in failed:
+                if (
+                    failure.pid not in essential
+                    and failure.pid in covered
+                    and self._restarts
+                    and self._restart(failure)
+                ):
+                    continue
                 if failure.pid not in essential:
                     self._tolerated.append(failure)
                     self._say(f"{describe_failure(failure)}; the others go on (it is not essential)")
@@ -407,7 +423,7 @@ class Supervisor:
             if self._restarts is not None:
                 self._note_finished()
             if failed and self._restarts is not None:
-                failed = [f for f in failed if not self._restart(f)]
+                failed = [f for f in failed if f.pid not in covered or not self._restart(f)]
             if failed:
                 self._fail(self._settle(failed))
                 return

@@ -114,7 +114,9 @@ def run_launch(
         kill_seed: the seed of the schedule's ``random`` items.
         max_restarts: restart a failed worker up to this many times in all while the others go on (they must
             recover with :mod:`paratrain.recovery`, as ``paratrain train --max-restarts`` does); 0: a failure
-            stops the job.
+            stops the job. With ``servers`` (and ``replicas`` >= 2) it restarts dead servers instead, each of
+            which catches up from the other replicas of its chunks (:mod:`paratrain.ps.resync`); a worker's
+            failure still stops the job.
         spare: with ``max_restarts``, keep a warm spare running that takes over a failed rank (:mod:`.restarts`).
         min_workers: above 0 the job is elastic: a worker that fails with no warm spare ready is dropped and the
             others go on (renumbered) while at least this many remain; a cold replacement (``max_restarts``)
@@ -144,10 +146,15 @@ def run_launch(
         raise ConfigError(f"--grace must be >= 0, got {grace}")
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
-    if max_restarts and (servers or keep_going):
+    if max_restarts and keep_going:
         raise ConfigError(
-            "--max-restarts restarts workers of an allreduce job; it does not combine with --servers (replicate "
-            "the servers instead) or --keep-going (an elastic job shrinks rather than restarts)"
+            "--max-restarts restarts failed processes; it does not combine with --keep-going (an elastic job, "
+            "--min-workers, shrinks rather than restarts)"
+        )
+    if max_restarts and servers and replicas < 2:
+        raise ConfigError(
+            "--max-restarts with --servers restarts a dead parameter server, which then copies its chunks from "
+            "their other replicas: give it some with --replicas 2 (an unreplicated server's chunks die with it)"
         )
     if not 0 <= min_workers <= nproc:
         raise ConfigError(f"--min-workers must be between 0 and -n ({nproc}), got {min_workers}")
@@ -170,8 +177,9 @@ def run_launch(
         bind_addr="127.0.0.1",
         port=0,
         timeout=24 * 3600.0,
-        rounds=max_restarts > 0 or min_workers > 0,
+        rounds=(max_restarts > 0 and not servers) or min_workers > 0,
         elastic=min_workers > 0,
+        rejoins=max_restarts > 0 and servers > 0,  # a restarted server takes its rank's place, nobody re-meets
         on_joiner=(lambda round_number: write_join_round(scratch, round_number)) if min_workers else None,
         secret=secret,
     )
@@ -195,7 +203,7 @@ def run_launch(
             env = {**base_env, **kill_env(schedule, role, number)}
             if replicas > 1:
                 env["PARATRAIN_PS_REPLICAS"] = str(replicas)
-            if max_restarts:
+            if max_restarts and not servers:  # (a parameter-server job restarts servers only: workers stay plain)
                 env["PARATRAIN_MAX_RESTARTS"] = str(max_restarts)
             if min_workers:
                 env["PARATRAIN_MIN_WORKERS"] = str(min_workers)
@@ -209,6 +217,7 @@ def run_launch(
                         prefix=f"[rank{index}]: " if prefix else "",
                         essential=not keep_going,
                         kill_after=kill_after,
+                        restartable=False if servers else None,  # a parameter-server job restarts servers only
                     )
                 )
             else:
@@ -221,13 +230,14 @@ def run_launch(
                         prefix=f"[server{number}]: " if prefix else "",
                         essential=replicas == 1,  # replicated: its chunks fail over, the job goes on
                         kill_after=kill_after,
+                        restartable=True,  # ... and a restarted one catches up (ps.resync), while the budget lasts
                     )
                 )
         restarts = None
         if max_restarts or min_workers:
             restarts = Restarts(
                 max_restarts,
-                spare_spec(specs[0], prefix=prefix) if spare and max_restarts else None,
+                spare_spec(specs[0], prefix=prefix) if spare and max_restarts and not servers else None,
                 membership=Membership(min_workers, server) if min_workers else None,
             )
             if restarts.spare is not None:

@@ -10,7 +10,10 @@ old, update from the network"); pushes always go to the servers, so caching neve
 With ``replicas=R`` every chunk lives on R servers (primary-backup, Li et al. OSDI'14; the server side is in
 :mod:`.server`): a request goes to the chunk's first live replica, and a push is acknowledged only when every live
 replica applied it. A request whose server dies is sent again to the next live replica (the push with the same
-sequence number, so the servers apply it once). :meth:`KVStore.clock` does not wait for its pushes'
+sequence number, so the servers apply it once). A server that died and was restarted is brought up to date by a
+*fence* this worker takes part in the first time it sees the server back (:mod:`.resync`): it waits for its pushes'
+acknowledgements and for the server's answer, then counts the server as a live replica again, the last to own
+its chunks. :meth:`KVStore.clock` does not wait for its pushes'
 acknowledgements (that was a server-to-server round trip on every clock): it tells each server how many of this
 clock's pushes that server replicates, and a server counts the clock only once it holds that many, so a backup
 still never counts a clock before it holds that clock's pushes. (Tested under BSP, where the replicated run is
@@ -24,10 +27,13 @@ same pending-request bookkeeping and read together.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import logging
 import math
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -49,6 +55,11 @@ from paratrain.transport.base import Handle, Transport
 from paratrain.transport.wire import Message
 
 __all__ = ["KVStore", "WorkerContext"]
+
+log = logging.getLogger("paratrain.ps.client")
+
+#: Seconds between looks for a restarted server while a replicated worker waits for an answer.
+_REJOIN_POLL_S = 0.05
 
 
 @runtime_checkable
@@ -182,9 +193,17 @@ class KVStore:
         self._expect: dict[int, int] = {}
         self._dead: set[int] = set()  # server ranks seen lost
         self.failovers = 0  # requests sent again to another replica after their server died
+        # restarted servers (.resync): each server's incarnation as last brought up to date (or seen dead), and
+        # those that rejoined, in order: they own a chunk only when every replica that never died is gone
+        self._known: dict[int, int] = {}
+        self._demoted: list[int] = []
+        self._fencing = False
+        self.resyncs = 0  # restarted servers this worker fenced for (each caught up and is a backup again)
+        self.fence_seconds: list[float] = []  # how long each fence paused this worker (pushes drained + catch-up)
         self.policy = Policy.parse(consistency, staleness)
         self._optimizer = make_optimizer(optimizer)
         self._transport = ctx.transport
+        self._known = ctx.transport.incarnations()
         self.rank = ctx.rank
         self.num_servers = settings.num_servers
         self._servers = list(range(settings.num_workers, settings.world_size))
@@ -240,15 +259,21 @@ class KVStore:
     def _live(self, server: int) -> bool:
         if server in self._dead:
             return False
-        if server in self._transport.lost_peers():
-            self._dead.add(server)
+        if server in self._transport.lost_peers() or self._rejoined(server):
+            self._dead.add(server)  # a restarted server is dead to this worker until it fenced it
             return False
         return True
 
+    def _rejoined(self, server: int) -> bool:
+        """Whether ``server`` came back as a new process since this worker last brought it up to date."""
+        return self._transport.incarnations().get(server, 0) != self._known.get(server, 0)
+
     def _owner(self, chunk: Chunk) -> int:
-        """The transport rank of the chunk's first live replica (its owner now)."""
-        for index in chunk.replicas:
-            server = self._servers[index]
+        """The transport rank of the chunk's first live replica (its owner now), servers that rejoined last."""
+        order = [self._servers[index] for index in chunk.replicas]
+        if self._demoted:
+            order = [s for s in order if s not in self._demoted] + [s for s in self._demoted if s in order]
+        for server in order:
             if self._live(server):
                 return server
         raise PeerLostError(
@@ -317,7 +342,7 @@ class KVStore:
 
     def _wait(self, handle: Handle[Message], server: int, what: str) -> Message:
         try:
-            msg = handle.wait(self.timeout)
+            msg = self._await(handle)
         except CommTimeoutError:
             if self._transport.cancel_recv(handle):
                 raise CommTimeoutError(
@@ -332,6 +357,64 @@ class KVStore:
         if isinstance(done, int) and done > self._min_done:
             self._min_done = done
         return msg
+
+    def _await(self, handle: Handle[Message]) -> Message:
+        """``handle.wait(self.timeout)``; replicated, it fences any server that rejoins meanwhile, since the
+        answer may wait on another worker that waits on that fence (:mod:`.resync`)."""
+        if self.replicas == 1 or self._fencing:
+            return handle.wait(self.timeout)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            self._fence_rejoined()
+            remaining = deadline - time.monotonic()
+            try:
+                return handle.wait(max(0.0, min(_REJOIN_POLL_S, remaining)))
+            except CommTimeoutError:
+                if remaining <= _REJOIN_POLL_S:
+                    raise
+
+    def _fence_rejoined(self) -> None:
+        """Fences every server that came back as a new process since this worker last looked (:mod:`.resync`):
+        waits until its own pushes are acknowledged, tells the server the clock it is at and how many of this
+        clock's pushes the server's chunks already hold, and waits until the server has caught up. A server that
+        dies again, or gives up, stays dead until it comes back once more."""
+        incarnations = self._transport.incarnations()
+        if self.replicas == 1 or self._fencing or incarnations == self._known or self._closed:
+            return
+        self._fencing = True
+        try:
+            for server, incarnation in sorted(incarnations.items()):
+                if self._known.get(server, 0) == incarnation:
+                    continue
+                self._dead.add(server)
+                if server in self._transport.lost_peers():
+                    self._known[server] = incarnation
+                    continue
+                self._fence(server)
+                self._known[server] = incarnation
+        finally:
+            self._fencing = False
+
+    def _fence(self, server: int) -> None:
+        started = time.monotonic()
+        for _, push in self._unacked:  # every push applied by every live replica: the donors' copies have it
+            with contextlib.suppress(Exception):  # its error is reported by clock(), as without a fence
+                push.wait(self.timeout)
+        live = [s for s in self._servers if s != server and self._live(s)]
+        meta = {"op": "fence", "clock": self._clock, "held": self._expect.get(server, 0), "servers": live}
+        try:
+            handle, _ = self._request(server, meta)
+            self._wait(handle, server, f"fence of restarted server rank {server}")
+        except (PeerLostError, PSRequestError) as exc:
+            log.warning("worker %d: restarted server rank %d did not catch up: %s", self.rank, server, exc)
+            return
+        self._dead.discard(server)
+        if server in self._demoted:
+            self._demoted.remove(server)
+        self._demoted.append(server)
+        self.resyncs += 1
+        self.fence_seconds.append(time.monotonic() - started)
+        log.info("worker %d: server rank %d caught up after its restart; it is a backup again", self.rank, server)
 
     def _all(self, pending: list[tuple[Handle[Message], int]], what: str) -> Handle[None]:
         """One handle for many replies: completes when all arrived, fails with the first error."""
@@ -622,6 +705,7 @@ class KVStore:
                 self._transport.isend(action.peer, REQUEST_TAG, (), sent)
             except PeerLostError as exc:
                 self._lost(exc, action.peer)
+        self._fence_rejoined()
         if not self.policy.may_run(self._clock, self._min_done):
             required = self.policy.required_done(self._clock)
             what = f"clock {self._clock} (waiting for the slowest worker)"
@@ -645,8 +729,9 @@ class KVStore:
             return
         pending = []
         for server in self._servers:
-            if not self._live(server):
-                continue
+            rejoined = self.replicas > 1 and self._rejoined(server)
+            if not self._live(server) and not (rejoined and server not in self._transport.lost_peers()):
+                continue  # (a restarted server not yet fenced waits for this worker: it is told it left)
             try:
                 pending.append(self._request(server, {"op": "leave"}))
             except PeerLostError as exc:

@@ -52,10 +52,11 @@ import numpy.typing as npt
 from paratrain._arrays import DTYPE_NAMES, dtype_from_name
 from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
 from paratrain.ps.consistency import min_done, required_met
-from paratrain.ps.optim import ServerOptimizer, make_optimizer
+from paratrain.ps.optim import make_optimizer
 from paratrain.ps.protocol import REQUEST_TAG, reply_tag
-from paratrain.ps.rounds import Mode, RoundSum, commit_ready, mode_of, preview, round_of_push, staleness_weight
-from paratrain.transport.base import ANY_SOURCE, Handle, Transport
+from paratrain.ps.resync import CaughtUp, StoredChunk, catch_up, chunk_message
+from paratrain.ps.rounds import RoundSum, commit_ready, mode_of, preview, round_of_push, staleness_weight
+from paratrain.transport.base import ANY_SOURCE, Transport
 from paratrain.transport.wire import Message
 
 __all__ = ["ParameterServer", "ServerStats"]
@@ -63,30 +64,12 @@ __all__ = ["ParameterServer", "ServerStats"]
 log = logging.getLogger("paratrain.ps.server")
 
 
-#: Operations one server sends another (replication), accepted from server ranks only.
-_SERVER_OPS = ("replicate", "replicated")
+#: Operations one server sends another (replication, and a restarted one catching up), from server ranks only.
+_SERVER_OPS = ("replicate", "replicated", "members", "snapshot")
 
 
 class _RejectedError(Exception):
     """A request the server refuses; the message goes back to the worker."""
-
-
-@dataclass
-class _Chunk:
-    value: npt.NDArray[Any]
-    dtype_name: str
-    key_shape: tuple[int, ...]
-    optimizer: ServerOptimizer | None
-    state: dict[str, npt.NDArray[Any]]
-    consistency: str  # the workers' model: bsp, ssp or asp (the first init's; the others must agree)
-    mode: Mode
-    staleness_lr: bool
-    eager: bool  # reads see a preview of the open rounds (SSP with s > 0, ASP)
-    pending: dict[int, RoundSum] = field(default_factory=dict)  # open rounds by id
-    view: npt.NDArray[Any] | None = None  # the preview while no push or step changes it (never modified)
-    version: int = 0  # rounds applied so far (clock mode: every clock < version is applied)
-    sends: list[Handle[None]] = field(default_factory=list)  # replies still reading `value`
-    replicas: tuple[int, ...] = ()  # transport ranks of the servers holding this chunk, owner first (replication)
 
 
 @dataclass
@@ -115,6 +98,8 @@ class ServerStats:
     duplicates: int = 0  # pushes (or forwards) already applied here, acknowledged without applying again
     clocks_held: int = 0  # worker clocks that arrived before pushes of theirs forwarded by another replica
     servers_lost: list[int] = field(default_factory=list)  # other servers seen dead (their chunks fail over)
+    snapshots_sent: int = 0  # copies sent to restarted servers (:mod:`.resync`)
+    catch_up_s: float | None = None  # restarted: seconds from the first worker's fence to the last snapshot
 
 
 class ParameterServer:
@@ -125,6 +110,8 @@ class ParameterServer:
         num_workers: workers in the job; all start as live members at clock 0.
         timeout: seconds a reply may take to leave before the server gives up on it.
         poll: seconds between checks for lost workers while idle.
+        rejoin: this process replaces a server that died (``paratrain launch --max-restarts``): before serving
+            it takes its chunks and clocks from the other replicas (:mod:`.resync`).
 
     Example:
         >>> from paratrain.testing import run_ranks
@@ -142,7 +129,9 @@ class ParameterServer:
         [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
     """
 
-    def __init__(self, transport: Transport, *, num_workers: int, timeout: float = 60.0, poll: float = 0.2) -> None:
+    def __init__(
+        self, transport: Transport, *, num_workers: int, timeout: float = 60.0, poll: float = 0.2, rejoin: bool = False
+    ) -> None:
         if not 0 < num_workers <= transport.world_size:
             raise ValueError(f"num_workers {num_workers} outside 1..{transport.world_size}")
         self.transport = transport
@@ -152,7 +141,7 @@ class ParameterServer:
         self.stats = ServerStats()
         self.done: dict[int, int] = dict.fromkeys(range(num_workers), 0)
         self.live: set[int] = set(range(num_workers))
-        self._chunks: dict[tuple[Any, int], _Chunk] = {}
+        self._chunks: dict[tuple[Any, int], StoredChunk] = {}
         self._waiting_pulls: list[tuple[int, Mapping[str, Any], Message]] = []
         self._waiting_clocks: list[tuple[int, Mapping[str, Any]]] = []
         self._waiting_inits: dict[tuple[Any, int], list[tuple[int, Mapping[str, Any]]]] = {}
@@ -168,12 +157,19 @@ class ParameterServer:
         self._queued: dict[int, list[Message]] = {}
         self._replicated = False  # some chunk here has backups
         self._gone_seen: frozenset[int] = frozenset()  # the lost peers when servers were last checked
+        # restarted servers: how often each peer rejoined as last seen; copies asked for, not yet sent (.resync)
+        self._incarnations: dict[int, int] = transport.incarnations()
+        self._snapshots: list[tuple[int, int, list[tuple[int, int]]]] = []
+        self._rejoin = rejoin
 
     # -- the loop ------------------------------------------------------------------------------------------
 
     def serve(self, stop: threading.Event | None = None) -> ServerStats:
         """Serves until every worker has left or is lost (or ``stop`` is set). Blocks; one thread only."""
         t = self.transport
+        if self._rejoin:
+            self._rejoin = False
+            self._install(catch_up(t, num_workers=self.num_workers, timeout=self.timeout, poll=self.poll))
         while self.live and not (stop is not None and stop.is_set()):
             try:
                 msg = t.recv(ANY_SOURCE, REQUEST_TAG, timeout=self.poll)
@@ -270,7 +266,13 @@ class ParameterServer:
         self._reply(msg.src, request_id, error=f"server {self.transport.rank}: {why}")
 
     def _reply(
-        self, worker: int, request_id: int, arrays: Sequence[Any] = (), *, chunk: _Chunk | None = None, **fields: Any
+        self,
+        worker: int,
+        request_id: int,
+        arrays: Sequence[Any] = (),
+        *,
+        chunk: StoredChunk | None = None,
+        **fields: Any,
     ) -> None:
         meta = {"done": self._min_done, **fields}
         try:
@@ -282,7 +284,7 @@ class ParameterServer:
         if chunk is not None and not handle.done():
             chunk.sends.append(handle)
 
-    def _quiesce(self, chunk: _Chunk) -> None:
+    def _quiesce(self, chunk: StoredChunk) -> None:
         """Waits until no reply still reads ``chunk.value`` (sent zero-copy) before it is modified."""
         for handle in chunk.sends:
             try:
@@ -299,9 +301,18 @@ class ParameterServer:
 
     def _check_lost(self) -> None:
         gone = self.transport.lost_peers()
-        if self._replicated and gone != self._gone_seen:
-            self._gone_seen = gone
-            self._check_lost_servers(gone)
+        if self._replicated:
+            incarnations = self.transport.incarnations()
+            if incarnations != self._incarnations:
+                # a server that came back as a new process is lost as far as this one is concerned (even if its
+                # death went unseen) until it has caught up from this server's snapshot (_op_snapshot)
+                changed = {s for s, n in incarnations.items() if n != self._incarnations.get(s, 0)}
+                changed.discard(self.transport.rank)  # (this process's own successor: it is dead itself)
+                self._incarnations = incarnations
+                self._check_lost_servers(frozenset(changed - self._servers_lost))
+            if gone != self._gone_seen:
+                self._gone_seen = gone
+                self._check_lost_servers(gone)
         lost = gone & self.live
         departed = self.transport.departed_peers() if lost else frozenset()
         for worker in sorted(lost):
@@ -328,6 +339,8 @@ class ParameterServer:
                 del self._held[held]
         if lost:
             self._advance()
+        elif self._snapshots:
+            self._send_snapshots()
 
     def _check_lost_servers(self, gone: frozenset[int]) -> None:
         """Stops waiting for backups that died: their pushes are acknowledged with the replicas still alive."""
@@ -368,8 +381,10 @@ class ParameterServer:
                 self._reply(worker, meta["id"])
             else:
                 self._waiting_clocks.append((worker, meta))
+        if self._snapshots:
+            self._send_snapshots()
 
-    def _commit(self, chunk: _Chunk) -> None:
+    def _commit(self, chunk: StoredChunk) -> None:
         """Takes the step of every complete round of ``chunk``, oldest first (the rule of :mod:`.rounds`)."""
         if chunk.optimizer is None:
             return
@@ -438,9 +453,86 @@ class ParameterServer:
         self._reply(msg.src, msg.meta["id"])
         self._advance()
 
+    # -- a restarted server catching up (.resync) -------------------------------------------------------------
+
+    def _install(self, caught: CaughtUp) -> None:
+        """Takes what the donors sent at the workers' fences, then lets the fenced workers go on."""
+        self._chunks = caught.chunks
+        self.done.update(caught.done)
+        self.live = set(caught.live)
+        self._min_done = caught.min_done
+        self._held.update(caught.held)
+        self._replicated = True
+        # the servers no worker counted as live when it fenced are dead: forward nothing to them
+        servers = set(range(self.num_workers, self.transport.world_size)) - {self.transport.rank}
+        self._servers_lost |= servers - set(caught.donors)
+        self._incarnations = self.transport.incarnations()
+        self.stats.catch_up_s = caught.seconds
+        log.info(
+            "server %d: caught up after a restart: %d chunks from servers %s, workers %s at clocks %s (%.3f s)",
+            self.transport.rank,
+            len(caught.chunks),
+            caught.donors,
+            sorted(caught.live),
+            [caught.done.get(w) for w in sorted(caught.live)],
+            caught.seconds,
+        )
+        for worker, request_id in caught.fences:
+            self._reply(worker, request_id)
+
+    def _op_fence(self, msg: Message) -> None:
+        """A worker's fence after this server caught up (a KVStore created later): nothing to wait for."""
+        self._reply(msg.src, msg.meta["id"])
+
+    def _op_members(self, msg: Message) -> None:
+        """A restarted server asks which workers take part (to know whose fences to wait for)."""
+        self._check_lost()
+        self._reply(msg.src, msg.meta["id"], live=sorted(self.live))
+
+    def _op_snapshot(self, msg: Message) -> None:
+        """A restarted server asks for its chunks as they stand at the workers' fences: sent once this server
+        has counted every fenced worker's clock up to its fence (:meth:`_send_snapshots`)."""
+        fences = msg.meta.get("fences")
+        if not isinstance(fences, list) or not all(
+            isinstance(f, list) and len(f) == 2 and all(type(x) is int for x in f) for f in fences
+        ):
+            raise _RejectedError("snapshot without valid fences")
+        self._check_lost()  # its rejoin counts as a loss here first: nothing was forwarded to it since
+        self._snapshots.append((msg.src, msg.meta["id"], [(int(w), int(c)) for w, c in fences]))
+        self._send_snapshots()
+
+    def _send_snapshots(self) -> None:
+        still = []
+        for server, request_id, fences in self._snapshots:
+            if all(w not in self.live or self.done[w] >= c for w, c in fences if w in self.done):
+                self._send_snapshot(server, request_id)
+            else:
+                still.append((server, request_id, fences))
+        self._snapshots = still
+
+    def _send_snapshot(self, server: int, request_id: int) -> None:
+        """Sends ``server`` every chunk it replicates, then the clocks; from now on it gets forwarded pushes."""
+        tag = reply_tag(request_id)
+        handles = []
+        try:
+            for (key, index), chunk in self._chunks.items():
+                if server in chunk.replicas:
+                    meta, arrays = chunk_message(key, index, chunk)
+                    handles.append(self.transport.isend(server, tag, arrays, meta))
+            end = {"part": "end", "done": [[w, d] for w, d in sorted(self.done.items())], "min_done": self._min_done}
+            handles.append(self.transport.isend(server, tag, (), end))
+            for handle in handles:  # the arrays go zero-copy and are modified by the next push: wait for them
+                handle.wait(self.timeout)
+        except (PeerLostError, TransportClosedError, CommTimeoutError) as exc:
+            log.warning("server %d: restarted server %d did not take its copy: %s", self.transport.rank, server, exc)
+            return
+        self._servers_lost.discard(server)
+        self.stats.snapshots_sent += 1
+        log.info("server %d: sent restarted server %d its copy; it is a backup again", self.transport.rank, server)
+
     # -- keys ----------------------------------------------------------------------------------------------
 
-    def _chunk(self, meta: Mapping[str, Any]) -> _Chunk:
+    def _chunk(self, meta: Mapping[str, Any]) -> StoredChunk:
         key, index = meta.get("key"), meta.get("chunk")
         if not isinstance(key, (str, int)) or not isinstance(index, int):
             raise _RejectedError("request without a valid key and chunk index")
@@ -491,7 +583,7 @@ class ParameterServer:
         if optimizer is not None and np.dtype(dtype_from_name(dtype_name)).kind != "f":
             raise _RejectedError(f"key {key!r}: an optimizer needs a float array, not {dtype_name}")
         stored = np.array(value, copy=True)
-        self._chunks[(key, index)] = _Chunk(
+        self._chunks[(key, index)] = StoredChunk(
             value=stored,
             dtype_name=dtype_name,
             key_shape=tuple(key_shape),
@@ -509,7 +601,7 @@ class ParameterServer:
             fake = Message(src=worker, tag=REQUEST_TAG, meta=waiting)
             self._handle(fake)
 
-    def _rows_of(self, chunk: _Chunk, msg: Message, n_arrays: int) -> npt.NDArray[np.int64] | None:
+    def _rows_of(self, chunk: StoredChunk, msg: Message, n_arrays: int) -> npt.NDArray[np.int64] | None:
         if not msg.meta.get("rows"):
             return None
         rows = msg.arrays[0]
@@ -519,7 +611,7 @@ class ParameterServer:
             raise _RejectedError(f"row ids outside 0..{chunk.value.shape[0] - 1} of chunk {msg.meta.get('chunk')}")
         return rows.astype(np.int64, copy=False)
 
-    def _push_data(self, chunk: _Chunk, msg: Message) -> tuple[npt.NDArray[np.int64] | None, npt.NDArray[Any]]:
+    def _push_data(self, chunk: StoredChunk, msg: Message) -> tuple[npt.NDArray[np.int64] | None, npt.NDArray[Any]]:
         """The row ids (or None) and the data of a push or a forwarded push, validated against ``chunk``."""
         rows = self._rows_of(chunk, msg, 2)
         data = msg.arrays[-1] if msg.arrays else None
@@ -550,7 +642,7 @@ class ParameterServer:
 
     def _apply(
         self,
-        chunk: _Chunk,
+        chunk: StoredChunk,
         rows: npt.NDArray[np.int64] | None,
         data: npt.NDArray[Any],
         round_id: int,
@@ -596,7 +688,7 @@ class ParameterServer:
         else:
             self._reply(msg.src, msg.meta["id"])
 
-    def _forward(self, chunk: _Chunk, msg: Message, fields: dict[str, Any], arrays: Sequence[Any]) -> set[int]:
+    def _forward(self, chunk: StoredChunk, msg: Message, fields: dict[str, Any], arrays: Sequence[Any]) -> set[int]:
         """Sends worker push ``msg`` on to the chunk's other live replicas (``replicate``); returns their ranks."""
         meta = {
             "op": "replicate",

@@ -231,6 +231,16 @@ class Transport(abc.ABC):
         """
         return frozenset()
 
+    def incarnations(self) -> dict[int, int]:
+        """How many times each peer came back as a new process after it was lost (peers that never did are
+        absent; a transport that cannot take a peer back says none, the default).
+
+        Why callers look: a peer that rejoins (a restarted parameter server) knows nothing of what happened
+        while it was gone, so a caller that saw it lost must bring it up to date before treating it as a live
+        peer again, even if it never noticed the loss (:mod:`paratrain.ps.server`).
+        """
+        return {}
+
     def __enter__(self) -> Transport:
         return self
 

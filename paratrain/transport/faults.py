@@ -252,6 +252,10 @@ class FaultyTransport(Transport):
         """Peers the inner transport saw shut down cleanly."""
         return self.inner.departed_peers()
 
+    def incarnations(self) -> dict[int, int]:
+        """Peers the inner transport took back after they were lost."""
+        return self.inner.incarnations()
+
     def close(self) -> None:
         """Delivers what is still on the link, then closes the inner transport."""
         with self._lock:

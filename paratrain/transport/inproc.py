@@ -40,6 +40,30 @@ class InprocFabric:
         self._mailboxes = [Mailbox(rank=r, world_size=world_size) for r in range(world_size)]
         self._lock = threading.Lock()
         self._gone: dict[int, str] = {}
+        self._incarnations: dict[int, int] = {}
+
+    def rejoin(self, rank: int) -> InprocTransport:
+        """A new endpoint for ``rank``, which left (crashed or closed): as a restarted process would, it comes
+        back with an empty mailbox, and every other rank may send to it and wait on it again.
+
+        Raises:
+            ValueError: ``rank`` has not left.
+        """
+        with self._lock:
+            if rank not in self._gone:
+                raise ValueError(f"rank {rank} has not left; only a lost rank can rejoin")
+            self._mailboxes[rank] = Mailbox(rank=rank, world_size=self.world_size)
+            del self._gone[rank]
+            self._incarnations[rank] = self._incarnations.get(rank, 0) + 1
+        for other, box in enumerate(self._mailboxes):
+            if other != rank:
+                box.peer_back(rank)
+        return InprocTransport(self, rank)
+
+    def incarnations(self) -> dict[int, int]:
+        """How many times each rank rejoined (see :meth:`rejoin`)."""
+        with self._lock:
+            return dict(self._incarnations)
 
     def transport(self, rank: int) -> InprocTransport:
         """The endpoint of ``rank``."""
@@ -131,6 +155,10 @@ class InprocTransport(Transport):
     def departed_peers(self) -> frozenset[int]:
         """Ranks that closed (rather than aborted)."""
         return self._fabric._departed()
+
+    def incarnations(self) -> dict[int, int]:
+        """Ranks that rejoined after they left (:meth:`InprocFabric.rejoin`), and how often."""
+        return self._fabric.incarnations()
 
     def close(self) -> None:
         """Leaves the fabric; peers waiting on this rank get PeerLostError ("shut down")."""

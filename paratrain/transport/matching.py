@@ -122,6 +122,14 @@ class Mailbox:
         for src, _, handle in failed:
             handle.set_error(self._unsatisfiable(src) or error)
 
+    def peer_back(self, peer: int) -> None:
+        """``peer`` rejoined as a new process: receives from it may wait again. Whatever its lost predecessor
+        sent and nobody claimed is dropped (answers to requests that already failed over elsewhere)."""
+        with self._lock:
+            self._lost.pop(peer, None)
+            for key in [k for k in self._queues if k[0] == peer]:
+                del self._queues[key]
+
     def lost(self) -> frozenset[int]:
         """Peers recorded as lost."""
         with self._lock:

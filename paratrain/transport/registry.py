@@ -27,7 +27,7 @@ from paratrain.transport.inproc import InprocFabric
 from paratrain.transport.rendezvous import RendezvousServer, admit, register
 from paratrain.transport.zmq import ZmqTransport
 
-__all__ = ["LocalJob", "TransportKind", "connect", "kinds", "local_job", "register_transport"]
+__all__ = ["LocalJob", "TransportKind", "connect", "kinds", "local_job", "register_transport", "rejoins"]
 
 log = logging.getLogger("paratrain.transport")
 
@@ -252,6 +252,20 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
         if settings.elastic:
             _admit(zt, settings, secret)
             return zt
+        if rejoins(settings):
+            # a restarted parameter server: the others met long ago; take this rank's place among them
+            table = register(
+                settings.rdzv_addr,
+                settings.rdzv_port,
+                rank=settings.rank,
+                world_size=settings.world_size,
+                info=zt.endpoints(),
+                timeout=settings.rdzv_timeout,
+                secret=secret,
+                rejoin=True,
+            )
+            zt.connect(table, rejoin=True)
+            return zt
         if settings.rank == 0 and not settings.rdzv_hosted:
             loopback = bind == "127.0.0.1"
             server = RendezvousServer(
@@ -279,6 +293,12 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
         if server is not None:
             server.join(timeout=5)
     return zt
+
+
+def rejoins(settings: Settings) -> bool:
+    """Whether this process replaces a lost one in a running job rather than meets the others at its start: a
+    restarted parameter server of a replicated job (``paratrain launch --replicas R --max-restarts N``)."""
+    return settings.role == "server" and settings.restart_count > 0 and settings.ps_replicas > 1
 
 
 def _admit(zt: ZmqTransport, settings: Settings, secret: bytes | None) -> None:

@@ -22,6 +22,11 @@ on the list is a *joiner*: it waits until the members next meet, and is admitted
 every member has registered, and its answer renumbers everyone: ranks ``0..W-1`` in member order, so that a
 rank that rejoins gets its old rank back once everyone has. :func:`admit` is the member's side.
 
+A job whose parameter servers are restarted (``paratrain launch --servers S --replicas R --max-restarts N``)
+meets once, but the server stays up (``rejoins``): a restarted process registers with ``rejoin`` and is answered
+at once with the job's table (its own entry replaced), connects to everyone and announces itself
+(:meth:`~paratrain.transport.zmq.ZmqTransport.connect`); the others do not meet again.
+
 Given the job's secret, the server's socket is a CURVE server and each rank a CURVE client with keys derived from
 it (:mod:`paratrain.transport.auth`): a process without the secret can neither register (take a rank's place in
 the table, or learn the endpoints) nor make the server read a byte; each refusal is counted in
@@ -74,6 +79,8 @@ class RendezvousServer:
         elastic: (with ``rounds``) registrations name members, the membership changes (see the module docstring).
         on_joiner: (elastic) called with the round a joiner will be admitted in, when one registers; the
             launcher uses it to tell the members (they look at their next checkpoint).
+        rejoins: (not with ``rounds``) keep serving after the job met: a rank that registers with ``rejoin`` is
+            answered at once with the table, its entry replaced (see the module docstring).
         secret: the job's secret: only ranks holding it may connect (see the module docstring). None: anyone.
 
     Example:
@@ -95,9 +102,13 @@ class RendezvousServer:
         elastic: bool = False,
         on_joiner: Callable[[int], None] | None = None,
         secret: bytes | None = None,
+        rejoins: bool = False,
     ) -> None:
         if elastic and not rounds:
             raise ValueError("an elastic rendezvous serves rounds")
+        if rejoins and rounds:
+            raise ValueError("a rendezvous serves rounds or rejoins, not both")
+        self.rejoins = rejoins
         self.world_size = world_size
         self.timeout = timeout
         self.rounds = rounds
@@ -236,12 +247,14 @@ class RendezvousServer:
             if registered and set(members) <= registered.keys() and registered.keys() & set(members):
                 if not self._complete(registered, members):
                     continue  # a member was removed meanwhile: look again without it
-                if not self.rounds:
+                if not self.rounds and not self.rejoins:
                     return
                 registered.clear()
                 self.waiting = frozenset()
                 continue
             remaining = deadline - time.monotonic()
+            if self.table is not None and self.rejoins:
+                remaining = 3600.0  # the job met: only rejoins are served, for as long as it runs
             if remaining <= 0:
                 self._time_out(registered, members)
                 if self.rounds:
@@ -334,7 +347,25 @@ class RendezvousServer:
         if not 0 <= rank < world:
             self._reply(ident, {"v": _VERSION, "error": f"rank {rank} outside 0..{world - 1}"})
             return
-        if rank in registered and self.rounds:
+        if req.get("rejoin") is True and self.rejoins and self.table is not None:
+            table = list(self.table)
+            table[rank] = info
+            self.table = table
+            self.accepted += 1
+            log.info("rendezvous: rank %d rejoined (pid %s)", rank, info.get("pid"))
+            self._reply(ident, {"v": _VERSION, "table": table, "round": self.round})
+            return
+        if self.table is not None and self.rejoins:
+            self._reply(
+                ident,
+                {
+                    "v": _VERSION,
+                    "error": f"rank {rank} registered after the job met; only a restarted "
+                    "rank may rejoin (PARATRAIN_RESTART_COUNT above 0)",
+                },
+            )
+            return
+        if rank in registered and (self.rounds or req.get("rejoin") is True):
             log.warning(
                 "rendezvous: rank %d registered again (pid %s); the newer one takes part", rank, info.get("pid")
             )
@@ -394,11 +425,13 @@ def register(
     info: Mapping[str, Any],
     timeout: float,
     secret: bytes | None = None,
+    rejoin: bool = False,
 ) -> list[dict[str, Any]]:
     """Registers this rank's ``info`` and blocks until everyone's arrives (or ``timeout``).
 
     Args:
         secret: the job's secret (the server's must be the same), or None to connect unauthenticated.
+        rejoin: this process replaces the rank's lost one in a job that met already (answered at once).
 
     Returns:
         The info of every rank, indexed by rank.
@@ -407,7 +440,9 @@ def register(
         RendezvousError: refused by the server (also for want of the server's secret: at once, not after
             ``timeout``), or no complete table within ``timeout`` seconds.
     """
-    reply = _request(addr, port, rank=rank, world_size=world_size, info=info, timeout=timeout, secret=secret)
+    reply = _request(
+        addr, port, rank=rank, world_size=world_size, info=info, timeout=timeout, secret=secret, rejoin=rejoin
+    )
     table = reply.get("table")
     if not isinstance(table, list) or len(table) != world_size or not all(isinstance(t, dict) for t in table):
         raise RendezvousError(f"rank {rank}: rendezvous reply lacks a table of {world_size} entries")
@@ -465,6 +500,7 @@ def _request(
     timeout: float,
     secret: bytes | None,
     elastic: bool = False,
+    rejoin: bool = False,
 ) -> dict[str, Any]:
     """One registration and the server's answer (a map without ``error``)."""
     ctx = zmq.Context(io_threads=1)
@@ -475,6 +511,8 @@ def _request(
     request: dict[str, Any] = {"v": _VERSION, "rank": rank, "world_size": world_size, "info": dict(info)}
     if elastic:
         request["elastic"] = True
+    if rejoin:
+        request["rejoin"] = True
     try:
         if secret is not None:
             JobKeys.derive(secret).authenticate_client(sock, address)

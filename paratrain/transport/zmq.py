@@ -207,7 +207,10 @@ class ZmqTransport(Transport):
         self._linked: set[int] = set()  # peers our PUSH has completed a handshake with
         self._linked_cond = threading.Condition()
         self._lost: dict[int, PeerLostError] = {}
+        self._incarnations: dict[int, int] = {}
         self._state_lock = threading.Lock()
+        self._poller: zmq.Poller | None = None  # the receiver thread's (a rejoining peer's monitor joins it)
+        self._monitor_peer: dict[zmq.Socket[bytes], int] = {}
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
 
@@ -249,33 +252,50 @@ class ZmqTransport(Transport):
         self.rank, self.world_size = rank, world_size
         self._box = Mailbox(rank=rank, world_size=world_size)
 
-    def connect(self, table: Sequence[Mapping[str, Any]]) -> None:
-        """Connects to every peer given everyone's :meth:`endpoints` (indexed by rank) and starts receiving."""
+    def connect(self, table: Sequence[Mapping[str, Any]], *, rejoin: bool = False) -> None:
+        """Connects to every peer given everyone's :meth:`endpoints` (indexed by rank) and starts receiving.
+
+        ``rejoin``: this process replaces this rank's lost one (a restarted parameter server): it first sends
+        every peer a ``hello`` with its endpoints, and each peer that is not resilient connects to it afresh and
+        takes it back (:meth:`incarnations`); the table's entry for this rank is ignored.
+        """
         if len(table) != self.world_size:
             raise ValueError(f"endpoint table has {len(table)} entries for world size {self.world_size}")
         now = time.monotonic()
+        hello = encode(self.rank, TAG_CONTROL, (), {"ctl": "hello", **self._endpoints})[0] if rejoin else None
         for peer, info in enumerate(table):
             if peer == self.rank:
                 continue
-            same_host = info.get("host") == self.host_id and bool(info.get("ipc")) and bool(self._endpoints["ipc"])
-            address = str(info["ipc"] if same_host else info["tcp"])
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            if self._keys is not None:
-                self._keys.authenticate_client(sock, address)
-            self._monitors[peer] = sock.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | REFUSAL_EVENTS
-            )
-            sock.connect(address)
+            sock, monitor = self._open_push(info)
+            if hello is not None:
+                sock.send_multipart(hello, flags=zmq.NOBLOCK)  # queued: the first message on the link
+            self._monitors[peer] = monitor
             self._push[peer] = sock
             self._push_locks[peer] = threading.Lock()
             self._peer_info[peer] = dict(info)
             self._last_heard[peer] = now
         self._thread = threading.Thread(target=self._run, name=f"paratrain-zmq-rx-{self.rank}", daemon=True)
         self._thread.start()
+
+    def _open_push(self, info: Mapping[str, Any]) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """A PUSH socket connected to the peer that published ``info`` (ipc on this host), and its monitor."""
+        same_host = info.get("host") == self.host_id and bool(info.get("ipc")) and bool(self._endpoints["ipc"])
+        address = str(info["ipc"] if same_host else info["tcp"])
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if self._keys is not None:
+            self._keys.authenticate_client(sock, address)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | REFUSAL_EVENTS)
+        sock.connect(address)
+        return sock, monitor
+
+    def incarnations(self) -> dict[int, int]:
+        """Peers that came back as a new process after they were lost (a ``hello``), and how often."""
+        with self._state_lock:
+            return dict(self._incarnations)
 
     def wait_linked(self, timeout: float) -> None:
         """Blocks until this rank's connection to every live peer has completed its handshake. Thread-safe.
@@ -400,6 +420,8 @@ class ZmqTransport(Transport):
             if msg.meta.get("ctl") == "lost" and type(lost) is int and 0 <= lost < self.world_size:
                 if lost != self.rank:
                     self._declare_lost(lost, f"was reported lost by rank {msg.src}")
+            elif msg.meta.get("ctl") == "hello":
+                self._take_back(msg.src, msg.meta)
             elif msg.meta.get("ctl") == "bye":
                 self._said_bye.add(msg.src)
                 self._declare_lost(
@@ -412,6 +434,57 @@ class ZmqTransport(Transport):
         self.stats.messages_received += 1
         self.stats.bytes_received += msg.nbytes
         self._box.deliver(msg)
+
+    def _take_back(self, peer: int, info: Mapping[str, Any]) -> None:
+        """Peer ``peer`` rejoined as a new process (its ``hello``, the first message on its new link): connect to
+        it afresh, forget that it was lost, and count the incarnation. Runs in the receiver thread, before any
+        later message of the newcomer is handled, so nothing it sends is mistaken for its predecessor's.
+
+        A resilient job re-forms instead (its receives broke for good when the peer was lost): ignored there.
+        """
+        tcp, ipc, host, pid = info.get("tcp"), info.get("ipc"), info.get("host"), info.get("pid")
+        if not (
+            isinstance(tcp, str)
+            and tcp.startswith("tcp://")
+            and isinstance(ipc, str)
+            and (ipc == "" or ipc.startswith("ipc://"))
+            and isinstance(host, str)
+            and type(pid) is int
+        ):
+            self.stats.dropped_malformed += 1
+            log.error("rank %d dropped a malformed hello from rank %d", self.rank, peer)
+            return
+        if self.resilient or self._closed or peer not in self._push:
+            log.warning(
+                "rank %d: rank %d rejoined, but this job re-forms rather than takes peers back", self.rank, peer
+            )
+            return
+        fresh = {"tcp": tcp, "ipc": ipc, "host": host, "pid": pid}
+        sock, monitor = self._open_push(fresh)
+        with self._push_locks[peer]:
+            old, self._push[peer] = self._push[peer], sock
+        old.close(linger=0)
+        old_monitor = self._monitors.pop(peer, None)
+        if old_monitor is not None:
+            self._monitor_peer.pop(old_monitor, None)
+            if self._poller is not None:
+                self._poller.unregister(old_monitor)
+            old_monitor.close(linger=0)
+        self._monitors[peer] = monitor
+        self._monitor_peer[monitor] = peer
+        if self._poller is not None:
+            self._poller.register(monitor, zmq.POLLIN)
+        self._peer_info[peer] = fresh
+        self._last_heard[peer] = time.monotonic()
+        self._suspect.pop(peer, None)
+        with self._linked_cond:
+            self._linked.discard(peer)
+        with self._state_lock:
+            self._lost.pop(peer, None)
+            self._said_bye.discard(peer)
+            self._incarnations[peer] = self._incarnations.get(peer, 0) + 1
+        self._box.peer_back(peer)
+        log.info("rank %d: rank %d rejoined (pid %d); connected to it again", self.rank, peer, pid)
 
     def _send_control(self, dst: int, ctl: str, *, blocking_lock: bool, **fields: int) -> None:
         lock = self._push_locks[dst]
@@ -426,10 +499,10 @@ class ZmqTransport(Transport):
             lock.release()
 
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
-        monitor_peer = {}
+        monitor_peer = self._monitor_peer
         for peer, mon in self._monitors.items():
             poller.register(mon, zmq.POLLIN)
             monitor_peer[mon] = peer
@@ -448,8 +521,8 @@ class ZmqTransport(Transport):
                         except zmq.Again:
                             break
                         self._handle_frames(frames)
-                for mon, peer in monitor_peer.items():
-                    if mon in events:
+                for mon, peer in list(monitor_peer.items()):
+                    if mon in events and not mon.closed:
                         while True:
                             try:
                                 event = mon.recv_multipart(flags=zmq.NOBLOCK)

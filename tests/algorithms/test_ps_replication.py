@@ -20,6 +20,7 @@ from paratrain.ps.protocol import REQUEST_TAG, PSRequestError
 from paratrain.ps.server import ParameterServer, ServerStats
 from paratrain.testing import rank_context, run_ranks
 from paratrain.transport.base import Handle, Transport
+from paratrain.transport.inproc import InprocFabric
 from paratrain.transport.registry import local_job
 from paratrain.transport.wire import Message
 
@@ -99,57 +100,96 @@ def test_replicas_outside_the_servers_is_an_error() -> None:
 # -- a server dies ---------------------------------------------------------------------------------------------
 
 
+class _Servers:
+    """The parameter servers of an in-process job, as a test may fail them: ``kill(i)`` crashes server ``i`` (its
+    transport aborts, as a killed process's connections drop) and returns when it did; ``restart(i)`` starts it
+    again as a restarted process would (a new endpoint of its rank, :meth:`InprocFabric.rejoin`), catching up from
+    the other replicas before it serves."""
+
+    def __init__(self, fabric: InprocFabric, transports: list[Transport], workers: int, timeout: float) -> None:
+        self.fabric, self.transports, self.workers, self.timeout = fabric, transports, workers, timeout
+        self.stats: dict[int, ServerStats] = {}  # each server's latest process's
+        self.threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, index: int = 0) -> float:
+        return self.kill(index)
+
+    def kill(self, index: int = 0) -> float:
+        with self._lock:
+            self.transports[self.workers + index].abort()
+            return time.monotonic()
+
+    def restart(self, index: int = 0) -> None:
+        with self._lock:
+            rank = self.workers + index
+            self.transports[rank] = self.fabric.rejoin(rank)
+            self.start(rank, rejoin=True)
+
+    def start(self, rank: int, *, rejoin: bool = False) -> None:
+        thread = threading.Thread(target=self._serve, args=(self.transports[rank], rejoin), daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _serve(self, transport: Transport, rejoin: bool) -> None:
+        rank = transport.rank
+        servers = transport.world_size - self.workers
+        ctx = rank_context(transport, workers=self.workers, servers=servers, timeout=self.timeout)
+        try:
+            server = ParameterServer(transport, num_workers=self.workers, timeout=self.timeout, rejoin=rejoin)
+            stats = server.serve()
+            if self.transports[rank] is transport:  # not a killed predecessor returning late
+                self.stats[rank - self.workers] = stats
+        except BaseException as exc:
+            self.errors.append(exc)
+            self.fabric.fail_all(exc)
+        finally:
+            ctx.shutdown()
+
+
 def _run_with_kill(
     workers: int,
     servers: int,
-    fn: Callable[[Context, Callable[[], float]], Any],
+    fn: Callable[[Context, _Servers], Any],
     *,
     timeout: float = 60.0,
     wrap: Callable[[list[Transport]], None] | None = None,
 ) -> tuple[list[Any], list[ServerStats | None]]:
-    """Runs ``fn(ctx, kill)`` on in-process workers beside parameter-server threads; ``kill()`` crashes the
-    first server (its transport aborts, as a killed process's connections drop) and returns when it did.
-    ``wrap(transports)`` may wrap the job's transports before anyone starts (to order messages)."""
+    """Runs ``fn(ctx, servers)`` on in-process workers beside parameter-server threads (:class:`_Servers`: call
+    it to kill the first server). ``wrap(transports)`` may wrap the job's transports before anyone starts (to
+    order messages). Returns the workers' results and each server's latest process's stats."""
     total = workers + servers
-    job = local_job("inproc", total, timeout=timeout)
+    fabric = InprocFabric(total, timeout=timeout)
+    transports: list[Transport] = [fabric.transport(r) for r in range(total)]
     if wrap is not None:
-        wrap(job.transports)
+        wrap(transports)
+    job = _Servers(fabric, transports, workers, timeout)
     results: list[Any] = [None] * workers
-    stats: list[ServerStats | None] = [None] * servers
-    errors: list[BaseException] = []
-    killed = threading.Lock()
-
-    def kill() -> float:
-        with killed:
-            job.transports[workers].abort()
-            return time.monotonic()
 
     def body(rank: int) -> None:
-        ctx = rank_context(job.transports[rank], workers=workers, servers=servers, timeout=timeout)
+        ctx = rank_context(transports[rank], workers=workers, servers=servers, timeout=timeout)
         try:
-            if rank < workers:
-                results[rank] = fn(ctx, kill)
-            else:
-                server = ParameterServer(job.transports[rank], num_workers=workers, timeout=timeout)
-                stats[rank - workers] = server.serve()
+            results[rank] = fn(ctx, job)
         except BaseException as exc:
-            errors.append(exc)
-            if job.fail_all is not None:
-                job.fail_all(exc)
+            job.errors.append(exc)
+            fabric.fail_all(exc)
         finally:
             ctx.shutdown()
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(total)]
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(workers)]
+    for rank in range(workers, total):
+        job.start(rank)
     for t in threads:
         t.start()
-    for t in threads:
+    for t in [*threads, *job.threads]:
         t.join(timeout)
     for t in job.transports:
         t.abort()
-    assert not [t for t in threads if t.is_alive()], "a rank hung"
-    if errors:
-        raise errors[0]
-    return results, stats
+    assert not [t for t in [*threads, *job.threads] if t.is_alive()], "a rank hung"
+    if job.errors:
+        raise job.errors[0]
+    return results, [job.stats.get(i) for i in range(servers)]
 
 
 @pytest.mark.parametrize("kill_at", [0, 2, 4])
@@ -157,7 +197,7 @@ def test_a_killed_server_fails_over_and_the_model_equals_the_fault_free_run(kill
     steps = 6
     expected = run_ranks(3, _train(1, steps=steps), servers=3)[0][0]
 
-    def worker(ctx: Context, kill: Callable[[], float]) -> tuple[np.ndarray, int]:
+    def worker(ctx: Context, kill: _Servers) -> tuple[np.ndarray, int]:
         kv = KVStore(optimizer=SGD, context=ctx, replicas=2, chunk_bytes=64)
         kv.init("w", np.arange(40, dtype=np.float64) / 8)
         for step in range(steps):
@@ -185,7 +225,7 @@ def test_audit_no_update_lost_or_applied_twice_across_a_server_kill(consistency:
     the workers meet before reading."""
     workers, clocks, size = 3, 12, 64
 
-    def worker(ctx: Context, kill: Callable[[], float]) -> tuple[np.ndarray, list[np.ndarray]]:
+    def worker(ctx: Context, kill: _Servers) -> tuple[np.ndarray, list[np.ndarray]]:
         kv = KVStore(consistency, staleness, context=ctx, replicas=2, chunk_bytes=64)
         kv.init("n", np.zeros(size, dtype=np.int64))
         for c in range(clocks):
@@ -264,7 +304,7 @@ def test_a_clock_reaching_a_backup_before_its_forwarded_pushes_is_counted_after_
     workers, steps = 2, 4
     expected = run_ranks(workers, _train(1, steps=steps), servers=2)[0][0]
 
-    def worker(ctx: Context, kill: Callable[[], float]) -> tuple[np.ndarray, list[np.ndarray]]:
+    def worker(ctx: Context, kill: _Servers) -> tuple[np.ndarray, list[np.ndarray]]:
         kv = KVStore(optimizer=SGD, context=ctx, replicas=2, chunk_bytes=64)
         kv.init("w", np.arange(40, dtype=np.float64) / 8)
         for step in range(steps):
@@ -304,7 +344,7 @@ def test_a_push_its_owner_rejects_does_not_hold_back_the_clock_on_its_backup() -
     before counting the worker's clock; the worker gets the rejection, and no replica applied the push."""
     workers, clocks = 2, 3
 
-    def worker(ctx: Context, kill: Callable[[], float]) -> tuple[np.ndarray, list[np.ndarray], int]:
+    def worker(ctx: Context, kill: _Servers) -> tuple[np.ndarray, list[np.ndarray], int]:
         kv = KVStore(context=ctx, replicas=2, chunk_bytes=64)  # 2 chunks: each server owns one, backs up the other
         kv.init("n", np.zeros(16, dtype=np.int64))
         errors = 0
@@ -373,3 +413,95 @@ def test_a_push_sent_again_behind_a_later_held_back_clock_is_applied_when_an_ear
     assert server.done[0] == 2 and stats.clocks_held == 2 and stats.pushes == 4
     np.testing.assert_array_equal(server._chunks[("k", 0)].value, np.full(8, 1 + 100))
     np.testing.assert_array_equal(server._chunks[("k", 1)].value, np.full(8, 10 + 1000))
+
+
+# -- a killed server restarts and catches up ------------------------------------------------------------------
+
+
+ADAM = {"name": "adam", "lr": 0.25}
+
+
+@pytest.mark.parametrize(
+    ("servers", "optimizer", "consistency", "staleness"),
+    [(2, SGD, "bsp", None), (3, SGD, "bsp", None), (3, ADAM, "bsp", None), (3, SGD, "ssp", 2)],
+)
+def test_a_restarted_server_catches_up_and_carries_the_job_when_the_other_replica_dies(
+    servers: int, optimizer: dict[str, Any], consistency: str, staleness: int | None
+) -> None:
+    """Server 0 is killed and restarted; once it caught up, server 1 is killed, so the chunks they shared live on
+    the restarted server alone. Every remaining replica agrees (the copy, the optimizer state, the open rounds and
+    the clocks came over intact, or they would step differently), and under BSP the model is bitwise the
+    fault-free run's (the gradients' sums are exact; SSP's reads depend on timing, so its runs differ anyway)."""
+    steps, restart_at, second_kill_at = 10, 2, 6
+
+    def train(ctx: Context, job: _Servers | None) -> tuple[np.ndarray, list[np.ndarray], int]:
+        kv = KVStore(consistency, staleness, optimizer=optimizer, context=ctx, replicas=2, chunk_bytes=64)
+        kv.init("w", np.arange(40, dtype=np.float64) / 8)
+        for step in range(steps):
+            w = kv.pull("w")
+            kv.push("w", _grad(w, ctx.rank, step))
+            kv.clock()
+            if job is not None and ctx.rank == 0 and step == restart_at:
+                job.kill(0)
+                job.restart(0)
+            if job is not None and ctx.rank == 0 and step == second_kill_at:
+                assert kv.resyncs == 1  # it fenced (at its first pull after the restart), so server 0 caught up
+                job.kill(1)
+        for _ in range(1 + (staleness or 0)):
+            kv.clock()
+        out = kv.pull("w")
+        copies = kv.pull_replicas("w")
+        kv.close()
+        return out, copies, kv.resyncs
+
+    results, stats = _run_with_kill(3, servers, train)
+    expected = run_ranks(3, lambda ctx: train(ctx, None)[0], servers=servers)[0] if consistency == "bsp" else None
+    for out, copies, resyncs in results:
+        np.testing.assert_array_equal(out, results[0][0])
+        for copy in copies:
+            np.testing.assert_array_equal(copy, out)
+        if expected is not None:
+            np.testing.assert_array_equal(out, expected)
+        assert resyncs == 1
+    restarted = stats[0]
+    assert restarted is not None and restarted.catch_up_s is not None
+    assert restarted.servers_lost == [3 + 1]  # it saw the second kill and took over server 1's chunks
+    assert sum(s.snapshots_sent for s in stats if s is not None) >= 1
+
+
+@pytest.mark.parametrize(("consistency", "staleness"), [("ssp", 2), ("asp", None)])
+def test_audit_across_a_restart(consistency: str, staleness: int | None) -> None:
+    """Integer pushes: a server killed, restarted and caught up mid-run, then the other replica of its chunks
+    killed; no push is lost or doubled on any replica. (ASP: each push is waited for, so it is on every live
+    replica, and the workers meet before reading.)"""
+    workers, clocks, size = 3, 12, 64
+
+    def worker(ctx: Context, job: _Servers) -> tuple[np.ndarray, list[np.ndarray]]:
+        kv = KVStore(consistency, staleness, context=ctx, replicas=2, chunk_bytes=64)
+        kv.init("n", np.zeros(size, dtype=np.int64))
+        for c in range(clocks):
+            pushed = kv.push("n", np.ones(size, dtype=np.int64))
+            if consistency == "asp":
+                pushed.wait(30)
+            if c == 3 and ctx.rank == 1:
+                job.kill(0)
+                job.restart(0)
+            if c == 8 and ctx.rank == 1:
+                assert kv.resyncs == 1
+                job.kill(1)
+            kv.clock()
+            kv.pull("n")  # a wait: the fence of the restarted server happens here at the latest
+        if consistency == "asp":
+            ctx.barrier()
+        for _ in range(0 if consistency == "asp" else 1 + (staleness or 0)):  # then a read reflects every push
+            kv.clock()
+        out = kv.pull("n")
+        copies = kv.pull_replicas("n")
+        kv.close()
+        return out, copies
+
+    results, _ = _run_with_kill(workers, 3, worker)
+    for out, copies in results:
+        np.testing.assert_array_equal(out, np.full(size, workers * clocks))
+        for copy in copies:
+            np.testing.assert_array_equal(copy, out)

@@ -115,3 +115,69 @@ def test_replicas_above_servers_is_refused(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "--replicas 2" in out.stderr
+
+
+RESTART_JOB = """
+import json, os, signal, time
+import numpy as np
+import paratrain as pt
+from job import server_pid
+
+pt.init(timeout=60)
+kv = pt.ps.KVStore(consistency="bsp", chunk_bytes=4096)
+size = 4096
+kv.init("n", np.zeros(size + 1, dtype=np.int64))  # the last element: the clock at which everyone stops
+clocks, phase, second = 0, 0, -1
+while True:
+    push = np.ones(size + 1, dtype=np.int64)
+    push[-1] = 0
+    if pt.rank() == 0:
+        if phase == 0 and clocks == 10:
+            os.kill(server_pid(0), signal.SIGKILL)  # the launcher restarts it; it catches up from server 1
+            phase = 1
+        elif phase == 1 and kv.resyncs:  # this worker fenced: server 0 caught up
+            phase, second = 2, clocks + 5
+        elif phase == 2 and clocks == second:
+            os.kill(server_pid(1), signal.SIGKILL)  # now the shared chunks live on the restarted server alone
+            phase = 3
+        elif (phase == 3 and clocks == second + 20) or clocks == 20000:
+            # stop two clocks on: every worker's read after the next clock shows it (BSP), so all stop alike
+            push[-1], phase = clocks + 2, 4
+    kv.push("n", push)
+    kv.clock()
+    clocks += 1
+    stop = kv.pull("n")[-1]
+    if stop and clocks >= stop:
+        break
+total = kv.pull("n")[:-1]
+out = {"rank": pt.rank(), "clocks": clocks, "exact": bool(np.all(total == 3 * clocks)), "phase": phase,
+       "resyncs": kv.resyncs, "fences": kv.fence_seconds}
+with open(os.path.join(os.environ["OUT_DIR"], f"rank{pt.rank()}.json"), "w") as f:
+    json.dump(out, f)
+kv.close()
+"""
+
+
+def test_a_killed_server_restarts_catches_up_and_then_carries_the_job_alone(tmp_path: Path) -> None:
+    """--max-restarts 1: server 0 is SIGKILLed and restarted; once it caught up, server 1 is SIGKILLed too (not
+    restarted: the budget is spent), so every chunk lives on the restarted server alone, and every push is
+    still counted exactly once."""
+    (tmp_path / "job.py").write_text(textwrap.dedent(JOB.split("pt.init(", maxsplit=1)[0]))  # server_pid()
+    script = tmp_path / "restart.py"
+    script.write_text(textwrap.dedent(RESTART_JOB))
+    out = subprocess.run(
+        [*LAUNCH, "-n", "3", "--servers", "2", "--replicas", "2", "--max-restarts", "1", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+        env={**os.environ, "OUT_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "server 0 (pid" in out.stderr and "restarting it" in out.stderr, out.stderr
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert results[0]["phase"] == 4, results[0]  # both kills happened, the second after server 0 caught up
+    for result in results:
+        assert result["exact"], result  # every push counted once, on the restarted server alone at the end
+        assert result["resyncs"] == 1
+    print(f"fence pauses per worker (s): {[r['fences'] for r in results]}")
