@@ -519,7 +519,19 @@ def _add_recovery_parser(bench_sub: argparse._SubParsersAction[argparse.Argument
         "back with a cold replacement: its models against the fault-free run's, and the times (paratrain.bench."
         "elastic; about 4 minutes per --repeat)",
     )
-    p.add_argument("--repeat", type=int, default=1, help="with --elastic: rounds of every run, interleaved")
+    p.add_argument(
+        "--server",
+        action="store_true",
+        help="instead: a replicated parameter server SIGKILLed, restarted and caught up, at 1, 16 and 64 MiB of "
+        "parameters: failover, time back and the workers' pause, against the transport's ceiling for the "
+        "snapshot (paratrain.bench.server_restart; about 2 minutes per --repeat)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="with --elastic (default 1) or --server (default 3): rounds, interleaved",
+    )
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     p.set_defaults(func=_recovery)
 
@@ -527,11 +539,18 @@ def _add_recovery_parser(bench_sub: argparse._SubParsersAction[argparse.Argument
 def _recovery(args: argparse.Namespace) -> int:
     from paratrain.bench.recovery import COLD_SCHEDULES, DEFAULT_SCHEDULES, render, run_bench
 
+    if args.server:
+        from paratrain.bench import server_restart
+
+        sizes = server_restart.SIZES[:1] if args.quick else server_restart.SIZES
+        found = server_restart.run_server_bench(sizes, repeat=1 if args.quick else args.repeat or 3)
+        good = all(r["ok"] for r in found["runs"])
+        return _report("recovery", server_restart.render(found), found, args.json, 0 if good else 1)
     if args.elastic:
         from paratrain.bench import elastic
 
         found = elastic.run_elastic_bench(
-            elastic.KILL_STEPS[:1] if args.quick else elastic.KILL_STEPS, repeat=args.repeat
+            elastic.KILL_STEPS[:1] if args.quick else elastic.KILL_STEPS, repeat=args.repeat or 1
         )
         good = found["fault_free_bitwise_equal"] and all(r["exit"] == 0 and r["ranks_equal"] for r in found["runs"])
         return _report("recovery", elastic.render(found), found, args.json, 0 if good else 1)

@@ -65,7 +65,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=0,
         metavar="R",
         help="allreduce: restart a crashed worker (up to R times in all); it recovers the model from the others' "
-        "memory and replays, the others go on, and the result equals the fault-free run's to the bit (default 0)",
+        "memory and replays, the others go on, and the result equals the fault-free run's to the bit. bsp/ssp/asp "
+        "with --servers S --replicas 2: restart a dead parameter server, which catches up from its chunks' other "
+        "replicas (default 0)",
     )
     p.add_argument(
         "--checkpoint-every",

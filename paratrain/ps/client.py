@@ -20,9 +20,9 @@ still never counts a clock before it holds that clock's pushes. (Tested under BS
 bitwise the unreplicated one even when every clock overtakes the forwarded pushes, and SSP(2) across a server
 kill; under ASP an integer audit across a server kill, each push waited for, counts every push once.)
 
-One module (about 670 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
-pulls, the sequence numbers that deduplicate retried pushes and the failover to the next live replica share the
-same pending-request bookkeeping and read together.
+One module (about 750 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
+pulls, the sequence numbers that deduplicate retried pushes, the failover to the next live replica and the fence
+of a restarted one share the same pending-request bookkeeping and read together.
 """
 
 from __future__ import annotations
@@ -198,8 +198,12 @@ class KVStore:
         self._known: dict[int, int] = {}
         self._demoted: list[int] = []
         self._fencing = False
+        self._calls = 0  # public calls so far
+        self._retry_at = -1  # the call in which a restarted server asked this worker to fence again later
         self.resyncs = 0  # restarted servers this worker fenced for (each caught up and is a backup again)
-        self.fence_seconds: list[float] = []  # how long each fence paused this worker (pushes drained + catch-up)
+        # each fence: when this worker saw the server back (time.time()) and how long it paused (pushes drained,
+        # then the server's catch-up), in seconds
+        self.fences: list[tuple[float, float]] = []
         self.policy = Policy.parse(consistency, staleness)
         self._optimizer = make_optimizer(optimizer)
         self._transport = ctx.transport
@@ -381,6 +385,8 @@ class KVStore:
         incarnations = self._transport.incarnations()
         if self.replicas == 1 or self._fencing or incarnations == self._known or self._closed:
             return
+        if self._retry_at == self._calls:
+            return  # released from a fence in this call: the others may wait for it to return (a collective)
         self._fencing = True
         try:
             for server, incarnation in sorted(incarnations.items()):
@@ -390,13 +396,14 @@ class KVStore:
                 if server in self._transport.lost_peers():
                     self._known[server] = incarnation
                     continue
-                self._fence(server)
-                self._known[server] = incarnation
+                if self._fence(server):
+                    self._known[server] = incarnation
         finally:
             self._fencing = False
 
-    def _fence(self, server: int) -> None:
-        started = time.monotonic()
+    def _fence(self, server: int) -> bool:
+        """One fence of ``server`` (see :meth:`_fence_rejoined`); False when the server asks to fence again."""
+        seen, started = time.time(), time.monotonic()
         for _, push in self._unacked:  # every push applied by every live replica: the donors' copies have it
             with contextlib.suppress(Exception):  # its error is reported by clock(), as without a fence
                 push.wait(self.timeout)
@@ -404,16 +411,20 @@ class KVStore:
         meta = {"op": "fence", "clock": self._clock, "held": self._expect.get(server, 0), "servers": live}
         try:
             handle, _ = self._request(server, meta)
-            self._wait(handle, server, f"fence of restarted server rank {server}")
+            answer = self._wait(handle, server, f"fence of restarted server rank {server}")
         except (PeerLostError, PSRequestError) as exc:
             log.warning("worker %d: restarted server rank %d did not catch up: %s", self.rank, server, exc)
-            return
+            return True
+        if answer.meta.get("retry"):
+            self._retry_at = self._calls
+            return False  # a round of fences the server gave up on: fence again at the next call
         self._dead.discard(server)
         if server in self._demoted:
             self._demoted.remove(server)
         self._demoted.append(server)
         self.resyncs += 1
-        self.fence_seconds.append(time.monotonic() - started)
+        self.fences.append((seen, time.monotonic() - started))
+        return True
         log.info("worker %d: server rank %d caught up after its restart; it is a backup again", self.rank, server)
 
     def _all(self, pending: list[tuple[Handle[Message], int]], what: str) -> Handle[None]:
@@ -466,6 +477,7 @@ class KVStore:
         Raises:
             PSRequestError: another worker initialised ``key`` with a different shape or dtype.
         """
+        self._calls += 1
         if not isinstance(key, (str, int)) or isinstance(key, bool):
             raise TypeError(f"keys are str or int, not {type(key).__name__}")
         arr, dtype_name = as_numpy_view(array)
@@ -519,6 +531,7 @@ class KVStore:
 
         Do not modify ``array`` until the handle is done (it is sent without copying).
         """
+        self._calls += 1
         info = self._key(key)
         arr, dtype_name = as_numpy_view(array)
         self._check(key, info, arr, dtype_name, None)
@@ -561,6 +574,7 @@ class KVStore:
 
     def pull(self, key: str | int) -> npt.NDArray[Any]:
         """The value of ``key`` as the consistency model allows at this worker's clock (a new array). Blocks."""
+        self._calls += 1
         info = self._key(key)
         if self._use_cache and key in self._cache:
             cached_done, parts, cached_versions = self._cache[key]
@@ -610,6 +624,7 @@ class KVStore:
         """Every replica's copy of ``key`` (the i-th: each chunk as its i-th live replica holds it), read as
         :meth:`pull` reads. For audits and tests: with ``replicas=R`` all R copies are equal after every clock.
         Blocks; bypasses the cache."""
+        self._calls += 1
         info = self._key(key)
         required = self.policy.required_done(self._clock)
         copies = []
@@ -628,6 +643,7 @@ class KVStore:
 
     def push_rows(self, key: str | int, row_ids: Any, values: Any) -> Handle[None]:
         """Adds ``values[i]`` to row ``row_ids[i]`` of ``key`` (embedding-style sparse update). Asynchronous."""
+        self._calls += 1
         info = self._key(key)
         ids = np.asarray(row_ids)
         vals, dtype_name = as_numpy_view(values)
@@ -651,6 +667,7 @@ class KVStore:
 
     def pull_rows(self, key: str | int, row_ids: Any) -> npt.NDArray[Any]:
         """Rows ``row_ids`` of ``key`` (shape ``(len(row_ids), *key.shape[1:])``), as the model allows. Blocks."""
+        self._calls += 1
         info = self._key(key)
         ids = np.asarray(row_ids)
         if ids.ndim != 1:
@@ -679,6 +696,7 @@ class KVStore:
         Raises:
             PSRequestError: (replicated) a push already answered was rejected; the clock was counted anyway.
         """
+        self._calls += 1
         meta: dict[str, Any] = {"op": "clock", "clock": self._clock + 1, "id": -1}
         expect: dict[int, int] = {}
         rejected: BaseException | None = None

@@ -27,7 +27,11 @@ Why a fence rather than a copy on the fly: a donor's clocks and open rounds chan
 several donors (a server's chunks spread over all the others) no two would be copied at the same point. The
 fence costs one pause of every worker, as long as the copy takes (measured in ``benchmarks/recovery``), once per
 restart. A worker blocked in a pull that waits for another worker's clock notices the newcomer while it waits
-and fences there, so the workers cannot wait on each other.
+and fences there. A worker can also wait on another outside the parameter server (a collective among the workers,
+say) while that one stands at its fence: so a round of fences has a window (1 s, then doubled each time); if some
+worker has not fenced when it closes, the fenced ones are released (``retry``) and fence again at their next call,
+with the newcomer already known to all (so they tend to fence at the same point of their loop). Training goes on
+meanwhile; the newcomer is a backup only once a round completes.
 
 Everything received is checked before use (shapes, dtypes, names); nothing is unpickled.
 """
@@ -55,6 +59,9 @@ from paratrain.transport.wire import Message
 __all__ = ["CatchUpError", "CaughtUp", "StoredChunk", "catch_up", "chunk_message", "read_chunk"]
 
 log = logging.getLogger("paratrain.ps.resync")
+
+#: Seconds the first round of fences may take, from the first fence to the last; each retry doubles it.
+FIRST_WINDOW_S = 1.0
 
 
 class CatchUpError(RuntimeError):
@@ -212,7 +219,7 @@ class CaughtUp:
         held: (worker, clock) -> that clock's pushes this server already holds (made before the fence).
         fences: (worker, request id) of each fence, answered once the server installed all this.
         donors: the servers that sent snapshots.
-        seconds: from the first fence to the last snapshot (how long the workers paused).
+        seconds: from the first fence (of any round) to the last snapshot.
     """
 
     chunks: dict[tuple[str | int, int], StoredChunk]
@@ -253,13 +260,23 @@ def catch_up(transport: Transport, *, num_workers: int, timeout: float, poll: fl
     members: set[int] | None = None
     donors: list[int] = []
     started: float | None = None
+    window, round_ends = FIRST_WINDOW_S, float("inf")
     while True:
         lost = t.lost_peers()
+        now = time.monotonic()
         if members is not None:
             waiting = members - fences.keys() - left - lost
             if not waiting:
                 break
-        if time.monotonic() > deadline:
+            if now > round_ends and now + 2 * window < deadline:
+                # some fenced worker may be what the missing ones wait for, outside the parameter server (a
+                # collective among the workers, say): release the fenced ones, and try again with a longer window
+                log.info("server %d: workers %s did not fence within %.1f s; trying again", me, sorted(waiting), window)
+                for worker, fence in fences.items():
+                    _answer(t, worker, {"retry": True}, tag=reply_tag(fence.request_id))
+                fences.clear()
+                window, round_ends = 2 * window, float("inf")
+        if now > deadline:
             missing = sorted(members - fences.keys() - left - lost) if members is not None else "every worker"
             raise CatchUpError(
                 f"server {me}: restarted, but workers {missing} did not reach a parameter-server call within "
@@ -277,6 +294,8 @@ def catch_up(transport: Transport, *, num_workers: int, timeout: float, poll: fl
             continue
         if op == "fence" and type(request_id) is int and type(msg.meta.get("clock")) is int:
             held = msg.meta.get("held")
+            if not fences:
+                round_ends = time.monotonic() + window  # a round of fences starts with its first
             fences[msg.src] = _Fence(int(msg.meta["clock"]), held if type(held) is int else 0, request_id)
             if started is None:
                 started = time.monotonic()

@@ -27,13 +27,18 @@ clock and everything its worker sends after it wait in ``_queued`` (except a pus
 its owner died, which the clock may be waiting for). So every replica counts clock k of a worker with exactly
 that worker's clock-k pushes, and takes the same optimizer steps on the same sums as the others.
 
+A dead replicated server can be restarted (``paratrain launch --max-restarts``): the new process catches up from
+the other replicas of its chunks before it serves, at a fence every worker takes part in (:mod:`.resync`; here
+``rejoin=True`` on its side, and ``members``/``snapshot`` on the donors' side). Until a donor has sent it its copy,
+the donor counts it as lost, so nothing is forwarded to it early.
+
 Robustness: a malformed or invalid request is answered with an error and the loop goes on; a worker whose
 process dies (its connection drops, or heartbeats stop) is removed from the clock bookkeeping and logged, so
 the others are not blocked forever; the loop ends when no live worker is left.
 
-One module (about 700 lines) because the server loop, its clock bookkeeping and the primary-backup forwarding
-share one request dispatch and one table of chunks; the pure rules live in rounds.py, consistency.py and
-sharding.py.
+One module (about 800 lines) because the server loop, its clock bookkeeping, the primary-backup forwarding and
+the donor's side of a restarted replica's catch-up share one request dispatch and one table of chunks; the pure
+rules live in rounds.py, consistency.py and sharding.py, the restarted side and the snapshot format in resync.py.
 """
 
 from __future__ import annotations
@@ -468,7 +473,7 @@ class ParameterServer:
         self._servers_lost |= servers - set(caught.donors)
         self._incarnations = self.transport.incarnations()
         self.stats.catch_up_s = caught.seconds
-        log.info(
+        log.warning(  # (not a problem: the counterpart of "server N is gone", which users see too)
             "server %d: caught up after a restart: %d chunks from servers %s, workers %s at clocks %s (%.3f s)",
             self.transport.rank,
             len(caught.chunks),

@@ -25,7 +25,7 @@ from paratrain.errors import ConfigError, NotInitializedError
 from paratrain.runtime.group import COLLECTIVE_TAG_BASE, CollectiveMethods, Group, closed_check
 from paratrain.runtime.spare import SPARE_ENV, await_assignment
 from paratrain.transport.base import Transport
-from paratrain.transport.registry import connect, rejoins
+from paratrain.transport.registry import connect
 
 __all__ = ["COLLECTIVE_TAG_BASE", "Context", "Group", "current", "init", "reform", "shutdown"]
 
@@ -440,7 +440,7 @@ def _serve_and_exit(ctx: Context) -> NoReturn:
     log.info("rank %d: parameter server %d of %d", settings.rank, settings.role_rank, settings.num_servers)
     try:
         ParameterServer(
-            ctx.transport, num_workers=settings.num_workers, timeout=settings.timeout, rejoin=rejoins(settings)
+            ctx.transport, num_workers=settings.num_workers, timeout=settings.timeout, rejoin=ctx.transport.rejoined
         ).serve()
     finally:
         ctx.shutdown()

@@ -181,9 +181,11 @@ def validate(job: TrainJob) -> None:
     check_available(job.dataset, data_dir=job.data_dir)
     if job.max_restarts < 0 or job.checkpoint_every < 1:
         raise ConfigError("--max-restarts must be >= 0 and --checkpoint-every >= 1")
-    if job.max_restarts and spec.kind != "allreduce":
+    if job.max_restarts and spec.kind != "allreduce" and not (spec.uses_servers and job.replicas >= 2):
         raise ConfigError(
-            f"--max-restarts recovers allreduce training (Rabit's model); {job.strategy!r} does not support it yet"
+            f"--max-restarts recovers allreduce training (Rabit's model) and restarts dead parameter servers that "
+            f"have replicas (--servers S --replicas 2); {job.strategy!r} with --replicas {job.replicas} does not "
+            "support it"
         )
     if job.checkpoint_dir and spec.kind != "allreduce":
         raise ConfigError(f"--checkpoint-dir checkpoints allreduce training; {job.strategy!r} does not support it yet")

@@ -231,6 +231,10 @@ class Transport(abc.ABC):
         """
         return frozenset()
 
+    #: True when this endpoint replaced its rank's lost process in a job that had met (a restarted parameter
+    #: server, which must catch up before it serves): see :meth:`incarnations`.
+    rejoined: bool = False
+
     def incarnations(self) -> dict[int, int]:
         """How many times each peer came back as a new process after it was lost (peers that never did are
         absent; a transport that cannot take a peer back says none, the default).

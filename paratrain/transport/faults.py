@@ -136,6 +136,7 @@ class FaultyTransport(Transport):
         super().__init__(rank=inner.rank, world_size=inner.world_size, timeout=inner.timeout)
         self.round = inner.round
         self.inner = inner
+        self.rejoined = inner.rejoined  # (wrapped once connected)
         self.spec = spec
         self.stats = inner.stats
         self._rng = random.Random(spec.seed * 1_000_003 + inner.rank)

@@ -49,15 +49,15 @@ class InprocFabric:
         Raises:
             ValueError: ``rank`` has not left.
         """
-        with self._lock:
+        with self._lock:  # all at once: a rank that sees the incarnation may wait on the newcomer at once
             if rank not in self._gone:
                 raise ValueError(f"rank {rank} has not left; only a lost rank can rejoin")
             self._mailboxes[rank] = Mailbox(rank=rank, world_size=self.world_size)
             del self._gone[rank]
+            for other, box in enumerate(self._mailboxes):
+                if other != rank:
+                    box.peer_back(rank)
             self._incarnations[rank] = self._incarnations.get(rank, 0) + 1
-        for other, box in enumerate(self._mailboxes):
-            if other != rank:
-                box.peer_back(rank)
         return InprocTransport(self, rank)
 
     def incarnations(self) -> dict[int, int]:

@@ -24,7 +24,7 @@ from paratrain.transport.auth import new_secret
 from paratrain.transport.base import Transport
 from paratrain.transport.faults import FaultSpec, FaultyTransport
 from paratrain.transport.inproc import InprocFabric
-from paratrain.transport.rendezvous import RendezvousServer, admit, register
+from paratrain.transport.rendezvous import RendezvousServer, admit, register, rejoin
 from paratrain.transport.zmq import ZmqTransport
 
 __all__ = ["LocalJob", "TransportKind", "connect", "kinds", "local_job", "register_transport", "rejoins"]
@@ -253,8 +253,8 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
             _admit(zt, settings, secret)
             return zt
         if rejoins(settings):
-            # a restarted parameter server: the others met long ago; take this rank's place among them
-            table = register(
+            # a restarted parameter server: the others met long ago (as a rule); take this rank's place among them
+            table, met = rejoin(
                 settings.rdzv_addr,
                 settings.rdzv_port,
                 rank=settings.rank,
@@ -262,9 +262,8 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
                 info=zt.endpoints(),
                 timeout=settings.rdzv_timeout,
                 secret=secret,
-                rejoin=True,
             )
-            zt.connect(table, rejoin=True)
+            zt.connect(table, rejoin=met)
             return zt
         if settings.rank == 0 and not settings.rdzv_hosted:
             loopback = bind == "127.0.0.1"
@@ -296,8 +295,9 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
 
 
 def rejoins(settings: Settings) -> bool:
-    """Whether this process replaces a lost one in a running job rather than meets the others at its start: a
-    restarted parameter server of a replicated job (``paratrain launch --replicas R --max-restarts N``)."""
+    """Whether this process replaces a lost one, which may have met the others already: a restarted parameter
+    server of a replicated job (``paratrain launch --replicas R --max-restarts N``). Its transport's
+    ``rejoined`` says whether it did (if the job had not met yet, the newcomer simply takes part)."""
     return settings.role == "server" and settings.restart_count > 0 and settings.ps_replicas > 1
 
 

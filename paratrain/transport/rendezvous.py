@@ -52,7 +52,7 @@ import zmq
 from paratrain.errors import RendezvousError
 from paratrain.transport.auth import BROKEN_HANDSHAKE, REFUSAL_EVENTS, Guard, JobKeys, refusal_reason
 
-__all__ = ["Admission", "RendezvousServer", "admit", "register"]
+__all__ = ["Admission", "RendezvousServer", "admit", "register", "rejoin"]
 
 log = logging.getLogger("paratrain.rendezvous")
 _VERSION = 1
@@ -353,7 +353,7 @@ class RendezvousServer:
             self.table = table
             self.accepted += 1
             log.info("rendezvous: rank %d rejoined (pid %s)", rank, info.get("pid"))
-            self._reply(ident, {"v": _VERSION, "table": table, "round": self.round})
+            self._reply(ident, {"v": _VERSION, "table": table, "round": self.round, "rejoined": True})
             return
         if self.table is not None and self.rejoins:
             self._reply(
@@ -425,13 +425,11 @@ def register(
     info: Mapping[str, Any],
     timeout: float,
     secret: bytes | None = None,
-    rejoin: bool = False,
 ) -> list[dict[str, Any]]:
     """Registers this rank's ``info`` and blocks until everyone's arrives (or ``timeout``).
 
     Args:
         secret: the job's secret (the server's must be the same), or None to connect unauthenticated.
-        rejoin: this process replaces the rank's lost one in a job that met already (answered at once).
 
     Returns:
         The info of every rank, indexed by rank.
@@ -440,9 +438,39 @@ def register(
         RendezvousError: refused by the server (also for want of the server's secret: at once, not after
             ``timeout``), or no complete table within ``timeout`` seconds.
     """
-    reply = _request(
-        addr, port, rank=rank, world_size=world_size, info=info, timeout=timeout, secret=secret, rejoin=rejoin
+    return _table(
+        _request(addr, port, rank=rank, world_size=world_size, info=info, timeout=timeout, secret=secret),
+        rank=rank,
+        world_size=world_size,
     )
+
+
+def rejoin(
+    addr: str,
+    port: int,
+    *,
+    rank: int,
+    world_size: int,
+    info: Mapping[str, Any],
+    timeout: float,
+    secret: bytes | None = None,
+) -> tuple[list[dict[str, Any]], bool]:
+    """:func:`register` for a restarted rank: answered at once if the job met already (a ``rejoins`` server).
+
+    Returns:
+        The table, and whether the job had met: False when the rank died and came back before everyone arrived
+        (it then simply takes part in the first meeting, as if it had never died).
+
+    Raises:
+        RendezvousError: as :func:`register`.
+    """
+    reply = _request(
+        addr, port, rank=rank, world_size=world_size, info=info, timeout=timeout, secret=secret, rejoin=True
+    )
+    return _table(reply, rank=rank, world_size=world_size), reply.get("rejoined") is True
+
+
+def _table(reply: Mapping[str, Any], *, rank: int, world_size: int) -> list[dict[str, Any]]:
     table = reply.get("table")
     if not isinstance(table, list) or len(table) != world_size or not all(isinstance(t, dict) for t in table):
         raise RendezvousError(f"rank {rank}: rendezvous reply lacks a table of {world_size} entries")

@@ -30,8 +30,14 @@ process without the secret cannot deliver a single message, and each refused con
 costs: :mod:`paratrain.transport.auth`. Without a secret the sockets accept anyone (tests, and jobs run with
 ``PARATRAIN_INSECURE=1``).
 
-One module (about 540 lines): sending, the receiver thread, failure detection (including the resilient mode)
-and shutdown share the sockets and the per-peer state, and read together; authentication is in auth.py.
+A lost peer may come back as a new process (a restarted parameter server, ``connect(rejoin=True)``): its first
+message on each link is a ``hello`` with its new endpoints; the receiver thread then connects to it afresh, forgets
+that it was lost and counts the incarnation (:meth:`ZmqTransport.incarnations`), so that the caller, who may have
+missed the death, still knows that this peer remembers nothing. A resilient job ignores it (it re-forms instead).
+
+One module (about 610 lines): sending, the receiver thread, failure detection (including the resilient mode),
+taking a restarted peer back and shutdown share the sockets and the per-peer state, and read together;
+authentication is in auth.py.
 """
 
 from __future__ import annotations
@@ -262,6 +268,7 @@ class ZmqTransport(Transport):
         if len(table) != self.world_size:
             raise ValueError(f"endpoint table has {len(table)} entries for world size {self.world_size}")
         now = time.monotonic()
+        self.rejoined = rejoin
         hello = encode(self.rank, TAG_CONTROL, (), {"ctl": "hello", **self._endpoints})[0] if rejoin else None
         for peer, info in enumerate(table):
             if peer == self.rank:
@@ -479,11 +486,11 @@ class ZmqTransport(Transport):
         self._suspect.pop(peer, None)
         with self._linked_cond:
             self._linked.discard(peer)
+        self._box.peer_back(peer)  # first: a caller that sees the incarnation may wait on the peer at once
         with self._state_lock:
             self._lost.pop(peer, None)
             self._said_bye.discard(peer)
             self._incarnations[peer] = self._incarnations.get(peer, 0) + 1
-        self._box.peer_back(peer)
         log.info("rank %d: rank %d rejoined (pid %d); connected to it again", self.rank, peer, pid)
 
     def _send_control(self, dst: int, ctl: str, *, blocking_lock: bool, **fields: int) -> None:

@@ -505,3 +505,35 @@ def test_audit_across_a_restart(consistency: str, staleness: int | None) -> None
         np.testing.assert_array_equal(out, np.full(size, workers * clocks))
         for copy in copies:
             np.testing.assert_array_equal(copy, out)
+
+
+def test_a_fence_round_that_cannot_complete_is_retried_not_a_deadlock() -> None:
+    """Worker 1 fences (in a pull) while worker 0 waits for it in a barrier among the workers, outside the
+    parameter server, so worker 0 cannot reach a fence: the round's window closes, worker 1 is released, both
+    fence at their next call, and the model is still the fault-free one."""
+    steps, restart_at = 6, 2
+
+    def train(ctx: Context, job: _Servers | None) -> tuple[np.ndarray, int]:
+        kv = KVStore(optimizer=SGD, context=ctx, replicas=2, chunk_bytes=64)
+        kv.init("w", np.arange(40, dtype=np.float64) / 8)
+        for step in range(steps):
+            w = kv.pull("w")
+            kv.push("w", _grad(w, ctx.rank, step))
+            kv.clock()
+            if job is not None and step == restart_at and ctx.rank == 0:
+                job.kill(0)
+                job.restart(0)
+            ctx.barrier()
+            if job is not None and step == restart_at and ctx.rank == 1:
+                kv.pull("w")  # sees the restarted server and fences, while worker 0 waits in the next barrier
+            ctx.barrier()
+        out = kv.pull("w")
+        kv.close()
+        return out, kv.resyncs
+
+    expected = run_ranks(2, lambda ctx: train(ctx, None)[0], servers=2)[0]
+    results, stats = _run_with_kill(2, 2, train)
+    for out, resyncs in results:
+        np.testing.assert_array_equal(out, expected)
+        assert resyncs == 1
+    assert stats[0] is not None and stats[0].catch_up_s is not None and stats[0].catch_up_s >= 1.0  # a retry

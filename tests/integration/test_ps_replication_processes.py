@@ -151,7 +151,7 @@ while True:
         break
 total = kv.pull("n")[:-1]
 out = {"rank": pt.rank(), "clocks": clocks, "exact": bool(np.all(total == 3 * clocks)), "phase": phase,
-       "resyncs": kv.resyncs, "fences": kv.fence_seconds}
+       "resyncs": kv.resyncs, "fences": [pause for _, pause in kv.fences]}
 with open(os.path.join(os.environ["OUT_DIR"], f"rank{pt.rank()}.json"), "w") as f:
     json.dump(out, f)
 kv.close()

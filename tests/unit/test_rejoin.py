@@ -5,6 +5,8 @@ parameter servers only when they have replicas to catch up from."""
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from paratrain.errors import ConfigError, PeerLostError, RendezvousError
 from paratrain.launch.run import run_launch
 from paratrain.transport.auth import new_secret
 from paratrain.transport.inproc import InprocFabric
-from paratrain.transport.rendezvous import RendezvousServer, register
+from paratrain.transport.rendezvous import RendezvousServer, register, rejoin
 from paratrain.transport.wire import encode
 from paratrain.transport.zmq import TAG_CONTROL, ZmqTransport
 
@@ -22,6 +24,14 @@ pytestmark = pytest.mark.timeout(60)
 
 def _zmq(rank: int, world: int, secret: bytes) -> ZmqTransport:
     return ZmqTransport(rank=rank, world_size=world, host_id="local", timeout=10, run_id="rejoin", secret=secret)
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    """Waits (up to 10 s) for something another thread does, e.g. the receiver thread taking a peer back."""
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        threading.Event().wait(0.01)
 
 
 def _await_lost(t: ZmqTransport, peer: int) -> None:
@@ -46,12 +56,13 @@ def test_a_restarted_rank_is_taken_back_and_talks_to_everyone_again() -> None:
         ts[2] = _zmq(2, 3, secret)
         ts[2].connect(table, rejoin=True)  # the old table: its own entry is ignored
         ts[2].send(0, 7, meta={"after": "hello"})  # behind the hello on the same link
+        _until(lambda: ts[0].incarnations() == {2: 1})  # (a receive posted while the peer is lost fails at once)
         assert ts[0].recv(2, 7).meta == {"after": "hello"}
-        assert ts[0].incarnations() == {2: 1} and 2 not in ts[0].lost_peers()
+        assert 2 not in ts[0].lost_peers()
+        _until(lambda: ts[1].incarnations() == {2: 1})
         for peer in (0, 1):
             ts[peer].send(2, 3, [np.full(4, peer)])  # the others reach the newcomer's new endpoints
             assert ts[2].recv(peer, 3).arrays[0].tolist() == [peer] * 4
-        assert ts[1].incarnations() == {2: 1}
     finally:
         for t in ts:
             t.close()
@@ -109,8 +120,8 @@ def test_the_rendezvous_answers_a_restarted_rank_at_once_and_refuses_a_late_firs
         for t in threads:
             t.join(10)
         assert tables == [[{"who": 0}, {"who": 1}]] * 2
-        again = register("127.0.0.1", server.port, rank=1, world_size=2, info={"who": "1b"}, timeout=5, rejoin=True)
-        assert again == [{"who": 0}, {"who": "1b"}]
+        again = rejoin("127.0.0.1", server.port, rank=1, world_size=2, info={"who": "1b"}, timeout=5)
+        assert again == ([{"who": 0}, {"who": "1b"}], True)
         with pytest.raises(RendezvousError, match="only a restarted rank may rejoin"):
             register("127.0.0.1", server.port, rank=0, world_size=2, info={"who": "0b"}, timeout=5)
     finally:
