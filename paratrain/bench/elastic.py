@@ -19,7 +19,6 @@ interleaved over ``--repeat`` and reported as median and range.
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from paratrain.bench.stats import ms_spread
 from paratrain.train.record import read_records
 
 __all__ = ["KILL_STEPS", "render", "run_elastic_bench"]
@@ -168,13 +168,6 @@ def _death(records: list[dict[str, Any]], killed: int) -> float:
     return float(max(steps)) if steps else float(first)
 
 
-def _spread(values: list[float], scale: float = 1000.0, unit: str = "ms") -> str:
-    if not values:
-        return "-"
-    med, lo, hi = statistics.median(values) * scale, min(values) * scale, max(values) * scale
-    return f"{med:.0f} {unit} ({lo:.0f}-{hi:.0f})"
-
-
 def render(report: dict[str, Any]) -> str:
     """The report as a text table and summary lines."""
     lines = [
@@ -201,10 +194,10 @@ def render(report: dict[str, Any]) -> str:
         "largest parameter difference from the fault-free run: "
         + (f"{max(d):.1e}" if (d := [r["max_difference"] for r in ok if r.get("max_difference") is not None]) else "-"),
         "death -> survivors back at the interrupted step (shrunk to 2): "
-        + _spread([r["total_s"] for r in ok if "total_s" in r]),
+        + ms_spread([r["total_s"] for r in ok if "total_s" in r]),
         "death -> the cold replacement admitted: "
-        + _spread([r["joined_after_s"] for r in ok if "joined_after_s" in r]),
-        "survivors' pause to admit it (at a checkpoint): " + _spread([r["pause_s"] for r in ok if "pause_s" in r]),
+        + ms_spread([r["joined_after_s"] for r in ok if "joined_after_s" in r]),
+        "survivors' pause to admit it (at a checkpoint): " + ms_spread([r["pause_s"] for r in ok if "pause_s" in r]),
         "fault-free elastic run bitwise equal to the fault-free --max-restarts run: "
         + str(report["fault_free_bitwise_equal"]),
     ]

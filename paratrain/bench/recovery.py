@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from paratrain.bench.stats import ms_spread
 from paratrain.launch.plan import free_port
 from paratrain.train.record import read_records
 
@@ -276,12 +277,6 @@ def _ms(value: Any) -> str:
     return f"{value * 1000:.0f}" if isinstance(value, float) else "-"
 
 
-def _spread(values: list[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values) * 1000:.0f} ms ({min(values) * 1000:.0f}-{max(values) * 1000:.0f})"
-
-
 def render(report: dict[str, Any]) -> str:
     """The report as text tables."""
     lines = [
@@ -301,17 +296,18 @@ def render(report: dict[str, Any]) -> str:
     for spare, how in ((True, "from a warm spare"), (False, "cold")):
         ours = _one_death_totals(report, spare=spare)
         if ours:
-            lines.append(f"paratrain, one death, restarted {how} -> back at the failed step: {_spread(ours)}")
+            lines.append(f"paratrain, one death, restarted {how} -> back at the failed step: {ms_spread(ours)}")
     theirs = [r for r in report["torchrun"] if "total_s" in r]
     lines.append(
-        "torchrun --max-restarts 1, death -> new worker processes started: " + _spread([r["spawned_s"] for r in theirs])
+        "torchrun --max-restarts 1, death -> new worker processes started: "
+        + ms_spread([r["spawned_s"] for r in theirs])
     )
     lines.append(
         "torchrun --max-restarts 1, death -> restarted workers ready (torch imported, process group, data, model, "
-        "checkpoint loaded): " + _spread([r["restarted_s"] for r in theirs])
+        "checkpoint loaded): " + ms_spread([r["restarted_s"] for r in theirs])
     )
     lines.append(
-        "torchrun --max-restarts 1, death -> back at the failed step: " + _spread([r["total_s"] for r in theirs])
+        "torchrun --max-restarts 1, death -> back at the failed step: " + ms_spread([r["total_s"] for r in theirs])
     )
     failed = sum(1 for r in report["torchrun"] if "error" in r)
     if failed:

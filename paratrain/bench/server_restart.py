@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from paratrain.bench.stats import ms_spread
+
 __all__ = ["SIZES", "render", "run_server_bench"]
 
 #: Float32 elements of the key: 1 MiB, 16 MiB and 64 MiB of parameters (3 x that on each server, with Adam).
@@ -100,13 +102,6 @@ def run_server_bench(
     return report
 
 
-def _summary(values: list[float]) -> str:
-    if not values:
-        return "-"
-    ms = [v * 1000 for v in values]
-    return f"{statistics.median(ms):.0f} ({min(ms):.0f}-{max(ms):.0f})"
-
-
 def render(report: dict[str, Any]) -> str:
     """The report as a table: per size, the median and range of each time (ms) and the pause against the ceiling."""
     lines = [
@@ -121,11 +116,11 @@ def render(report: dict[str, Any]) -> str:
         ceilings = [c["seconds"] for c in report["ceilings"] if c["size"] == size and "seconds" in c]
         pauses = [r["pause_s"] for r in good]
         ratio = f"{statistics.median(pauses) / statistics.median(ceilings):.1f}x" if pauses and ceilings else "-"
+        failover = ms_spread([r["failover_s"] for r in good if r["failover_s"] is not None], unit="")
+        back = ms_spread([r["back_s"] for r in good], unit="")
         lines.append(
-            f"{size * 4 / 2**20:>6.0f}Mi {size * 12 / 2**20:>7.0f}Mi {len(good):>2}/{len(runs):<2} "
-            f"{_summary([r['failover_s'] for r in good if r['failover_s'] is not None]):>14} "
-            f"{_summary([r['back_s'] for r in good]):>16} {_summary(pauses):>14} {_summary(ceilings):>12} "
-            f"{ratio:>14}"
+            f"{size * 4 / 2**20:>6.0f}Mi {size * 12 / 2**20:>7.0f}Mi {len(good):>2}/{len(runs):<2} {failover:>14} "
+            f"{back:>16} {ms_spread(pauses, unit=''):>14} {ms_spread(ceilings, unit=''):>12} {ratio:>14}"
         )
     lines += [
         "",

@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["combine_runs", "median_spread", "quantile", "ratio", "slowest_rank"]
+__all__ = ["combine_runs", "median_spread", "ms_spread", "quantile", "ratio", "slowest_rank"]
 
 
 def slowest_rank(records: Sequence[dict[str, Any]]) -> tuple[float, list[float]]:
@@ -48,6 +48,18 @@ def median_spread(values: Sequence[float]) -> dict[str, float] | None:
     if not values:
         return None
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def ms_spread(seconds: Sequence[float], *, unit: str = " ms") -> str:
+    """Times in seconds as ``"median<unit> (min-max)"`` in whole milliseconds; ``"-"`` when there are none.
+
+    Example:
+        >>> ms_spread([0.111, 0.094, 0.158]), ms_spread([0.02, 0.03], unit=""), ms_spread([])
+        ('111 ms (94-158)', '25 (20-30)', '-')
+    """
+    if not seconds:
+        return "-"
+    return f"{statistics.median(seconds) * 1000:.0f}{unit} ({min(seconds) * 1000:.0f}-{max(seconds) * 1000:.0f})"
 
 
 def combine_runs(

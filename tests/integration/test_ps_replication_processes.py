@@ -21,22 +21,7 @@ JOB = """
 import json, os, signal, sys, time
 import numpy as np
 import paratrain as pt
-
-def server_pid(index):
-    # the launcher's server process `index` of this job (a test-only way to kill it at an exact clock)
-    run_id = os.environ["PARATRAIN_RUN_ID"]
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\\0") if b"=" in kv)
-        except OSError:
-            continue
-        if (env.get(b"PARATRAIN_RUN_ID") == run_id.encode() and env.get(b"PARATRAIN_ROLE") == b"server"
-                and env.get(b"RANK") == str(index).encode()):
-            return int(entry)
-    raise SystemExit(f"server {index} not found")
+from paratrain.bench._ps_restart_worker import server_pid  # finds the launcher's server process by its env
 
 pt.init(timeout=60)
 kill_at = int(os.environ.get("KILL_AT", "-1"))
@@ -121,7 +106,7 @@ RESTART_JOB = """
 import json, os, signal, time
 import numpy as np
 import paratrain as pt
-from job import server_pid
+from paratrain.bench._ps_restart_worker import server_pid
 
 pt.init(timeout=60)
 kv = pt.ps.KVStore(consistency="bsp", chunk_bytes=4096)
@@ -162,7 +147,6 @@ def test_a_killed_server_restarts_catches_up_and_then_carries_the_job_alone(tmp_
     """--max-restarts 1: server 0 is SIGKILLed and restarted; once it caught up, server 1 is SIGKILLed too (not
     restarted: the budget is spent), so every chunk lives on the restarted server alone, and every push is
     still counted exactly once."""
-    (tmp_path / "job.py").write_text(textwrap.dedent(JOB.split("pt.init(", maxsplit=1)[0]))  # server_pid()
     script = tmp_path / "restart.py"
     script.write_text(textwrap.dedent(RESTART_JOB))
     out = subprocess.run(
@@ -171,7 +155,7 @@ def test_a_killed_server_restarts_catches_up_and_then_carries_the_job_alone(tmp_
         text=True,
         timeout=100,
         check=False,
-        env={**os.environ, "OUT_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path)},
+        env={**os.environ, "OUT_DIR": str(tmp_path)},
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "server 0 (pid" in out.stderr and "restarting it" in out.stderr, out.stderr
