@@ -466,6 +466,8 @@ class ZmqTransport(Transport):
                 "rank %d: rank %d rejoined, but this job re-forms rather than takes peers back", self.rank, peer
             )
             return
+        if peer not in self.lost_peers():  # its death went unseen: whatever waits on the old process fails now
+            self._declare_lost(peer, "was replaced by a new process (it rejoined)", expected=True)
         fresh = {"tcp": tcp, "ipc": ipc, "host": host, "pid": pid}
         sock, monitor = self._open_push(fresh)
         with self._push_locks[peer]:
