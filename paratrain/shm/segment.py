@@ -10,7 +10,7 @@ is the protocol's: the collectives (:class:`~paratrain.collectives.shm.ShmGroup`
 exchange (:class:`~paratrain.gossip.shm.ShmExchangeGroup`). A segment carries one protocol, never both
 (:meth:`Segment.claim`): their counters count different things.
 
-Why one module of about 500 lines (half of them docstrings): signalling, waiting, the liveness checks and the
+Why one module of about 520 lines (half of them docstrings): signalling, waiting, the liveness checks and the
 abort word form one protocol on the same control lines (a waiter's sleep, a signaller's wake-up and a dying
 rank's abort must agree on every word); the file's creation and mapping already live in :mod:`.mapping`.
 

@@ -27,7 +27,7 @@ from paratrain.transport.inproc import InprocFabric
 from paratrain.transport.rendezvous import RendezvousServer, admit, register, rejoin
 from paratrain.transport.zmq import ZmqTransport
 
-__all__ = ["LocalJob", "TransportKind", "connect", "kinds", "local_job", "register_transport", "rejoins"]
+__all__ = ["LocalJob", "TransportKind", "connect", "kinds", "local_job", "register_transport"]
 
 log = logging.getLogger("paratrain.transport")
 
@@ -252,17 +252,16 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
         if settings.elastic:
             _admit(zt, settings, secret)
             return zt
-        if rejoins(settings):
+        where: dict[str, Any] = {
+            "rank": settings.rank,
+            "world_size": settings.world_size,
+            "info": zt.endpoints(),
+            "timeout": settings.rdzv_timeout,
+            "secret": secret,
+        }
+        if _rejoins(settings):
             # a restarted parameter server: the others met long ago (as a rule); take this rank's place among them
-            table, met = rejoin(
-                settings.rdzv_addr,
-                settings.rdzv_port,
-                rank=settings.rank,
-                world_size=settings.world_size,
-                info=zt.endpoints(),
-                timeout=settings.rdzv_timeout,
-                secret=secret,
-            )
+            table, met = rejoin(settings.rdzv_addr, settings.rdzv_port, **where)
             zt.connect(table, rejoin=met)
             return zt
         if settings.rank == 0 and not settings.rdzv_hosted:
@@ -275,15 +274,7 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
                 secret=secret,
             )
             server.start()
-        table = register(
-            settings.rdzv_addr,
-            settings.rdzv_port,
-            rank=settings.rank,
-            world_size=settings.world_size,
-            info=zt.endpoints(),
-            timeout=settings.rdzv_timeout,
-            secret=secret,
-        )
+        table = register(settings.rdzv_addr, settings.rdzv_port, **where)
         zt.connect(table)
     except BaseException:
         zt.abort()
@@ -294,7 +285,7 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
     return zt
 
 
-def rejoins(settings: Settings) -> bool:
+def _rejoins(settings: Settings) -> bool:
     """Whether this process replaces a lost one, which may have met the others already: a restarted parameter
     server of a replicated job (``paratrain launch --replicas R --max-restarts N``). Its transport's
     ``rejoined`` says whether it did (if the job had not met yet, the newcomer simply takes part)."""
