@@ -498,11 +498,26 @@ class Collectives:
         result: A = self._run(self._checked(lambda: self._prepare_allgather(x, timeout), timeout))
         return result
 
-    def _prepare_allgather(self, x: Any, timeout: float | None) -> Callable[[int], Any]:
+    def allgather_async(self, x: A, *, timeout: float | None = None) -> Handle[A]:
+        """Starts :meth:`allgather` on the background thread; ``handle.wait()`` returns the concatenation.
+
+        ``x`` is copied before this returns, so the caller may modify it at once. Queued calls run one at a time
+        in call order with the other ``*_async`` calls; errors are raised by ``wait()``. Does not block (beyond
+        the copy).
+
+        Example:
+            >>> import numpy as np
+            >>> from paratrain.testing import run_ranks
+            >>> run_ranks(2, lambda ctx: ctx.allgather_async(np.full(ctx.rank + 1, ctx.rank)).wait().tolist())
+            [[0, 1, 1], [0, 1, 1]]
+        """
+        return self._submit(self._checked(lambda: self._prepare_allgather(x, timeout, copy=True), timeout, "snapshot"))
+
+    def _prepare_allgather(self, x: Any, timeout: float | None, *, copy: bool = False) -> Callable[[int], Any]:
         view, dtype_name = _as_array(x)
         trailing = view.shape[1:]
         row = math.prod(trailing)
-        src = view.reshape(-1)
+        src = view.reshape(-1).copy() if copy else view.reshape(-1)
         sig = Signature("allgather", None, dtype_name, view.shape, "ring", "ring")
 
         def body(tag: int) -> Any:

@@ -76,6 +76,10 @@ class CollectiveMethods:
         """Every member's ``x`` concatenated along axis 0, in group-rank order. Blocks."""
         return self.collectives.allgather(x, timeout=timeout)
 
+    def allgather_async(self, x: A, *, timeout: float | None = None) -> Handle[A]:
+        """Starts an allgather over the members in the background (``x`` is copied); ``.wait()`` gives it."""
+        return self.collectives.allgather_async(x, timeout=timeout)
+
     def reduce_scatter(self, x: A, op: str = "sum", *, timeout: float | None = None) -> A:
         """This member's part of the reduced ``x``, split along axis 0. Blocks."""
         return self.collectives.reduce_scatter(x, op, timeout=timeout)

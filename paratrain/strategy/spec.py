@@ -76,8 +76,21 @@ class StrategySpec:
 
     @property
     def family(self) -> Family:
-        """How this strategy keeps workers in step (see :data:`Family`)."""
+        """How this strategy keeps workers in step (see :data:`Family`); a hybrid's is its dense part's."""
+        dense = self.options.get("dense")
+        if dense is not None:
+            return "parameter-server" if dense == "ps" else "collective"
         return self.info.family
+
+    @property
+    def hybrid(self) -> bool:
+        """True for the strategies that send some layers by sufficient factors (``poseidon``, ``sfb``)."""
+        return "dense" in self.options
+
+    @property
+    def dense(self) -> str | None:
+        """A hybrid's scheme for the layers SFB does not carry: ``"ps"`` or ``"allreduce"`` (None otherwise)."""
+        return self.options.get("dense")
 
     @property
     def uses_servers(self) -> bool:
@@ -87,7 +100,9 @@ class StrategySpec:
     @property
     def consistency(self) -> str | None:
         """The parameter servers' consistency model as :class:`~paratrain.ps.KVStore` takes it (``"ssp:2"``)."""
-        return str(self) if self.uses_servers else None
+        if not self.uses_servers:
+            return None
+        return "bsp" if self.hybrid else str(self)
 
     @property
     def exchanges_parameters(self) -> bool:
@@ -95,6 +110,8 @@ class StrategySpec:
         return self.family == "decentralised"
 
     def __str__(self) -> str:
+        if self.kind == "poseidon" and self.options.get("dense") == "allreduce":
+            return "poseidon:allreduce"
         if "schedule" in self.options:
             return f"{self.kind}:{self.options['schedule']}"
         if self.staleness is not None:
@@ -217,6 +234,22 @@ def _parse_gossip(name: str, argument: str | None) -> StrategySpec:
     return StrategySpec(kind="gossip", topology=topology)
 
 
+def _parse_poseidon(name: str, argument: str | None) -> StrategySpec:
+    dense = {None: "ps", "ps": "ps", "bsp": "ps", "allreduce": "allreduce"}.get(argument.lower() if argument else None)
+    if dense is None:
+        raise ConfigError(
+            f"strategy {name!r}: write 'poseidon' (layers by SFB or bulk-synchronous parameter servers) or "
+            "'poseidon:allreduce' (by SFB or allreduce)"
+        )
+    return StrategySpec(kind="poseidon", options=MappingProxyType({"dense": dense}))
+
+
+def _parse_sfb(name: str, argument: str | None) -> StrategySpec:
+    if argument is not None:
+        raise ConfigError(f"strategy {name!r}: sfb takes no argument; write 'sfb'")
+    return StrategySpec(kind="sfb", options=MappingProxyType({"dense": "allreduce"}))
+
+
 for _info in (
     KindInfo("allreduce", "allreduce", "collective", "gradients averaged by allreduce every step", _plain("allreduce")),
     KindInfo("bsp", "bsp", "parameter-server", "parameter servers, bulk-synchronous", _plain("bsp")),
@@ -236,6 +269,14 @@ for _info in (
         "stages over workers: gpipe|1f1b|pipedream|pipedream-vsync",
         _parse_pipeline,
     ),
+    KindInfo(
+        "poseidon",
+        "poseidon[:allreduce]",
+        "parameter-server",
+        "per layer, sufficient factors or parameter servers (or allreduce) by Poseidon's cost model",
+        _parse_poseidon,
+    ),
+    KindInfo("sfb", "sfb", "collective", "every Linear layer by sufficient factors, the rest by allreduce", _parse_sfb),
 ):
     register_kind(_info)
 

@@ -63,15 +63,20 @@ class Bucket:
         offsets: element offset of each parameter in the buffer.
         numel: elements in the buffer.
         kind: the parameters' common kind.
+        group: for a unit that travels by its own scheme (a layer sent by its sufficient factors), the index of
+            its group in ``plan_buckets(..., separate=...)``; -1 for a fused bucket.
     """
 
     params: tuple[int, ...]
     offsets: tuple[int, ...]
     numel: int
     kind: str
+    group: int = -1
 
 
-def plan_buckets(params: Sequence[ParamInfo], bucket_bytes: int) -> list[Bucket]:
+def plan_buckets(
+    params: Sequence[ParamInfo], bucket_bytes: int, *, separate: Sequence[Sequence[int]] = ()
+) -> list[Bucket]:
     """Assigns parameters to buckets of at most ``bucket_bytes``, last-registered first.
 
     Walking the parameters in reverse registration order, each one joins the open bucket of its kind unless
@@ -80,12 +85,19 @@ def plan_buckets(params: Sequence[ParamInfo], bucket_bytes: int) -> list[Bucket]
     were opened (the order of their first gradient), as DDP does, and every rank computes the same plan from
     the same model, which is what lets ranks send buckets in one agreed order.
 
+    A group in ``separate`` (a layer that travels by its own scheme, such as SFB) is one unit of its own, placed
+    where its first parameter is met; it never joins a fused bucket, and it closes the open ones (a bucket that
+    straddled it would start after it in plan order and so hold it back). The units of a hybrid step start in
+    one agreed order, as fused buckets do.
+
     Args:
         params: the parameters in registration order (``model.parameters()`` order).
         bucket_bytes: the fusion threshold in bytes (> 0).
+        separate: groups of parameter indices that each form a unit of their own (``Bucket.group`` = its index).
 
     Raises:
-        ValueError: ``bucket_bytes`` is not a positive int.
+        ValueError: ``bucket_bytes`` is not a positive int, or a parameter is in two groups or in none of
+            ``params``.
 
     Example:
         Four float32 parameters of 4 elements (16 bytes each), 32-byte buckets: the last two go first.
@@ -93,27 +105,44 @@ def plan_buckets(params: Sequence[ParamInfo], bucket_bytes: int) -> list[Bucket]
         >>> ps = [ParamInfo(4, 4, "f32")] * 4
         >>> [b.params for b in plan_buckets(ps, 32)]
         [(3, 2), (1, 0)]
+        >>> [(b.params, b.group) for b in plan_buckets(ps, 32, separate=[(1, 2)])]
+        [((3,), -1), ((2, 1), 0), ((0,), -1)]
     """
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    opened: list[tuple[str, list[int]]] = []  # (kind, members) in opening order
+    group_of: dict[int, int] = {}
+    for g, members in enumerate(separate):
+        for index in members:
+            if index in group_of or not 0 <= index < len(params):
+                raise ValueError(f"parameter {index} is in two separate groups or out of range")
+            group_of[index] = g
+    opened: list[tuple[str, list[int], int]] = []  # (kind, members, group) in opening order
     current: dict[str, tuple[int, int]] = {}  # kind -> (its open bucket's index in `opened`, bytes so far)
+    placed: dict[int, int] = {}  # group -> its unit's index in `opened`
     for index in reversed(range(len(params))):
         info = params[index]
+        group = group_of.get(index)
+        if group is not None:
+            if group not in placed:
+                placed[group] = len(opened)
+                opened.append((info.kind, [], group))
+                current.clear()  # a fused bucket never straddles it: it would hold the unit back (plan order)
+            opened[placed[group]][1].append(index)
+            continue
         slot = current.get(info.kind)
         if slot is None or slot[1] + info.nbytes > bucket_bytes:
-            opened.append((info.kind, [index]))  # the previous open bucket of this kind (if any) is closed
+            opened.append((info.kind, [index], -1))  # the previous open bucket of this kind (if any) is closed
             current[info.kind] = (len(opened) - 1, info.nbytes)
         else:
             opened[slot[0]][1].append(index)
             current[info.kind] = (slot[0], slot[1] + info.nbytes)
     buckets = []
-    for kind, members in opened:
+    for kind, members, group in opened:
         offsets, total = [], 0
         for index in members:
             offsets.append(total)
             total += params[index].numel
-        buckets.append(Bucket(params=tuple(members), offsets=tuple(offsets), numel=total, kind=kind))
+        buckets.append(Bucket(params=tuple(members), offsets=tuple(offsets), numel=total, kind=kind, group=group))
     return buckets
 
 

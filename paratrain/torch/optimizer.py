@@ -25,8 +25,9 @@ gradient in this backward) are started by ``step()``, in plan order, so every ra
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import torch
@@ -35,14 +36,21 @@ from paratrain.errors import ConfigError
 from paratrain.launch.kills import kill_point
 from paratrain.recovery.reliable import RegroupedError, Reliable
 from paratrain.runtime.context import Context, current
+from paratrain.sfb.cost import HybridPlan
 from paratrain.strategy import StrategySpec, parse_strategy
+from paratrain.torch.broadcast import broadcast_parameters
 from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
 from paratrain.torch.fusion import FusedBucket
 from paratrain.torch.hooks import GradientHooks
+from paratrain.torch.hybrid import HybridStrategy
+from paratrain.torch.layers import plan_layers
 from paratrain.torch.resilient import ReliableAllreduceStrategy
+from paratrain.torch.sfb import SfbLayer, own_params
 from paratrain.torch.strategies import Strategy, build_strategy
 
 __all__ = ["DistributedOptimizer"]
+
+log = logging.getLogger(__name__)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -138,6 +146,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap: bool = True,
         staleness_lr: bool = False,
         reliable: Reliable | None = None,
+        batch_size: int | None = None,
+        layer_schemes: Mapping[str, str] | None = None,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called on purpose: param_groups and state are the wrapped
         # optimizer's (see the properties below), and anything else is looked up there (__getattr__).
@@ -172,6 +182,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
+        if (batch_size is not None or layer_schemes) and not self.spec.hybrid:
+            raise ConfigError(
+                f"batch_size= and layer_schemes= choose how each layer travels under 'poseidon', "
+                f"'poseidon:allreduce' and 'sfb'; strategy {strategy!r} sends every layer the same way"
+            )
         self._inner = optimizer
         self.context: Context = context if context is not None else current()
         self.strategy_name = strategy
@@ -182,7 +197,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         names = [name for name, _ in named]
         params = [p for _, p in named]
         infos = [ParamInfo(p.numel(), p.element_size(), f"{p.dtype}@{p.device}") for p in params]
-        self.plan: list[Bucket] = plan_buckets(infos, bucket_bytes)
+        #: the per-layer schemes of a hybrid strategy (None for the others); ``hybrid_plan.table()`` prints it
+        self.hybrid_plan: HybridPlan | None = None
+        sfb_modules: list[tuple[str, torch.nn.Linear]] = []
+        if self.spec.hybrid:
+            self.hybrid_plan, sfb_modules = plan_layers(
+                model, self.spec, self.context, batch_size=batch_size, overrides=layer_schemes
+            )
+            if self.context.rank == 0:
+                log.info("%s", self.hybrid_plan.table())
+        position = {id(p): i for i, p in enumerate(params)}
+        separate = [tuple(position[id(p)] for p in own_params(m)) for _, m in sfb_modules]
+        self.plan: list[Bucket] = plan_buckets(infos, bucket_bytes, separate=separate)
         self._where: dict[int, tuple[int, int]] = {}  # param index -> (bucket, position in it)
         for k, bucket in enumerate(self.plan):
             for j, i in enumerate(bucket.params):
@@ -198,25 +224,57 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # gradients either (the hooks only track the launch order); its buckets serve as the parameter layout
         gossip = self.spec.exchanges_parameters
         self._local = gossip or (not self.spec.uses_servers and self.context.world_size == 1)
-        self._buckets: list[FusedBucket] = []
-        if gossip:
-            self._buckets = [FusedBucket(b, params, names, flags=False) for b in self.plan]
-        elif not self._local:
-            self._buckets = [FusedBucket(b, params, names, flags=not self.spec.uses_servers) for b in self.plan]
-        self._strategy: Strategy = (
-            ReliableAllreduceStrategy(reliable, self._buckets)
-            if reliable is not None and not self._local
-            else build_strategy(
-                self.spec,
-                self.context,
-                self._buckets,
-                optimizer=optimizer,
-                topology=topology,
-                overlap=overlap,
-                staleness_lr=staleness_lr,
+        self._buckets: list[FusedBucket | None] = []  # None: a unit that is no fused bucket (an SFB layer)
+        self._strategy: Strategy
+        if self.spec.hybrid and not self._local:
+            self._strategy = self._build_hybrid(optimizer, params, names, sfb_modules)
+        else:
+            if gossip:
+                self._buckets = [FusedBucket(b, params, names, flags=False) for b in self.plan]
+            elif not self._local:
+                self._buckets = [FusedBucket(b, params, names, flags=not self.spec.uses_servers) for b in self.plan]
+            fused = [b for b in self._buckets if b is not None]
+            self._strategy = (
+                ReliableAllreduceStrategy(reliable, fused)
+                if reliable is not None and not self._local
+                else build_strategy(
+                    self.spec,
+                    self.context,
+                    fused,
+                    optimizer=optimizer,
+                    topology=topology,
+                    overlap=overlap,
+                    staleness_lr=staleness_lr,
+                )
             )
-        )
         self._hooks = GradientHooks(params, owner=self, on_ready=DistributedOptimizer._on_grad_ready)
+
+    def _build_hybrid(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        sfb_modules: Sequence[tuple[str, torch.nn.Linear]],
+    ) -> Strategy:
+        """The units of a hybrid plan: an :class:`SfbLayer` per SFB group, a fused bucket for the rest."""
+        uses_servers = self.spec.uses_servers
+        units: list[FusedBucket | SfbLayer] = []
+        for bucket in self.plan:
+            if bucket.group >= 0:
+                name, module = sfb_modules[bucket.group]
+                units.append(SfbLayer(name, module, self.context))
+            else:
+                units.append(FusedBucket(bucket, params, names, flags=not uses_servers))
+        self._buckets = [u if isinstance(u, FusedBucket) else None for u in units]
+        fused = [u for u in units if isinstance(u, FusedBucket)]
+        dense: Strategy | None = None
+        if uses_servers and sfb_modules:
+            # the servers' keys start from rank 0's values; so do the layers the workers step themselves
+            broadcast_parameters([p for _, m in sfb_modules for p in own_params(m)], context=self.context)
+        if fused:
+            dense_spec = parse_strategy("bsp" if uses_servers else "allreduce")
+            dense = build_strategy(dense_spec, self.context, fused, optimizer=optimizer)
+        return HybridStrategy(units, dense)
 
     @staticmethod
     def _check_params(
@@ -267,7 +325,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 ) from None
             if self._local:
                 return
-            self._buckets[k].take(j)
+            bucket = self._buckets[k]
+            if bucket is not None:
+                bucket.take(j)
             for b in launch:
                 self._strategy.launch(b)
 
@@ -303,7 +363,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return
             for k in self._order.rest():
                 if not self._local:
-                    self._buckets[k].take_rest()
+                    bucket = self._buckets[k]
+                    if bucket is not None:
+                        bucket.take_rest()
                     self._strategy.launch(k)
             try:
                 self._strategy.finish()

@@ -32,6 +32,7 @@ LAYERS = {
     "ps": 3,
     "gossip": 3,
     "pipeline": 3,
+    "sfb": 3,  # pure: what each scheme costs per layer and the per-layer choice; the torch front end executes it
     "runtime": 4,
     "recovery": 5,  # reliable collectives over the runtime (it re-forms contexts); the torch front end uses it
     "__init__": 5,  # the public API (paratrain.init, allreduce...): what user scripts and our workers import
