@@ -228,7 +228,7 @@ class HybridPlan:
         """The plan as a table (bytes per worker and step each way; the busiest link of each candidate)."""
         lines = [
             f"per-layer schemes for {self.workers} workers, batch {self.batch} per worker"
-            + (f", {self.servers} servers" if self.servers else "")
+            + (f", {self.servers} server{'s' if self.servers > 1 else ''}" if self.servers else "")
             + (f", {self.bandwidth * 8 / 1e6:g} Mbit/s links" if self.bandwidth else ""),
             f"{'layer':<20} {'shape':>13} {'scheme':>9} {'sent/worker':>12} {'recv/worker':>12}"
             "   busiest link per scheme",

@@ -30,6 +30,7 @@ __all__ = [
     "StrategySpec",
     "UnknownStrategyError",
     "kinds",
+    "parse_layer_schemes",
     "parse_strategy",
     "register_kind",
     "strategies_help",
@@ -283,3 +284,18 @@ for _info in (
 #: The strategy names :func:`parse_strategy` accepted at import (``S`` is SSP's staleness bound, an int >= 0;
 #: ``TOPOLOGY`` is ``ring``, ``torus``, ``exponential``, ``complete`` or the path of a graph file).
 STRATEGIES = tuple(info.syntax for info in _KINDS.values())
+
+
+def parse_layer_schemes(items: list[str] | None) -> dict[str, str]:
+    """``["fc1=sfb", "out=dense"]`` -> ``{"fc1": "sfb", "out": "dense"}``.
+
+    Raises:
+        ConfigError: an item without ``=``.
+    """
+    schemes = {}
+    for item in items or []:
+        name, eq, scheme = item.partition("=")
+        if not eq or not name.strip() or not scheme.strip():
+            raise ConfigError(f"--layer-scheme {item!r}: write LAYER=SCHEME, e.g. 1=sfb or out=dense")
+        schemes[name.strip()] = scheme.strip().lower()
+    return schemes

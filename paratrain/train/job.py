@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.errors import ConfigError
-from paratrain.strategy import UnknownStrategyError, parse_strategy, strategies_help
+from paratrain.strategy import UnknownStrategyError, parse_layer_schemes, parse_strategy, strategies_help
 
 __all__ = [
     "TRAIN_EXTRA",
@@ -96,6 +96,7 @@ class TrainJob(argparse.Namespace):
     no_spare: bool = False  # under max_restarts: restart cold, without a warm spare
     min_workers: int = 0  # elastic: go on without a failed worker while this many remain
     checkpoint_dir: str | None = None  # also keep checkpoints on disk; a job started again resumes from there
+    layer_scheme: list[str] | None = None  # hybrid strategies: LAYER=SCHEME overrides of the cost model
 
     def reporting_rank(self) -> int:
         """The rank whose metrics are the job's loss and accuracy: rank 0, or for a pipeline the last stage of
@@ -161,8 +162,12 @@ def validate(job: TrainJob) -> None:
         from paratrain.gossip.mixing import resolve_mixing
 
         resolve_mixing(spec.topology, job.workers)
+    if job.layer_scheme and not spec.hybrid:
+        raise ConfigError(f"--layer-scheme is for poseidon, poseidon:allreduce and sfb, not {job.strategy!r}")
+    parse_layer_schemes(job.layer_scheme)
     if spec.uses_servers:
-        Policy.parse(spec.kind, spec.staleness)
+        if not spec.hybrid:
+            Policy.parse(spec.kind, spec.staleness)
         servers = _servers(job, True)
         if not 1 <= job.replicas <= servers:
             raise ConfigError(
@@ -322,6 +327,8 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
         argv += ["--straggler", job.straggler]
     if job.no_overlap:
         argv += ["--no-overlap"]
+    for item in job.layer_scheme or []:
+        argv += ["--layer-scheme", item]
     if job.eval_every:
         argv += ["--eval-every", str(job.eval_every)]
     if job.max_restarts or job.min_workers or job.checkpoint_dir:

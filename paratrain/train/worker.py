@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 
 import paratrain as pt
 from paratrain.recovery import RegroupedError, Reliable
-from paratrain.strategy import parse_strategy
+from paratrain.strategy import parse_layer_schemes, parse_strategy
 from paratrain.train import stragglers, tasks
 from paratrain.train.data import DATASETS, load_dataset
 from paratrain.train.models import MODELS, build_model, check_model_dataset
@@ -77,6 +78,14 @@ def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True)
         "--no-overlap",
         action="store_true",
         help="gossip only: send a step's parameters in the next step() instead of during forward/backward",
+    )
+    parser.add_argument(
+        "--layer-scheme",
+        action="append",
+        default=None,
+        metavar="LAYER=SCHEME",
+        help="poseidon, poseidon:allreduce and sfb: send this layer by sfb or dense (ps/allreduce) instead of what "
+        "the cost model picks, e.g. --layer-scheme 1=sfb (repeatable; layer names as in model.named_modules())",
     )
 
 
@@ -173,9 +182,17 @@ def main(argv: list[str] | None = None) -> None:
     # with --checkpoint-dir, a job started again after a total failure resumes here from the disk checkpoint
     wanted = ctx.settings.resilient or args.checkpoint_dir is not None
     reliable = Reliable(ctx, checkpoint_dir=args.checkpoint_dir) if wanted else None
+    hybrid = parse_strategy(args.strategy).hybrid
     dopt = ptt.DistributedOptimizer(
-        optimizer, model=model, strategy=args.strategy, overlap=not args.no_overlap, reliable=reliable
+        optimizer,
+        model=model,
+        strategy=args.strategy,
+        overlap=not args.no_overlap,
+        reliable=reliable,
+        **({"batch_size": args.batch_size, "layer_schemes": parse_layer_schemes(args.layer_scheme)} if hybrid else {}),
     )
+    if dopt.hybrid_plan is not None and ctx.rank == 0:
+        print(dopt.hybrid_plan.table(), file=sys.stderr, flush=True)
     resumed = reliable.load_checkpoint() if reliable is not None else None
     if resumed is not None:
         try:

@@ -94,8 +94,8 @@ def distributed_grads(strategy: str, rows: list[int], *, seq: int = 0, **kwargs:
 
 def assert_close(got: dict[str, Any], want: dict[str, Any], rtol: float = 1e-12) -> None:
     assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=1e-12, msg=name)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=rtol, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize(
@@ -130,7 +130,9 @@ def test_sfb_with_sequences_and_a_worker_without_data() -> None:
 def test_sfb_accumulates_micro_batches_in_no_sync() -> None:
     def worker(ctx: Context) -> dict[str, Any]:
         net = make_net()
-        opt = ptt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=net, strategy="sfb", context=ctx)
+        opt = ptt.DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.1), model=net, strategy="sfb", context=ctx
+        )
         x, y = batch_of(ctx.rank, 0, 6)
         with opt.no_sync():
             loss_of(net, x[:2], y[:2]).backward()
