@@ -37,7 +37,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--strategies",
         default="allreduce,bsp,ssp:3,asp",
-        help="comma-separated: allreduce, bsp, ssp:S, asp, gossip:GRAPH (default allreduce,bsp,ssp:3,asp)",
+        help="comma-separated: allreduce, bsp, ssp:S, asp, gossip:GRAPH, poseidon[:allreduce], sfb, each optionally "
+        "+COMPRESSION (allreduce+topk:0.01, bsp+fp16) (default allreduce,bsp,ssp:3,asp)",
     )
     p.add_argument(
         "--repeat",
@@ -105,14 +106,21 @@ def _main(args: argparse.Namespace) -> int:
         if twice:
             raise ConfigError(f"--strategies lists {', '.join(twice)} more than once; use --repeat for rounds")
         rounds: list[list[TrainJob]] = []
+        labels: dict[int, str] = {}
         for r in range(args.repeat):
             jobs = []
-            for strategy in strategies:
-                run_dir = out / strategy.replace(":", "")
+            for label in strategies:
+                # "allreduce+topk:0.01": the strategy, compressed (the same strategy can run with and without)
+                strategy, plus, compression = label.partition("+")
+                run_dir = out / label.replace(":", "").replace("+", "-")
                 if args.repeat > 1:
                     run_dir = run_dir / f"round{r + 1}"
-                job = TrainJob(**{**base, "strategy": strategy, "run_dir": str(run_dir), "json": None})
+                settings = {"strategy": strategy, "run_dir": str(run_dir), "json": None}
+                if plus:
+                    settings["compression"] = compression
+                job = TrainJob(**{**base, **settings})
                 validate(job)
+                labels[id(job)] = label
                 jobs.append(job)
             rounds.append(jobs)
     except ConfigError as exc:
@@ -122,11 +130,12 @@ def _main(args: argparse.Namespace) -> int:
     for r, jobs in enumerate(rounds):
         for job in jobs:
             where = f" (round {r + 1} of {args.repeat})" if args.repeat > 1 else ""
-            print(f"paratrain compare: running {job.strategy}{where} ...", file=sys.stderr, flush=True)
+            label = labels[id(job)]
+            print(f"paratrain compare: running {label}{where} ...", file=sys.stderr, flush=True)
             summary = run_training(job)  # with its progress bar: a throttled job can take a minute
             records = merge_run(summary["run_dir"])
-            row = {**summary, "time_to_accuracy_s": time_to_accuracy(records, args.target_accuracy)}
-            done[job.strategy].append((row, records))
+            row = {**summary, "strategy": label, "time_to_accuracy_s": time_to_accuracy(records, args.target_accuracy)}
+            done[label].append((row, records))
     jobs = rounds[0]
     runs: dict[str, list[dict[str, Any]]] = {}
     rows = []

@@ -463,7 +463,8 @@ class KVStore:
 
     def _check(self, key: str | int, info: _Key, arr: npt.NDArray[Any], dtype_name: str, rows: int | None) -> None:
         expected = info.shape if rows is None else (rows, *info.shape[1:])
-        if dtype_name != info.dtype_name or tuple(arr.shape) != tuple(expected):
+        widened = dtype_name in ("float16", "bfloat16") and info.dtype_name in ("float32", "float64")
+        if (dtype_name != info.dtype_name and not widened) or tuple(arr.shape) != tuple(expected):
             raise ValueError(
                 f"key {key!r} is {info.shape} {info.dtype_name}; got {tuple(arr.shape)} {dtype_name}"
                 + ("" if rows is None else f" for {rows} rows")
@@ -661,6 +662,51 @@ class KVStore:
                 meta = {**meta, "seq": self._seq(c), "wclock": self._clock}
                 pending.append((self._send_failover(c, meta, arrays), -1))
         handle = self._all(pending, f"push_rows to key {key!r}")
+        if self.replicas > 1:
+            self._unacked.append((self._next_seq - len(pending), handle))
+        return handle
+
+    def push_sparse(self, key: str | int, indices: Any, values: Any) -> Handle[None]:
+        """Pushes a dense gradient of a 1-D ``key`` given by its nonzero entries (top-k compression). Asynchronous.
+
+        Unlike :meth:`push_rows` (an embedding's rows: a lazy sparse step that moves only those rows), this is one
+        worker's gradient, zero elsewhere: every chunk gets a push (possibly of no entries), the round's mean is
+        over all workers and every element's optimizer state steps, exactly as if the dense array were pushed.
+        Only the entries travel (index and value).
+
+        Raises:
+            ValueError: ``key`` is not 1-D, ``indices`` and ``values`` differ in length or an index is out of range.
+        """
+        self._calls += 1
+        info = self._key(key)
+        if len(info.shape) != 1:
+            raise ValueError(f"push_sparse needs a 1-D key; {key!r} is {info.shape}")
+        ids = np.asarray(indices).astype(np.int64, copy=False)
+        vals, dtype_name = as_numpy_view(values)
+        if ids.ndim != 1 or vals.shape != ids.shape:
+            raise ValueError(f"indices and values must be 1-D of one length, got {ids.shape} and {vals.shape}")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= info.shape[0]):
+            raise ValueError(f"an index of push_sparse is outside 0..{info.shape[0] - 1} of key {key!r}")
+        self._check(key, info, vals, dtype_name, ids.size)
+        self._cache.pop(key, None)
+        pending = []
+        for c in info.chunks:
+            inside = (ids >= c.row_start) & (ids < c.row_stop)
+            meta = {
+                "op": "push",
+                "key": key,
+                "chunk": c.index,
+                "rows": True,
+                "densify": True,
+                "version": self._versions[key][c.index],
+            }
+            arrays = [ids[inside] - c.row_start, vals[inside]]
+            if self.replicas == 1:
+                pending.append(self._request(self._servers[c.server], meta, arrays))
+            else:
+                meta = {**meta, "seq": self._seq(c), "wclock": self._clock}
+                pending.append((self._send_failover(c, meta, arrays), -1))
+        handle = self._all(pending, f"push_sparse to key {key!r}")
         if self.replicas > 1:
             self._unacked.append((self._next_seq - len(pending), handle))
         return handle

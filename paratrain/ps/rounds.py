@@ -127,10 +127,15 @@ class RoundSum:
     rows: list[npt.NDArray[np.int64]] = field(default_factory=list)
     parts: list[Array] = field(default_factory=list)
 
-    def add(self, grad: Array, rows: npt.NDArray[np.int64] | None, weight: float, like: Array) -> None:
-        """Adds one push: ``grad`` for the whole chunk, or for ``rows`` of it (``like`` is the chunk's value)."""
+    def add(
+        self, grad: Array, rows: npt.NDArray[np.int64] | None, weight: float, like: Array, *, densify: bool = False
+    ) -> None:
+        """Adds one push: ``grad`` for the whole chunk, or for ``rows`` of it (``like`` is the chunk's value).
+
+        ``densify``: the rows are a sparse encoding of a dense gradient (top-k compression), zero elsewhere: the
+        round is dense (every element and its optimizer state steps), not a lazy sparse one."""
         self.count += 1
-        if rows is not None and self.dense is None:
+        if rows is not None and self.dense is None and not densify:
             scaled = np.array(grad, dtype=like.dtype, copy=True)
             if weight != 1.0:
                 scaled *= like.dtype.type(weight)

@@ -55,6 +55,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paratrain._arrays import DTYPE_NAMES, dtype_from_name
+from paratrain.collectives.ops import bf16_to_f32
 from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
 from paratrain.ps.consistency import min_done, required_met
 from paratrain.ps.optim import make_optimizer
@@ -70,6 +71,8 @@ log = logging.getLogger("paratrain.ps.server")
 
 
 #: Operations one server sends another (replication, and a restarted one catching up), from server ranks only.
+#: (wire dtype, key dtype) pairs a push may widen: gradients compressed to 16 bits for the wire
+_WIDENED = frozenset((w, k) for w in ("float16", "bfloat16") for k in ("float32", "float64"))
 _SERVER_OPS = ("replicate", "replicated", "members", "snapshot")
 
 
@@ -620,7 +623,11 @@ class ParameterServer:
         """The row ids (or None) and the data of a push or a forwarded push, validated against ``chunk``."""
         rows = self._rows_of(chunk, msg, 2)
         data = msg.arrays[-1] if msg.arrays else None
-        if data is None or msg.dtypes[-1] != chunk.dtype_name:
+        if data is not None and (msg.dtypes[-1], chunk.dtype_name) in _WIDENED:
+            # a gradient compressed to 16 bits for the wire (compression="fp16"/"bf16"): added at the key's width
+            data = bf16_to_f32(data) if msg.dtypes[-1] == "bfloat16" else data
+            data = data.astype(chunk.value.dtype)
+        elif data is None or msg.dtypes[-1] != chunk.dtype_name:
             got = msg.dtypes[-1] if msg.arrays else "nothing"
             raise _RejectedError(f"push to key {msg.meta['key']!r} of dtype {chunk.dtype_name} carries {got}")
         expected = chunk.value.shape if rows is None else (rows.size, *chunk.value.shape[1:])
@@ -652,6 +659,8 @@ class ParameterServer:
         data: npt.NDArray[Any],
         round_id: int,
         read: Any,
+        *,
+        densify: bool = False,
     ) -> None:
         self.stats.bytes_in += data.nbytes
         if chunk.optimizer is None:
@@ -662,7 +671,7 @@ class ParameterServer:
                 np.add.at(chunk.value, rows, data)
         else:
             weight = staleness_weight(round_id, read if isinstance(read, int) else None, aware=chunk.staleness_lr)
-            chunk.pending.setdefault(round_id, RoundSum()).add(data, rows, weight, chunk.value)
+            chunk.pending.setdefault(round_id, RoundSum()).add(data, rows, weight, chunk.value, densify=densify)
             chunk.view = None
             self._commit(chunk)
 
@@ -686,7 +695,7 @@ class ParameterServer:
         if replicated:
             waiting = self._forward(chunk, msg, {"id": forward_id, "round": round_id}, msg.arrays)
         if new:
-            self._apply(chunk, rows, data, round_id, msg.meta.get("version"))
+            self._apply(chunk, rows, data, round_id, msg.meta.get("version"), densify=bool(msg.meta.get("densify")))
         if waiting:
             self._forward_ids += 1
             self._forwards[forward_id] = _Forward(msg.src, msg.meta["id"], waiting)
@@ -704,6 +713,7 @@ class ParameterServer:
             "wclock": msg.meta.get("wclock"),
             "version": msg.meta.get("version"),
             "rows": bool(msg.meta.get("rows")),
+            "densify": bool(msg.meta.get("densify")),
             **fields,
         }
         me = self.transport.rank
@@ -744,6 +754,7 @@ class ParameterServer:
                 data,
                 max(round_id, chunk.version) if chunk.mode == "clock" else round_id,
                 meta.get("version"),
+                densify=bool(meta.get("densify")),
             )
         try:
             self.transport.isend(msg.src, REQUEST_TAG, (), {"op": "replicated", "id": meta["id"]})

@@ -32,6 +32,7 @@ from typing import Any, overload
 
 import torch
 
+from paratrain.compression import Compressor, parse_compression
 from paratrain.errors import ConfigError
 from paratrain.launch.kills import kill_point
 from paratrain.recovery.reliable import RegroupedError, Reliable
@@ -40,6 +41,7 @@ from paratrain.sfb.cost import HybridPlan
 from paratrain.strategy import StrategySpec, parse_strategy
 from paratrain.torch.broadcast import broadcast_parameters
 from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
+from paratrain.torch.compressed import CompressedAllreduceStrategy
 from paratrain.torch.fusion import FusedBucket
 from paratrain.torch.hooks import GradientHooks
 from paratrain.torch.hybrid import HybridStrategy
@@ -148,6 +150,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reliable: Reliable | None = None,
         batch_size: int | None = None,
         layer_schemes: Mapping[str, str] | None = None,
+        compression: str | Compressor | None = None,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called on purpose: param_groups and state are the wrapped
         # optimizer's (see the properties below), and anything else is looked up there (__getattr__).
@@ -182,6 +185,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
+        self.compressor: Compressor | None = (
+            compression if isinstance(compression, Compressor) else parse_compression(compression)
+        )
+        if self.compressor is not None and (self.spec.exchanges_parameters or reliable is not None):
+            raise ConfigError(
+                f"compression= compresses gradients sent by allreduce or to parameter servers; strategy "
+                f"{strategy!r}{' with reliable=' if reliable is not None else ''} does not support it"
+            )
         if (batch_size is not None or layer_schemes) and not self.spec.hybrid:
             raise ConfigError(
                 f"batch_size= and layer_schemes= choose how each layer travels under 'poseidon', "
@@ -237,6 +248,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._strategy = (
                 ReliableAllreduceStrategy(reliable, fused)
                 if reliable is not None and not self._local
+                else self._dense_strategy(self.spec, fused, optimizer, staleness_lr=staleness_lr)
+                if self.compressor is not None and not self._local
                 else build_strategy(
                     self.spec,
                     self.context,
@@ -272,9 +285,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # the servers' keys start from rank 0's values; so do the layers the workers step themselves
             broadcast_parameters([p for _, m in sfb_modules for p in own_params(m)], context=self.context)
         if fused:
-            dense_spec = parse_strategy("bsp" if uses_servers else "allreduce")
-            dense = build_strategy(dense_spec, self.context, fused, optimizer=optimizer)
+            dense = self._dense_strategy(parse_strategy("bsp" if uses_servers else "allreduce"), fused, optimizer)
         return HybridStrategy(units, dense)
+
+    def _dense_strategy(
+        self,
+        spec: StrategySpec,
+        buckets: Sequence[FusedBucket],
+        optimizer: torch.optim.Optimizer,
+        *,
+        staleness_lr: bool = False,
+    ) -> Strategy:
+        """Allreduce or the parameter server over ``buckets``, compressed when ``compression=`` was given."""
+        if self.compressor is not None and not spec.uses_servers:
+            return CompressedAllreduceStrategy(self.context, buckets, self.compressor)
+        return build_strategy(
+            spec, self.context, buckets, optimizer=optimizer, staleness_lr=staleness_lr, compressor=self.compressor
+        )
 
     @staticmethod
     def _check_params(

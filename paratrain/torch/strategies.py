@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from paratrain.compression import Cast, Compressor, TopK
 from paratrain.errors import ConfigError
 from paratrain.gossip.exchange import ShmExchange, open_exchange
 from paratrain.gossip.mixing import neighbors, resolve_mixing
@@ -227,8 +228,16 @@ class ParameterServerStrategy(Strategy):
         optimizer: torch.optim.Optimizer,
         key_prefix: str = "paratrain.torch/bucket",
         staleness_lr: bool = False,
+        compressor: Compressor | None = None,
     ) -> None:
         super().__init__(buckets)
+        if compressor is not None and not isinstance(compressor, Cast | TopK):
+            raise ConfigError(
+                f"compression {compressor.name!r} needs two aggregation rounds per step (P, then Q); the parameter "
+                "servers aggregate once, by stepping their optimizer. Use fp16, bf16 or topk:R with the parameter "
+                "servers, or PowerSGD with strategy='allreduce'"
+            )
+        self.compressor = compressor
         self._server_spec = server_optimizer_spec(optimizer)
         self._warned = False
         self._keys = [f"{key_prefix}{k}" for k in range(len(self.buckets))]
@@ -257,8 +266,20 @@ class ParameterServerStrategy(Strategy):
             bucket.write_params(flat)
 
     def launch(self, k: int) -> None:
-        """Pushes bucket ``k``'s gradients (asynchronous; the buffer is not touched until :meth:`finish`)."""
-        self._handles[k] = self.kv.push(self._keys[k], self.buckets[k].grads)
+        """Pushes bucket ``k``'s gradients (asynchronous; the buffer is not touched until :meth:`finish`).
+
+        With ``compression``: as 16-bit floats (the servers add them at the key's width), or as the top-k entries
+        of gradient + residual (:meth:`~paratrain.ps.KVStore.push_sparse`: a dense gradient, zero elsewhere)."""
+        grads, comp = self.buckets[k].grads, self.compressor
+        if comp is None:
+            self._handles[k] = self.kv.push(self._keys[k], grads)
+        elif isinstance(comp, Cast):
+            wire = torch.bfloat16 if comp.dtype == "bfloat16" else torch.float16
+            self._handles[k] = self.kv.push(self._keys[k], grads.to(wire))
+        else:
+            assert isinstance(comp, TopK)
+            idx, values = comp.compress(self._keys[k], _numpy(grads))
+            self._handles[k] = self.kv.push_sparse(self._keys[k], idx, values)
 
     def finish(self) -> None:
         """Waits until the servers have every bucket of this step."""
@@ -456,9 +477,12 @@ def _build_ps(
     *,
     optimizer: torch.optim.Optimizer,
     staleness_lr: bool,
+    compressor: Compressor | None = None,
     **_: Any,
 ) -> Strategy:
-    return ParameterServerStrategy(context, buckets, spec=spec, optimizer=optimizer, staleness_lr=staleness_lr)
+    return ParameterServerStrategy(
+        context, buckets, spec=spec, optimizer=optimizer, staleness_lr=staleness_lr, compressor=compressor
+    )
 
 
 def _build_gossip(
@@ -484,8 +508,10 @@ def build_strategy(
     topology: Any = None,
     overlap: bool = True,
     staleness_lr: bool = False,
+    compressor: Compressor | None = None,
 ) -> Strategy:
-    """The torch strategy for ``spec``, by its family (:data:`BUILDERS`).
+    """The torch strategy for ``spec``, by its family (:data:`BUILDERS`); ``compressor`` reaches the parameter
+    server's (allreduce's compressed form is :class:`~paratrain.torch.compressed.CompressedAllreduceStrategy`).
 
     Raises:
         ConfigError: no torch builder for the family (e.g. pipelines, which have their own front end).
@@ -496,5 +522,12 @@ def build_strategy(
             f"strategy {str(spec)!r} ({spec.family}) does not run under DistributedOptimizer; use its own front end"
         )
     return builder(
-        spec, context, buckets, optimizer=optimizer, topology=topology, overlap=overlap, staleness_lr=staleness_lr
+        spec,
+        context,
+        buckets,
+        optimizer=optimizer,
+        topology=topology,
+        overlap=overlap,
+        staleness_lr=staleness_lr,
+        compressor=compressor,
     )

@@ -97,6 +97,7 @@ class TrainJob(argparse.Namespace):
     min_workers: int = 0  # elastic: go on without a failed worker while this many remain
     checkpoint_dir: str | None = None  # also keep checkpoints on disk; a job started again resumes from there
     layer_scheme: list[str] | None = None  # hybrid strategies: LAYER=SCHEME overrides of the cost model
+    compression: str | None = None  # gradient compression of allreduce / the parameter servers
 
     def reporting_rank(self) -> int:
         """The rank whose metrics are the job's loss and accuracy: rank 0, or for a pipeline the last stage of
@@ -165,6 +166,23 @@ def validate(job: TrainJob) -> None:
     if job.layer_scheme and not spec.hybrid:
         raise ConfigError(f"--layer-scheme is for poseidon, poseidon:allreduce and sfb, not {job.strategy!r}")
     parse_layer_schemes(job.layer_scheme)
+    if job.compression is not None:
+        from paratrain.compression import LowRank, parse_compression
+
+        compressor = parse_compression(job.compression)
+        if compressor is not None and spec.family not in ("collective", "parameter-server"):
+            raise ConfigError(f"--compression is for allreduce and the parameter servers, not {job.strategy!r}")
+        if (
+            compressor is not None
+            and (job.max_restarts or job.min_workers or job.checkpoint_dir)
+            and not spec.uses_servers
+        ):
+            raise ConfigError("--compression does not combine with --max-restarts, --min-workers or --checkpoint-dir")
+        if isinstance(compressor, LowRank) and spec.uses_servers:
+            raise ConfigError(
+                f"--compression {job.compression}: PowerSGD needs two allreduce rounds per step; use it with "
+                "--strategy allreduce (or fp16, bf16, topk:R with the parameter servers)"
+            )
     if spec.uses_servers:
         if not spec.hybrid:
             Policy.parse(spec.kind, spec.staleness)
@@ -329,6 +347,8 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
         argv += ["--no-overlap"]
     for item in job.layer_scheme or []:
         argv += ["--layer-scheme", item]
+    if job.compression:
+        argv += ["--compression", job.compression]
     if job.eval_every:
         argv += ["--eval-every", str(job.eval_every)]
     if job.max_restarts or job.min_workers or job.checkpoint_dir:
@@ -407,6 +427,7 @@ def summarise(
         entry["allreduce_bytes"] = max(entry["allreduce_bytes"], float(r.get("allreduce_bytes", 0)))
     summary: dict[str, Any] = {
         "strategy": job.strategy,
+        "compression": job.compression,
         "workers": job.workers,
         "servers": servers,
         "model": job.model,

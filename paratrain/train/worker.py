@@ -80,6 +80,13 @@ def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True)
         help="gossip only: send a step's parameters in the next step() instead of during forward/backward",
     )
     parser.add_argument(
+        "--compression",
+        default=None,
+        metavar="SCHEME",
+        help="compress the gradients allreduce or the parameter servers carry: fp16, bf16, topk:R (a ratio, with "
+        "error feedback) or powersgd:R (a rank, allreduce only) (default: none)",
+    )
+    parser.add_argument(
         "--layer-scheme",
         action="append",
         default=None,
@@ -189,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         strategy=args.strategy,
         overlap=not args.no_overlap,
         reliable=reliable,
+        compression=args.compression,
         **({"batch_size": args.batch_size, "layer_schemes": parse_layer_schemes(args.layer_scheme)} if hybrid else {}),
     )
     if dopt.hybrid_plan is not None and ctx.rank == 0:

@@ -33,6 +33,7 @@ LAYERS = {
     "gossip": 3,
     "pipeline": 3,
     "sfb": 3,  # pure: what each scheme costs per layer and the per-layer choice; the torch front end executes it
+    "compression": 3,  # pure numpy: what a compressed gradient is; the torch front end moves it
     "runtime": 4,
     "recovery": 5,  # reliable collectives over the runtime (it re-forms contexts); the torch front end uses it
     "__init__": 5,  # the public API (paratrain.init, allreduce...): what user scripts and our workers import

@@ -1,0 +1,177 @@
+"""Allreduce with a compressed wire format: each bucket leaves as 16-bit floats, top-k pairs or PowerSGD factors.
+
+The update rule is the ``"allreduce"`` strategy's (the mean gradient, then the wrapped optimizer on every worker)
+with the mean replaced by its compressed estimate (:mod:`paratrain.compression`)::
+
+    fp16 / bf16    allreduce_async(cast(buffer / P), sum)                      -> grads = float(sum)
+    topk:R         (idx, val) of grads + residual; allgather_async(pairs)      -> grads = scatter-add / P
+    powersgd:R     allreduce_async([P of each matrix | vectors | flags], mean) -> in finish: orthonormalise P,
+                   allreduce_async([Q of each matrix], mean)                   -> grads = P Q^T, vectors as reduced
+
+Every worker decodes the same reduced data in the same way, so the replicas stay identical. The used-flags of
+:class:`~paratrain.torch.fusion.FusedBucket` ride with the 16-bit cast and with PowerSGD's vectors; top-k sends
+none, so under top-k every parameter counts as used (one that no worker used gets a zero gradient rather than
+None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from paratrain.compression import Cast, Compressor, LowRank, TopK
+from paratrain.errors import ConfigError
+from paratrain.runtime.context import Context
+from paratrain.torch.fusion import FusedBucket
+from paratrain.torch.strategies import Strategy
+from paratrain.transport.base import Handle
+
+__all__ = ["CompressedAllreduceStrategy"]
+
+_INDEX = {4: np.int32, 8: np.int64}  # an index travels in the bits of one value of the gradient's width
+
+
+class CompressedAllreduceStrategy(Strategy):
+    """The ``"allreduce"`` strategy with ``compression=`` (see the module docstring).
+
+    Args:
+        context: this rank's context.
+        buckets: the fusion buffers (with used-flags), in plan order.
+        compressor: a :class:`~paratrain.compression.Compressor` (its error-feedback state lives here, per bucket).
+
+    Raises:
+        ConfigError: top-k for a bucket that is not float32 or float64 (its pairs travel in the gradient's width).
+    """
+
+    def __init__(self, context: Context, buckets: Sequence[FusedBucket], compressor: Compressor) -> None:
+        super().__init__(buckets)
+        self._context = context
+        self.compressor = compressor
+        self._handles: list[Handle[Any] | None] = [None] * len(self.buckets)
+        if isinstance(compressor, TopK):
+            for bucket in self.buckets:
+                if bucket.grads.element_size() not in _INDEX or not bucket.grads.is_floating_point():
+                    raise ConfigError(
+                        f"top-k compression sends float32 or float64 gradients, not {bucket.grads.dtype} "
+                        f"(parameters {', '.join(bucket.names)})"
+                    )
+        self._matrices: list[list[int]] = []  # per bucket: which of its parameters PowerSGD compresses
+        if isinstance(compressor, LowRank):
+            self._matrices = [
+                [j for j, p in enumerate(b.params) if compressor.compressible(tuple(p.shape))] for b in self.buckets
+            ]
+
+    # -- launch: the first message of each bucket -------------------------------------------------------------
+
+    def launch(self, k: int) -> None:
+        """Starts bucket ``k``'s (first) collective with its compressed gradients. Does not block."""
+        bucket, comp, ctx = self.buckets[k], self.compressor, self._context
+        if isinstance(comp, Cast):
+            wire = torch.bfloat16 if comp.dtype == "bfloat16" else torch.float16
+            self._handles[k] = ctx.allreduce_async((bucket.buffer / ctx.world_size).to(wire), op="sum")
+        elif isinstance(comp, TopK):
+            grads = bucket.grads.numpy()
+            idx, values = comp.compress(f"bucket{k}", grads)
+            pairs = np.empty((idx.size, 2), dtype=grads.dtype)
+            pairs[:, 0] = idx.astype(_INDEX[grads.itemsize]).view(grads.dtype)
+            pairs[:, 1] = values
+            self._handles[k] = ctx.allgather_async(pairs)
+        elif isinstance(comp, LowRank):
+            mats = [self._matrix(bucket, j) for j in self._matrices[k]]
+            ps = comp.first(f"bucket{k}", mats)
+            self._handles[k] = ctx.allreduce_async(
+                np.concatenate([*(p.reshape(-1) for p in ps), self._dense(k)]), op="mean"
+            )
+        else:
+            raise ConfigError(f"no allreduce path for compressor {comp!r}")
+
+    def _matrix(self, bucket: FusedBucket, j: int) -> Any:
+        view = bucket.views[j]
+        return view.reshape(view.shape[0], -1).numpy()
+
+    def _dense(self, k: int) -> Any:
+        """Bucket ``k``'s buffer without the matrices PowerSGD compresses: vectors, small matrices, flags."""
+        bucket = self.buckets[k]
+        keep = np.ones(bucket.buffer.numel(), dtype=bool)
+        for j in self._matrices[k]:
+            off = bucket.bucket.offsets[j]
+            keep[off : off + bucket.params[j].numel()] = False
+        return bucket.buffer.numpy()[keep]
+
+    # -- finish: decode (PowerSGD's second round first) --------------------------------------------------------
+
+    def finish(self) -> None:
+        """Waits for every bucket and writes the decoded mean into ``param.grad``. Blocks."""
+        handles, self._handles = self._handles, [None] * len(self.buckets)
+        if any(h is None for h in handles):
+            raise RuntimeError("internal error: a bucket was never launched before finish()")
+        comp = self.compressor
+        if isinstance(comp, LowRank):
+            self._finish_low_rank(comp, handles)
+            return
+        for bucket, handle in zip(self.buckets, handles, strict=True):
+            assert handle is not None
+            reduced = handle.wait()
+            if isinstance(comp, Cast):
+                bucket.give(reduced.to(bucket.buffer.dtype))
+            else:
+                assert isinstance(comp, TopK)
+                grads = bucket.grads.numpy()
+                pairs = np.asarray(reduced).reshape(-1, 2)
+                idx = pairs[:, 0].copy().view(_INDEX[grads.itemsize])
+                dense = TopK.decompress(
+                    grads.size, idx, pairs[:, 1], scale=1.0 / self._context.world_size, dtype=grads.dtype
+                )
+                np.copyto(grads, dense)
+                bucket.flags.fill_(1)
+                bucket.give(bucket.buffer)
+
+    def _finish_low_rank(self, comp: LowRank, handles: Sequence[Handle[Any] | None]) -> None:
+        seconds: list[tuple[list[Any], Any, Handle[Any] | None]] = []
+        for k, handle in enumerate(handles):
+            assert handle is not None
+            reduced = np.asarray(handle.wait())
+            bucket, shapes, pos = self.buckets[k], [], 0
+            ps = []
+            for j in self._matrices[k]:
+                m = self._matrix(bucket, j)
+                r = min(comp.rank, *m.shape)
+                ps.append(LowRank.orthonormal(reduced[pos : pos + m.shape[0] * r].reshape(m.shape[0], r)))
+                shapes.append(m.shape)
+                pos += m.shape[0] * r
+            dense = reduced[pos:]
+            qs = comp.second(f"bucket{k}", ps) if ps else []
+            second = (
+                self._context.allreduce_async(np.concatenate([q.reshape(-1) for q in qs]), op="mean") if qs else None
+            )
+            seconds.append((ps, dense, second))
+        for k, (ps, dense, second) in enumerate(seconds):
+            bucket = self.buckets[k]
+            buffer = bucket.buffer.numpy()
+            keep = np.ones(buffer.size, dtype=bool)
+            if second is not None:
+                flat, pos, qs = np.asarray(second.wait()), 0, []
+                for p, j in zip(ps, self._matrices[k], strict=True):
+                    cols = bucket.params[j].numel() // p.shape[0]
+                    qs.append(flat[pos : pos + cols * p.shape[1]].reshape(cols, p.shape[1]))
+                    pos += cols * p.shape[1]
+                for j, approx in zip(self._matrices[k], comp.finish(f"bucket{k}", qs), strict=True):
+                    off, n = bucket.bucket.offsets[j], bucket.params[j].numel()
+                    buffer[off : off + n] = approx.reshape(-1)
+                    keep[off : off + n] = False
+            buffer[keep] = dense
+            bucket.give(bucket.buffer)
+
+    def apply(self, optimizer: torch.optim.Optimizer) -> None:
+        """Runs the wrapped optimizer on the decoded gradients (identically on every rank)."""
+        optimizer.step()
+
+    def close(self) -> None:
+        """Waits for collectives still in flight, so that no rank leaves one half-done."""
+        for handle in self._handles:
+            if handle is not None:
+                handle.wait()
+        self._handles = [None] * len(self.buckets)

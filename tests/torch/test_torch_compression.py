@@ -1,0 +1,164 @@
+"""compression= of DistributedOptimizer: allreduce and the parameter server carry 16-bit, top-k and PowerSGD
+gradients, every worker decodes the same mean, and the lossless settings (top-k of everything, PowerSGD of full
+rank) reproduce the uncompressed mean."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import paratrain.torch as ptt  # noqa: E402
+from paratrain import Context  # noqa: E402
+from paratrain.compression import TopK  # noqa: E402
+from paratrain.errors import ConfigError  # noqa: E402
+from paratrain.testing import run_ranks  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_thread")]
+
+
+def make_net() -> Any:
+    gen = torch.Generator().manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return net
+
+
+def batch(rank: int, step: int = 0) -> tuple[Any, Any]:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+
+
+def local_grads(rank: int) -> Any:
+    net = make_net()
+    x, y = batch(rank)
+    ((net(x) - y) ** 2).sum().backward()
+    return torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+
+
+def synced_grads(workers: int, compression: str, *, strategy: str = "allreduce", servers: int = 0) -> list[Any]:
+    def worker(ctx: Context) -> Any:
+        net = make_net()
+        opt = ptt.DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.1),
+            model=net,
+            strategy=strategy,
+            context=ctx,
+            compression=compression,
+            bucket_bytes=160,  # several buckets: weights and biases in separate ones
+        )
+        x, y = batch(ctx.rank)
+        ((net(x) - y) ** 2).sum().backward()
+        opt.synchronize()
+        grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+        opt.close()
+        return grads
+
+    return run_ranks(workers, worker, servers=servers)
+
+
+def mean_grads(workers: int) -> Any:
+    return sum(local_grads(r) for r in range(workers)) / workers
+
+
+@pytest.mark.parametrize(
+    ("compression", "tolerance"),
+    [("fp16", 2e-3), ("bf16", 2e-2), ("topk:1", 1e-6), ("powersgd:8", 1e-4)],
+    ids=["fp16", "bf16", "topk-all", "powersgd-full-rank"],
+)
+def test_allreduce_compressed_mean_is_the_mean(compression: str, tolerance: float) -> None:
+    results = synced_grads(3, compression)
+    want = mean_grads(3)
+    for got in results:
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+        assert torch.equal(got, results[0])  # every worker decoded the same bits
+
+
+def test_allreduce_top_k_is_the_mean_of_each_workers_selection() -> None:
+    """top-k 25 % per bucket: the decoded gradient is the mean over workers of what each one's TopK selected
+    from its own fused bucket (computed here in one thread from the same bucket plan)."""
+    results = synced_grads(2, "topk:0.25")
+    net = make_net()
+
+    def plan_of(ctx: Context) -> Any:
+        opt = ptt.DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.1), model=net, bucket_bytes=160, context=ctx
+        )
+        opt.close()
+        return opt.plan
+
+    plan = run_ranks(1, plan_of)[0]
+    sizes = [p.numel() for p in net.parameters()]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    want = torch.zeros(sum(sizes))
+    for rank in range(2):
+        grads = local_grads(rank)
+        for bucket in plan:
+            flat = torch.cat([grads[starts[i] : starts[i] + sizes[i]] for i in bucket.params])
+            idx, val = TopK(ratio=0.25).compress("b", flat.numpy())
+            dense = torch.from_numpy(TopK.decompress(flat.numel(), idx, val, scale=0.5, dtype=flat.numpy().dtype))
+            for i, off in zip(bucket.params, bucket.offsets, strict=True):
+                want[starts[i] : starts[i] + sizes[i]] += dense[off : off + sizes[i]]
+    assert len(plan) > 1
+    for got in results:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_parameter_server_carries_fp16_and_top_k() -> None:
+    """The servers add 16-bit pushes at float32 and top-k pushes as dense gradients: after one step the
+    workers' parameters match the uncompressed run (top-k of everything: exactly up to float rounding)."""
+
+    def train(compression: str | None) -> Any:
+        def worker(ctx: Context) -> Any:
+            net = make_net()
+            opt = ptt.DistributedOptimizer(
+                torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                model=net,
+                strategy="bsp",
+                context=ctx,
+                compression=compression,
+                bucket_bytes=160,
+            )
+            for step in range(3):
+                opt.zero_grad()
+                x, y = batch(ctx.rank, step)
+                ((net(x) - y) ** 2).sum().backward()
+                opt.step()
+            opt.close()
+            return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+        return run_ranks(2, worker, servers=1)
+
+    plain = train(None)[0]
+    for compression, tolerance in (("topk:1", 1e-6), ("fp16", 2e-3)):
+        got = train(compression)
+        torch.testing.assert_close(got[0], plain, rtol=tolerance, atol=tolerance)
+        assert torch.equal(got[0], got[1])
+    sparse = train("topk:0.1")
+    assert not torch.allclose(sparse[0], plain)  # most of the gradient waits in the residuals
+
+
+def test_settings_that_cannot_work_are_refused() -> None:
+    def worker(ctx: Context) -> list[str]:
+        net = make_net()
+        errors = []
+        for strategy, compression in (("bsp", "powersgd:2"), ("gossip:ring", "fp16"), ("allreduce", "zip")):
+            with pytest.raises(ConfigError) as info:
+                ptt.DistributedOptimizer(
+                    torch.optim.SGD(net.parameters(), lr=0.1),
+                    model=net,
+                    strategy=strategy,
+                    context=ctx,
+                    compression=compression,
+                )
+            errors.append(str(info.value))
+        return errors
+
+    errors = run_ranks(2, worker, servers=1)[0]
+    assert "two aggregation rounds" in errors[0]
+    assert "gossip" in errors[1]
+    assert "unknown compression" in errors[2]

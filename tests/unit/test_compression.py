@@ -1,0 +1,96 @@
+"""Compressors (pure numpy): what they send, and error feedback that loses nothing, only delays it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paratrain.compression import Cast, LowRank, TopK, parse_compression
+from paratrain.errors import ConfigError
+
+
+def test_parse_forms_and_errors() -> None:
+    assert parse_compression(None) is None and parse_compression("none") is None
+    fp16, bf16 = parse_compression("fp16"), parse_compression("BF16")
+    assert isinstance(fp16, Cast) and fp16.dtype == "float16"
+    assert isinstance(bf16, Cast) and bf16.dtype == "bfloat16"
+    top = parse_compression("topk:0.01")
+    assert isinstance(top, TopK) and top.ratio == 0.01 and not top.linear
+    low = parse_compression("powersgd:4")
+    assert isinstance(low, LowRank) and low.rank == 4 and low.linear
+    for bad in ("zip", "topk:0", "topk:2", "powersgd:1.5", "powersgd:0", "topk"):
+        with pytest.raises(ConfigError, match="compression"):
+            parse_compression(bad)
+
+
+def test_a_reducing_ring_refuses_top_k_and_says_why() -> None:
+    top = TopK(ratio=0.1, name="topk:0.1")
+    for algorithm in ("ring", "tree", "auto"):
+        with pytest.raises(ConfigError, match=r"not linear.*allgather"):
+            top.check_ring(algorithm)
+    top.check_ring("allgather")
+    Cast().check_ring("ring")
+    LowRank().check_ring("ring")
+
+
+def test_top_k_sends_the_largest_and_keeps_the_rest() -> None:
+    top = TopK(ratio=0.25)
+    grad = np.array([0.5, -4.0, 1.0, 3.0, -0.25, 2.0, 0.0, -1.5])
+    idx, val = top.compress("b", grad)
+    assert idx.dtype == np.int32 and idx.tolist() == [1, 3] and val.tolist() == [-4.0, 3.0]
+    assert top.residual("b").tolist() == [0.5, 0.0, 1.0, 0.0, -0.25, 2.0, 0.0, -1.5]
+    # next step: the residual is added first, so 2.0 (old) + 0.5 (new) wins a place, and so does the old 1.0
+    # against the new 2.0 that the old -1.5 cancels down to 0.5
+    idx, val = top.compress("b", np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 2.0]))
+    assert idx.tolist() == [2, 5] and val.tolist() == [1.0, 2.5]
+    assert top.k_of(0) == 0 and top.k_of(1) == 1 and top.k_of(9) == 3
+    full = TopK(ratio=1.0)
+    idx, val = full.compress("b", grad)
+    assert idx.tolist() == list(range(8)) and val.tolist() == grad.tolist()
+    assert not full.residual("b").any()
+
+
+def test_top_k_error_feedback_loses_nothing() -> None:
+    """Over any number of steps: everything sent + the residual left = every gradient given (float64, exact
+    up to the rounding of the additions)."""
+    rng = np.random.default_rng(0)
+    top = TopK(ratio=0.05)
+    given, sent = np.zeros(200), np.zeros(200)
+    for _ in range(30):
+        grad = rng.standard_normal(200)
+        given += grad
+        idx, val = top.compress("b", grad)
+        sent += TopK.decompress(200, idx, val, scale=1.0, dtype=np.dtype(np.float64))
+    np.testing.assert_allclose(sent + top.residual("b"), given, rtol=0, atol=1e-12)
+
+
+def test_low_rank_residual_is_what_the_approximation_missed() -> None:
+    rng = np.random.default_rng(1)
+    low = LowRank(rank=2, seed=3)
+    m = rng.standard_normal((12, 9))
+    total_given, total_sent = np.zeros_like(m), np.zeros_like(m)
+    for _ in range(5):
+        grad = rng.standard_normal((12, 9))
+        before = low.residual("b", 0).copy() if "b" in low._state else np.zeros_like(m)
+        (p,) = low.first("b", [grad])
+        (q,) = low.second("b", [LowRank.orthonormal(p)])
+        (approx,) = low.finish("b", [q])
+        # e_new = (g + e_old) - approx, exactly as computed
+        np.testing.assert_allclose(low.residual("b", 0), grad + before - approx, rtol=0, atol=1e-12)
+        total_given += grad
+        total_sent += approx
+    np.testing.assert_allclose(total_sent + low.residual("b", 0), total_given, rtol=0, atol=1e-10)
+
+
+def test_low_rank_of_full_rank_is_exact_and_the_rule_for_what_is_compressed() -> None:
+    rng = np.random.default_rng(2)
+    low = LowRank(rank=6, seed=0)
+    m = rng.standard_normal((6, 4))
+    (p,) = low.first("b", [m])
+    (q,) = low.second("b", [LowRank.orthonormal(p)])
+    (approx,) = low.finish("b", [q])
+    np.testing.assert_allclose(approx, m, atol=1e-12)
+    rank4 = LowRank(rank=4)
+    assert rank4.compressible((512, 784)) and rank4.compressible((64, 3, 5, 5))
+    assert not rank4.compressible((512,)) and not rank4.compressible((8, 8))  # (8 + 8) 4 = 64, not < 64
+    assert rank4.compressible((10, 8))  # (10 + 8) 4 = 72 < 80
