@@ -581,6 +581,87 @@ def _add_auth_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--bandwidth-size", type=_sizes, default=[16 << 20], help="bulk message size (default 16MiB)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     p.set_defaults(func=_auth)
+    _add_sfb_bytes(bench_sub)
+    _add_ddp_anchor(bench_sub)
+
+
+def _add_sfb_bytes(bench_sub: Any) -> None:
+    p = bench_sub.add_parser(
+        "sfb-bytes",
+        help="bytes per step of allreduce, the parameter server and SFB per layer, measured vs the cost model",
+        description=(
+            "Trains single fully-connected layers (the FC-heavy MLP's and LeNet-5's) and the whole FC-heavy MLP "
+            "under poseidon for a few steps, with P workers over ZeroMQ on loopback, and prints the bytes one "
+            "worker sends and receives per step next to paratrain.sfb.cost's prediction."
+        ),
+    )
+    p.add_argument("--workers", type=int, default=4, help="P (default 4)")
+    p.add_argument("--batch", type=int, default=64, help="K, rows per worker and step (default 64)")
+    p.add_argument("--servers", type=int, default=1, help="parameter servers for the ps rows (default 1)")
+    p.add_argument("--steps", type=int, default=3, help="steps measured after the first (default 3)")
+    p.add_argument("--json", default=None, help="also write the report to this JSON file")
+    p.set_defaults(func=_sfb_bytes)
+
+
+def _sfb_bytes(args: argparse.Namespace) -> int:
+    from paratrain.bench.sfb_bytes import render_bytes, run_bytes_bench
+
+    if min(args.workers, args.batch, args.servers, args.steps) < 1:
+        print(
+            "paratrain bench sfb-bytes: error: --workers, --batch, --servers and --steps must be >= 1", file=sys.stderr
+        )
+        return 2
+    report = run_bytes_bench(workers=args.workers, batch=args.batch, servers=args.servers, steps=args.steps)
+    return _report("sfb-bytes", render_bytes(report), report, args.json, 0)
+
+
+def _add_ddp_anchor(bench_sub: Any) -> None:
+    p = bench_sub.add_parser(
+        "ddp-anchor",
+        help="torch DDP with fp16_compress_hook / powerSGD_hook, trained like paratrain train (the anchor)",
+        description=(
+            "Trains the model with torch DDP over Gloo, with each of --hooks, on the data, shards, optimizer and "
+            "seed paratrain train uses; with --rate inside a network namespace whose loopback is throttled by tc "
+            "tbf (needs root). Prints samples/s, final test accuracy and time to --target-accuracy per hook."
+        ),
+    )
+    p.add_argument("--hooks", default="none,fp16,powersgd:4", help="none, fp16, powersgd:R (default all three, R=4)")
+    p.add_argument("--workers", type=int, default=4, help="DDP ranks (default 4)")
+    p.add_argument("--rate", default=None, help="throttle loopback to this tc rate, e.g. 100mbit (default: none)")
+    p.add_argument("--model", default="widemlp", help="a paratrain train model (default widemlp)")
+    p.add_argument("--dataset", default="fashion-mnist", help="a paratrain train dataset (default fashion-mnist)")
+    p.add_argument("--data-dir", default=None, help="directory of the dataset's files")
+    p.add_argument("--epochs", type=int, default=1, help="epochs (default 1)")
+    p.add_argument("--steps-per-epoch", type=int, default=0, help="cut each epoch to N steps (default 0: whole)")
+    p.add_argument("--batch-size", type=int, default=64, help="examples per worker and step (default 64)")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
+    p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    p.add_argument("--repeat", type=int, default=1, help="runs of every hook, interleaved (default 1)")
+    p.add_argument("--target-accuracy", type=float, default=0.8, help="for the time-to-accuracy column (0.8)")
+    p.add_argument("--json", default=None, help="also write the report to this JSON file")
+    p.set_defaults(func=_ddp_anchor)
+
+
+def _ddp_anchor(args: argparse.Namespace) -> int:
+    from paratrain.bench.ddp_anchor import render_ddp_anchor, run_ddp_anchor
+    from paratrain.errors import ConfigError
+
+    train_args = ["--model", args.model, "--dataset", args.dataset, "--epochs", str(args.epochs)]
+    train_args += ["--steps-per-epoch", str(args.steps_per_epoch), "--batch-size", str(args.batch_size)]
+    train_args += ["--lr", str(args.lr), "--seed", str(args.seed)]
+    if args.data_dir:
+        train_args += ["--data-dir", args.data_dir]
+    hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
+    try:
+        if not hooks or args.workers < 1 or args.repeat < 1:
+            raise ConfigError("--hooks must name a hook, and --workers and --repeat must be >= 1")
+        report = run_ddp_anchor(
+            hooks=hooks, workers=args.workers, rate=args.rate, train_args=train_args, repeat=args.repeat
+        )
+    except ConfigError as exc:
+        print(f"paratrain bench ddp-anchor: error: {exc}", file=sys.stderr)
+        return 2
+    return _report("ddp-anchor", render_ddp_anchor(report, args.target_accuracy), report, args.json, 0)
 
 
 def _auth(args: argparse.Namespace) -> int:

@@ -101,8 +101,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         context: the paratrain context (default: the current one).
         topology: with ``strategy="gossip"``: the graph as an object rather than a name, i.e. a list of edges
             ``[(0, 1), (1, 2), ...]``, a networkx graph, or a NumPy mixing matrix ``W`` (validated).
-        overlap: gossip only: ``False`` sends a step's parameters in the next ``step()`` instead of as soon as
-            they exist (same update, no overlap with forward and backward), to measure what overlapping saves.
+        overlap: ``False`` turns wait-free backprop off: gradient buckets (and SFB layers) are sent in ``step()``
+            once backward is over, not as soon as each is ready; under gossip a step's parameters leave in the
+            next ``step()`` instead of during the next forward and backward. The same update either way, to
+            measure what overlapping saves.
         staleness_lr: ``ssp:S`` and ``asp`` only: the servers scale each gradient by ``1 / max(1, τ)``, τ how many
             update rounds the parameters it was computed on were behind (Zhang et al. 2016). Off by default.
         reliable: ``"allreduce"`` only: send the buckets through these reliable collectives, so that the job
@@ -168,11 +170,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             strategy = "gossip:<given>"
         self.spec: StrategySpec = parse_strategy(strategy)
-        if not overlap and not self.spec.exchanges_parameters:
-            raise ConfigError(
-                "overlap=False is for gossip, whose exchange can be delayed; allreduce and the parameter-server "
-                "strategies always start sending during backward"
-            )
+        if not overlap and reliable is not None:
+            raise ConfigError("overlap=False does not apply with reliable=: reliable steps never overlap backward")
+        # gradient strategies: False keeps every bucket until step() (no wait-free backprop), to measure it
+        self._overlap = overlap or self.spec.exchanges_parameters
+        self._deferred: list[int] = []
         if staleness_lr and not self.spec.uses_servers:
             raise ConfigError(
                 f"staleness_lr=True scales stale gradients on the parameter servers: use it with strategy 'ssp:S' "
@@ -355,6 +357,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bucket = self._buckets[k]
             if bucket is not None:
                 bucket.take(j)
+            if not self._overlap:
+                self._deferred.extend(launch)
+                return
             for b in launch:
                 self._strategy.launch(b)
 
@@ -388,6 +393,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with self._lock:
             if self._synchronized:
                 return
+            deferred, self._deferred = self._deferred, []
+            for k in deferred:
+                if not self._local:
+                    self._strategy.launch(k)
             for k in self._order.rest():
                 if not self._local:
                     bucket = self._buckets[k]
@@ -436,7 +445,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def launched(self) -> int:
         """How many buckets have started communicating in the current step (they start during backward)."""
-        return self._order.launched
+        return self._order.launched - len(self._deferred)
 
     # -- delegation --------------------------------------------------------------------------------------------
 

@@ -98,6 +98,7 @@ class TrainJob(argparse.Namespace):
     checkpoint_dir: str | None = None  # also keep checkpoints on disk; a job started again resumes from there
     layer_scheme: list[str] | None = None  # hybrid strategies: LAYER=SCHEME overrides of the cost model
     compression: str | None = None  # gradient compression of allreduce / the parameter servers
+    steps_per_epoch: int = 0  # cut epochs to this many steps (0: whole epochs)
 
     def reporting_rank(self) -> int:
         """The rank whose metrics are the job's loss and accuracy: rank 0, or for a pipeline the last stage of
@@ -142,6 +143,8 @@ def validate(job: TrainJob) -> None:
     for name in ("epochs", "batch_size", "workers"):
         if getattr(job, name) is not None and getattr(job, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(job, name)}")
+    if job.steps_per_epoch < 0:
+        raise ConfigError(f"--steps-per-epoch must be 0 (whole epochs) or a number of steps, got {job.steps_per_epoch}")
     if job.eval_every < 0:
         raise ConfigError(f"--eval-every must be 0 (off) or a number of steps, got {job.eval_every}")
     if not job.lr > 0:
@@ -195,8 +198,8 @@ def validate(job: TrainJob) -> None:
     elif spec.family != "pipeline" and job.replicas != 1:
         raise ConfigError("--replicas is for pipelines (R pipelines) and parameter servers (R copies of each chunk)")
     job.network()
-    if job.no_overlap and not spec.exchanges_parameters:
-        raise ConfigError("--no-overlap is for gossip strategies (allreduce and bsp/ssp/asp always overlap)")
+    if job.no_overlap and spec.family == "pipeline":
+        raise ConfigError("--no-overlap is for the data-parallel strategies; a pipeline overlaps by its schedule")
     if job.straggler:
         from paratrain.train import stragglers
 
@@ -349,6 +352,8 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
         argv += ["--layer-scheme", item]
     if job.compression:
         argv += ["--compression", job.compression]
+    if job.steps_per_epoch:
+        argv += ["--steps-per-epoch", str(job.steps_per_epoch)]
     if job.eval_every:
         argv += ["--eval-every", str(job.eval_every)]
     if job.max_restarts or job.min_workers or job.checkpoint_dir:

@@ -64,6 +64,14 @@ def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True)
         default=64,
         help="examples per worker (a pipeline: per pipeline) per step (default 64)",
     )
+    parser.add_argument(
+        "--steps-per-epoch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="cut each epoch to its first N steps (a fresh shuffle each epoch), for slow networks and wide models: "
+        "test accuracy is measured every N steps (default 0: whole epochs)",
+    )
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate of SGD with momentum 0.9 (0.05)")
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and shuffling (default 0)")
     parser.add_argument(
@@ -77,7 +85,8 @@ def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True)
     parser.add_argument(
         "--no-overlap",
         action="store_true",
-        help="gossip only: send a step's parameters in the next step() instead of during forward/backward",
+        help="no wait-free backprop: send gradients in step() after backward (gossip: a step's parameters in the "
+        "next step()), to measure what overlap saves",
     )
     parser.add_argument(
         "--compression",
@@ -220,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     shards, batch = ctx.settings.job_workers, args.batch_size  # an elastic job keeps its launched size's batches
     per_rank = len(data.y_train) // shards
     steps = per_rank // batch
+    if args.steps_per_epoch > 0:
+        steps = min(steps, args.steps_per_epoch)
     if steps == 0:
         raise SystemExit(f"batch size {batch} is larger than this worker's {per_rank} examples; lower --batch-size")
     step = int(resumed.meta["step"]) if resumed is not None else 0

@@ -70,7 +70,9 @@ def test_parameter_server_strategy_runs(tmp_path: Path) -> None:
         (["--latency", "2ms", "--faults", "latency=1ms"], "both given"),
         (["--bandwidth", "fast"], "is not a bandwidth"),
         (["--strategy", "gossip:star"], "neither one of ring"),
-        (["--no-overlap"], "--no-overlap is for gossip"),
+        (["--compression", "zip"], "unknown compression"),
+        (["--layer-scheme", "1=sfb"], "--layer-scheme is for poseidon"),
+        (["--strategy", "bsp", "--compression", "powersgd:2"], "PowerSGD needs two allreduce rounds"),
     ],
 )
 def test_bad_flags_give_a_clear_message(tmp_path: Path, flags: list[str], message: str) -> None:

@@ -286,8 +286,6 @@ def test_validation() -> None:
             ptt.DistributedOptimizer(sgd, model=net, strategy="gossip:star", context=ctx)
         with pytest.raises(ConfigError, match="bucket_bytes"):
             ptt.DistributedOptimizer(sgd, model=net, bucket_bytes=0, context=ctx)
-        with pytest.raises(ConfigError, match="overlap=False is for gossip"):
-            ptt.DistributedOptimizer(sgd, model=net, overlap=False, context=ctx)
         with pytest.raises(ConfigError, match="not in the model"):
             ptt.DistributedOptimizer(make_sgd(make_net(seed=2)), model=net, context=ctx)
         with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):

@@ -245,3 +245,36 @@ def test_bad_settings_are_refused_with_the_reason() -> None:
     assert "only torch.nn.Linear" in errors[2]
     assert "no layer named 'nope'" in errors[3]
     assert "not available" in errors[4]
+
+
+@pytest.mark.parametrize(("strategy", "servers"), [("allreduce", 0), ("sfb", 0), ("bsp", 1)])
+def test_overlap_off_sends_nothing_during_backward_and_changes_nothing(strategy: str, servers: int) -> None:
+    """overlap=False (wait-free backprop off): no unit starts during backward, all start in step(), and the
+    parameters after training are bitwise those of overlap=True."""
+
+    def run(overlap: bool) -> Any:
+        def worker(ctx: Context) -> Any:
+            net = make_net()
+            opt = ptt.DistributedOptimizer(
+                torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+                model=net,
+                strategy=strategy,
+                context=ctx,
+                overlap=overlap,
+                bucket_bytes=64,
+            )
+            launched = []
+            for step in range(3):
+                opt.zero_grad()
+                loss_of(net, *batch_of(ctx.rank, step, 4)).backward()
+                launched.append(opt.launched)
+                opt.step()
+            opt.close()
+            return launched, torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+        return run_ranks(2, worker, servers=servers)
+
+    on, off = run(True), run(False)
+    assert all(n > 0 for n in on[0][0])  # with overlap, units leave during backward
+    assert all(n == 0 for rank in off for n in rank[0])
+    assert torch.equal(on[0][1], off[0][1]) and torch.equal(off[0][1], off[1][1])
