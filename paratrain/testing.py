@@ -27,9 +27,13 @@ class RankFailedError(ParatrainError, RuntimeError):
     """Another rank of an in-process job failed; this rank was woken so as not to hang."""
 
 
-def rank_context(transport: Transport, *, workers: int, servers: int = 0, timeout: float = 60.0) -> Context:
+def rank_context(
+    transport: Transport, *, workers: int, servers: int = 0, timeout: float = 60.0, faults: str | None = None
+) -> Context:
     """The context of ``transport``'s rank in an in-process job of ``workers`` workers and ``servers`` parameter
-    servers (the last ranks), as :func:`run_ranks` builds it; for tests that run their ranks themselves."""
+    servers (the last ranks), as :func:`run_ranks` builds it; for tests that run their ranks themselves.
+    ``faults``: the fault spec the transport was wrapped with (so that, as in a real job, collectives do not
+    take the shared-memory path around the emulated links)."""
     total, rank = workers + servers, transport.rank
     settings = Settings(
         rank=rank,
@@ -40,6 +44,7 @@ def rank_context(transport: Transport, *, workers: int, servers: int = 0, timeou
         timeout=timeout,
         num_servers=servers,
         role="worker" if rank < workers else "server",
+        faults=faults,
     )
     return Context(settings=settings, transport=transport)
 
@@ -101,7 +106,7 @@ def run_ranks(
                 t.abort(wake)
 
     def body(rank: int) -> None:
-        ctx = rank_context(transports[rank], workers=workers, servers=servers, timeout=timeout)
+        ctx = rank_context(transports[rank], workers=workers, servers=servers, timeout=timeout, faults=faults)
         try:
             if rank < workers:
                 results[rank] = fn(ctx)

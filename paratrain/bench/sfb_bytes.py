@@ -4,8 +4,10 @@ Each row trains a model for a few steps with P workers (threads with real ZeroMQ
 shared-memory path off, as on a network) and reads the transport's byte counters of every worker around the
 timed steps: what one worker sends and receives per step, averaged over the workers and steps. The prediction is
 :func:`~paratrain.sfb.scheme_traffic` for one layer, or a whole model's :class:`~paratrain.sfb.HybridPlan`.
-The difference is the messages' headers and agreement rounds (a few hundred bytes per message) and the used-flags
-of fused buckets (4 bytes per parameter tensor).
+The counters are the transport's: the bytes of the arrays each message carries (its header, a few hundred bytes
+of metadata, is not counted). The allreduce rows add the used-flags of fused buckets (4 bytes per parameter
+tensor, sent with the gradients); ``algorithm="auto"`` sends small arrays by ``"direct"``, which the prediction
+follows.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def run_bytes_bench(*, workers: int = 4, batch: int = 64, servers: int = 1, step
     under ``poseidon``; returns the report (rows and the machine)."""
     import torch
 
+    from paratrain.collectives.policy import default_allreduce_choice
     from paratrain.sfb import LayerShape, scheme_traffic
 
     before = MachineSample.take()
@@ -95,7 +98,9 @@ def run_bytes_bench(*, workers: int = 4, batch: int = 64, servers: int = 1, step
     for label, out_f, in_f in LAYERS:
         shape = LayerShape.linear(label, out_f, in_f)
         for scheme, strategy, nservers in (("allreduce", "allreduce", 0), ("ps", "bsp", servers), ("sfb", "sfb", 0)):
-            want = scheme_traffic(shape, scheme, workers=workers, batch=batch, servers=nservers)
+            # a one-layer model is one bucket: its weight, bias and 2 used-flags, as the auto policy sees it
+            algorithm = default_allreduce_choice((shape.numel + 2) * 4, workers)
+            want = scheme_traffic(shape, scheme, workers=workers, batch=batch, servers=nservers, algorithm=algorithm)
             sent, received, _ = _measure(
                 lambda i=in_f, o=out_f: torch.nn.Sequential(torch.nn.Linear(i, o)),
                 strategy,

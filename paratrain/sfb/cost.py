@@ -29,7 +29,7 @@ PK·M·N multiply-adds on every worker, which is why SFB only pays when the netw
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["SCHEMES", "HybridPlan", "LayerChoice", "LayerShape", "Traffic", "choose_schemes", "scheme_traffic"]
@@ -116,7 +116,9 @@ class Traffic:
         return self.rounds * latency + (self.busiest if bandwidth is None else self.busiest / bandwidth)
 
 
-def scheme_traffic(layer: LayerShape, scheme: str, *, workers: int, batch: int = 0, servers: int = 0) -> Traffic:
+def scheme_traffic(
+    layer: LayerShape, scheme: str, *, workers: int, batch: int = 0, servers: int = 0, algorithm: str = "ring"
+) -> Traffic:
     """The bytes ``layer`` costs per step under ``scheme`` (the table of the module docstring).
 
     Args:
@@ -126,6 +128,9 @@ def scheme_traffic(layer: LayerShape, scheme: str, *, workers: int, batch: int =
         batch: K, rows of a worker's batch through this layer (needed for ``sfb``; a layer applied to a
             sequence sees K = batch x sequence length rows).
         servers: S (needed for ``ps``).
+        algorithm: the allreduce's algorithm: ``"ring"``; ``"tree"`` (reduce and broadcast along a binomial
+            tree: the same 2(P-1)/P n per worker on average, more at the root); ``"direct"`` (every worker sends
+            its whole array to every other: (P-1) n; what ``algorithm="auto"`` runs for small arrays).
 
     Raises:
         ValueError: an unknown scheme, ``sfb`` for a layer that is not fully connected, or a bad count.
@@ -143,8 +148,13 @@ def scheme_traffic(layer: LayerShape, scheme: str, *, workers: int, batch: int =
         raise ValueError(f"workers must be >= 1, got {workers}")
     p, n, size = workers, layer.numel, layer.itemsize
     if scheme == "allreduce":
+        if algorithm == "direct":
+            return Traffic(scheme, (p - 1) * n * size, (p - 1) * n * size, rounds=1)
+        if algorithm not in ("ring", "tree"):
+            raise ValueError(f"unknown allreduce algorithm {algorithm!r}: ring, tree or direct")
         each = 2 * (p - 1) / p * n * size
-        return Traffic(scheme, each, each, rounds=2 * (p - 1))
+        rounds = 2 * (p - 1) if algorithm == "ring" else 2 * max(1, (p - 1).bit_length())
+        return Traffic(scheme, each, each, rounds=rounds)
     if scheme == "ps":
         if servers < 1:
             raise ValueError(f"layer {layer.name!r}: the parameter server needs servers >= 1, got {servers}")
@@ -265,6 +275,7 @@ def choose_schemes(
     overrides: Mapping[str, str] | None = None,
     latency: float = 0.0,
     bandwidth: float | None = None,
+    allreduce_algorithm: Callable[[int, int], str] | None = None,
 ) -> HybridPlan:
     """Picks each layer's scheme: the cheapest of ``allow`` by :meth:`Traffic.seconds`, unless overridden.
 
@@ -281,6 +292,8 @@ def choose_schemes(
         overrides: layer name -> scheme, to force a choice (``"dense"`` means ``dense``).
         latency: seconds per message (alpha), for the comparison.
         bandwidth: bytes per second of a link (None: compare bytes).
+        allreduce_algorithm: ``(nbytes, workers) -> algorithm`` of an allreduce of one layer (the collectives'
+            ``auto`` policy); default: the ring for every size.
 
     Raises:
         ValueError: an override names no layer, or a scheme the layer cannot take.
@@ -313,7 +326,11 @@ def choose_schemes(
         want = forced.get(layer.name)
         if want is not None and want not in options:
             options.append(want)
-        candidates = {s: scheme_traffic(layer, s, workers=workers, batch=batch, servers=servers) for s in options}
+        algorithm = allreduce_algorithm(layer.numel * layer.itemsize, workers) if allreduce_algorithm else "ring"
+        candidates = {
+            s: scheme_traffic(layer, s, workers=workers, batch=batch, servers=servers, algorithm=algorithm)
+            for s in options
+        }
         if want is not None:
             scheme = want
         else:

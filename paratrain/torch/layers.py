@@ -101,6 +101,7 @@ def plan_layers(
             overrides=forced,
             latency=latency,
             bandwidth=bandwidth,
+            allreduce_algorithm=context.collectives.choose_allreduce,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
