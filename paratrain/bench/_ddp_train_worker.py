@@ -3,7 +3,8 @@
 The same model, data, shards (:func:`paratrain.train.shards.step_share`), SGD with momentum 0.9, learning rate
 and seed as a ``paratrain train`` run, with DDP's gradient compression as the only difference under test:
 ``--hook none`` (plain allreduce), ``fp16`` (``fp16_compress_hook``) or ``powersgd:R`` (``powerSGD_hook`` with
-rank R, error feedback and warm start, compressing from the first step). Rank 0 writes ``ddp.json``: every
+rank R, error feedback and warm start, compressing from the second step, the earliest DDP allows; in one bucket,
+see below). Rank 0 writes ``ddp.json``: every
 epoch's end time (training time only, evaluation excluded) and test accuracy, and the step times.
 """
 
@@ -49,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.model, side=data.side, classes=data.classes)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's parameters
+    # PowerSGD's hook issues each bucket's second allreduce (Q) from a future's callback; with several buckets on
+    # Gloo those callbacks race and the ranks' allreduces mismatch ("Received data size doesn't match expected
+    # size", or a hang: seen here with the default buckets). One bucket (an explicit cap makes DDP's first bucket
+    # as large as the others) keeps every rank's calls in one order; it costs the hook its overlap with backward
+    single = args.hook.startswith("powersgd:")
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024 if single else None)
     state: Any = None
     if args.hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)

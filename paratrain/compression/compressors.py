@@ -51,6 +51,11 @@ class Compressor(abc.ABC):
     #: True when the sum of compressed gradients is the compressed sum: a reducing collective can carry it
     linear: bool = True
 
+    @property
+    @abc.abstractmethod
+    def spec(self) -> str:
+        """The canonical name, which :func:`parse_compression` turns back into an equal compressor."""
+
     def check_ring(self, algorithm: str) -> None:
         """Refuses a reducing collective for a scheme that is not linear.
 
@@ -80,6 +85,11 @@ class Cast(Compressor):
         if self.dtype not in ("float16", "bfloat16"):
             raise ValueError(f"Cast dtype must be float16 or bfloat16, got {self.dtype!r}")
 
+    @property
+    def spec(self) -> str:
+        """``"fp16"`` or ``"bf16"``."""
+        return "fp16" if self.dtype == "float16" else "bf16"
+
 
 @dataclass(repr=False)
 class TopK(Compressor):
@@ -103,6 +113,11 @@ class TopK(Compressor):
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:
             raise ValueError(f"top-k ratio must be in (0, 1], got {self.ratio}")
+
+    @property
+    def spec(self) -> str:
+        """``"topk:R"``."""
+        return f"topk:{self.ratio:g}"
 
     def k_of(self, n: int) -> int:
         """Entries sent of a gradient of ``n``: ``ceil(ratio·n)``, at least 1 (0 for an empty one)."""
@@ -175,6 +190,11 @@ class LowRank(Compressor):
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"PowerSGD rank must be >= 1, got {self.rank}")
+
+    @property
+    def spec(self) -> str:
+        """``"powersgd:R"``."""
+        return f"powersgd:{self.rank}"
 
     def compressible(self, shape: Sequence[int]) -> bool:
         """Whether a parameter of ``shape`` is compressed: a matrix (or more) with ``(m + n)·r < m·n``."""

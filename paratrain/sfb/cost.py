@@ -117,7 +117,14 @@ class Traffic:
 
 
 def scheme_traffic(
-    layer: LayerShape, scheme: str, *, workers: int, batch: int = 0, servers: int = 0, algorithm: str = "ring"
+    layer: LayerShape,
+    scheme: str,
+    *,
+    workers: int,
+    batch: int = 0,
+    servers: int = 0,
+    algorithm: str = "ring",
+    compression: str | None = None,
 ) -> Traffic:
     """The bytes ``layer`` costs per step under ``scheme`` (the table of the module docstring).
 
@@ -131,6 +138,11 @@ def scheme_traffic(
         algorithm: the allreduce's algorithm: ``"ring"``; ``"tree"`` (reduce and broadcast along a binomial
             tree: the same 2(P-1)/P n per worker on average, more at the root); ``"direct"`` (every worker sends
             its whole array to every other: (P-1) n; what ``algorithm="auto"`` runs for small arrays).
+        compression: the ``compression=`` of ``allreduce`` and ``ps`` (:mod:`paratrain.compression`):
+            ``fp16``/``bf16`` halve what is sent (the pull stays full width); ``topk:R`` sends k = ceil(R n)
+            pairs, by allgather ((P-1) k pairs of two values' width) or to the servers (an 8-byte index and a
+            value each); ``powersgd:R`` (allreduce only) reduces R (M + N) numbers for a fully-connected
+            layer, in two ring rounds, and its bias densely.
 
     Raises:
         ValueError: an unknown scheme, ``sfb`` for a layer that is not fully connected, or a bad count.
@@ -147,6 +159,8 @@ def scheme_traffic(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     p, n, size = workers, layer.numel, layer.itemsize
+    if compression is not None and scheme in ("allreduce", "ps"):
+        return _compressed_traffic(layer, scheme, p, servers, compression)
     if scheme == "allreduce":
         if algorithm == "direct":
             return Traffic(scheme, (p - 1) * n * size, (p - 1) * n * size, rounds=1)
@@ -168,6 +182,38 @@ def scheme_traffic(
         each = (p - 1) * batch * (layer.out_features + layer.in_features) * size
         return Traffic(scheme, each, each, rounds=p - 1)
     raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+
+
+def _compressed_traffic(layer: LayerShape, scheme: str, p: int, servers: int, compression: str) -> Traffic:
+    from paratrain.compression import Cast, LowRank, TopK, parse_compression
+
+    comp = parse_compression(compression)
+    n, size = layer.numel, layer.itemsize
+    ring = 2 * (p - 1) / p
+    if comp is None:
+        return scheme_traffic(layer, scheme, workers=p, servers=servers)
+    if scheme == "ps":
+        if servers < 1:
+            raise ValueError(f"layer {layer.name!r}: the parameter server needs servers >= 1, got {servers}")
+        if isinstance(comp, Cast):
+            push = n * 2
+        elif isinstance(comp, TopK):
+            push = comp.k_of(n) * (8 + size)
+        else:
+            raise ValueError(f"compression {compression!r} does not run with the parameter servers")
+        return Traffic(scheme, push, n * size, p * n * size / servers, p * push / servers, rounds=2)
+    if isinstance(comp, Cast):
+        return Traffic(scheme, ring * n * 2, ring * n * 2, rounds=2 * (p - 1))
+    if isinstance(comp, TopK):
+        each = (p - 1) * comp.k_of(n) * 2 * size
+        return Traffic(scheme, each, each, rounds=p - 1)
+    assert isinstance(comp, LowRank)
+    m, k = layer.out_features, layer.in_features
+    if m is None or k is None or not comp.compressible((m, k)):
+        return Traffic(scheme, ring * n * size, ring * n * size, rounds=2 * (p - 1))
+    r = min(comp.rank, m, k)
+    numbers = r * (m + k) + (m if layer.bias else 0)
+    return Traffic(scheme, ring * numbers * size, ring * numbers * size, rounds=4 * (p - 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +322,7 @@ def choose_schemes(
     latency: float = 0.0,
     bandwidth: float | None = None,
     allreduce_algorithm: Callable[[int, int], str] | None = None,
+    compression: str | None = None,
 ) -> HybridPlan:
     """Picks each layer's scheme: the cheapest of ``allow`` by :meth:`Traffic.seconds`, unless overridden.
 
@@ -294,6 +341,8 @@ def choose_schemes(
         bandwidth: bytes per second of a link (None: compare bytes).
         allreduce_algorithm: ``(nbytes, workers) -> algorithm`` of an allreduce of one layer (the collectives'
             ``auto`` policy); default: the ring for every size.
+        compression: the dense scheme's ``compression=`` (see :func:`scheme_traffic`): a layer then weighs SFB
+            against the compressed dense scheme (low-rank, top-k or 16-bit), Poseidon's choice widened.
 
     Raises:
         ValueError: an override names no layer, or a scheme the layer cannot take.
@@ -328,7 +377,9 @@ def choose_schemes(
             options.append(want)
         algorithm = allreduce_algorithm(layer.numel * layer.itemsize, workers) if allreduce_algorithm else "ring"
         candidates = {
-            s: scheme_traffic(layer, s, workers=workers, batch=batch, servers=servers, algorithm=algorithm)
+            s: scheme_traffic(
+                layer, s, workers=workers, batch=batch, servers=servers, algorithm=algorithm, compression=compression
+            )
             for s in options
         }
         if want is not None:
@@ -338,4 +389,5 @@ def choose_schemes(
                 options, key=lambda s: (candidates[s].seconds(latency=latency, bandwidth=bandwidth), s != dense)
             )
         choices.append(LayerChoice(layer, scheme, candidates, forced=want is not None))
-    return HybridPlan(tuple(choices), workers, batch, servers, dense, latency, bandwidth)
+    notes = (f"the {dense} layers are compressed: {compression}",) if compression else ()
+    return HybridPlan(tuple(choices), workers, batch, servers, dense, latency, bandwidth, notes)

@@ -46,6 +46,7 @@ def plan_layers(
     *,
     batch_size: int | None,
     overrides: Mapping[str, str] | None,
+    compression: str | None = None,
 ) -> tuple[HybridPlan, list[tuple[str, torch.nn.Linear]]]:
     """The hybrid plan of ``spec`` for ``model`` in this job, and the Linear modules it sends by SFB.
 
@@ -102,6 +103,7 @@ def plan_layers(
             latency=latency,
             bandwidth=bandwidth,
             allreduce_algorithm=context.collectives.choose_allreduce,
+            compression=compression,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

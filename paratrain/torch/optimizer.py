@@ -215,7 +215,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sfb_modules: list[tuple[str, torch.nn.Linear]] = []
         if self.spec.hybrid:
             self.hybrid_plan, sfb_modules = plan_layers(
-                model, self.spec, self.context, batch_size=batch_size, overrides=layer_schemes
+                model,
+                self.spec,
+                self.context,
+                batch_size=batch_size,
+                overrides=layer_schemes,
+                compression=self.compressor.spec if self.compressor is not None else None,
             )
             if self.context.rank == 0:
                 log.info("%s", self.hybrid_plan.table())
