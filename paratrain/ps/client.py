@@ -652,16 +652,22 @@ class KVStore:
             raise ValueError(f"row_ids must be 1-D, got shape {ids.shape}")
         self._check(key, info, vals, dtype_name, ids.size)
         self._cache.pop(key, None)
-        pending = []
+        parts = []
         for c, positions, local in split_rows(info.chunks, ids):
             meta = {"op": "push", "key": key, "chunk": c.index, "rows": True, "version": self._versions[key][c.index]}
-            arrays = [local.astype(np.int64), vals[positions]]
+            parts.append((c, meta, [local.astype(np.int64), vals[positions]]))
+        return self._push_parts(parts, f"push_rows to key {key!r}")
+
+    def _push_parts(self, parts: list[tuple[Chunk, dict[str, Any], list[Any]]], what: str) -> Handle[None]:
+        """Sends row pushes (chunk, meta, arrays), to the chunk's server or, replicated, with failover."""
+        pending = []
+        for c, meta, arrays in parts:
             if self.replicas == 1:
                 pending.append(self._request(self._servers[c.server], meta, arrays))
             else:
-                meta = {**meta, "seq": self._seq(c), "wclock": self._clock}
-                pending.append((self._send_failover(c, meta, arrays), -1))
-        handle = self._all(pending, f"push_rows to key {key!r}")
+                sequenced = {**meta, "seq": self._seq(c), "wclock": self._clock}
+                pending.append((self._send_failover(c, sequenced, arrays), -1))
+        handle = self._all(pending, what)
         if self.replicas > 1:
             self._unacked.append((self._next_seq - len(pending), handle))
         return handle
@@ -689,27 +695,13 @@ class KVStore:
             raise ValueError(f"an index of push_sparse is outside 0..{info.shape[0] - 1} of key {key!r}")
         self._check(key, info, vals, dtype_name, ids.size)
         self._cache.pop(key, None)
-        pending = []
+        parts = []
         for c in info.chunks:
             inside = (ids >= c.row_start) & (ids < c.row_stop)
-            meta = {
-                "op": "push",
-                "key": key,
-                "chunk": c.index,
-                "rows": True,
-                "densify": True,
-                "version": self._versions[key][c.index],
-            }
-            arrays = [ids[inside] - c.row_start, vals[inside]]
-            if self.replicas == 1:
-                pending.append(self._request(self._servers[c.server], meta, arrays))
-            else:
-                meta = {**meta, "seq": self._seq(c), "wclock": self._clock}
-                pending.append((self._send_failover(c, meta, arrays), -1))
-        handle = self._all(pending, f"push_sparse to key {key!r}")
-        if self.replicas > 1:
-            self._unacked.append((self._next_seq - len(pending), handle))
-        return handle
+            version = self._versions[key][c.index]
+            meta = {"op": "push", "key": key, "chunk": c.index, "rows": True, "densify": True, "version": version}
+            parts.append((c, meta, [ids[inside] - c.row_start, vals[inside]]))
+        return self._push_parts(parts, f"push_sparse to key {key!r}")
 
     def pull_rows(self, key: str | int, row_ids: Any) -> npt.NDArray[Any]:
         """Rows ``row_ids`` of ``key`` (shape ``(len(row_ids), *key.shape[1:])``), as the model allows. Blocks."""

@@ -26,7 +26,7 @@ from paratrain.compression import Cast, Compressor, LowRank, TopK
 from paratrain.errors import ConfigError
 from paratrain.runtime.context import Context
 from paratrain.torch.fusion import FusedBucket
-from paratrain.torch.strategies import Strategy
+from paratrain.torch.strategies import AllreduceStrategy
 from paratrain.transport.base import Handle
 
 __all__ = ["CompressedAllreduceStrategy"]
@@ -34,7 +34,7 @@ __all__ = ["CompressedAllreduceStrategy"]
 _INDEX = {4: np.int32, 8: np.int64}  # an index travels in the bits of one value of the gradient's width
 
 
-class CompressedAllreduceStrategy(Strategy):
+class CompressedAllreduceStrategy(AllreduceStrategy):
     """The ``"allreduce"`` strategy with ``compression=`` (see the module docstring).
 
     Args:
@@ -47,10 +47,8 @@ class CompressedAllreduceStrategy(Strategy):
     """
 
     def __init__(self, context: Context, buckets: Sequence[FusedBucket], compressor: Compressor) -> None:
-        super().__init__(buckets)
-        self._context = context
+        super().__init__(context, buckets)  # apply() (the wrapped optimizer) and close() are allreduce's
         self.compressor = compressor
-        self._handles: list[Handle[Any] | None] = [None] * len(self.buckets)
         if isinstance(compressor, TopK):
             for bucket in self.buckets:
                 if bucket.grads.element_size() not in _INDEX or not bucket.grads.is_floating_point():
@@ -164,14 +162,3 @@ class CompressedAllreduceStrategy(Strategy):
                     keep[off : off + n] = False
             buffer[keep] = dense
             bucket.give(bucket.buffer)
-
-    def apply(self, optimizer: torch.optim.Optimizer) -> None:
-        """Runs the wrapped optimizer on the decoded gradients (identically on every rank)."""
-        optimizer.step()
-
-    def close(self) -> None:
-        """Waits for collectives still in flight, so that no rank leaves one half-done."""
-        for handle in self._handles:
-            if handle is not None:
-                handle.wait()
-        self._handles = [None] * len(self.buckets)

@@ -92,7 +92,7 @@ class AllreduceStrategy(Strategy):
     def __init__(self, context: Context, buckets: Sequence[FusedBucket]) -> None:
         super().__init__(buckets)
         self._context = context
-        self._handles: list[Handle[torch.Tensor] | None] = [None] * len(self.buckets)
+        self._handles: list[Handle[Any] | None] = [None] * len(self.buckets)
 
     def launch(self, k: int) -> None:
         """Starts the mean allreduce of bucket ``k`` (the buffer is snapshot by the call; returns at once)."""

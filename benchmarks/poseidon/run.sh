@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The commands behind benchmarks/poseidon/README.md, in the order they were run (one after the other: each one
+# uses both cores). Results go to $OUT (default: a new temp dir). The DDP anchor throttled by tc needs root.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$(mktemp -d /tmp/paratrain-poseidon-XXXXXX)}
+P=${PARATRAIN:-.venv/bin/paratrain}
+S=bsp,allreduce,sfb,poseidon,poseidon:allreduce,allreduce+fp16,allreduce+topk:0.01,allreduce+powersgd:4
+MIX=allreduce+powersgd:4,poseidon:allreduce+powersgd:4,allreduce+topk:0.01,poseidon:allreduce+topk:0.01
+
+# 1. bytes per layer and step on the sockets against the cost model
+$P bench sfb-bytes --json "$OUT/bytes.json"
+# 2. step time on an emulated 100 Mbit/s network, 4 workers, 8 steps, 3 rounds interleaved
+for model in widemlp lenet; do
+    $P compare --model $model --dataset fashion-mnist --workers 4 --bandwidth 100Mbit --steps-per-epoch 8 \
+        --epochs 1 --repeat 3 --strategies $S --out "$OUT/$model-100m" --json "$OUT/$model-100m.json"
+    $P compare --model $model --dataset fashion-mnist --workers 4 --bandwidth 100Mbit --steps-per-epoch 8 \
+        --epochs 1 --repeat 3 --strategies $MIX --out "$OUT/$model-100m-mix" --json "$OUT/$model-100m-mix.json"
+done
+# 3. accuracy after 200 steps and time to 80 % at 1 Gbit/s
+$P compare --model widemlp --dataset fashion-mnist --workers 4 --bandwidth 1Gbit --steps-per-epoch 50 --epochs 4 \
+    --target-accuracy 0.8 --strategies $S --out "$OUT/wide-1g" --json "$OUT/wide-1g.json"
+# 4. wait-free backprop off and on, 1 Gbit/s
+for overlap in --no-overlap ""; do
+    $P compare --model widemlp --dataset fashion-mnist --workers 4 --bandwidth 1Gbit --steps-per-epoch 20 --epochs 1 \
+        --repeat 3 $overlap --strategies allreduce,poseidon:allreduce,bsp --out "$OUT/overlap${overlap}" \
+        --json "$OUT/overlap${overlap}.json"
+done
+# 5. the anchor: torch DDP with its compression hooks, loopback throttled to 100 Mbit/s, then unthrottled for accuracy
+$P bench ddp-anchor --hooks none,fp16,powersgd:4 --workers 4 --rate 100mbit --steps-per-epoch 8 --epochs 1 --repeat 3 \
+    --json "$OUT/ddp-100m.json"
+$P bench ddp-anchor --hooks none,fp16,powersgd:4 --workers 4 --steps-per-epoch 50 --epochs 4 --json "$OUT/ddp-acc.json"
+echo "results in $OUT"
