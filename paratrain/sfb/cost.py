@@ -340,7 +340,8 @@ def choose_schemes(
         latency: seconds per message (alpha), for the comparison.
         bandwidth: bytes per second of a link (None: compare bytes).
         allreduce_algorithm: ``(nbytes, workers) -> algorithm`` of an allreduce of one layer (the collectives'
-            ``auto`` policy); default: the ring for every size.
+            ``auto`` policy); default: the ring for every size. Algorithms other than ``"direct"`` and
+            ``"tree"`` (shared memory inside a host, hierarchical across hosts) are costed as the ring.
         compression: the dense scheme's ``compression=`` (see :func:`scheme_traffic`): a layer then weighs SFB
             against the compressed dense scheme (low-rank, top-k or 16-bit), Poseidon's choice widened.
 
@@ -376,6 +377,8 @@ def choose_schemes(
         if want is not None and want not in options:
             options.append(want)
         algorithm = allreduce_algorithm(layer.numel * layer.itemsize, workers) if allreduce_algorithm else "ring"
+        if algorithm not in ("ring", "tree", "direct"):
+            algorithm = "ring"  # shared memory, hierarchical: a ring's bytes, through memory or between hosts
         candidates = {
             s: scheme_traffic(
                 layer, s, workers=workers, batch=batch, servers=servers, algorithm=algorithm, compression=compression

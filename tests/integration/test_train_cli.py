@@ -58,6 +58,17 @@ def test_parameter_server_strategy_runs(tmp_path: Path) -> None:
     assert summary["strategy"] == "ssp:2" and summary["servers"] == 1
 
 
+def test_sfb_trains_the_allreduce_model_and_prints_its_plan(tmp_path: Path) -> None:
+    """sfb on one host (collectives over shared memory): the plan is printed and the losses are allreduce's, up
+    to float rounding (the same mean gradient, summed in another order)."""
+    out = _train(tmp_path, "sfb", "--epochs", "1", "--strategy", "sfb", "--layer-scheme", "5=dense")
+    assert out.returncode == 0, out.stderr
+    assert "per-layer schemes" in out.stderr and "sfb (set)" in out.stderr and "allreduce (set)" in out.stderr
+    ref = _train(tmp_path, "ref", "--epochs", "1")
+    assert ref.returncode == 0, ref.stderr
+    assert _losses(tmp_path / "sfb") == pytest.approx(_losses(tmp_path / "ref"), rel=1e-4)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -73,3 +73,10 @@ def test_latency_can_tip_the_choice() -> None:
     # at 1 ms per message: 7 ms + 14 us against 2 ms + 17 us
     by_time = choose_schemes([layer], workers=8, batch=4, servers=8, latency=1e-3, bandwidth=1e9)
     assert by_time.choices[0].scheme == "ps"
+
+
+def test_any_allreduce_the_policy_names_is_costed() -> None:
+    """The collectives' auto policy also names "shm" (one host) and "hierarchical": costed as the ring."""
+    for name in ("shm", "hierarchical", "ring"):
+        plan = choose_schemes([FC], workers=4, batch=64, dense="allreduce", allreduce_algorithm=lambda n, p, a=name: a)
+        assert plan.choices[0].candidates["allreduce"].worker_sent == 1.5 * 1_607_680 * 4
