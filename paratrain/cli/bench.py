@@ -1,6 +1,6 @@
 """``paratrain bench``: measure paratrain's collectives against Gloo and OpenMPI on this machine.
 
-One module for every ``paratrain bench`` subcommand (about 600 lines): each is a thin argparse front over its
+One module for every ``paratrain bench`` subcommand (about 680 lines): each is a thin argparse front over its
 benchmark module, and they share the report and option helpers here; splitting them would spread one command
 line over eight files.
 """
