@@ -19,9 +19,13 @@ $P compare --model lenet --dataset fashion-mnist --workers 4 --bandwidth 100Mbit
     --epochs 1 --repeat 3 --strategies $S,poseidon:allreduce+powersgd:4,poseidon:allreduce+topk:0.01 \
     --out "$OUT/lenet-100m-40" --json "$OUT/lenet-100m-40.json"
 # median step time after the first, per strategy: python benchmarks/poseidon/steps.py "$OUT/wide-100m" (etc.)
-# 3. accuracy after 200 steps and time to 80 % at 1 Gbit/s
+# 3. accuracy and time to accuracy: widemlp 200 steps at 1 Gbit/s (80 %), LeNet-5 400 steps on both networks (70 %)
 $P compare --model widemlp --dataset fashion-mnist --workers 4 --bandwidth 1Gbit --steps-per-epoch 50 --epochs 4 \
     --target-accuracy 0.8 --strategies $S --out "$OUT/wide-1g" --json "$OUT/wide-1g.json"
+$P compare --model lenet --dataset fashion-mnist --workers 4 --bandwidth 1Gbit --steps-per-epoch 100 --epochs 4 \
+    --target-accuracy 0.7 --strategies $S --out "$OUT/lenet-1g" --json "$OUT/lenet-1g.json"
+$P compare --model lenet --dataset fashion-mnist --workers 4 --bandwidth 100Mbit --steps-per-epoch 100 --epochs 4 \
+    --target-accuracy 0.7 --strategies $S --out "$OUT/lenet-100m-tta" --json "$OUT/lenet-100m-tta.json"
 # 4. wait-free backprop off and on, 1 Gbit/s
 for overlap in --no-overlap ""; do
     $P compare --model widemlp --dataset fashion-mnist --workers 4 --bandwidth 1Gbit --steps-per-epoch 20 --epochs 1 \
