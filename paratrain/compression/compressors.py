@@ -144,9 +144,15 @@ class TopK(Compressor):
         return self._residuals[key]
 
     @staticmethod
-    def decompress(n: int, indices: Array, values: Array, *, scale: float, dtype: Any) -> Array:
-        """The dense sum of gathered (index, value) pairs times ``scale`` (``1/P`` for the mean)."""
-        out = np.zeros(n, dtype=dtype)
+    def decompress(
+        n: int, indices: Array, values: Array, *, scale: float, dtype: Any, out: Array | None = None
+    ) -> Array:
+        """The dense sum of gathered (index, value) pairs times ``scale`` (``1/P`` for the mean), into ``out`` (a
+        flat array of ``n``, overwritten) or a new array."""
+        if out is None:
+            out = np.zeros(n, dtype=dtype)
+        else:
+            out.fill(0)
         np.add.at(out, indices.astype(np.int64), values)
         if scale != 1.0:
             out *= dtype.type(scale) if isinstance(dtype, np.dtype) else scale

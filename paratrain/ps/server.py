@@ -626,7 +626,7 @@ class ParameterServer:
         if data is not None and (msg.dtypes[-1], chunk.dtype_name) in _WIDENED:
             # a gradient compressed to 16 bits for the wire (compression="fp16"/"bf16"): added at the key's width
             data = bf16_to_f32(data) if msg.dtypes[-1] == "bfloat16" else data
-            data = data.astype(chunk.value.dtype)
+            data = data.astype(chunk.value.dtype, copy=False)
         elif data is None or msg.dtypes[-1] != chunk.dtype_name:
             got = msg.dtypes[-1] if msg.arrays else "nothing"
             raise _RejectedError(f"push to key {msg.meta['key']!r} of dtype {chunk.dtype_name} carries {got}")

@@ -78,9 +78,8 @@ class StrategySpec:
     @property
     def family(self) -> Family:
         """How this strategy keeps workers in step (see :data:`Family`); a hybrid's is its dense part's."""
-        dense = self.options.get("dense")
-        if dense is not None:
-            return "parameter-server" if dense == "ps" else "collective"
+        if self.dense is not None:
+            return "parameter-server" if self.dense == "ps" else "collective"
         return self.info.family
 
     @property
@@ -111,7 +110,7 @@ class StrategySpec:
         return self.family == "decentralised"
 
     def __str__(self) -> str:
-        if self.kind == "poseidon" and self.options.get("dense") == "allreduce":
+        if self.kind == "poseidon" and self.dense == "allreduce":
             return "poseidon:allreduce"
         if "schedule" in self.options:
             return f"{self.kind}:{self.options['schedule']}"

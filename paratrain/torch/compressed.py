@@ -57,10 +57,15 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
                         f"(parameters {', '.join(bucket.names)})"
                     )
         self._matrices: list[list[int]] = []  # per bucket: which of its parameters PowerSGD compresses
+        self._keep: list[Any] = []  # per bucket: the buffer's elements that travel uncompressed (a fixed mask)
         if isinstance(compressor, LowRank):
-            self._matrices = [
-                [j for j, p in enumerate(b.params) if compressor.compressible(tuple(p.shape))] for b in self.buckets
-            ]
+            for b in self.buckets:
+                matrices = [j for j, p in enumerate(b.params) if compressor.compressible(tuple(p.shape))]
+                keep = np.ones(b.buffer.numel(), dtype=bool)
+                for j in matrices:
+                    keep[b.bucket.offsets[j] : b.bucket.offsets[j] + b.params[j].numel()] = False
+                self._matrices.append(matrices)
+                self._keep.append(keep)
 
     # -- launch: the first message of each bucket -------------------------------------------------------------
 
@@ -80,24 +85,15 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
         elif isinstance(comp, LowRank):
             mats = [self._matrix(bucket, j) for j in self._matrices[k]]
             ps = comp.first(f"bucket{k}", mats)
-            self._handles[k] = ctx.allreduce_async(
-                np.concatenate([*(p.reshape(-1) for p in ps), self._dense(k)]), op="mean"
-            )
+            # then the vectors, small matrices and used-flags, uncompressed
+            dense = bucket.buffer.numpy()[self._keep[k]]
+            self._handles[k] = ctx.allreduce_async(np.concatenate([*(p.reshape(-1) for p in ps), dense]), op="mean")
         else:
             raise ConfigError(f"no allreduce path for compressor {comp!r}")
 
     def _matrix(self, bucket: FusedBucket, j: int) -> Any:
         view = bucket.views[j]
         return view.reshape(view.shape[0], -1).numpy()
-
-    def _dense(self, k: int) -> Any:
-        """Bucket ``k``'s buffer without the matrices PowerSGD compresses: vectors, small matrices, flags."""
-        bucket = self.buckets[k]
-        keep = np.ones(bucket.buffer.numel(), dtype=bool)
-        for j in self._matrices[k]:
-            off = bucket.bucket.offsets[j]
-            keep[off : off + bucket.params[j].numel()] = False
-        return bucket.buffer.numpy()[keep]
 
     # -- finish: decode (PowerSGD's second round first) --------------------------------------------------------
 
@@ -120,10 +116,9 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
                 grads = bucket.grads.numpy()
                 pairs = np.asarray(reduced).reshape(-1, 2)
                 idx = pairs[:, 0].copy().view(_INDEX[grads.itemsize])
-                dense = TopK.decompress(
-                    grads.size, idx, pairs[:, 1], scale=1.0 / self._context.world_size, dtype=grads.dtype
+                TopK.decompress(
+                    grads.size, idx, pairs[:, 1], scale=1.0 / self._context.world_size, dtype=grads.dtype, out=grads
                 )
-                np.copyto(grads, dense)
                 bucket.flags.fill_(1)
                 bucket.give(bucket.buffer)
 
@@ -132,13 +127,11 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
         for k, handle in enumerate(handles):
             assert handle is not None
             reduced = np.asarray(handle.wait())
-            bucket, shapes, pos = self.buckets[k], [], 0
-            ps = []
+            bucket, pos, ps = self.buckets[k], 0, []
             for j in self._matrices[k]:
                 m = self._matrix(bucket, j)
                 r = min(comp.rank, *m.shape)
                 ps.append(LowRank.orthonormal(reduced[pos : pos + m.shape[0] * r].reshape(m.shape[0], r)))
-                shapes.append(m.shape)
                 pos += m.shape[0] * r
             dense = reduced[pos:]
             qs = comp.second(f"bucket{k}", ps) if ps else []
@@ -149,7 +142,6 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
         for k, (ps, dense, second) in enumerate(seconds):
             bucket = self.buckets[k]
             buffer = bucket.buffer.numpy()
-            keep = np.ones(buffer.size, dtype=bool)
             if second is not None:
                 flat, pos, qs = np.asarray(second.wait()), 0, []
                 for p, j in zip(ps, self._matrices[k], strict=True):
@@ -159,6 +151,5 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
                 for j, approx in zip(self._matrices[k], comp.finish(f"bucket{k}", qs), strict=True):
                     off, n = bucket.bucket.offsets[j], bucket.params[j].numel()
                     buffer[off : off + n] = approx.reshape(-1)
-                    keep[off : off + n] = False
-            buffer[keep] = dense
+            buffer[self._keep[k]] = dense
             bucket.give(bucket.buffer)

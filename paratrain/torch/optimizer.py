@@ -256,12 +256,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             elif not self._local:
                 self._buckets = [FusedBucket(b, params, names, flags=not self.spec.uses_servers) for b in self.plan]
             fused = [b for b in self._buckets if b is not None]
-            self._strategy = (
-                ReliableAllreduceStrategy(reliable, fused)
-                if reliable is not None and not self._local
-                else self._dense_strategy(self.spec, fused, optimizer, staleness_lr=staleness_lr)
-                if self.compressor is not None and not self._local
-                else build_strategy(
+            if reliable is not None and not self._local:
+                self._strategy = ReliableAllreduceStrategy(reliable, fused)
+            elif self.compressor is not None and not self._local:
+                self._strategy = self._dense_strategy(self.spec, fused, optimizer, staleness_lr=staleness_lr)
+            else:
+                self._strategy = build_strategy(
                     self.spec,
                     self.context,
                     fused,
@@ -270,7 +270,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     overlap=overlap,
                     staleness_lr=staleness_lr,
                 )
-            )
         self._hooks = GradientHooks(params, owner=self, on_ready=DistributedOptimizer._on_grad_ready)
 
     def _build_hybrid(

@@ -5,6 +5,10 @@ run jobs through :func:`run_training`: it starts the cluster (N workers, plus pa
 strategies) through the launch library, follows rank 0's metrics file to draw a progress bar, and when the job
 ends merges the ranks' records into ``metrics.jsonl`` and ``timeline.json``, draws ``loss.png`` and
 ``accuracy.png``, and writes ``summary.json``.
+
+One module (about 530 lines) because a job's options, their checks across options (strategy x servers x
+compression x restarts...) and the run that forwards them to every rank are one contract: a flag added here is
+checked and forwarded in the same place.
 """
 
 from __future__ import annotations
