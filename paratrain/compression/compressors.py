@@ -10,7 +10,14 @@ Three families, each with the update rule it gives (``g`` a worker's gradient of
   largest magnitude (int32 index, value) and keeps the rest as its new residual: ``e <- (g + e) - sparse``.
   The receivers scatter-add everybody's entries and divide by P. Not linear (the union of P supports is not
   the support of the sum), so it needs an allgather: a reducing ring refuses it (:meth:`Compressor.check_ring`).
-  Error feedback (Stich et al. 2018; Lin et al.'s DGC) is what keeps its accuracy: nothing is lost, only late.
+  Error feedback (Stich et al. 2018) is what keeps it convergent: nothing is lost, only late.
+- ``dgc:R``: top-k with Deep Gradient Compression's momentum correction and momentum-factor masking (Lin et
+  al. 2018), for momentum SGD. Plain error feedback delays the *gradient*, and the optimizer's momentum then
+  amplifies each late burst of it; DGC moves the momentum to the workers instead: ``u <- m u + g``,
+  ``v <- v + u``, send the top-k of ``v`` and zero ``u`` and ``v`` where sent. The mean of the sparse ``v``'s
+  is then already a momentum step, so it *replaces* the wrapped SGD's momentum buffer (the strategy sets the
+  gradient to ``mean - m·buffer``, which torch's SGD turns into ``buffer = mean``: the replicas' buffers stay
+  identical and no optimizer is edited). Without momentum (``m = 0``) it is ``topk:R``.
 - :class:`LowRank` (``powersgd:R``, Vogels et al. 2019): per matrix-shaped parameter ``M = g + e`` (mxn, viewed
   as ``shape[0]`` x the rest), ``P = M Q`` → allreduce-mean → orthonormalise → ``Q = M^T P`` → allreduce-mean →
   ``M_hat = P Q^T``; ``e <- M - M_hat``; ``Q`` is kept for the next step (warm start, one power iteration per step).
@@ -38,7 +45,7 @@ from paratrain.errors import ConfigError
 __all__ = ["COMPRESSIONS", "Cast", "Compressor", "LowRank", "TopK", "parse_compression"]
 
 #: The accepted ``compression=`` names (``R`` a ratio in (0, 1] for top-k, an int rank for PowerSGD).
-COMPRESSIONS = ("none", "fp16", "bf16", "topk:R", "powersgd:R")
+COMPRESSIONS = ("none", "fp16", "bf16", "topk:R", "dgc:R", "powersgd:R")
 
 Array = npt.NDArray[Any]
 
@@ -108,7 +115,10 @@ class TopK(Compressor):
     ratio: float = 0.01
     name: str = "topk"
     linear: bool = False
+    #: DGC's momentum correction (``dgc:R``): the workers keep the momentum; see the module docstring
+    momentum_correction: bool = False
     _residuals: dict[str, Array] = field(default_factory=dict)
+    _velocities: dict[str, Array] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:
@@ -116,16 +126,30 @@ class TopK(Compressor):
 
     @property
     def spec(self) -> str:
-        """``"topk:R"``."""
-        return f"topk:{self.ratio:g}"
+        """``"topk:R"`` or ``"dgc:R"``."""
+        return f"{'dgc' if self.momentum_correction else 'topk'}:{self.ratio:g}"
 
     def k_of(self, n: int) -> int:
         """Entries sent of a gradient of ``n``: ``ceil(ratio·n)``, at least 1 (0 for an empty one)."""
         return 0 if n == 0 else max(1, math.ceil(self.ratio * n))
 
-    def compress(self, key: str, grad: Array) -> tuple[npt.NDArray[np.int32], Array]:
-        """The (indices, values) to send of ``grad + residual``; the rest becomes the new residual of ``key``."""
+    def compress(self, key: str, grad: Array, *, momentum: float = 0.0) -> tuple[npt.NDArray[np.int32], Array]:
+        """The (indices, values) to send of ``grad + residual``; the rest becomes the new residual of ``key``.
+
+        With :attr:`momentum_correction` and ``momentum`` m > 0 (the wrapped SGD's), ``grad`` first updates the
+        velocity ``u <- m u + g`` and ``u`` takes its place; the velocity is zeroed where sent (DGC).
+        """
         flat = grad.reshape(-1)
+        velocity = None
+        if self.momentum_correction and momentum:
+            velocity = self._velocities.get(key)
+            if velocity is None:
+                velocity = flat.astype(flat.dtype, copy=True)
+                self._velocities[key] = velocity
+            else:
+                velocity *= flat.dtype.type(momentum)
+                velocity += flat
+            flat = velocity
         residual = self._residuals.get(key)
         acc = flat.astype(flat.dtype, copy=True) if residual is None else flat + residual
         k = self.k_of(acc.size)
@@ -136,12 +160,18 @@ class TopK(Compressor):
             idx.sort()
         values = acc[idx].copy()
         acc[idx] = 0
+        if velocity is not None:
+            velocity[idx] = 0  # momentum-factor masking: what was sent stops pushing
         self._residuals[key] = acc
         return idx, values
 
     def residual(self, key: str) -> Array:
         """The error-feedback residual of ``key`` (zeros of the right size before the first step are not kept)."""
         return self._residuals[key]
+
+    def velocity(self, key: str) -> Array:
+        """DGC's local velocity of ``key`` (after masking)."""
+        return self._velocities[key]
 
     @staticmethod
     def decompress(
@@ -163,6 +193,7 @@ class TopK(Compressor):
 class _LowRankState:
     q: Array
     residual: Array
+    scratch: Array | None = None  # the approximation of an in-place step (allocated once)
 
 
 @dataclass(repr=False)
@@ -192,6 +223,7 @@ class LowRank(Compressor):
     linear: bool = True
     _state: dict[str, list[_LowRankState]] = field(default_factory=dict)
     _pending: dict[str, tuple[list[Array], list[Array]]] = field(default_factory=dict)
+    _inplace: dict[str, bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -209,8 +241,13 @@ class LowRank(Compressor):
         m, n = shape[0], math.prod(shape[1:])
         return (m + n) * self.rank < m * n
 
-    def first(self, key: str, matrices: Sequence[Array]) -> list[Array]:
-        """``P = (g + e) Q`` of each matrix (``Q`` seeded the same on every worker at the first step)."""
+    def first(self, key: str, matrices: Sequence[Array], *, inplace: bool = False) -> list[Array]:
+        """``P = (g + e) Q`` of each matrix (``Q`` seeded the same on every worker at the first step).
+
+        With ``inplace`` the matrices are overwritten with ``g + e`` (the caller's gradient buffer, which
+        :meth:`finish` then fills with the approximation): no 2·m·n-byte temporaries per step, which on a
+        memory-bound CPU step are a visible share of PowerSGD's cost.
+        """
         states = self._state.get(key)
         if states is None:
             rng = np.random.default_rng(self.seed)
@@ -222,8 +259,12 @@ class LowRank(Compressor):
                 for m in matrices
             ]
             self._state[key] = states
-        summed = [m + s.residual for m, s in zip(matrices, states, strict=True)]
+        if inplace:
+            summed = [np.add(m, s.residual, out=m) for m, s in zip(matrices, states, strict=True)]
+        else:
+            summed = [m + s.residual for m, s in zip(matrices, states, strict=True)]
         self._pending[key] = (summed, [])
+        self._inplace[key] = inplace
         return [mat @ s.q for mat, s in zip(summed, states, strict=True)]
 
     @staticmethod
@@ -241,14 +282,29 @@ class LowRank(Compressor):
         return [mat.T @ p for mat, p in zip(summed, ps, strict=True)]
 
     def finish(self, key: str, qs: Sequence[Array]) -> list[Array]:
-        """The approximations ``P Q^T`` from the reduced ``Q``; keeps ``Q`` (warm start) and the residuals."""
+        """The approximations ``P Q^T`` from the reduced ``Q``; keeps ``Q`` (warm start) and the residuals.
+
+        After ``first(..., inplace=True)`` the approximations are written into those same matrices (and returned);
+        the residual is updated in its own array, so a step allocates nothing of the matrices' size.
+        """
         summed, ps = self._pending.pop(key)
+        inplace = self._inplace.pop(key)
         out = []
         for mat, p, q, state in zip(summed, ps, qs, self._state[key], strict=True):
-            approx = p @ q.T
-            state.residual = mat - approx
+            if inplace:  # mat is the caller's: the approximation goes there, through a scratch kept per matrix
+                if state.scratch is None:
+                    state.scratch = np.empty_like(mat)
+                np.matmul(p, q.T, out=state.scratch)
+                np.subtract(mat, state.scratch, out=state.residual)
+                mat[...] = state.scratch
+                out.append(mat)
+            else:  # mat is ours: the approximation lands in the old residual's array and the two swap roles
+                approx = state.residual
+                np.matmul(p, q.T, out=approx)
+                np.subtract(mat, approx, out=mat)
+                state.residual = mat
+                out.append(approx)
             state.q = q.copy()
-            out.append(approx)
         return out
 
     def residual(self, key: str, index: int) -> Array:
@@ -257,7 +313,8 @@ class LowRank(Compressor):
 
 
 def parse_compression(name: str | None) -> Compressor | None:
-    """``"fp16"``, ``"bf16"``, ``"topk:0.01"``, ``"powersgd:4"`` -> a fresh compressor; ``None``/``"none"`` -> None.
+    """``"fp16"``, ``"bf16"``, ``"topk:0.01"``, ``"dgc:0.01"``, ``"powersgd:4"`` -> a fresh compressor; ``None`` or
+    ``"none"`` -> None.
 
     Raises:
         ConfigError: an unknown name or a bad argument, listing the forms.
@@ -276,13 +333,13 @@ def parse_compression(name: str | None) -> Compressor | None:
         return Cast("float16", name=text)
     if text == "bf16":
         return Cast("bfloat16", name=text)
-    match = re.fullmatch(r"(topk|powersgd):([0-9.e-]+)", text)
+    match = re.fullmatch(r"(topk|dgc|powersgd):([0-9.e-]+)", text)
     if match is None:
         raise ConfigError(f"unknown compression {name!r}; choose one of {forms}")
     kind, arg = match.groups()
     try:
-        if kind == "topk":
-            return TopK(ratio=float(arg), name=text)
+        if kind in ("topk", "dgc"):
+            return TopK(ratio=float(arg), name=text, momentum_correction=kind == "dgc")
         if not arg.isdigit():
             raise ValueError(f"the rank must be an int, got {arg!r}")
         return LowRank(rank=int(arg), name=text)

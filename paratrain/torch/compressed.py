@@ -5,6 +5,8 @@ with the mean replaced by its compressed estimate (:mod:`paratrain.compression`)
 
     fp16 / bf16    allreduce_async(cast(buffer / P), sum)                      -> grads = float(sum)
     topk:R         (idx, val) of grads + residual; allgather_async(pairs)      -> grads = scatter-add / P
+    dgc:R          the same of the local velocity + residual                  -> grads = scatter-add / P
+                                                                                  - m * SGD's momentum buffer
     powersgd:R     allreduce_async([P of each matrix | vectors | flags], mean) -> in finish: orthonormalise P,
                    allreduce_async([Q of each matrix], mean)                   -> grads = P Q^T, vectors as reduced
 
@@ -41,14 +43,28 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
         context: this rank's context.
         buckets: the fusion buffers (with used-flags), in plan order.
         compressor: a :class:`~paratrain.compression.Compressor` (its error-feedback state lives here, per bucket).
+        optimizer: the wrapped optimizer; ``dgc:R`` reads its momentum and momentum buffers.
 
     Raises:
-        ConfigError: top-k for a bucket that is not float32 or float64 (its pairs travel in the gradient's width).
+        ConfigError: top-k for a bucket that is not float32 or float64 (its pairs travel in the gradient's width);
+            ``dgc:R`` with an optimizer that is not SGD-like (momentum, no dampening, no Nesterov) or with two
+            momenta in one bucket.
     """
 
-    def __init__(self, context: Context, buckets: Sequence[FusedBucket], compressor: Compressor) -> None:
+    def __init__(
+        self,
+        context: Context,
+        buckets: Sequence[FusedBucket],
+        compressor: Compressor,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
         super().__init__(context, buckets)  # apply() (the wrapped optimizer) and close() are allreduce's
         self.compressor = compressor
+        self._optimizer = optimizer
+        #: per bucket, the momentum DGC corrects for (0: none, plain top-k)
+        self._momentum = [0.0] * len(self.buckets)
+        if isinstance(compressor, TopK) and compressor.momentum_correction:
+            self._momentum = [_sgd_momentum(optimizer, b) for b in self.buckets]
         if isinstance(compressor, TopK):
             for bucket in self.buckets:
                 if bucket.grads.element_size() not in _INDEX or not bucket.grads.is_floating_point():
@@ -57,7 +73,7 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
                         f"(parameters {', '.join(bucket.names)})"
                     )
         self._matrices: list[list[int]] = []  # per bucket: which of its parameters PowerSGD compresses
-        self._keep: list[Any] = []  # per bucket: the buffer's elements that travel uncompressed (a fixed mask)
+        self._keep: list[Any] = []  # per bucket: indices of the buffer's elements that travel uncompressed
         if isinstance(compressor, LowRank):
             for b in self.buckets:
                 matrices = [j for j, p in enumerate(b.params) if compressor.compressible(tuple(p.shape))]
@@ -65,7 +81,7 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
                 for j in matrices:
                     keep[b.bucket.offsets[j] : b.bucket.offsets[j] + b.params[j].numel()] = False
                 self._matrices.append(matrices)
-                self._keep.append(keep)
+                self._keep.append(np.flatnonzero(keep))  # indices: gathering a few of millions by mask is slow
 
     # -- launch: the first message of each bucket -------------------------------------------------------------
 
@@ -77,16 +93,17 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
             self._handles[k] = ctx.allreduce_async((bucket.buffer / ctx.world_size).to(wire), op="sum")
         elif isinstance(comp, TopK):
             grads = bucket.grads.numpy()
-            idx, values = comp.compress(f"bucket{k}", grads)
+            idx, values = comp.compress(f"bucket{k}", grads, momentum=self._momentum[k])
             pairs = np.empty((idx.size, 2), dtype=grads.dtype)
             pairs[:, 0] = idx.astype(_INDEX[grads.itemsize]).view(grads.dtype)
             pairs[:, 1] = values
             self._handles[k] = ctx.allgather_async(pairs)
         elif isinstance(comp, LowRank):
             mats = [self._matrix(bucket, j) for j in self._matrices[k]]
-            ps = comp.first(f"bucket{k}", mats)
-            # then the vectors, small matrices and used-flags, uncompressed
+            # the vectors, small matrices and used-flags travel uncompressed (gathered before first() writes g + e
+            # into the matrices' part of the buffer)
             dense = bucket.buffer.numpy()[self._keep[k]]
+            ps = comp.first(f"bucket{k}", mats, inplace=True)
             self._handles[k] = ctx.allreduce_async(np.concatenate([*(p.reshape(-1) for p in ps), dense]), op="mean")
         else:
             raise ConfigError(f"no allreduce path for compressor {comp!r}")
@@ -106,7 +123,7 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
         if isinstance(comp, LowRank):
             self._finish_low_rank(comp, handles)
             return
-        for bucket, handle in zip(self.buckets, handles, strict=True):
+        for k, (bucket, handle) in enumerate(zip(self.buckets, handles, strict=True)):
             assert handle is not None
             reduced = handle.wait()
             if isinstance(comp, Cast):
@@ -120,7 +137,18 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
                     grads.size, idx, pairs[:, 1], scale=1.0 / self._context.world_size, dtype=grads.dtype, out=grads
                 )
                 bucket.flags.fill_(1)
+                if self._momentum[k]:
+                    self._replace_momentum(k)
                 bucket.give(bucket.buffer)
+
+    def _replace_momentum(self, k: int) -> None:
+        """DGC: the mean ``s`` already holds the momentum; ``grad = s - m·buffer`` makes SGD's ``buffer = s``."""
+        assert self._optimizer is not None
+        bucket, m = self.buckets[k], self._momentum[k]
+        for j, param in enumerate(bucket.params):
+            buf = self._optimizer.state.get(param, {}).get("momentum_buffer")
+            if buf is not None:  # none before the first step: SGD then starts its buffer at the gradient, s
+                bucket.views[j].sub_(buf.reshape(bucket.views[j].shape), alpha=m)
 
     def _finish_low_rank(self, comp: LowRank, handles: Sequence[Handle[Any] | None]) -> None:
         seconds: list[tuple[list[Any], Any, Handle[Any] | None]] = []
@@ -148,8 +176,39 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
                     cols = bucket.params[j].numel() // p.shape[0]
                     qs.append(flat[pos : pos + cols * p.shape[1]].reshape(cols, p.shape[1]))
                     pos += cols * p.shape[1]
-                for j, approx in zip(self._matrices[k], comp.finish(f"bucket{k}", qs), strict=True):
-                    off, n = bucket.bucket.offsets[j], bucket.params[j].numel()
-                    buffer[off : off + n] = approx.reshape(-1)
+                comp.finish(f"bucket{k}", qs)  # writes each approximation into its matrix's part of the buffer
             buffer[self._keep[k]] = dense
             bucket.give(bucket.buffer)
+
+
+def _sgd_momentum(optimizer: torch.optim.Optimizer | None, bucket: FusedBucket) -> float:
+    """The momentum of the SGD groups that hold ``bucket``'s parameters (one value), for DGC's correction.
+
+    Raises:
+        ConfigError: no optimizer, one without SGD's momentum, dampening or Nesterov, or two momenta in one bucket.
+    """
+    if optimizer is None:
+        raise ConfigError("compression 'dgc:R' corrects the optimizer's momentum: pass the optimizer")
+    owners = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    momenta = set()
+    for name, param in zip(bucket.names, bucket.params, strict=True):
+        group = owners.get(id(param))
+        if group is None:
+            continue
+        if "momentum" not in group or "dampening" not in group:
+            raise ConfigError(
+                f"compression 'dgc:R' moves SGD's momentum to the workers, but {type(optimizer).__name__} (parameter "
+                f"{name!r}) has no SGD momentum; use topk:R"
+            )
+        if group["dampening"] or group.get("nesterov", False):
+            raise ConfigError(
+                f"compression 'dgc:R' supports SGD momentum without dampening or Nesterov (parameter {name!r} has "
+                f"dampening={group['dampening']}, nesterov={group.get('nesterov', False)}); use topk:R"
+            )
+        momenta.add(float(group["momentum"]))
+    if len(momenta) > 1:
+        raise ConfigError(
+            f"compression 'dgc:R': the parameters {', '.join(bucket.names)} share a fused bucket but have momenta "
+            f"{sorted(momenta)}; give them one momentum or a bucket_bytes that separates them"
+        )
+    return momenta.pop() if momenta else 0.0

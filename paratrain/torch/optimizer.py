@@ -308,7 +308,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> Strategy:
         """Allreduce or the parameter server over ``buckets``, compressed when ``compression=`` was given."""
         if self.compressor is not None and not spec.uses_servers:
-            return CompressedAllreduceStrategy(self.context, buckets, self.compressor)
+            return CompressedAllreduceStrategy(self.context, buckets, self.compressor, optimizer)
         return build_strategy(
             spec, self.context, buckets, optimizer=optimizer, staleness_lr=staleness_lr, compressor=self.compressor
         )

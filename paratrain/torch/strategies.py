@@ -232,6 +232,12 @@ class ParameterServerStrategy(Strategy):
         compressor: Compressor | None = None,
     ) -> None:
         super().__init__(buckets)
+        if isinstance(compressor, TopK) and compressor.momentum_correction:
+            raise ConfigError(
+                "compression 'dgc:R' moves the optimizer's momentum to the workers, but with parameter servers the "
+                "servers step the optimizer (and its momentum); use topk:R with the servers, or dgc:R with "
+                "strategy='allreduce'"
+            )
         if compressor is not None and not isinstance(compressor, Cast | TopK):
             raise ConfigError(
                 f"compression {compressor.name!r} needs two aggregation rounds per step (P, then Q); the parameter "

@@ -174,7 +174,7 @@ def validate(job: TrainJob) -> None:
         raise ConfigError(f"--layer-scheme is for poseidon, poseidon:allreduce and sfb, not {job.strategy!r}")
     parse_layer_schemes(job.layer_scheme)
     if job.compression is not None:
-        from paratrain.compression import LowRank, parse_compression
+        from paratrain.compression import LowRank, TopK, parse_compression
 
         compressor = parse_compression(job.compression)
         if compressor is not None and spec.family not in ("collective", "parameter-server"):
@@ -185,6 +185,11 @@ def validate(job: TrainJob) -> None:
             and not spec.uses_servers
         ):
             raise ConfigError("--compression does not combine with --max-restarts, --min-workers or --checkpoint-dir")
+        if isinstance(compressor, TopK) and compressor.momentum_correction and spec.uses_servers:
+            raise ConfigError(
+                f"--compression {job.compression}: DGC moves SGD's momentum to the workers, but the parameter "
+                "servers step the optimizer; use it with --strategy allreduce (or topk:R with the servers)"
+            )
         if isinstance(compressor, LowRank) and spec.uses_servers:
             raise ConfigError(
                 f"--compression {job.compression}: PowerSGD needs two allreduce rounds per step; use it with "

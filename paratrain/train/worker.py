@@ -93,7 +93,8 @@ def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True)
         default=None,
         metavar="SCHEME",
         help="compress the gradients allreduce or the parameter servers carry: fp16, bf16, topk:R (a ratio, with "
-        "error feedback) or powersgd:R (a rank, allreduce only) (default: none)",
+        "error feedback), dgc:R (top-k with DGC's momentum correction, allreduce only) or powersgd:R (a rank, "
+        "allreduce only) (default: none)",
     )
     parser.add_argument(
         "--layer-scheme",

@@ -142,19 +142,87 @@ def test_parameter_server_carries_fp16_and_top_k() -> None:
     assert not torch.allclose(sparse[0], plain)  # most of the gradient waits in the residuals
 
 
+def _train_steps(compression: str | None, momentum: float, steps: int = 4, workers: int = 2) -> list[Any]:
+    def worker(ctx: Context) -> Any:
+        net = make_net()
+        opt = ptt.DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum),
+            model=net,
+            context=ctx,
+            compression=compression,
+            bucket_bytes=160,
+        )
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = batch(ctx.rank, step)
+            ((net(x) - y) ** 2).sum().backward()
+            opt.step()
+        opt.close()
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    return run_ranks(workers, worker)
+
+
+def test_dgc_moves_the_momentum_to_the_workers() -> None:
+    """dgc:R's update rule, checked three ways. Sending everything (R = 1) masks every velocity every step, so
+    the step is plain SGD on the mean gradient (DGC's rule), whatever the wrapped SGD's momentum. With R < 1
+    the parameters follow a one-thread replay of DGC (each worker's velocity and residual per bucket, then
+    ``p -= lr · mean of the sparse sends``), identically on every worker. With momentum 0 it is topk:R."""
+    plain_sgd = _train_steps(None, 0.0)[0]
+    for got in _train_steps("dgc:1", 0.9):
+        torch.testing.assert_close(got, plain_sgd, rtol=1e-6, atol=1e-6)
+
+    got = _train_steps("dgc:0.3", 0.9)
+    assert torch.equal(got[0], got[1])
+    net = make_net()
+    params = list(net.parameters())
+    sizes = [p.numel() for p in params]
+    plan = run_ranks(
+        1,
+        lambda ctx: (
+            ptt.DistributedOptimizer(
+                torch.optim.SGD(net.parameters(), lr=0.1), model=net, bucket_bytes=160, context=ctx
+            ).plan
+        ),
+    )[0]
+    comps = [TopK(ratio=0.3, momentum_correction=True) for _ in range(2)]
+    for step in range(4):
+        update = [torch.zeros(n) for n in sizes]
+        for rank in range(2):
+            net.zero_grad()
+            x, y = batch(rank, step)
+            ((net(x) - y) ** 2).sum().backward()
+            for k, bucket in enumerate(plan):
+                flat = torch.cat([params[i].grad.reshape(-1) for i in bucket.params])
+                idx, val = comps[rank].compress(f"b{k}", flat.numpy(), momentum=0.9)
+                dense = TopK.decompress(flat.numel(), idx, val, scale=0.5, dtype=flat.numpy().dtype)
+                for i, off in zip(bucket.params, bucket.offsets, strict=True):
+                    update[i] += torch.from_numpy(dense[off : off + sizes[i]])
+        with torch.no_grad():
+            for p, u in zip(params, update, strict=True):
+                p.sub_(0.1 * u.reshape(p.shape))
+    want = torch.cat([p.detach().reshape(-1) for p in params])
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
+
+    top = _train_steps("topk:0.3", 0.0)
+    torch.testing.assert_close(_train_steps("dgc:0.3", 0.0)[0], top[0], rtol=0, atol=0)
+
+
 def test_settings_that_cannot_work_are_refused() -> None:
     def worker(ctx: Context) -> list[str]:
         net = make_net()
         errors = []
-        for strategy, compression in (("bsp", "powersgd:2"), ("gossip:ring", "fp16"), ("allreduce", "zip")):
+        cases: list[tuple[str, str, Any]] = [
+            ("bsp", "powersgd:2", torch.optim.SGD(net.parameters(), lr=0.1)),
+            ("gossip:ring", "fp16", torch.optim.SGD(net.parameters(), lr=0.1)),
+            ("allreduce", "zip", torch.optim.SGD(net.parameters(), lr=0.1)),
+            ("bsp", "dgc:0.1", torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)),
+            ("allreduce", "dgc:0.1", torch.optim.Adam(net.parameters(), lr=0.1)),
+            ("allreduce", "dgc:0.1", torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True)),
+        ]
+        for strategy, compression, inner in cases:
             with pytest.raises(ConfigError) as info:
-                ptt.DistributedOptimizer(
-                    torch.optim.SGD(net.parameters(), lr=0.1),
-                    model=net,
-                    strategy=strategy,
-                    context=ctx,
-                    compression=compression,
-                )
+                ptt.DistributedOptimizer(inner, model=net, strategy=strategy, context=ctx, compression=compression)
             errors.append(str(info.value))
         return errors
 
@@ -162,3 +230,6 @@ def test_settings_that_cannot_work_are_refused() -> None:
     assert "two aggregation rounds" in errors[0]
     assert "gossip" in errors[1]
     assert "unknown compression" in errors[2]
+    assert "servers step the optimizer" in errors[3]
+    assert "Adam" in errors[4] and "no SGD momentum" in errors[4]
+    assert "Nesterov" in errors[5]

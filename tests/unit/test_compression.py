@@ -16,6 +16,9 @@ def test_parse_forms_and_errors() -> None:
     assert isinstance(bf16, Cast) and bf16.dtype == "bfloat16"
     top = parse_compression("topk:0.01")
     assert isinstance(top, TopK) and top.ratio == 0.01 and not top.linear
+    dgc = parse_compression("dgc:0.01")
+    assert isinstance(dgc, TopK) and dgc.momentum_correction and dgc.spec == "dgc:0.01"
+    assert not top.momentum_correction and top.spec == "topk:0.01"
     low = parse_compression("powersgd:4")
     assert isinstance(low, LowRank) and low.rank == 4 and low.linear
     for bad in ("zip", "topk:0", "topk:2", "powersgd:1.5", "powersgd:0", "topk"):
@@ -62,6 +65,31 @@ def test_top_k_error_feedback_loses_nothing() -> None:
         idx, val = top.compress("b", grad)
         sent += TopK.decompress(200, idx, val, scale=1.0, dtype=np.dtype(np.float64))
     np.testing.assert_allclose(sent + top.residual("b"), given, rtol=0, atol=1e-12)
+
+
+def test_dgc_accumulates_the_velocity_and_masks_what_it_sent() -> None:
+    """DGC by hand (Lin et al. 2018, Algorithm 1 with momentum-factor masking), float64, 12 steps: u <- m u + g,
+    v <- v + u, send top-k of v, zero u and v there. Without momentum it is plain top-k."""
+    rng = np.random.default_rng(1)
+    dgc, m = TopK(ratio=0.1, momentum_correction=True), 0.9
+    u, v = np.zeros(50), np.zeros(50)
+    for _ in range(12):
+        grad = rng.standard_normal(50)
+        u = m * u + grad
+        v = v + u
+        want = np.sort(np.argsort(-np.abs(v), kind="stable")[:5])
+        idx, val = dgc.compress("b", grad, momentum=m)
+        assert idx.tolist() == want.tolist()
+        np.testing.assert_allclose(val, v[want], rtol=0, atol=1e-12)
+        u[want] = 0
+        v[want] = 0
+        np.testing.assert_allclose(dgc.velocity("b"), u, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(dgc.residual("b"), v, rtol=0, atol=1e-12)
+    plain, corrected = TopK(ratio=0.1), TopK(ratio=0.1, momentum_correction=True)
+    for _ in range(3):
+        grad = rng.standard_normal(50)
+        a, b = plain.compress("b", grad), corrected.compress("b", grad, momentum=0.0)
+        assert a[0].tolist() == b[0].tolist() and a[1].tolist() == b[1].tolist()
 
 
 def test_low_rank_residual_is_what_the_approximation_missed() -> None:
