@@ -88,6 +88,8 @@ __all__ = [
     "HostContext",
     "ShmAllreduce",
     "ShmGroup",
+    "block_items",
+    "plan_args",
 ]
 
 #: Bytes of one pipeline block (the segment holds 2 blocks per rank). Larger blocks cost fewer Python calls per
@@ -107,6 +109,27 @@ _BARRIER = Signature("barrier", None, "", (), ALGORITHM, ALGORITHM)
 _NAMES: dict[np.dtype[Any], str] = {}  # dtype -> wire name (computing it costs ~4 µs, a fifth of a small call)
 
 _Array = npt.NDArray[Any]
+
+
+def block_items(capacity: int, itemsize: int, parts: int) -> int:
+    """Elements per pipeline block of an allreduce (``parts`` = ranks) or broadcast (1): as many as fit in
+    ``capacity`` bytes, a multiple of ``parts`` cache-line-aligned pieces. Pure: the simulator asks it too.
+
+    Example:
+        >>> block_items(1 << 20, 4, 4)
+        262144
+    """
+    align = max(1, _ALIGN // itemsize)
+    unit = parts * align
+    return max(unit, capacity // itemsize // unit * unit)
+
+
+def plan_args(
+    n: int, itemsize: int, *, capacity: int = DEFAULT_CAPACITY, small_bytes: int = DEFAULT_SMALL_BYTES
+) -> tuple[int, int, int]:
+    """``shm=`` of :func:`~paratrain.collectives.lower.allreduce_plan` for a group of ``n`` with these settings:
+    (block items, alignment in items, one-phase limit in bytes), as :class:`ShmAllreduce` runs them."""
+    return block_items(capacity, itemsize, n), max(1, _ALIGN // itemsize), min(small_bytes, capacity)
 
 
 def _result_bytes(nranks: int, capacity: int) -> int:
@@ -606,9 +629,7 @@ class ShmGroup:
 
     def _block_elems(self, dtype: np.dtype[Any], *, parts: int) -> int:
         """Elements per block: as many as fit, a multiple of ``parts`` cache-line-aligned pieces."""
-        align = max(1, _ALIGN // dtype.itemsize)
-        unit = parts * align
-        return max(unit, self.capacity // dtype.itemsize // unit * unit)
+        return block_items(self.capacity, dtype.itemsize, parts)
 
     def _plan(self, dtype: np.dtype[Any], n: int) -> _Plan:
         key = (dtype, n)

@@ -107,6 +107,9 @@ class Action:
         deps: numbers of earlier actions of this rank that must be complete first.
         label: what a ``compute`` runs (``"F3"``), or a message carries.
         seconds: how long a ``compute`` takes, for the cost model.
+        lane: which of the rank's threads issues it (0: the training loop, 1: the background thread that runs
+            collectives); the runtime's executors run one lane each, the simulator (:mod:`paratrain.sim`)
+            replays the lanes concurrently.
     """
 
     kind: Kind
@@ -121,6 +124,7 @@ class Action:
     deps: tuple[int, ...] = ()
     label: str = ""
     seconds: float = 0.0
+    lane: int = 0
 
     def __repr__(self) -> str:
         if self.kind == "compute":

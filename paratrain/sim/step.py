@@ -1,0 +1,256 @@
+"""One training step of a data-parallel job as a plan: the model's layers as compute, the strategy's own plans as
+communication, on the lanes where the runtime runs them.
+
+The composition follows what :class:`~paratrain.torch.optimizer.DistributedOptimizer` does, calling the same
+pure functions, so a change to bucketing, an allreduce schedule or key sharding changes the prediction too::
+
+    lane 0 (training loop)   overhead  F(layer 1) .. F(layer L)  B(layer L) .. B(layer 1)  [wait]  optimizer
+    lane 1 (background)                               bucket 0's collective | bucket 1's | ...
+                                                      ^ starts after the B that completes it (LaunchOrder)
+
+* buckets: :func:`~paratrain.torch.buckets.plan_buckets` over the profiled parameters (registration order =
+  the layers' forward order), started in :class:`~paratrain.torch.buckets.LaunchOrder` as backward produces
+  them (or all after backward with ``overlap=False``);
+* ``allreduce``: each bucket (gradients + one used-flag per parameter) by
+  :func:`~paratrain.collectives.lower.allreduce_plan` with the algorithm the runtime's ``auto`` policy picks
+  (shared memory on one host without an emulated network, the alpha-beta choice with one, the measured
+  crossovers otherwise);
+* ``bsp``: each bucket pushed by :func:`~paratrain.ps.plans.push_actions` over the chunks
+  :func:`~paratrain.ps.sharding.plan_chunks` cuts (servers are ranks ``W..W+S-1``); after backward, the push
+  acknowledgements, :func:`~paratrain.ps.plans.clock_actions`, then one blocking pull per bucket
+  (:func:`~paratrain.ps.plans.pull_actions`), as the strategy's ``apply`` does. A server answers a worker on a
+  lane of its own per worker, adds each push (``gamma`` per byte), and updates a bucket's chunks once every
+  worker pushed them (its share of the optimizer time); the replies to pulls wait for that update.
+
+Tags are offset per call (:data:`TAG_STRIDE`), as the runtime gives every call tags of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from paratrain.collectives.lower import allreduce_plan
+from paratrain.collectives.shm import plan_args as shm_plan_args
+from paratrain.errors import ConfigError
+from paratrain.plan.ir import Action, Plan
+from paratrain.ps.plans import REPLY, REQUEST, clock_actions, pull_actions, push_actions
+from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks
+from paratrain.sim.machine import ModelProfile
+from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
+
+__all__ = ["STRATEGIES", "TAG_STRIDE", "StepJob", "step_plan"]
+
+#: Tag space of one call inside a composed step (a call's plan uses small tag offsets).
+TAG_STRIDE = 1 << 12
+
+#: Strategies :func:`step_plan` composes.
+STRATEGIES = ("allreduce", "bsp")
+
+
+@dataclass(frozen=True)
+class StepJob:
+    """A data-parallel training job, as far as one step's timing depends on it.
+
+    Attributes:
+        model: the profiled model (per-layer times at the job's batch size).
+        workers: W.
+        strategy: ``"allreduce"`` or ``"bsp"`` (the parameter server).
+        servers: S, for ``bsp``.
+        bucket_bytes: the fusion size (DistributedOptimizer's ``bucket_bytes``).
+        chunk_bytes: the parameter server's key chunk size.
+        overlap: wait-free backprop (buckets start during backward) or not.
+        choose: the allreduce policy, ``(nbytes, world_size) -> algorithm`` (what ``algorithm="auto"`` runs).
+        itemsize: bytes per gradient element.
+    """
+
+    model: ModelProfile
+    workers: int
+    strategy: str = "allreduce"
+    servers: int = 1
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    overlap: bool = True
+    choose: Callable[[int, int], str] = dataclasses.field(default=lambda nbytes, n: "ring")
+    itemsize: int = 4
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"the simulator composes {', '.join(STRATEGIES)}, not {self.strategy!r}")
+        if self.workers < 1 or (self.strategy == "bsp" and self.servers < 1):
+            raise ConfigError(f"need at least one worker (and one server for bsp), got {self.workers}/{self.servers}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the plan: the workers, then the servers."""
+        return self.workers + (self.servers if self.strategy == "bsp" else 0)
+
+    def buckets(self) -> list[Bucket]:
+        """The fusion plan DistributedOptimizer makes for this model."""
+        infos = [
+            ParamInfo(numel=nbytes // self.itemsize, itemsize=self.itemsize, kind="float32@cpu")
+            for layer in self.model.layers
+            for nbytes in layer.param_bytes
+        ]
+        return plan_buckets(infos, self.bucket_bytes)
+
+
+class _Rank:
+    """One rank's actions being composed: parts appended with their dependencies renumbered."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+
+    def add(self, action: Action) -> int:
+        self.actions.append(action)
+        return len(self.actions) - 1
+
+    def part(self, part: Sequence[Action], *, lane: int, tag: int, after: Sequence[int] = ()) -> list[int]:
+        """Appends a call's actions on ``lane`` with tags offset by ``tag``; its first action also waits for
+        ``after``. Returns the new numbers of the part's actions."""
+        base = len(self.actions)
+        for j, a in enumerate(part):
+            deps = tuple(base + d for d in a.deps)
+            if j == 0 and after:
+                deps = tuple(sorted(set(deps).union(after)))
+            self.actions.append(dataclasses.replace(a, deps=deps, lane=lane, tag=a.tag + tag))
+        return list(range(base, base + len(part)))
+
+
+def _backward(rank: _Rank, job: StepJob) -> dict[int, int]:
+    """Forward and backward compute on lane 0; returns bucket -> the action after which it may start."""
+    model = job.model
+    if model.overhead_s:
+        rank.add(Action("compute", seconds=model.overhead_s, label="overhead"))
+    for layer in model.layers:
+        rank.add(Action("compute", seconds=layer.forward_s, label=f"F {layer.name}"))
+    buckets = job.buckets()
+    order = LaunchOrder([b.params for b in buckets])
+    first_param, index = [], 0
+    for layer in model.layers:
+        first_param.append(index)
+        index += len(layer.param_bytes)
+    launch: dict[int, int] = {}
+    for li in reversed(range(len(model.layers))):
+        layer = model.layers[li]
+        done = rank.add(Action("compute", seconds=layer.backward_s, label=f"B {layer.name}"))
+        for p in reversed(range(first_param[li], first_param[li] + len(layer.param_bytes))):
+            for k in order.ready(p):
+                launch[k] = done
+    last = len(rank.actions) - 1
+    for k in order.rest():
+        launch[k] = last
+    if not job.overlap:
+        launch = {k: last for k in launch}
+    return launch
+
+
+def _allreduce_ranks(job: StepJob) -> list[_Rank]:
+    n, buckets = job.workers, job.buckets()
+    ranks = [_Rank() for _ in range(n)]
+    ends: list[list[int]] = [[] for _ in range(n)]
+    launches = [_backward(rank, job) for rank in ranks]
+    for k, bucket in enumerate(buckets):
+        count = bucket.numel + len(bucket.params)  # the gradients and one used-flag per parameter
+        algorithm = job.choose(count * job.itemsize, n) if n > 1 else "none"
+        if algorithm == "none":
+            continue
+        plan = allreduce_plan(
+            algorithm,
+            n,
+            count,
+            job.itemsize,
+            aliased=True,
+            shm=shm_plan_args(n, job.itemsize) if algorithm == "shm" else None,
+        )
+        for r in range(n):
+            ends[r] += ranks[r].part(plan.ranks[r], lane=1, tag=k * TAG_STRIDE, after=[launches[r][k]])
+    for r, rank in enumerate(ranks):
+        last = len(rank.actions) - 1
+        rank.add(Action("compute", seconds=0.0, label="synchronize", deps=tuple(sorted({last, *ends[r]}))))
+        rank.add(Action("compute", seconds=job.model.optimizer_s, label="optimizer"))
+    return ranks
+
+
+def _ps_ranks(job: StepJob) -> list[_Rank]:
+    w, s, buckets = job.workers, job.servers, job.buckets()
+    servers = [w + j for j in range(s)]
+    chunks: list[list[Chunk]] = [
+        plan_chunks(f"paratrain.torch/bucket{k}", (b.numel,), job.itemsize, s, chunk_bytes=job.chunk_bytes)
+        for k, b in enumerate(buckets)
+    ]
+    total = sum(b.numel for b in buckets) or 1
+    workers = [_Rank() for _ in range(w)]
+    for rank in workers:
+        launch = _backward(rank, job)
+        pushes: list[int] = []
+        for k in range(len(buckets)):
+            pushes += rank.part(push_actions(chunks[k], job.itemsize, servers), lane=1, tag=0, after=[launch[k]])
+        last = len(rank.actions) - 1
+        rank.add(Action("compute", seconds=0.0, label="push acks", deps=tuple(sorted({last, *pushes}))))
+        rank.part(clock_actions(servers), lane=0, tag=0)
+        for k in range(len(buckets)):
+            previous = len(rank.actions) - 1
+            rank.part(pull_actions(chunks[k], job.itemsize, servers), lane=0, tag=0, after=[previous])
+    ranks = list(workers)
+    for j in range(s):
+        server = _Rank()
+        pushed: dict[int, list[int]] = {}
+        # each worker's messages on a lane of its own, in the order that worker sends them
+        per_worker_pulls: list[list[tuple[int, Chunk]]] = []
+        for wk in range(w):
+            lane = 1 + wk
+            for k in range(len(buckets)):
+                for c in chunks[k]:
+                    if c.server != j:
+                        continue
+                    nbytes = c.num_rows * job.itemsize
+                    got = server.add(Action("recv", peer=wk, nbytes=nbytes, items=c.num_rows, tag=REQUEST, lane=lane))
+                    add = server.add(Action("reduce", nbytes=nbytes, items=c.num_rows, deps=(got,), lane=lane))
+                    server.add(Action("send", peer=wk, nbytes=0, tag=REPLY, deps=(got,), lane=lane))
+                    pushed.setdefault(k, []).append(add)
+            server.add(Action("recv", peer=wk, nbytes=0, tag=REQUEST, lane=lane))  # the clock
+            per_worker_pulls.append([(k, c) for k in range(len(buckets)) for c in chunks[k] if c.server == j])
+        updated: dict[int, int] = {}
+        for k in range(len(buckets)):
+            mine = sum(c.num_rows for c in chunks[k] if c.server == j)
+            if not mine:
+                continue
+            seconds = job.model.optimizer_s * mine / total
+            updated[k] = server.add(
+                Action("compute", seconds=seconds, label=f"update bucket {k}", deps=tuple(pushed.get(k, ())))
+            )
+        for wk in range(w):
+            lane = 1 + wk
+            for k, c in per_worker_pulls[wk]:
+                request = server.add(Action("recv", peer=wk, nbytes=0, tag=REQUEST, lane=lane))
+                server.add(
+                    Action(
+                        "send",
+                        peer=wk,
+                        nbytes=c.num_rows * job.itemsize,
+                        items=c.num_rows,
+                        tag=REPLY,
+                        deps=(request, updated[k]),
+                        lane=lane,
+                    )
+                )
+        ranks.append(server)
+    return ranks
+
+
+def step_plan(job: StepJob) -> Plan:
+    """One training step of ``job`` as a plan (see the module docstring).
+
+    Example:
+        >>> from paratrain.sim.machine import LayerCost, ModelProfile
+        >>> model = ModelProfile("tiny", 8, (LayerCost("fc", 0.001, 0.002, ("fc.weight",), (4096,)),))
+        >>> plan = step_plan(StepJob(model, workers=2, choose=lambda nbytes, n: "ring"))
+        >>> [a.label or a.kind for a in plan.ranks[0] if a.lane == 0]
+        ['F fc', 'B fc', 'synchronize', 'optimizer']
+        >>> plan.bytes_sent()
+        [4100, 4100]
+    """
+    ranks = _allreduce_ranks(job) if job.strategy == "allreduce" else _ps_ranks(job)
+    return Plan(f"step/{job.strategy}", tuple(tuple(r.actions) for r in ranks))

@@ -1,0 +1,154 @@
+"""The simulator's replay: exact times on hand-computed cases, and the step plans built from the runtime's own plans."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from paratrain.collectives.lower import allreduce_plan
+from paratrain.pipeline.schedules import gpipe, lower, one_f_one_b
+from paratrain.plan.cost import simulate
+from paratrain.plan.ir import Action, Plan, PlanError
+from paratrain.ps.plans import push_actions
+from paratrain.ps.sharding import plan_chunks
+from paratrain.sim.engine import Network, replay
+from paratrain.sim.machine import LayerCost, LinkCost, ModelProfile
+from paratrain.sim.step import TAG_STRIDE, StepJob, step_plan
+
+ALPHA, BETA = 1e-3, 1e-8
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_ring_allreduce_is_the_textbook_cost(n: int) -> None:
+    """2(N-1)(alpha + n/(N) beta): a ring receives from one peer, so its ingress never binds, and the replay also
+    equals the one-link model of paratrain.plan.cost on the same plan."""
+    count = 1200 * n  # divisible: every chunk the same size
+    plan = allreduce_plan("ring", n, count, 4, agreement=False)
+    out = replay(plan, Network.uniform(LinkCost(ALPHA, BETA)))
+    want = 2 * (n - 1) * (ALPHA + count * 4 / n * BETA)
+    assert out.time == pytest.approx(want, rel=1e-12)
+    assert out.time == pytest.approx(simulate(plan, alpha=ALPHA, beta=BETA).time, rel=1e-12)
+    assert out.bytes_out == [2 * (n - 1) * count * 4 // n] * n
+
+
+def test_parameter_server_incast_shares_the_servers_link() -> None:
+    """Four workers send n bytes to one server at once: their egress links run in parallel, the server's ingress
+    serialises them, so the k-th is visible at alpha + k n beta (the one-link model says alpha + n beta for all)."""
+    nbytes = 1_000_000
+    workers = tuple((Action("send", peer=4, nbytes=nbytes),) for _ in range(4))
+    server = tuple(Action("recv", peer=w, nbytes=nbytes) for w in range(4))
+    out = replay(Plan("incast", (*workers, server)), Network.uniform(LinkCost(ALPHA, BETA)))
+    seen = sorted(out.done[4])
+    assert seen == pytest.approx([ALPHA + k * nbytes * BETA for k in (1, 2, 3, 4)], rel=1e-12)
+    assert simulate(Plan("incast", (*workers, server)), alpha=ALPHA, beta=BETA).time == pytest.approx(
+        ALPHA + nbytes * BETA
+    )
+
+
+def test_hosts_share_a_nic_between_hosts_and_not_inside() -> None:
+    """Two hosts of two ranks: the two ranks of host 0 sending to host 1 share its NIC; inside a host they
+    do not."""
+    intra, inter = LinkCost(0.0, 1e-9), LinkCost(ALPHA, BETA)
+    net = Network.hosts(lambda r: r // 2, intra, inter)
+    nbytes = 100_000
+    ranks = (
+        (Action("send", peer=2, nbytes=nbytes),),
+        (Action("send", peer=3, nbytes=nbytes),),
+        (Action("recv", peer=0, nbytes=nbytes),),
+        (Action("recv", peer=1, nbytes=nbytes),),
+    )
+    out = replay(Plan("nic", ranks), net)
+    assert sorted([out.done[2][0], out.done[3][0]]) == pytest.approx(
+        [nbytes * BETA + ALPHA, 2 * nbytes * BETA + ALPHA], rel=1e-12
+    )
+    local = (
+        (Action("send", peer=1, nbytes=nbytes),),
+        (Action("recv", peer=0, nbytes=nbytes),),
+        (Action("send", peer=3, nbytes=nbytes),),
+        (Action("recv", peer=2, nbytes=nbytes),),
+    )
+    out = replay(Plan("local", local), net)
+    assert out.done[1][0] == out.done[3][0] == pytest.approx(nbytes * 1e-9)
+
+
+def test_lanes_overlap_communication_with_compute() -> None:
+    """Lane 1 sends while lane 0 computes; lane 0's last action waits for the message it depends on."""
+    r0 = (
+        Action("compute", seconds=1.0, label="B2"),
+        Action("send", peer=1, nbytes=10**6, deps=(0,), lane=1),
+        Action("compute", seconds=3.0, label="B1"),
+        Action("compute", seconds=0.5, label="step", deps=(1, 2)),
+    )
+    r1 = (Action("recv", peer=0, nbytes=10**6),)
+    out = replay(Plan("overlap", (r0, r1)), Network.uniform(LinkCost(0.0, 1e-6)), trace=True)
+    assert out.done[0] == pytest.approx([1.0, 2.0, 4.0, 4.5])
+    assert out.busy[0] == pytest.approx(4.5) and out.waiting[0] == pytest.approx(0.0)
+    names = {e["name"] for e in out.chrome_trace()["traceEvents"]}
+    assert {"B2", "B1", "step", "->1 1000000B", "process_name", "thread_name"} <= names
+
+
+@pytest.mark.parametrize(("k", "m"), [(2, 4), (4, 8), (3, 3)])
+def test_pipeline_bubble(k: int, m: int) -> None:
+    """GPipe and 1F1B with uniform stages and free links: makespan (M + K - 1)(F + B), the bubble formula."""
+    for sched in (gpipe(k, m), one_f_one_b(k, m)):
+        out = replay(lower(sched, forward_s=1.0, backward_s=2.0), Network.uniform(LinkCost(0.0, 0.0)))
+        assert out.time == pytest.approx((m + k - 1) * 3.0)
+
+
+def test_a_deadlock_is_an_error_naming_the_rank() -> None:
+    ranks = ((Action("recv", peer=1, nbytes=4), Action("send", peer=1, nbytes=4, deps=(0,))),) * 2
+    with pytest.raises(PlanError, match="deadlock: rank 0"):
+        replay(
+            Plan("stuck", (ranks[0], (Action("recv", peer=0, nbytes=4), Action("send", peer=0, nbytes=4, deps=(0,))))),
+            Network.uniform(LinkCost(0, 0)),
+        )
+
+
+def _model() -> ModelProfile:
+    layers = (
+        LayerCost("fc1", 0.01, 0.02, ("fc1.weight", "fc1.bias"), (4 * 3000 * 700, 4 * 3000)),
+        LayerCost("fc2", 0.01, 0.02, ("fc2.weight", "fc2.bias"), (4 * 10 * 3000, 40)),
+    )
+    return ModelProfile("two-layer", 32, layers, optimizer_s=0.005)
+
+
+def test_the_step_replays_the_runtimes_allreduce_plans() -> None:
+    """No second copy of a schedule: lane 1 of every worker is, bucket by bucket, exactly the runtime's
+    allreduce plan for that bucket (tags offset per call, dependencies renumbered)."""
+    job = StepJob(
+        _model(), workers=3, bucket_bytes=1 << 20, choose=lambda nbytes, n: "tree" if nbytes < 1e6 else "ring"
+    )
+    plan = step_plan(job)
+    buckets = job.buckets()
+    assert len(buckets) == 2
+    for r in range(3):
+        lane1 = [a for a in plan.ranks[r] if a.lane == 1]
+        want = []
+        for k, b in enumerate(buckets):
+            count = b.numel + len(b.params)
+            algorithm = "tree" if count * 4 < 1e6 else "ring"
+            want += [
+                (a.kind, a.peer, a.nbytes, a.tag + k * TAG_STRIDE)
+                for a in allreduce_plan(algorithm, 3, count, 4, aliased=True).ranks[r]
+            ]
+        assert [(a.kind, a.peer, a.nbytes, a.tag) for a in lane1] == want
+    out = replay(plan, Network.uniform(LinkCost(ALPHA, BETA)))
+    assert out.time > _model().compute_s
+
+
+def test_the_step_replays_the_parameter_servers_plans() -> None:
+    job = StepJob(_model(), workers=2, strategy="bsp", servers=2, bucket_bytes=1 << 20, chunk_bytes=1 << 20)
+    plan = step_plan(job)
+    for r in range(2):
+        pushes = [(a.kind, a.peer, a.nbytes) for a in plan.ranks[r] if a.lane == 1]
+        want = []
+        for k, b in enumerate(job.buckets()):
+            chunks = plan_chunks(f"paratrain.torch/bucket{k}", (b.numel,), 4, 2, chunk_bytes=1 << 20)
+            want += [(a.kind, a.peer, a.nbytes) for a in push_actions(chunks, 4, [2, 3])]
+        assert pushes == want
+    out = replay(plan, Network.uniform(LinkCost(ALPHA, BETA)), gamma=1e-10)
+    # every byte of the model goes to the servers and back once per worker
+    assert sum(out.bytes_out[:2]) == 2 * _model().param_bytes
+    assert sum(out.bytes_out[2:]) == 2 * _model().param_bytes
+    assert not math.isnan(out.time)
