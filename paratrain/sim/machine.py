@@ -72,6 +72,9 @@ class LayerCost:
         params: its parameters' qualified names, in ``model.parameters()`` order.
         param_bytes: bytes of each of those parameters.
         output_bytes: bytes of its output activation (what a pipeline cut after it would send).
+        out_features: M of a fully-connected layer (``nn.Linear``), 0 for any other kind; with ``in_features``
+            it lets the simulator cost sufficient-factor broadcasting (:mod:`paratrain.sfb`).
+        in_features: N of a fully-connected layer, 0 otherwise.
     """
 
     name: str
@@ -80,6 +83,8 @@ class LayerCost:
     params: tuple[str, ...] = ()
     param_bytes: tuple[int, ...] = ()
     output_bytes: int = 0
+    out_features: int = 0
+    in_features: int = 0
 
     def __post_init__(self) -> None:
         if len(self.params) != len(self.param_bytes):
@@ -243,6 +248,8 @@ class MachineProfile:
                         params=tuple(layer.get("params", ())),
                         param_bytes=tuple(layer.get("param_bytes", ())),
                         output_bytes=layer.get("output_bytes", 0),
+                        out_features=layer.get("out_features", 0),
+                        in_features=layer.get("in_features", 0),
                     )
                     for layer in v["layers"]
                 )

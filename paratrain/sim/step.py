@@ -15,6 +15,11 @@ pure functions, so a change to bucketing, an allreduce schedule or key sharding 
   :func:`~paratrain.collectives.lower.allreduce_plan` with the algorithm the runtime's ``auto`` policy picks
   (shared memory on one host without an emulated network, the alpha-beta choice with one, the measured
   crossovers otherwise);
+* ``sfb_layers`` (strategies ``sfb`` and ``poseidon:allreduce``): those fully-connected layers are units of
+  their own (``plan_buckets(..., separate=...)``, as the optimizer plans them), each sent as its sufficient
+  factors by :func:`~paratrain.collectives.lower.allgather_plan` (every worker's ``K (M + N)`` rows), and
+  rebuilt on lane 0 at the step by a GEMM over the ``P K`` gathered rows, costed at P times the layer's forward
+  (the same GEMM shape with P times the rows);
 * ``bsp``: each bucket pushed by :func:`~paratrain.ps.plans.push_actions` over the chunks
   :func:`~paratrain.ps.sharding.plan_chunks` cuts (servers are ranks ``W..W+S-1``); after backward, the push
   acknowledgements, :func:`~paratrain.ps.plans.clock_actions`, then one blocking pull per bucket
@@ -31,13 +36,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from paratrain.collectives.lower import allreduce_plan
+from paratrain.collectives.lower import allgather_plan, allreduce_plan
 from paratrain.collectives.shm import plan_args as shm_plan_args
 from paratrain.errors import ConfigError
 from paratrain.plan.ir import Action, Plan
 from paratrain.ps.plans import REPLY, REQUEST, clock_actions, pull_actions, push_actions
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks
-from paratrain.sim.machine import ModelProfile
+from paratrain.sim.machine import LayerCost, ModelProfile
 from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
 
 __all__ = ["STRATEGIES", "TAG_STRIDE", "StepJob", "step_plan"]
@@ -63,6 +68,9 @@ class StepJob:
         overlap: wait-free backprop (buckets start during backward) or not.
         choose: the allreduce policy, ``(nbytes, world_size) -> algorithm`` (what ``algorithm="auto"`` runs).
         itemsize: bytes per gradient element.
+        sfb_layers: names of the layers sent by their sufficient factors (allreduce only); the caller takes them
+            from :func:`paratrain.sfb.choose_schemes`, as the optimizer does.
+        batch_size: rows per worker and step through each layer (K, for SFB).
     """
 
     model: ModelProfile
@@ -74,10 +82,20 @@ class StepJob:
     overlap: bool = True
     choose: Callable[[int, int], str] = dataclasses.field(default=lambda nbytes, n: "ring")
     itemsize: int = 4
+    sfb_layers: tuple[str, ...] = ()
+    batch_size: int = 0
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"the simulator composes {', '.join(STRATEGIES)}, not {self.strategy!r}")
+        if self.sfb_layers and self.strategy != "allreduce":
+            raise ConfigError("the simulator sends SFB layers beside allreduce only (poseidon:allreduce, sfb)")
+        known = {layer.name: layer for layer in self.model.layers}
+        for name in self.sfb_layers:
+            if name not in known or not known[name].out_features:
+                raise ConfigError(f"SFB needs a profiled fully-connected layer; {name!r} is not one")
+        if self.sfb_layers and self.batch_size < 1:
+            raise ConfigError("SFB layers need batch_size (rows per worker and step)")
         if self.workers < 1 or (self.strategy == "bsp" and self.servers < 1):
             raise ConfigError(f"need at least one worker (and one server for bsp), got {self.workers}/{self.servers}")
 
@@ -93,7 +111,17 @@ class StepJob:
             for layer in self.model.layers
             for nbytes in layer.param_bytes
         ]
-        return plan_buckets(infos, self.bucket_bytes)
+        separate, index = [], 0
+        for layer in self.model.layers:
+            if layer.name in self.sfb_layers:
+                separate.append(tuple(range(index, index + len(layer.param_bytes))))
+            index += len(layer.param_bytes)
+        return plan_buckets(infos, self.bucket_bytes, separate=separate)
+
+    def sfb_layer(self, bucket: Bucket) -> LayerCost:
+        """The layer an SFB unit carries."""
+        names = [layer.name for layer in self.model.layers if layer.name in self.sfb_layers]
+        return next(layer for layer in self.model.layers if layer.name == names[bucket.group])
 
 
 class _Rank:
@@ -151,7 +179,17 @@ def _allreduce_ranks(job: StepJob) -> list[_Rank]:
     ranks = [_Rank() for _ in range(n)]
     ends: list[list[int]] = [[] for _ in range(n)]
     launches = [_backward(rank, job) for rank in ranks]
+    rebuild: list[list[tuple[int, float, str]]] = [[] for _ in range(n)]  # SFB: (allgather's end, GEMM s, name)
     for k, bucket in enumerate(buckets):
+        if bucket.group >= 0:  # an SFB unit: every worker's rows, gathered
+            layer = job.sfb_layer(bucket)
+            rows = job.batch_size * (layer.out_features + layer.in_features)
+            plan = allgather_plan(n, tuple((r * rows, (r + 1) * rows) for r in range(n)), job.itemsize)
+            for r in range(n):
+                part = ranks[r].part(plan.ranks[r], lane=1, tag=k * TAG_STRIDE, after=[launches[r][k]])
+                ends[r] += part
+                rebuild[r].append((part[-1], layer.forward_s * n, layer.name))
+            continue
         count = bucket.numel + len(bucket.params)  # the gradients and one used-flag per parameter
         algorithm = job.choose(count * job.itemsize, n) if n > 1 else "none"
         if algorithm == "none":
@@ -169,6 +207,8 @@ def _allreduce_ranks(job: StepJob) -> list[_Rank]:
     for r, rank in enumerate(ranks):
         last = len(rank.actions) - 1
         rank.add(Action("compute", seconds=0.0, label="synchronize", deps=tuple(sorted({last, *ends[r]}))))
+        for _, seconds, name in rebuild[r]:
+            rank.add(Action("compute", seconds=seconds, label=f"SFB rebuild {name}"))
         rank.add(Action("compute", seconds=job.model.optimizer_s, label="optimizer"))
     return ranks
 

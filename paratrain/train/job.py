@@ -103,6 +103,7 @@ class TrainJob(argparse.Namespace):
     layer_scheme: list[str] | None = None  # hybrid strategies: LAYER=SCHEME overrides of the cost model
     compression: str | None = None  # gradient compression of allreduce / the parameter servers
     steps_per_epoch: int = 0  # cut epochs to this many steps (0: whole epochs)
+    bucket_bytes: int | None = None  # fusion size of DistributedOptimizer's buckets (None: its default)
 
     def reporting_rank(self) -> int:
         """The rank whose metrics are the job's loss and accuracy: rank 0, or for a pipeline the last stage of
@@ -361,6 +362,8 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
         argv += ["--layer-scheme", item]
     if job.compression:
         argv += ["--compression", job.compression]
+    if getattr(job, "bucket_bytes", None):
+        argv += ["--bucket-bytes", str(job.bucket_bytes)]
     if job.steps_per_epoch:
         argv += ["--steps-per-epoch", str(job.steps_per_epoch)]
     if job.eval_every:

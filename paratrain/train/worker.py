@@ -37,6 +37,20 @@ CHECKPOINT_EVERY = 10
 PROBE_EXAMPLES = 2000
 
 
+def _byte_size(text: str) -> int:
+    """``"4MiB"``, ``"512KiB"``, ``"1MB"``, ``"262144"`` -> bytes (for ``--bucket-bytes``)."""
+    units = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2, "gb": 1000**3, "gib": 1024**3}
+    value = text.strip().lower()
+    number = value.rstrip("abgikm")
+    try:
+        size = int(float(number) * units[value[len(number) :]])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 4MiB, 512KiB or 262144") from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"the size must be positive, got {text!r}")
+    return size
+
+
 def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True) -> None:
     """The options a training rank needs (shared with ``paratrain train``; ``compare`` has its ``--strategies``)."""
     parser.add_argument(
@@ -87,6 +101,14 @@ def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True)
         action="store_true",
         help="no wait-free backprop: send gradients in step() after backward (gossip: a step's parameters in the "
         "next step()), to measure what overlap saves",
+    )
+    parser.add_argument(
+        "--bucket-bytes",
+        type=_byte_size,
+        default=None,
+        metavar="SIZE",
+        help="fusion size of the gradient buckets, e.g. 1MiB or 262144 (default 4MiB; `paratrain plan` predicts the "
+        "best for a model and network)",
     )
     parser.add_argument(
         "--compression",
@@ -207,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         overlap=not args.no_overlap,
         reliable=reliable,
         compression=args.compression,
+        **({"bucket_bytes": args.bucket_bytes} if getattr(args, "bucket_bytes", None) else {}),
         **({"batch_size": args.batch_size, "layer_schemes": parse_layer_schemes(args.layer_scheme)} if hybrid else {}),
     )
     if dopt.hybrid_plan is not None and ctx.rank == 0:

@@ -152,3 +152,30 @@ def test_the_step_replays_the_parameter_servers_plans() -> None:
     assert sum(out.bytes_out[:2]) == 2 * _model().param_bytes
     assert sum(out.bytes_out[2:]) == 2 * _model().param_bytes
     assert not math.isnan(out.time)
+
+
+def test_sfb_layers_travel_as_the_runtimes_allgather_of_their_factors() -> None:
+    """An SFB layer is a unit of its own (plan_buckets' separate=), sent by the allgather plan of every worker's
+    K (M + N) rows, and rebuilt at the step; the rest keeps its allreduce."""
+    from paratrain.collectives.lower import allgather_plan
+
+    layers = (
+        LayerCost(
+            "fc1", 0.01, 0.02, ("fc1.weight", "fc1.bias"), (4 * 300 * 70, 4 * 300), out_features=300, in_features=70
+        ),
+        LayerCost(
+            "out", 0.001, 0.002, ("out.weight", "out.bias"), (4 * 10 * 300, 40), out_features=10, in_features=300
+        ),
+    )
+    model = ModelProfile("mlp", 16, layers, optimizer_s=0.001)
+    job = StepJob(model, workers=3, sfb_layers=("fc1",), batch_size=16, choose=lambda nbytes, n: "ring")
+    plan = step_plan(job)
+    units = job.buckets()
+    k = next(i for i, b in enumerate(units) if b.group == 0)
+    rows = 16 * (300 + 70)
+    want = allgather_plan(3, tuple((r * rows, (r + 1) * rows) for r in range(3)), 4).ranks[1]
+    got = [a for a in plan.ranks[1] if a.lane == 1 and a.tag // TAG_STRIDE == k]
+    assert [(a.kind, a.peer, a.nbytes) for a in got] == [(a.kind, a.peer, a.nbytes) for a in want]
+    assert [a.label for a in plan.ranks[1] if a.label.startswith("SFB")] == ["SFB rebuild fc1"]
+    out = replay(plan, Network.uniform(LinkCost(ALPHA, BETA)))
+    assert out.bytes_out[1] == sum(a.nbytes for a in plan.ranks[1] if a.kind == "send")

@@ -1,0 +1,250 @@
+"""Predicting a job's step time from a machine profile: the network and policies the runtime would use, the step
+plan, the replay; and the plain alpha-beta formula, to show what the replay adds.
+
+:func:`predict` mirrors the runtime's choices for a job on the profiled machine (what
+:mod:`paratrain.runtime.group` decides): on one host without an emulated network, allreduce goes through
+shared memory; with one (``bandwidth``/``latency``, the fault injector), every rank is a node with a link of
+its own and ``auto`` picks by the alpha-beta model of that link; across hosts, ranks share their host's NIC.
+The compute is the model profile measured with as many processes at once as the job has workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from paratrain.collectives.policy import default_allreduce_choice, network_allreduce_choice
+from paratrain.sim.engine import Network, Replay, replay
+from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
+from paratrain.sim.step import StepJob, step_plan
+from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES
+
+__all__ = ["Prediction", "alpha_beta_step", "describe", "hybrid_layers", "network_for", "predict"]
+
+
+@dataclass
+class Prediction:
+    """A predicted step.
+
+    Attributes:
+        step_s: seconds of one step (the slowest worker's).
+        compute_s: the model's compute per step with no communication.
+        replay: the replay (per-rank busy and waiting time, bytes, trace spans).
+        job: what was simulated.
+        algorithms: the allreduce algorithm each bucket used (allreduce jobs).
+    """
+
+    step_s: float
+    compute_s: float
+    replay: Replay
+    job: StepJob
+    algorithms: list[str] = field(default_factory=list)
+
+    @property
+    def comm_wait_s(self) -> float:
+        """Seconds per step the slowest worker's training loop stood waiting."""
+        return max(self.replay.waiting[: self.job.workers], default=0.0)
+
+
+def network_for(
+    profile: MachineProfile,
+    *,
+    world_size: int,
+    bandwidth: float | None = None,
+    latency: float = 0.0,
+    hosts: int = 1,
+) -> tuple[Network, Callable[[int, int], str]]:
+    """The network and the allreduce policy the runtime would have for this job (see the module docstring).
+
+    Args:
+        profile: the machine (its ``ipc``, ``tcp``, ``shm`` paths).
+        world_size: ranks of the job (workers and servers).
+        bandwidth: the fault injector's per-node bandwidth in bytes/s (None: not emulated).
+        latency: the fault injector's one-way latency in seconds.
+        hosts: hosts the ranks are spread over (block placement).
+
+    Raises:
+        ConfigError: the profile lacks a path the job needs.
+    """
+    shm_alpha = profile.paths["shm"].alpha if "shm" in profile.paths else 0.0
+    emulated = bandwidth is not None or latency > 0
+    if emulated:
+        base = profile.path("ipc" if hosts == 1 else "tcp")
+        link = LinkCost(base.alpha + latency, base.beta + (1.0 / bandwidth if bandwidth else 0.0))
+        return Network.uniform(link, shm_alpha=shm_alpha), network_allreduce_choice(latency, bandwidth)
+    if hosts == 1:
+        link = profile.path("ipc")
+        return Network.uniform(link, shm_alpha=shm_alpha), lambda nbytes, n: "shm"
+    per_host = -(-world_size // hosts)
+    network = Network.hosts(
+        lambda r: r // per_host,
+        profile.path(profile.cluster.intra),
+        profile.path(profile.cluster.inter),
+        shm_alpha=shm_alpha,
+    )
+    return network, default_allreduce_choice
+
+
+def predict(
+    profile: MachineProfile,
+    model: str | ModelProfile,
+    *,
+    workers: int,
+    strategy: str = "allreduce",
+    servers: int = 1,
+    batch_size: int = 64,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    overlap: bool = True,
+    bandwidth: float | None = None,
+    latency: float = 0.0,
+    hosts: int = 1,
+    algorithm: str = "auto",
+    slowdown: list[float] | None = None,
+    trace: bool = False,
+) -> Prediction:
+    """Predicts one step of a data-parallel job on the profiled machine.
+
+    Args:
+        profile: the machine profile (``paratrain profile``).
+        model: a profiled model's name (looked up at ``batch_size`` with ``workers`` processes at once) or a
+            model profile.
+        workers, strategy, servers, bucket_bytes, overlap: the job (as ``paratrain train`` takes them).
+        bandwidth, latency: the emulated network (bytes/s, seconds), as ``--bandwidth``/``--latency``.
+        hosts: hosts the ranks are spread over.
+        algorithm: ``"auto"`` (the runtime's policy) or one allreduce algorithm for every bucket.
+        slowdown: per rank, how much slower its compute runs (stragglers).
+        trace: keep the replay's Chrome-trace spans.
+
+    Raises:
+        ConfigError: the profile lacks the model or a path.
+    """
+    model_profile = profile.model(model, batch_size, workers) if isinstance(model, str) else model
+    world = workers + (servers if strategy == "bsp" else 0)
+    network, choose = network_for(profile, world_size=world, bandwidth=bandwidth, latency=latency, hosts=hosts)
+    if algorithm != "auto":
+        fixed = algorithm
+        choose = lambda nbytes, n: fixed  # noqa: E731
+    sfb_layers: tuple[str, ...] = ()
+    if strategy in ("sfb", "poseidon:allreduce"):
+        sfb_layers = hybrid_layers(
+            model_profile,
+            strategy,
+            workers=workers,
+            batch_size=batch_size,
+            bandwidth=bandwidth,
+            latency=latency,
+            choose=choose,
+        )
+        strategy = "allreduce"
+    used: list[str] = []
+
+    def recorded(nbytes: int, n: int) -> str:
+        name = choose(nbytes, n)
+        used.append(name)
+        return name
+
+    job = StepJob(
+        model_profile,
+        workers=workers,
+        strategy=strategy,
+        servers=servers,
+        bucket_bytes=bucket_bytes,
+        overlap=overlap,
+        choose=recorded,
+        sfb_layers=sfb_layers,
+        batch_size=batch_size,
+    )
+    plan = step_plan(job)
+    slow = None if slowdown is None else list(slowdown) + [1.0] * (plan.world_size - len(slowdown))
+    out = replay(plan, network, gamma=profile.gamma, copy=profile.copy, slowdown=slow, trace=trace, validate=False)
+    step = max(out.finish[:workers])
+    return Prediction(step_s=step, compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
+
+
+def hybrid_layers(
+    model: ModelProfile,
+    strategy: str,
+    *,
+    workers: int,
+    batch_size: int,
+    bandwidth: float | None,
+    latency: float,
+    choose: Callable[[int, int], str],
+) -> tuple[str, ...]:
+    """The layers a hybrid strategy sends by SFB: every fully-connected one for ``sfb``; for ``poseidon:allreduce``
+    those :func:`paratrain.sfb.choose_schemes` picks with the job's numbers, as the optimizer asks it."""
+    from paratrain.sfb.cost import LayerShape, choose_schemes
+
+    linear = [layer for layer in model.layers if layer.out_features]
+    if strategy == "sfb":
+        return tuple(layer.name for layer in linear)
+    shapes = [
+        LayerShape.linear(layer.name, layer.out_features, layer.in_features, bias=len(layer.param_bytes) > 1)
+        if layer.out_features
+        else LayerShape(layer.name, max(1, sum(layer.param_bytes) // 4))
+        for layer in model.layers
+    ]
+    plan = choose_schemes(
+        shapes,
+        workers=workers,
+        batch=batch_size,
+        dense="allreduce",
+        latency=latency,
+        bandwidth=bandwidth,
+        allreduce_algorithm=choose,
+    )
+    return tuple(c.layer.name for c in plan.choices if c.scheme == "sfb")
+
+
+def alpha_beta_step(
+    profile: MachineProfile,
+    model: ModelProfile,
+    *,
+    workers: int,
+    strategy: str = "allreduce",
+    servers: int = 1,
+    bandwidth: float | None = None,
+    latency: float = 0.0,
+) -> float:
+    """The plain formula a back-of-the-envelope estimate uses: compute, plus the model's bytes through the
+    textbook cost with no overlap, no buckets, no contention model beyond the obvious, no agreement::
+
+        allreduce (ring)   compute + 2 (W-1) (alpha + n / (W b))
+        parameter server   compute + 2 (alpha + W n / (S b))     (every worker's n through S server links)
+
+    with ``n`` the model's bytes and (alpha, 1/b) the link's. What :func:`predict` improves on.
+    """
+    if bandwidth is not None or latency > 0:
+        base = profile.path("ipc")
+        alpha = base.alpha + latency
+        beta = base.beta + (1.0 / bandwidth if bandwidth else 0.0)
+    else:
+        link = profile.path("shm" if "shm" in profile.paths else "ipc")
+        alpha, beta = link.alpha, link.beta
+    n = model.param_bytes
+    if strategy == "bsp":
+        comm = 2 * (alpha + workers * n * beta / servers)
+    elif workers > 1:
+        comm = 2 * (workers - 1) * (alpha + n * beta / workers)
+    else:
+        comm = 0.0
+    return model.compute_s + comm
+
+
+def describe(prediction: Prediction) -> dict[str, Any]:
+    """A JSON-ready summary of a prediction."""
+    job = prediction.job
+    return {
+        "strategy": job.strategy + ("+sfb" if job.sfb_layers else ""),
+        "sfb_layers": list(job.sfb_layers),
+        "workers": job.workers,
+        "servers": job.servers if job.strategy == "bsp" else 0,
+        "bucket_bytes": job.bucket_bytes,
+        "overlap": job.overlap,
+        "step_s": prediction.step_s,
+        "compute_s": prediction.compute_s,
+        "comm_wait_s": prediction.comm_wait_s,
+        "bytes_out": prediction.replay.bytes_out,
+        "algorithms": sorted(set(prediction.algorithms)),
+    }
