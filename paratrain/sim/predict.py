@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paratrain.collectives.policy import default_allreduce_choice, network_allreduce_choice
+from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.engine import Network, Replay, replay
 from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
 from paratrain.sim.step import StepJob, step_plan
-from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES
 
 __all__ = ["Prediction", "alpha_beta_step", "describe", "hybrid_layers", "network_for", "predict"]
 

@@ -8,8 +8,8 @@ pure functions, so a change to bucketing, an allreduce schedule or key sharding 
     lane 1 (background)                               bucket 0's collective | bucket 1's | ...
                                                       ^ starts after the B that completes it (LaunchOrder)
 
-* buckets: :func:`~paratrain.torch.buckets.plan_buckets` over the profiled parameters (registration order =
-  the layers' forward order), started in :class:`~paratrain.torch.buckets.LaunchOrder` as backward produces
+* buckets: :func:`~paratrain.fusion.buckets.plan_buckets` over the profiled parameters (registration order =
+  the layers' forward order), started in :class:`~paratrain.fusion.buckets.LaunchOrder` as backward produces
   them (or all after backward with ``overlap=False``);
 * ``allreduce``: each bucket (gradients + one used-flag per parameter) by
   :func:`~paratrain.collectives.lower.allreduce_plan` with the algorithm the runtime's ``auto`` policy picks
@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from paratrain.collectives.lower import allgather_plan, allreduce_plan
 from paratrain.collectives.shm import plan_args as shm_plan_args
 from paratrain.errors import ConfigError
+from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
 from paratrain.plan.ir import Action, Plan
 from paratrain.ps.plans import REPLY, REQUEST, clock_actions, pull_actions, push_actions
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks
 from paratrain.sim.machine import LayerCost, ModelProfile
-from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
 
 __all__ = ["STRATEGIES", "TAG_STRIDE", "StepJob", "step_plan"]
 

@@ -24,8 +24,8 @@ Example:
 
 from __future__ import annotations
 
+from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES, Bucket, ParamInfo, plan_buckets
 from paratrain.torch.broadcast import broadcast_parameters
-from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES, Bucket, ParamInfo, plan_buckets
 from paratrain.torch.data import Shard, ShardSampler, shard, shard_indices
 from paratrain.torch.optimizer import DistributedOptimizer
 from paratrain.torch.strategies import STRATEGIES, StrategySpec, parse_strategy

@@ -1,6 +1,6 @@
 """Fusion buffers: one preallocated flat tensor per bucket, with the parameters' gradients living inside it.
 
-A :class:`FusedBucket` owns a 1-D CPU buffer laid out by its :class:`~paratrain.torch.buckets.Bucket`::
+A :class:`FusedBucket` owns a 1-D CPU buffer laid out by its :class:`~paratrain.fusion.buckets.Bucket`::
 
     buffer   | grad p5 (flat) | grad p4 (flat) | ... | used p5 | used p4 | ... |
              '------------- bucket.numel --------------'---- one flag each ---'
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from paratrain.torch.buckets import Bucket
+from paratrain.fusion.buckets import Bucket
 
 __all__ = ["FusedBucket"]
 

@@ -3,7 +3,7 @@
 The plan (:func:`paratrain.sfb.choose_schemes`) says which ``nn.Linear`` layers travel as sufficient factors
 (:class:`~paratrain.torch.sfb.SfbLayer`); every other parameter is fused into buckets as usual and handed to the
 dense strategy, allreduce or the parameter server. One launch order covers both kinds of unit
-(:func:`~paratrain.torch.buckets.plan_buckets` with ``separate=``), so every rank starts them in the same order
+(:func:`~paratrain.fusion.buckets.plan_buckets` with ``separate=``), so every rank starts them in the same order
 while backward runs (wait-free backprop for both).
 
 Update rule, in one place:

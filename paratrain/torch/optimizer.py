@@ -38,13 +38,13 @@ import torch
 
 from paratrain.compression import Compressor, parse_compression
 from paratrain.errors import ConfigError
+from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
 from paratrain.launch.kills import kill_point
 from paratrain.recovery.reliable import RegroupedError, Reliable
 from paratrain.runtime.context import Context, current
 from paratrain.sfb.cost import HybridPlan
 from paratrain.strategy import StrategySpec, parse_strategy
 from paratrain.torch.broadcast import broadcast_parameters
-from paratrain.torch.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
 from paratrain.torch.compressed import CompressedAllreduceStrategy
 from paratrain.torch.fusion import FusedBucket
 from paratrain.torch.hooks import GradientHooks
@@ -101,7 +101,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         strategy: ``"allreduce"``, ``"bsp"``, ``"ssp:S"``, ``"asp"`` or ``"gossip:TOPOLOGY"``.
         bucket_bytes: fusion threshold: gradients are sent in flat buckets of at most this many bytes (a larger
             parameter gets a bucket of its own). Smaller buckets start earlier and overlap more of backward but
-            pay one message latency each; see :data:`~paratrain.torch.buckets.DEFAULT_BUCKET_BYTES`.
+            pay one message latency each; see :data:`~paratrain.fusion.buckets.DEFAULT_BUCKET_BYTES`.
         context: the paratrain context (default: the current one).
         topology: with ``strategy="gossip"``: the graph as an object rather than a name, i.e. a list of edges
             ``[(0, 1), (1, 2), ...]``, a networkx graph, or a NumPy mixing matrix ``W`` (validated).

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from paratrain.errors import ConfigError  # noqa: E402
-from paratrain.torch.buckets import Bucket, LaunchOrder, ParamInfo, plan_buckets  # noqa: E402
+from paratrain.fusion.buckets import Bucket, LaunchOrder, ParamInfo, plan_buckets  # noqa: E402
 from paratrain.torch.strategies import StrategySpec, parse_strategy, server_optimizer_spec  # noqa: E402
 
 F32 = "torch.float32@cpu"
