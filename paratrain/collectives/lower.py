@@ -19,6 +19,7 @@ Buffers: ``"src"`` (what this rank contributes; the root's data in a broadcast),
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -39,9 +40,12 @@ from paratrain.plan.ir import Action, Plan, PlanBuilder, Received, Slice
 
 __all__ = [
     "SEGMENT_BYTES",
+    "PlanParts",
     "agreement_into",
     "agreement_plan",
+    "allgather_parts",
     "allgather_plan",
+    "allreduce_parts",
     "allreduce_plan",
     "barrier_into",
     "barrier_plan",
@@ -303,6 +307,30 @@ def world_plan(name: str, n: int, part: RankPart, *, aliased: bool = False) -> P
     return Plan(name, tuple(ranks))
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanParts:
+    """A plan described rank by rank and built on demand: ``rank(r)`` costs only rank r's actions.
+
+    A ring over N ranks has O(N) actions per rank and O(N^2) in all; the simulator replays a symmetric plan from
+    one rank's actions (:func:`paratrain.sim.engine.replay_symmetric`), so at 1024 ranks it never builds the rest.
+    """
+
+    name: str
+    n: int
+    part: RankPart
+    aliased: bool = False
+
+    def rank(self, r: int) -> tuple[Action, ...]:
+        """Rank ``r``'s actions."""
+        b = PlanBuilder(aliased=self.aliased)
+        self.part(b, r)
+        return b.actions
+
+    def plan(self) -> Plan:
+        """Every rank's actions."""
+        return world_plan(self.name, self.n, self.part, aliased=self.aliased)
+
+
 def _with_agreement(agreement: bool, n: int, body: RankPart) -> RankPart:
     def part(b: PlanBuilder, rank: int) -> None:
         if agreement:
@@ -312,8 +340,7 @@ def _with_agreement(agreement: bool, n: int, body: RankPart) -> RankPart:
     return part
 
 
-@functools.lru_cache(maxsize=256)
-def allreduce_plan(
+def allreduce_parts(
     algorithm: str,
     n: int,
     count: int,
@@ -324,14 +351,14 @@ def allreduce_plan(
     hosts: tuple[str, ...] | None = None,
     shm: tuple[int, int, int] | None = None,
     agreement: bool = True,
-) -> Plan:
-    """The plan of one allreduce call of ``count`` items per rank: the agreement (unless ``agreement`` is
-    False; ``"direct"`` carries its data in it, ``"shm"`` folds it into its first synchronisation), then the
-    algorithm (``"ring"``, ``"tree"``, ``"direct"``, ``"hierarchical"`` with ``hosts``, ``"shm"`` with
-    ``shm=(block_items, align, small_bytes)`` of the group).
+) -> PlanParts:
+    """One allreduce call of ``count`` items per rank, a rank at a time (see :class:`PlanParts`): the agreement
+    (unless ``agreement`` is False; ``"direct"`` carries its data in it, ``"shm"`` folds it into its first
+    synchronisation), then the algorithm (``"ring"``, ``"tree"``, ``"direct"``, ``"hierarchical"`` with
+    ``hosts``, ``"shm"`` with ``shm=(block_items, align, small_bytes)`` of the group).
 
     Example:
-        >>> p = allreduce_plan("ring", 2, 4, 8, agreement=False)
+        >>> p = allreduce_parts("ring", 2, 4, 8, agreement=False).plan()
         >>> p.sends(0)
         [Message(src=0, dst=1, tag=0, nbytes=16), Message(src=0, dst=1, tag=0, nbytes=16)]
     """
@@ -384,7 +411,39 @@ def allreduce_plan(
 
     else:
         raise ValueError(f"no plan for allreduce algorithm {algorithm!r}")
-    return world_plan(f"allreduce/{algorithm}", n, _with_agreement(agreement, n, body), aliased=aliased)
+    return PlanParts(f"allreduce/{algorithm}", n, _with_agreement(agreement, n, body), aliased=aliased)
+
+
+@functools.lru_cache(maxsize=256)
+def allreduce_plan(
+    algorithm: str,
+    n: int,
+    count: int,
+    itemsize: int,
+    *,
+    aliased: bool = False,
+    segment_bytes: int | None = None,
+    hosts: tuple[str, ...] | None = None,
+    shm: tuple[int, int, int] | None = None,
+    agreement: bool = True,
+) -> Plan:
+    """The whole plan of one allreduce call (every rank's actions; see :func:`allreduce_parts`).
+
+    Example:
+        >>> allreduce_plan("ring", 2, 4, 8, agreement=False).sends(0)
+        [Message(src=0, dst=1, tag=0, nbytes=16), Message(src=0, dst=1, tag=0, nbytes=16)]
+    """
+    return allreduce_parts(
+        algorithm,
+        n,
+        count,
+        itemsize,
+        aliased=aliased,
+        segment_bytes=segment_bytes,
+        hosts=hosts,
+        shm=shm,
+        agreement=agreement,
+    ).plan()
 
 
 @functools.lru_cache(maxsize=256)
@@ -471,6 +530,31 @@ def _ring_plan(
     aliased: bool,
     agreement: bool,
 ) -> Plan:
+    return _ring_parts(kind, n, bounds, itemsize, segment_bytes, aliased=aliased, agreement=agreement).plan()
+
+
+def allgather_parts(
+    n: int,
+    bounds: tuple[tuple[int, int], ...],
+    itemsize: int,
+    *,
+    segment_bytes: int | None = None,
+    agreement: bool = True,
+) -> PlanParts:
+    """:func:`allgather_plan` a rank at a time (see :class:`PlanParts`)."""
+    return _ring_parts("allgather", n, bounds, itemsize, segment_bytes, aliased=True, agreement=agreement)
+
+
+def _ring_parts(
+    kind: str,
+    n: int,
+    bounds: tuple[tuple[int, int], ...],
+    itemsize: int,
+    segment_bytes: int | None,
+    *,
+    aliased: bool,
+    agreement: bool,
+) -> PlanParts:
     segment = segment_items(itemsize, segment_bytes)
     gather = kind == "allgather"
 
@@ -487,7 +571,7 @@ def _ring_plan(
             src="dst" if gather else "src",
         )
 
-    return world_plan(f"{kind}/ring", n, _with_agreement(agreement, n, body), aliased=aliased)
+    return PlanParts(f"{kind}/ring", n, _with_agreement(agreement, n, body), aliased=aliased)
 
 
 @functools.lru_cache(maxsize=64)

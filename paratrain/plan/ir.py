@@ -32,6 +32,7 @@ same plan serves the executor (which needs items) and the cost model (which need
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -246,6 +247,10 @@ class PlanBuilder:
         self.members: Sequence[int] | None = members
         self._actions: list[Action] = []
         self._reading: dict[int, Slice] = {}  # sends not yet depended upon -> the memory they read
+        # the same, by memory (buffer, index) and sorted by start, with the longest slice per memory, so that a
+        # write finds the sends it overlaps without scanning all of them (a ring over N ranks has O(N) live sends)
+        self._reading_at: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+        self._longest: dict[tuple[str, int], int] = {}
         self._fence: set[int] = set()
 
     def _peer(self, peer: int) -> int:
@@ -277,11 +282,32 @@ class PlanBuilder:
             if isinstance(operand, Received):
                 deps.add(operand.action)
         if writes is not None:
-            for i, memory in list(self._reading.items()):
-                if memory.overlaps(writes, aliased=self.aliased):
-                    deps.add(i)
-                    del self._reading[i]
+            key = self._memory(writes)
+            entries = self._reading_at.get(key)
+            if entries:
+                hi = bisect.bisect_left(entries, (writes.stop, -1, -1))  # entries starting before the write ends
+                lo = hi
+                reach = writes.start - self._longest[key]  # an entry starting at or before this ends before it
+                while lo > 0 and entries[lo - 1][0] > reach:
+                    lo -= 1
+                hit = [e for e in entries[lo:hi] if writes.start < e[1]]  # and e[0] < writes.stop, by hi
+                for entry in hit:
+                    deps.add(entry[2])
+                    del self._reading[entry[2]]
+                if hit:
+                    entries[lo:hi] = [e for e in entries[lo:hi] if e not in hit]
         return tuple(sorted(deps))
+
+    def _memory(self, memory: Slice) -> tuple[str, int]:
+        name = "src" if self.aliased and memory.buffer in ("src", "dst") else memory.buffer
+        return name, memory.index
+
+    def _reads(self, index: int, memory: Slice) -> None:
+        """Records that send ``index`` reads ``memory`` until some write depends on it."""
+        self._reading[index] = memory
+        key = self._memory(memory)
+        bisect.insort(self._reading_at.setdefault(key, []), (memory.start, memory.stop, index))
+        self._longest[key] = max(self._longest.get(key, 0), memory.stop - memory.start)
 
     def send(
         self,
@@ -310,7 +336,7 @@ class PlanBuilder:
             )
         )
         if isinstance(data, Slice):
-            self._reading[index] = data
+            self._reads(index, data)
         return index
 
     def message(
@@ -339,7 +365,7 @@ class PlanBuilder:
             )
         )
         if kind == "send" and isinstance(data, Slice):
-            self._reading[index] = data
+            self._reads(index, data)
         return index
 
     def compute(self, label: str, *, seconds: float = 0.0, deps: Sequence[int] = ()) -> int:

@@ -129,6 +129,7 @@ def replay(
     slowdown: Sequence[float] | None = None,
     trace: bool = False,
     validate: bool = True,
+    symmetric: int | None = None,
 ) -> Replay:
     """Replays ``plan`` on ``network`` under the model of the module docstring.
 
@@ -140,6 +141,12 @@ def replay(
         slowdown: per rank, the factor its ``compute`` actions take longer (1 = nominal).
         trace: also record Chrome-trace spans.
         validate: check the plan first (off for plans built by trusted composers, to save time at scale).
+        symmetric: the world size N of a plan given by rank 0's actions alone, every rank r's being rank 0's
+            with peers shifted by r (a ring, "direct", the agreement; a data-parallel step over them), on a
+            network where every rank's links are alike. Then every rank lives the same timeline, so rank 0's
+            k-th receive from peer p (tag t) is the image of its own k-th send to -p mod N (tag t), and its
+            ingress queue sees the images of its own sends: one rank's replay is exact for all, in O(its
+            actions) instead of O(N x its actions) (a 1024-rank ring step in a fraction of a second).
 
     Raises:
         PlanError: the plan is malformed or deadlocks (some action waits for something that never happens).
@@ -154,8 +161,10 @@ def replay(
         >>> out.finish, out.waiting
         ([3.5, 4.5], [0.0, 3.5])
     """
-    if validate:
+    if validate and symmetric is None:
         plan.validate()
+    if symmetric is not None and plan.world_size != 1:
+        raise PlanError(f"{plan.name}: a symmetric replay takes rank 0's actions only, got {plan.world_size} ranks")
     n = plan.world_size
     slow = list(slowdown) if slowdown is not None else [1.0] * n
     if len(slow) != n:
@@ -181,6 +190,7 @@ def replay(
             seq += 1
     heapq.heapify(heap)
     waiters: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    scanned: dict[tuple[int, int], int] = {}  # (rank, action) -> how many of its deps are known complete
     arrived: dict[tuple[int, int, int], deque[float]] = {}
     posted: dict[tuple[int, int, int], deque[tuple[int, int]]] = {}
     signals: dict[int, dict[int, float]] = {}  # tag -> rank -> when signalled
@@ -220,12 +230,17 @@ def replay(
         while cursor[key] < len(order):
             i = order[cursor[key]]
             a = actions[i]
-            blocked = next((d for d in a.deps if done[r][d] < 0), None)
-            if blocked is not None:
-                waiters.setdefault((r, blocked), []).append(key)
+            deps, pos = a.deps, scanned.get((r, i), 0)  # deps only ever complete: resume the scan where it stopped
+            while pos < len(deps) and done[r][deps[pos]] >= 0:
+                pos += 1
+            if pos < len(deps):
+                scanned[(r, i)] = pos
+                waiters.setdefault((r, deps[pos]), []).append(key)
                 break
             ready = max([clock[key], *(done[r][d] for d in a.deps)])
-            if a.kind == "wait":
+            if a.kind == "wait" and symmetric is not None:  # every other rank signalled when this one did
+                ready = max(ready, signals.get(a.tag, {}).get(r, ready) + network.shm_alpha)
+            elif a.kind == "wait":
                 tag_signals = signals.get(a.tag, {})
                 if len(tag_signals) < n - 1 + (r in tag_signals):
                     sig_waiters.setdefault(a.tag, []).append(key)
@@ -243,6 +258,8 @@ def replay(
             kind = a.kind
             if kind == "send":
                 link, out_q, in_q = network.route(r, a.peer)
+                if symmetric is not None:
+                    in_q = ("in", r)  # the image of this message arrives here
                 tx = a.nbytes * link.beta
                 begin = max(ready, egress.get(out_q, 0.0))
                 egress[out_q] = begin + tx
@@ -253,7 +270,7 @@ def replay(
                 bytes_out[r] += a.nbytes
                 if trace:
                     span(r, "network", f"->{a.peer} {a.nbytes}B", begin, visible)
-                mkey = (r, a.peer, a.tag)
+                mkey = (r, a.peer, a.tag) if symmetric is None else ((-a.peer) % symmetric, r, a.tag)
                 waiting_recvs = posted.get(mkey)
                 if waiting_recvs:
                     r2, i2 = waiting_recvs.popleft()
@@ -274,7 +291,7 @@ def replay(
                 signals.setdefault(a.tag, {})[r] = ready
                 clock[key] = ready
                 complete(r, i, ready)
-                if len(signals[a.tag]) >= n - 1:
+                if symmetric is None and len(signals[a.tag]) >= n - 1:
                     for r2, lane2 in sig_waiters.pop(a.tag, ()):
                         heapq.heappush(heap, (max(ready, clock[(r2, lane2)]), seq, r2, lane2))
                         seq += 1

@@ -36,7 +36,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from paratrain.collectives.lower import allgather_plan, allreduce_plan
+from paratrain.collectives.lower import allgather_parts, allreduce_parts
 from paratrain.collectives.shm import plan_args as shm_plan_args
 from paratrain.errors import ConfigError
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
@@ -45,7 +45,7 @@ from paratrain.ps.plans import REPLY, REQUEST, clock_actions, pull_actions, push
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks
 from paratrain.sim.machine import LayerCost, ModelProfile
 
-__all__ = ["STRATEGIES", "TAG_STRIDE", "StepJob", "step_plan"]
+__all__ = ["STRATEGIES", "TAG_STRIDE", "StepJob", "step_plan", "symmetric_step"]
 
 #: Tag space of one call inside a composed step (a call's plan uses small tag offsets).
 TAG_STRIDE = 1 << 12
@@ -174,27 +174,27 @@ def _backward(rank: _Rank, job: StepJob) -> dict[int, int]:
     return launch
 
 
-def _allreduce_ranks(job: StepJob) -> list[_Rank]:
+def _allreduce_ranks(job: StepJob, which: Sequence[int]) -> list[_Rank]:
     n, buckets = job.workers, job.buckets()
-    ranks = [_Rank() for _ in range(n)]
-    ends: list[list[int]] = [[] for _ in range(n)]
+    ranks = [_Rank() for _ in which]
+    ends: list[list[int]] = [[] for _ in which]
     launches = [_backward(rank, job) for rank in ranks]
     rebuild: list[list[tuple[int, float, str]]] = [[] for _ in range(n)]  # SFB: (allgather's end, GEMM s, name)
     for k, bucket in enumerate(buckets):
         if bucket.group >= 0:  # an SFB unit: every worker's rows, gathered
             layer = job.sfb_layer(bucket)
             rows = job.batch_size * (layer.out_features + layer.in_features)
-            plan = allgather_plan(n, tuple((r * rows, (r + 1) * rows) for r in range(n)), job.itemsize)
-            for r in range(n):
-                part = ranks[r].part(plan.ranks[r], lane=1, tag=k * TAG_STRIDE, after=[launches[r][k]])
-                ends[r] += part
-                rebuild[r].append((part[-1], layer.forward_s * n, layer.name))
+            gather = allgather_parts(n, tuple((r * rows, (r + 1) * rows) for r in range(n)), job.itemsize)
+            for j, r in enumerate(which):
+                part = ranks[j].part(gather.rank(r), lane=1, tag=k * TAG_STRIDE, after=[launches[j][k]])
+                ends[j] += part
+                rebuild[j].append((part[-1], layer.forward_s * n, layer.name))
             continue
         count = bucket.numel + len(bucket.params)  # the gradients and one used-flag per parameter
         algorithm = job.choose(count * job.itemsize, n) if n > 1 else "none"
         if algorithm == "none":
             continue
-        plan = allreduce_plan(
+        call = allreduce_parts(
             algorithm,
             n,
             count,
@@ -202,8 +202,8 @@ def _allreduce_ranks(job: StepJob) -> list[_Rank]:
             aliased=True,
             shm=shm_plan_args(n, job.itemsize) if algorithm == "shm" else None,
         )
-        for r in range(n):
-            ends[r] += ranks[r].part(plan.ranks[r], lane=1, tag=k * TAG_STRIDE, after=[launches[r][k]])
+        for j, r in enumerate(which):
+            ends[j] += ranks[j].part(call.rank(r), lane=1, tag=k * TAG_STRIDE, after=[launches[j][k]])
     for r, rank in enumerate(ranks):
         last = len(rank.actions) - 1
         rank.add(Action("compute", seconds=0.0, label="synchronize", deps=tuple(sorted({last, *ends[r]}))))
@@ -292,5 +292,24 @@ def step_plan(job: StepJob) -> Plan:
         >>> plan.bytes_sent()
         [4100, 4100]
     """
-    ranks = _allreduce_ranks(job) if job.strategy == "allreduce" else _ps_ranks(job)
+    ranks = _allreduce_ranks(job, range(job.workers)) if job.strategy == "allreduce" else _ps_ranks(job)
     return Plan(f"step/{job.strategy}", tuple(tuple(r.actions) for r in ranks))
+
+
+def symmetric_step(job: StepJob) -> Plan | None:
+    """Rank 0's step alone, for :func:`~paratrain.sim.engine.replay` with ``symmetric=job.workers``, when the
+    step is the same on every worker up to a rotation of ranks: allreduce whose every bucket goes by the ring or
+    ``direct`` (and SFB's ring allgathers) with chunks of equal size. None otherwise (the tree, shared memory,
+    uneven chunks, the parameter server): replay :func:`step_plan` then."""
+    if job.strategy != "allreduce":
+        return None
+    n = job.workers
+    for bucket in job.buckets():
+        if bucket.group >= 0:
+            continue
+        count = bucket.numel + len(bucket.params)
+        algorithm = job.choose(count * job.itemsize, n)
+        if algorithm not in ("ring", "direct") or (algorithm == "ring" and count % n):
+            return None
+    ranks = _allreduce_ranks(job, [0])
+    return Plan(f"step/{job.strategy}/rank0", (tuple(ranks[0].actions),))

@@ -1,0 +1,153 @@
+"""The planner's search: every runnable configuration of a job, predicted by the simulator, ranked.
+
+The space is what ``paratrain train`` can run for a data-parallel job: the strategy (allreduce with the runtime's
+``auto`` algorithm policy; the BSP parameter server with 1, 2 or 4 servers; SFB for every fully-connected layer;
+Poseidon's per-layer hybrid of SFB and allreduce), the fusion size (``--bucket-bytes``, 256 KiB to 64 MiB) and
+wait-free backprop on or off. That is a few dozen points, and a replay of one step takes milliseconds to a few
+tenths of a second, so the search is exhaustive: no sampling error and no tuning of a random walk, which
+FlexFlow's MCMC needs because its space (a parallelisation per operator) is exponential. Where paratrain's
+space has such a part, the per-layer choice of SFB against the dense scheme, the layers' choices are
+independent given the network, and Poseidon's cost model (:func:`paratrain.sfb.choose_schemes`, the same
+the runtime asks) takes them layer by layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
+from paratrain.sim.machine import MachineProfile, ModelProfile
+from paratrain.sim.predict import Prediction, predict
+
+__all__ = ["BUCKET_SIZES", "Candidate", "Scored", "candidates", "reason", "search"]
+
+#: The fusion sizes the planner tries.
+BUCKET_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+
+#: Strategies the planner searches (those the step composer models).
+SEARCHED = ("allreduce", "bsp", "sfb", "poseidon:allreduce")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20}MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10}KiB"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration of the job.
+
+    Attributes:
+        strategy: ``paratrain train --strategy``.
+        servers: parameter servers (``bsp``).
+        bucket_bytes: ``--bucket-bytes``.
+        overlap: wait-free backprop (``--no-overlap`` when False).
+    """
+
+    strategy: str = "allreduce"
+    servers: int = 1
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    overlap: bool = True
+
+    @property
+    def label(self) -> str:
+        """A short name: ``"bsp x2, 16MiB"``."""
+        servers = f" x{self.servers}" if self.strategy == "bsp" else ""
+        overlap = "" if self.overlap else ", no overlap"
+        return f"{self.strategy}{servers}, {_size(self.bucket_bytes)}{overlap}"
+
+    def train_flags(self) -> list[str]:
+        """The ``paratrain train`` flags that run it."""
+        flags = ["--strategy", self.strategy, "--bucket-bytes", str(self.bucket_bytes)]
+        if self.strategy == "bsp":
+            flags += ["--servers", str(self.servers)]
+        if not self.overlap:
+            flags.append("--no-overlap")
+        return flags
+
+
+@dataclass
+class Scored:
+    """A candidate and its prediction."""
+
+    candidate: Candidate
+    prediction: Prediction
+
+    @property
+    def step_s(self) -> float:
+        """Predicted seconds per step."""
+        return self.prediction.step_s
+
+
+def candidates(
+    model: ModelProfile,
+    *,
+    strategies: Sequence[str] = SEARCHED,
+    servers: Sequence[int] = (1, 2, 4),
+    bucket_sizes: Sequence[int] = BUCKET_SIZES,
+) -> list[Candidate]:
+    """Every point of the space (see the module docstring); SFB strategies only for a model with
+    fully-connected layers."""
+    linear = any(layer.out_features for layer in model.layers)
+    out = []
+    for strategy in strategies:
+        if strategy in ("sfb", "poseidon:allreduce") and not linear:
+            continue
+        for count in servers if strategy == "bsp" else (1,):
+            for size in bucket_sizes:
+                for overlap in (True, False):
+                    out.append(Candidate(strategy, count, size, overlap))
+    return out
+
+
+def search(
+    profile: MachineProfile,
+    model: ModelProfile,
+    *,
+    workers: int,
+    batch_size: int,
+    bandwidth: float | None = None,
+    latency: float = 0.0,
+    hosts: int = 1,
+    space: Sequence[Candidate] | None = None,
+) -> list[Scored]:
+    """Predicts every candidate; returns them fastest first (a tie goes to the default bucket size, then to
+    overlap on: the settings a user changes least)."""
+    scored = []
+    for candidate in space if space is not None else candidates(model):
+        prediction = predict(
+            profile,
+            model,
+            workers=workers,
+            strategy=candidate.strategy,
+            servers=candidate.servers,
+            batch_size=batch_size,
+            bucket_bytes=candidate.bucket_bytes,
+            overlap=candidate.overlap,
+            bandwidth=bandwidth,
+            latency=latency,
+            hosts=hosts,
+        )
+        scored.append(Scored(candidate, prediction))
+    return sorted(
+        scored,
+        key=lambda s: (round(s.step_s, 9), s.candidate.bucket_bytes != DEFAULT_BUCKET_BYTES, not s.candidate.overlap),
+    )
+
+
+def reason(best: Scored, default: Scored) -> str:
+    """Why the pick beats the default allreduce, in the simulator's terms (bytes, waiting, compute)."""
+    b, d = best.prediction, default.prediction
+    if best.candidate == default.candidate:
+        return "the default allreduce is already the fastest configuration predicted"
+    workers = b.job.workers
+    sent_b = max(b.replay.bytes_out[:workers])
+    sent_d = max(d.replay.bytes_out[:workers])
+    parts = [f"{best.candidate.label} is predicted {d.step_s / b.step_s:.2f}x faster than the default allreduce"]
+    if b.job.sfb_layers:
+        parts.append(f"it sends {', '.join(b.job.sfb_layers)} as sufficient factors")
+    parts.append(
+        f"a worker sends {sent_b / 1e6:.2f} MB per step instead of {sent_d / 1e6:.2f} MB and its training loop waits "
+        f"{b.comm_wait_s:.3f} s instead of {d.comm_wait_s:.3f} s for communication"
+    )
+    return "; ".join(parts)
