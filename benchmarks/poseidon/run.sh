@@ -26,6 +26,16 @@ $P compare --model lenet --dataset fashion-mnist --workers 4 --bandwidth 1Gbit -
     --target-accuracy 0.7 --strategies $S --out "$OUT/lenet-1g" --json "$OUT/lenet-1g.json"
 $P compare --model lenet --dataset fashion-mnist --workers 4 --bandwidth 100Mbit --steps-per-epoch 100 --epochs 4 \
     --target-accuracy 0.7 --strategies $S --out "$OUT/lenet-100m-tta" --json "$OUT/lenet-100m-tta.json"
+# 3b. (2026-11-26) does top-k catch up? 4 epochs with no emulated network; DGC's momentum correction; DGC at 1 Gbit/s
+$P compare --model widemlp --dataset fashion-mnist --workers 4 --epochs 4 --target-accuracy 0.8 \
+    --strategies allreduce,allreduce+topk:0.01 --out "$OUT/wide-4epochs" --json "$OUT/wide-4epochs.json"
+$P compare --model widemlp --dataset fashion-mnist --workers 4 --epochs 4 --target-accuracy 0.8 \
+    --strategies allreduce+dgc:0.01 --out "$OUT/wide-4epochs-dgc" --json "$OUT/wide-4epochs-dgc.json"
+$P compare --model widemlp --dataset fashion-mnist --workers 4 --bandwidth 1Gbit --steps-per-epoch 50 --epochs 4 \
+    --target-accuracy 0.8 --strategies allreduce+dgc:0.01 --out "$OUT/wide-1g-dgc" --json "$OUT/wide-1g-dgc.json"
+# 3c. (2026-11-26) widemlp's time to 80 % on the 100 Mbit/s network, 125 steps, evaluated every 25
+$P compare --model widemlp --dataset fashion-mnist --workers 4 --bandwidth 100Mbit --steps-per-epoch 25 --epochs 5 \
+    --target-accuracy 0.8 --strategies $S,allreduce+dgc:0.01 --out "$OUT/wide-100m-tta" --json "$OUT/wide-100m-tta.json"
 # 4. wait-free backprop off and on, 1 Gbit/s
 for overlap in --no-overlap ""; do
     $P compare --model widemlp --dataset fashion-mnist --workers 4 --bandwidth 1Gbit --steps-per-epoch 20 --epochs 1 \
@@ -36,4 +46,11 @@ done
 $P bench ddp-anchor --hooks none,fp16,powersgd:4 --workers 4 --rate 100mbit --steps-per-epoch 8 --epochs 1 --repeat 3 \
     --json "$OUT/ddp-100m.json"
 $P bench ddp-anchor --hooks none,fp16,powersgd:4 --workers 4 --steps-per-epoch 50 --epochs 4 --json "$OUT/ddp-acc.json"
+# 5b. (2026-11-26) PowerSGD against DDP's hook, interleaved, 3 rounds of 20 steps at 100 Mbit/s
+for r in 1 2 3; do
+    $P bench ddp-anchor --hooks powersgd:4 --workers 4 --rate 100mbit --steps-per-epoch 20 --epochs 1 \
+        --json "$OUT/psgd-ddp-$r.json"
+    $P compare --model widemlp --dataset fashion-mnist --workers 4 --bandwidth 100Mbit --steps-per-epoch 20 --epochs 1 \
+        --strategies allreduce+powersgd:4,poseidon:allreduce+powersgd:4 --out "$OUT/psgd-pt-$r" --json "$OUT/psgd-pt-$r.json"
+done
 echo "results in $OUT"
