@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from paratrain.cli import bench_sim
+
 __all__ = ["add_parser"]
 
 _ALLREDUCE_EPILOG = """\
@@ -583,6 +585,7 @@ def _add_auth_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.set_defaults(func=_auth)
     _add_sfb_bytes(bench_sub)
     _add_ddp_anchor(bench_sub)
+    bench_sim.add_parsers(bench_sub)  # simulator, scaling
 
 
 def _add_sfb_bytes(bench_sub: Any) -> None:

@@ -206,7 +206,9 @@ class Plan:
         signals = [{a.tag for a in actions if a.kind == "signal"} for actions in self.ranks]
         for r, actions in enumerate(self.ranks):
             for i, a in enumerate(actions):
-                missing = [q for q in range(self.world_size) if q != r and a.kind == "wait" and a.tag not in signals[q]]
+                if a.kind != "wait":
+                    continue
+                missing = [q for q in range(self.world_size) if q != r and a.tag not in signals[q]]
                 if missing:
                     raise PlanError(f"{self.name}: rank {r} action {i} waits for {a.tag}, never signalled by {missing}")
         for key in sent.keys() | posted.keys():

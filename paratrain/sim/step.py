@@ -298,8 +298,8 @@ def step_plan(job: StepJob) -> Plan:
 
 def symmetric_step(job: StepJob) -> Plan | None:
     """Rank 0's step alone, for :func:`~paratrain.sim.engine.replay` with ``symmetric=job.workers``, when the
-    step is the same on every worker up to a rotation of ranks: allreduce whose every bucket goes by the ring or
-    ``direct`` (and SFB's ring allgathers) with chunks of equal size. None otherwise (the tree, shared memory,
+    step is the same on every worker up to a rotation of ranks: allreduce whose every bucket goes by the ring
+    (and SFB's ring allgathers) with chunks of equal size. None otherwise (the tree, shared memory,
     uneven chunks, the parameter server): replay :func:`step_plan` then."""
     if job.strategy != "allreduce":
         return None
@@ -309,7 +309,7 @@ def symmetric_step(job: StepJob) -> Plan | None:
             continue
         count = bucket.numel + len(bucket.params)
         algorithm = job.choose(count * job.itemsize, n)
-        if algorithm not in ("ring", "direct") or (algorithm == "ring" and count % n):
+        if algorithm != "ring" or count % n:  # "direct" is not: ranks >= 2 copy their own array first
             return None
     ranks = _allreduce_ranks(job, [0])
     return Plan(f"step/{job.strategy}/rank0", (tuple(ranks[0].actions),))

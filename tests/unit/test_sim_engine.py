@@ -181,7 +181,7 @@ def test_sfb_layers_travel_as_the_runtimes_allgather_of_their_factors() -> None:
     assert out.bytes_out[1] == sum(a.nbytes for a in plan.ranks[1] if a.kind == "send")
 
 
-@pytest.mark.parametrize(("n", "algorithm"), [(4, "ring"), (8, "ring"), (4, "direct"), (6, "direct")])
+@pytest.mark.parametrize(("n", "algorithm"), [(4, "ring"), (8, "ring"), (5, "ring")])
 def test_a_symmetric_step_replayed_from_rank_0_alone_is_the_full_replay(n: int, algorithm: str) -> None:
     """Rank 0's actions, with each send's image delivered to itself, give every rank's timeline exactly."""
     from paratrain.sim.step import symmetric_step
@@ -197,10 +197,10 @@ def test_a_symmetric_step_replayed_from_rank_0_alone_is_the_full_replay(n: int, 
         choose=lambda nbytes, w: algorithm,
     )
     net = Network.uniform(LinkCost(ALPHA, BETA))
-    full = replay(step_plan(job), net, gamma=1e-10)
+    full = replay(step_plan(job), net, gamma=1e-10, copy=3e-10)
     rank0 = symmetric_step(job)
     assert rank0 is not None and rank0.world_size == 1
-    one = replay(rank0, net, gamma=1e-10, symmetric=n)
+    one = replay(rank0, net, gamma=1e-10, copy=3e-10, symmetric=n)
     assert one.finish[0] == pytest.approx(full.finish[0], rel=1e-12)
     assert one.done[0] == pytest.approx(full.done[0], rel=1e-12)
     assert set(full.finish) == {full.finish[0]}
@@ -210,4 +210,5 @@ def test_no_symmetric_shortcut_for_plans_that_are_not() -> None:
     from paratrain.sim.step import symmetric_step
 
     assert symmetric_step(StepJob(_model(), workers=3, choose=lambda nbytes, n: "tree")) is None
+    assert symmetric_step(StepJob(_model(), workers=3, choose=lambda nbytes, n: "direct")) is None
     assert symmetric_step(StepJob(_model(), workers=3, strategy="bsp")) is None

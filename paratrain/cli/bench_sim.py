@@ -1,0 +1,153 @@
+"""``paratrain bench simulator`` and ``paratrain bench scaling``: the simulator against real runs, and beyond them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from paratrain.errors import ConfigError
+
+__all__ = ["add_parsers"]
+
+
+def _list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in _list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints") from None
+
+
+def add_parsers(bench_sub: Any) -> None:
+    """Registers both benchmarks under ``paratrain bench``."""
+    p = bench_sub.add_parser(
+        "simulator",
+        help="predicted vs measured step time over strategies x models x emulated networks",
+        description=(
+            "For every model x network x strategy: train a few steps with paratrain train (real processes, the "
+            "fault injector's links) and read the median step time, then predict the same step with the "
+            "simulator from the machine profile and with the plain alpha-beta formula. Prints both errors, "
+            "their median and worst, and each prediction's Spearman rank correlation with the measurements."
+        ),
+    )
+    p.add_argument("--machine", default="machine.json", help="machine profile with every model profiled")
+    p.add_argument("--models", type=_list, default=["mlp", "lenet", "widemlp"], help="default mlp,lenet,widemlp")
+    p.add_argument(
+        "--strategies",
+        type=_list,
+        default=["allreduce", "bsp"],
+        help="default allreduce,bsp (also sfb, poseidon:allreduce)",
+    )
+    p.add_argument(
+        "--networks", type=_list, default=["1Gbit", "100Mbit"], help="--bandwidth values (default 1Gbit,100Mbit)"
+    )
+    p.add_argument("--workers", type=int, default=4, help="workers per run (default 4)")
+    p.add_argument("--steps", type=int, default=8, help="steps per run; the first two are not measured (default 8)")
+    p.add_argument("--batch-size", type=int, default=64, help="examples per worker and step (default 64)")
+    p.add_argument("--dataset", default="fashion-mnist", help="dataset of the runs (default fashion-mnist)")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of the whole grid, interleaved (default 1)")
+    p.add_argument("--out", default=None, help="directory for the runs (default a temporary one)")
+    p.add_argument("--json", default=None, help="also write the report to this JSON file")
+    p.set_defaults(func=_simulator)
+
+    s = bench_sub.add_parser(
+        "scaling",
+        help="simulated gradient exchange of 2 ... 1024 workers: ring, tree, central, sharded servers, gossip",
+        description=(
+            "Replays one exchange of --size bytes per worker for every N in --workers on a described cluster "
+            "(one rank per host, links of --bandwidth and --latency) by the ring, the binomial tree, one central "
+            "server, one server per 8 workers and a gossip round on the ring graph, from the runtime's plans. "
+            "Prints seconds per exchange and how long each simulation took; --plot draws the figure."
+        ),
+    )
+    s.add_argument("--size", default="100MB", help="bytes per worker, e.g. 100MB (default 100MB)")
+    s.add_argument("--bandwidth", default="10Gbit", help="each host's link (default 10Gbit)")
+    s.add_argument("--latency", default="10us", help="one-way latency (default 10us)")
+    s.add_argument(
+        "--workers", type=_ints, default=[2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], help="the Ns (default 2..1024)"
+    )
+    s.add_argument("--schemes", type=_list, default=None, help="subset of ring,tree,central,ps:N/8,gossip")
+    s.add_argument("--plot", default=None, help="write the figure (PNG) here")
+    s.add_argument("--json", default=None, help="also write the report to this JSON file")
+    s.set_defaults(func=_scaling)
+
+
+def _emit(command: str, table: str, report: dict[str, Any], path: str | None) -> int:
+    print(table, flush=True)
+    if path:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=1)
+            fh.write("\n")
+        print(f"wrote {path}")
+    return 0
+
+
+def _simulator(args: argparse.Namespace) -> int:
+    from paratrain.bench.simulator import render_validation, run_validation
+    from paratrain.sim.machine import MachineProfile
+
+    try:
+        if min(args.workers, args.steps - 2, args.batch_size, args.repeat) < 1:
+            raise ConfigError("--workers, --batch-size and --repeat must be >= 1 and --steps >= 3")
+        profile = MachineProfile.load(args.machine)
+        for model in args.models:
+            profile.model(model, args.batch_size, args.workers)  # fail now, not after an hour of runs
+        networks = [None if n in ("", "none", "local") else n for n in args.networks]
+        report = run_validation(
+            profile,
+            models=args.models,
+            strategies=args.strategies,
+            networks=networks,
+            workers=args.workers,
+            steps=args.steps,
+            batch=args.batch_size,
+            repeat=args.repeat,
+            dataset=args.dataset,
+            out_dir=args.out,
+        )
+    except ConfigError as exc:
+        print(f"paratrain bench simulator: error: {exc}", file=sys.stderr)
+        return 2
+    return _emit("simulator", render_validation(report), report, args.json)
+
+
+def _scaling(args: argparse.Namespace) -> int:
+    from paratrain.bench.scaling import SCHEMES, plot_scaling, render_scaling, run_scaling
+    from paratrain.config import parse_duration
+    from paratrain.sim.machine import LinkCost
+    from paratrain.transport.faults import parse_bandwidth
+
+    try:
+        nbytes = _bytes(args.size)
+        link = LinkCost(parse_duration(args.latency), 1.0 / parse_bandwidth(args.bandwidth))
+        schemes = args.schemes or list(SCHEMES)
+        bad = [s for s in schemes if s not in SCHEMES]
+        if bad:
+            raise ConfigError(f"unknown scheme {', '.join(bad)}; choose from {', '.join(SCHEMES)}")
+        report = run_scaling(nbytes=nbytes, link=link, workers=args.workers, schemes=schemes)
+    except ConfigError as exc:
+        print(f"paratrain bench scaling: error: {exc}", file=sys.stderr)
+        return 2
+    if args.plot:
+        plot_scaling(report, args.plot)
+        print(f"figure: {args.plot}")
+    return _emit("scaling", render_scaling(report), report, args.json)
+
+
+def _bytes(text: str) -> int:
+    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+    value = text.strip().lower()
+    number = value.rstrip("abgikm")
+    try:
+        return int(float(number) * units.get(value[len(number) :] or "b", 0)) or _fail(text)
+    except ValueError:
+        return _fail(text)
+
+
+def _fail(text: str) -> int:
+    raise ConfigError(f"{text!r} is not a size; write e.g. 100MB or 64MiB")

@@ -1,0 +1,206 @@
+"""``paratrain plan``: predict every configuration of a training job on a profiled machine, rank them, and run the
+best ones to confirm."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from paratrain.errors import ConfigError
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Registers ``plan`` on the ``paratrain`` parser."""
+    p = sub.add_parser(
+        "plan",
+        help="predict the step time of every strategy for a model on this machine and rank them",
+        description=(
+            "Search strategies (allreduce, the BSP parameter server with 1-4 servers, SFB, the Poseidon hybrid), "
+            "bucket sizes and overlap for a data-parallel job, predicting each with the simulator from a machine "
+            "profile (paratrain profile), and print them ranked with the reason for the pick. --run trains the "
+            "top candidates and the default allreduce for a few steps to confirm."
+        ),
+    )
+    p.add_argument("--model", required=True, help="a model of paratrain train (profiled in --machine)")
+    p.add_argument("--workers", type=int, required=True, help="worker processes of the job")
+    p.add_argument("--batch-size", type=int, default=64, help="examples per worker and step (default 64)")
+    p.add_argument("--hosts", type=int, default=1, help="hosts the workers are spread over (default 1)")
+    p.add_argument("--bandwidth", default=None, help="emulated link of every process, as train's, e.g. 100Mbit")
+    p.add_argument("--latency", default=None, help="emulated one-way latency, as train's, e.g. 2ms")
+    p.add_argument(
+        "--machine",
+        default="machine.json",
+        help="the machine profile (default machine.json; make it with 'paratrain profile --model M --workers N')",
+    )
+    p.add_argument(
+        "--strategies",
+        default="allreduce,bsp,sfb,poseidon:allreduce",
+        help="the strategies to search (default allreduce,bsp,sfb,poseidon:allreduce)",
+    )
+    p.add_argument("--top", type=int, default=10, help="rows of the ranking to print (default 10)")
+    p.add_argument("--run", action="store_true", help="train the top --confirm candidates and the default to confirm")
+    p.add_argument("--confirm", type=int, default=2, help="with --run: how many top candidates (default 2)")
+    p.add_argument("--steps", type=int, default=10, help="with --run: steps per confirming run (default 10)")
+    p.add_argument("--dataset", default="fashion-mnist", help="with --run: the dataset (default fashion-mnist)")
+    p.add_argument("--trace", default=None, help="write the pick's simulated step as a Chrome trace to this file")
+    p.add_argument("--json", default=None, help="also write the ranking (and confirmations) to this JSON file")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        return _plan(args)
+    except ConfigError as exc:
+        print(f"paratrain plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from paratrain.config import parse_duration
+    from paratrain.sim.machine import MachineProfile
+    from paratrain.sim.search import SEARCHED, Candidate, candidates, reason, search
+    from paratrain.transport.faults import parse_bandwidth
+
+    if args.workers < 1 or args.batch_size < 1 or args.hosts < 1:
+        raise ConfigError("--workers, --batch-size and --hosts must be >= 1")
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in SEARCHED]
+    if unknown:
+        raise ConfigError(f"the planner searches {', '.join(SEARCHED)}; not {', '.join(unknown)}")
+    profile = MachineProfile.load(args.machine)
+    model = profile.model(args.model, args.batch_size, args.workers)
+    bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
+    latency = parse_duration(args.latency) if args.latency else 0.0
+    space = candidates(model, strategies=strategies)
+    if Candidate() not in space:
+        space.append(Candidate())
+    ranked = search(
+        profile,
+        model,
+        workers=args.workers,
+        batch_size=args.batch_size,
+        bandwidth=bandwidth,
+        latency=latency,
+        hosts=args.hosts,
+        space=space,
+    )
+    default = next(s for s in ranked if s.candidate == Candidate())
+    network = ", ".join(
+        x for x in (args.bandwidth and f"{args.bandwidth} links", args.latency and f"{args.latency} latency") if x
+    )
+    print(
+        f"{args.model}, {args.workers} workers x batch {args.batch_size}"
+        + (f", {network}" if network else "")
+        + f" on {profile.name!r}: {len(ranked)} configurations simulated"
+    )
+    print("| rank | configuration | step (s) | vs default | compute (s) | waiting (s) | MB sent per worker |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for i, s in enumerate(ranked[: args.top]):
+        _row(i + 1, s, default)
+    if default not in ranked[: args.top]:
+        _row(ranked.index(default) + 1, default, default)
+    print(f"pick: {reason(ranked[0], default)}")
+    flags = " ".join(ranked[0].candidate.train_flags())
+    print(f"run it: paratrain train --model {args.model} --workers {args.workers} {flags}")
+    result: dict[str, Any] = {
+        "model": args.model,
+        "workers": args.workers,
+        "batch_size": args.batch_size,
+        "bandwidth": args.bandwidth,
+        "latency": args.latency,
+        "machine": profile.name,
+        "ranking": [
+            {"configuration": s.candidate.label, "flags": s.candidate.train_flags(), "step_s": s.step_s} for s in ranked
+        ],
+    }
+    if args.trace:
+        from paratrain.sim.predict import predict
+
+        pick = ranked[0].candidate
+        traced = predict(
+            profile,
+            model,
+            workers=args.workers,
+            strategy=pick.strategy,
+            servers=pick.servers,
+            batch_size=args.batch_size,
+            bucket_bytes=pick.bucket_bytes,
+            overlap=pick.overlap,
+            bandwidth=bandwidth,
+            latency=latency,
+            hosts=args.hosts,
+            trace=True,
+        )
+        Path(args.trace).write_text(json.dumps(traced.replay.chrome_trace()))
+        print(f"trace of the pick's simulated step: {args.trace} (open in Perfetto or chrome://tracing)")
+    if args.run:
+        result["confirmed"] = _confirm(args, ranked, default)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _row(rank: int, s: Any, default: Any) -> None:
+    p = s.prediction
+    workers = p.job.workers
+    print(
+        f"| {rank} | {s.candidate.label} | {p.step_s:.3f} | {default.step_s / p.step_s:.2f}x | {p.compute_s:.3f} "
+        f"| {p.comm_wait_s:.3f} | {max(p.replay.bytes_out[:workers]) / 1e6:.2f} |"
+    )
+
+
+def _confirm(args: argparse.Namespace, ranked: list[Any], default: Any) -> list[dict[str, Any]]:
+    """Trains the top candidates and the default for ``--steps`` steps each and prints predicted vs measured."""
+    import tempfile
+
+    from paratrain.bench.simulator import measured_step
+    from paratrain.cli.main import build_parser
+    from paratrain.train.job import TrainJob, run_training
+    from paratrain.train.record import merge_run
+
+    picks = [s for s in ranked[: args.confirm]]
+    if default not in picks:
+        picks.append(default)
+    root = Path(tempfile.mkdtemp(prefix="paratrain-plan-"))
+    rows = []
+    for i, s in enumerate(picks):
+        argv = [
+            "train",
+            "--model",
+            args.model,
+            "--dataset",
+            args.dataset,
+            "--workers",
+            str(args.workers),
+            "--batch-size",
+            str(args.batch_size),
+            "--epochs",
+            "1",
+            "--steps-per-epoch",
+            str(args.steps),
+            "--run-dir",
+            str(root / f"run{i}"),
+            *s.candidate.train_flags(),
+        ]
+        if args.bandwidth:
+            argv += ["--bandwidth", args.bandwidth]
+        if args.latency:
+            argv += ["--latency", args.latency]
+        print(f"paratrain plan: running {s.candidate.label} for {args.steps} steps ...", file=sys.stderr, flush=True)
+        summary = run_training(TrainJob(**vars(build_parser().parse_args(argv))))
+        measured = measured_step(merge_run(summary["run_dir"]))
+        rows.append({"configuration": s.candidate.label, "predicted_s": s.step_s, "measured_s": measured})
+    base = next(r for r, s in zip(rows, picks, strict=True) if s is default)["measured_s"]
+    print("| configuration | predicted step (s) | measured step (s) | error | measured vs default |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['configuration']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
+            f"{r['predicted_s'] / r['measured_s'] - 1:+.1%} | {base / r['measured_s']:.2f}x |"
+        )
+    return rows
