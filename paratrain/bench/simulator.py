@@ -93,7 +93,16 @@ def measured_step(records: list[dict[str, Any]], *, skip: int = 2) -> float:
 
 
 def _train(
-    model: str, strategy: str, network: str | None, *, workers: int, steps: int, batch: int, dataset: str, run_dir: Path
+    model: str,
+    strategy: str,
+    network: str | None,
+    *,
+    workers: int,
+    steps: int,
+    batch: int,
+    dataset: str,
+    run_dir: Path,
+    bucket_bytes: int | None = None,
 ) -> float:
     from paratrain.cli.main import build_parser
     from paratrain.train.job import TrainJob, run_training
@@ -120,6 +129,8 @@ def _train(
     ]
     if network:
         argv += ["--bandwidth", network]
+    if bucket_bytes:
+        argv += ["--bucket-bytes", str(bucket_bytes)]
     args = build_parser().parse_args(argv)
     summary = run_training(TrainJob(**vars(args)))
     return measured_step(merge_run(summary["run_dir"]))
@@ -181,6 +192,78 @@ def run_validation(
             )
         )
     return summarise(rows, profile)
+
+
+def run_bucket_grid(
+    profile: MachineProfile,
+    *,
+    model: str,
+    network: str | None,
+    sizes: Sequence[int],
+    workers: int = 4,
+    steps: int = 8,
+    batch: int = 64,
+    repeat: int = 1,
+    dataset: str = "fashion-mnist",
+    out_dir: str | None = None,
+) -> dict[str, Any]:
+    """Allreduce with every fusion size of ``sizes``: measured (rounds interleaved) and predicted. The
+    simulator's pick is the size it predicts fastest, chosen before any run (no warm-up steps); the report says
+    how far the pick's measured step is from the best measured one."""
+    from paratrain.sim.predict import predict
+    from paratrain.transport.faults import parse_bandwidth
+
+    root = Path(out_dir or tempfile.mkdtemp(prefix="paratrain-buckets-"))
+    bandwidth = parse_bandwidth(network) if network else None
+    mp = profile.model(model, batch, workers)
+    predicted = {
+        size: predict(profile, mp, workers=workers, bucket_bytes=size, bandwidth=bandwidth).step_s for size in sizes
+    }
+    measured: dict[int, list[float]] = {size: [] for size in sizes}
+    for r in range(repeat):
+        for size in sizes:
+            measured[size].append(
+                _train(
+                    model,
+                    "allreduce",
+                    network,
+                    workers=workers,
+                    steps=steps,
+                    batch=batch,
+                    dataset=dataset,
+                    run_dir=root / f"{size}-round{r + 1}",
+                    bucket_bytes=size,
+                )
+            )
+    pick = min(sizes, key=lambda size: predicted[size])
+    medians = {size: statistics.median(v) for size, v in measured.items()}
+    best = min(sizes, key=lambda size: medians[size])
+    return {
+        "benchmark": "bucket-grid",
+        "model": model,
+        "network": network or "local",
+        "workers": workers,
+        "rows": [{"bucket_bytes": size, "predicted": predicted[size], "measured": measured[size]} for size in sizes],
+        "pick": pick,
+        "best_measured": best,
+        "pick_vs_best": medians[pick] / medians[best] - 1.0,
+    }
+
+
+def render_bucket_grid(report: dict[str, Any]) -> str:
+    """The grid as a Markdown table and the verdict."""
+    lines = ["| bucket | measured step (min-max) | simulated |", "|---:|---:|---:|"]
+    for row in report["rows"]:
+        m = row["measured"]
+        mark = " (pick)" if row["bucket_bytes"] == report["pick"] else ""
+        best = " (best measured)" if row["bucket_bytes"] == report["best_measured"] else ""
+        lines.append(
+            f"| {row['bucket_bytes'] >> 10} KiB{mark}{best} | {statistics.median(m):.3f} s ({min(m):.3f}-{max(m):.3f}) "
+            f"| {row['predicted']:.3f} s |"
+        )
+    lines.append("")
+    lines.append(f"the simulator's pick is {report['pick_vs_best']:+.1%} from the best measured size")
+    return "\n".join(lines)
 
 
 def summarise(rows: Sequence[ValidationRow], profile: MachineProfile) -> dict[str, Any]:

@@ -51,6 +51,14 @@ def add_parsers(bench_sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="examples per worker and step (default 64)")
     p.add_argument("--dataset", default="fashion-mnist", help="dataset of the runs (default fashion-mnist)")
     p.add_argument("--repeat", type=int, default=1, help="rounds of the whole grid, interleaved (default 1)")
+    p.add_argument(
+        "--bucket-grid",
+        default=None,
+        metavar="SIZES",
+        help="instead: allreduce of the first model on the first network with each of these fusion sizes "
+        "(e.g. 256KiB,1MiB,4MiB,16MiB,64MiB), measured and predicted; reports how far the simulator's pick is from "
+        "the best measured size",
+    )
     p.add_argument("--out", default=None, help="directory for the runs (default a temporary one)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     p.set_defaults(func=_simulator)
@@ -98,6 +106,22 @@ def _simulator(args: argparse.Namespace) -> int:
         for model in args.models:
             profile.model(model, args.batch_size, args.workers)  # fail now, not after an hour of runs
         networks = [None if n in ("", "none", "local") else n for n in args.networks]
+        if args.bucket_grid:
+            from paratrain.bench.simulator import render_bucket_grid, run_bucket_grid
+
+            grid = run_bucket_grid(
+                profile,
+                model=args.models[0],
+                network=networks[0],
+                sizes=[_bytes(x) for x in _list(args.bucket_grid)],
+                workers=args.workers,
+                steps=args.steps,
+                batch=args.batch_size,
+                repeat=args.repeat,
+                dataset=args.dataset,
+                out_dir=args.out,
+            )
+            return _emit("simulator", render_bucket_grid(grid), grid, args.json)
         report = run_validation(
             profile,
             models=args.models,

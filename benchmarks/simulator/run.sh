@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The commands behind benchmarks/simulator/README.md, one after the other (each uses both cores).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$(mktemp -d /tmp/paratrain-simulator-XXXXXX)}
+P=${PARATRAIN:-.venv/bin/paratrain}
+HERE=benchmarks/simulator
+
+# 1. the machine profile: the transport paths and the three models, measured with 4 processes at once
+$P profile --model mlp --model lenet --model widemlp --dataset fashion-mnist --workers 4 --out "$HERE/machine.json"
+# 2. predicted vs measured: 3 models x 2 emulated networks x allreduce and the parameter server, 2 rounds
+$P bench simulator --machine "$HERE/machine.json" --models mlp,lenet,widemlp --networks 1Gbit,100Mbit \
+    --strategies allreduce,bsp --steps 8 --repeat 2 --out "$OUT/validation" --json "$HERE/validation.json"
+# 3. the planner on a communication-bound job, confirmed by real runs
+$P plan --machine "$HERE/machine.json" --model widemlp --workers 4 --bandwidth 100Mbit --run --confirm 2 --steps 8 \
+    --json "$HERE/plan-widemlp-100m.json"
+# 4. the fusion size picked by the simulator (no warm-up) against a measured grid: widemlp, 1 Gbit/s, 2 rounds
+$P bench simulator --machine "$HERE/machine.json" --models widemlp --networks 1Gbit --steps 8 --repeat 2 \
+    --bucket-grid 256KiB,1MiB,4MiB,16MiB,64MiB --out "$OUT/buckets" --json "$HERE/buckets.json"
+# 5. beyond this machine: 2 ... 1024 workers on 10 Gbit/s links, 100 MB per worker
+$P bench scaling --size 100MB --bandwidth 10Gbit --latency 10us --plot "$HERE/scaling.png" --json "$HERE/scaling.json"
+echo "results in $OUT"
