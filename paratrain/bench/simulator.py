@@ -14,6 +14,8 @@ import dataclasses
 import itertools
 import math
 import statistics
+import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -104,8 +106,6 @@ def _train(
     run_dir: Path,
     bucket_bytes: int | None = None,
 ) -> float:
-    from paratrain.cli.main import build_parser
-    from paratrain.train.job import TrainJob, run_training
     from paratrain.train.record import merge_run
 
     argv = [
@@ -131,9 +131,24 @@ def _train(
         argv += ["--bandwidth", network]
     if bucket_bytes:
         argv += ["--bucket-bytes", str(bucket_bytes)]
-    args = build_parser().parse_args(argv)
-    summary = run_training(TrainJob(**vars(args)))
-    return measured_step(merge_run(summary["run_dir"]))
+    run_train(argv)
+    return measured_step(merge_run(run_dir))
+
+
+def run_train(argv: list[str], *, timeout: float = 3600.0) -> None:
+    """Runs ``paratrain train ARGV`` as a user would (a child process: the command line is the interface
+    measured), its progress on stderr; raises if it fails.
+
+    Raises:
+        RuntimeError: the job failed or ran past ``timeout``, with its exit code.
+    """
+    code = "import sys; from paratrain.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    try:
+        done = subprocess.run([sys.executable, "-c", code, *argv], timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"paratrain {' '.join(argv)} ran past {timeout:.0f} s") from None
+    if done.returncode != 0:
+        raise RuntimeError(f"paratrain {' '.join(argv)} failed with exit code {done.returncode}")
 
 
 def run_validation(

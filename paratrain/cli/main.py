@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from paratrain.cli import bench, compare, demo, launch, topology, train
+from paratrain.cli import bench, compare, demo, launch, plan, profile, topology, train
 
 __all__ = ["build_parser", "main"]
 
@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(sub)
     compare.add_parser(sub)
     topology.add_parser(sub)
+    profile.add_parser(sub)
+    plan.add_parser(sub)
     return parser
 
 

@@ -21,7 +21,7 @@ A **cluster** (``hosts`` x ``ranks_per_host``) says where ranks live: ranks on o
 simulator reads only this file: a cluster that does not exist is described by writing its paths and its layers'
 times (measured on its GPUs, say) by hand.
 
-Pure data and JSON, no measuring here (:mod:`paratrain.sim.profile` measures).
+Pure data and JSON, no measuring here (:mod:`paratrain.bench.profile` measures).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ LAYERS = {
     "_current": 0,
     "plan": 0,
     "strategy": 0,
+    "fusion": 0,  # pure: which gradients share a bucket, when a bucket starts (the torch front end and sim use it)
     "transport": 1,
     "launch": 1,
     "shm": 2,
@@ -35,6 +36,7 @@ LAYERS = {
     "sfb": 3,  # pure: what each scheme costs per layer and the per-layer choice; the torch front end executes it
     "compression": 3,  # pure numpy: what a compressed gradient is; the torch front end moves it
     "runtime": 4,
+    "sim": 4,  # the simulator: replays the algorithms' own plans (collectives, ps, sfb); measuring lives in bench
     "recovery": 5,  # reliable collectives over the runtime (it re-forms contexts); the torch front end uses it
     "__init__": 5,  # the public API (paratrain.init, allreduce...): what user scripts and our workers import
     "testing": 5,
