@@ -174,9 +174,6 @@ def run_validation(
         dataset: what the runs train on (the profile's models must have been measured on its input shape).
         out_dir: where the runs go (default a temporary directory).
     """
-    from paratrain.sim.predict import alpha_beta_step, predict
-    from paratrain.transport.faults import parse_bandwidth
-
     root = Path(out_dir or tempfile.mkdtemp(prefix="paratrain-simcheck-"))
     grid = [(m, s, n) for m in models for n in networks for s in strategies]
     measured: dict[tuple[str, str, str | None], list[float]] = {key: [] for key in grid}
@@ -195,17 +192,31 @@ def run_validation(
                     run_dir=run_dir,
                 )
             )
+    return predict_rows(profile, measured, workers=workers, batch=batch)
+
+
+def predict_rows(
+    profile: MachineProfile,
+    measured: dict[tuple[str, str, str | None], list[float]],
+    *,
+    workers: int,
+    batch: int,
+) -> dict[str, Any]:
+    """The report for measured configurations ``(model, strategy, network) -> step seconds per round``: each
+    predicted by the simulator and by the formula. Also how ``--measured`` re-predicts an earlier report's
+    measurements after a change to the simulator (the runs are not repeated)."""
+    from paratrain.sim.predict import alpha_beta_step, predict
+    from paratrain.transport.faults import parse_bandwidth
+
     rows = []
-    for model, strategy, network in grid:
+    for (model, strategy, network), steps in measured.items():
         bandwidth = parse_bandwidth(network) if network else None
         mp = profile.model(model, batch, workers)
-        pred = predict(profile, mp, workers=workers, strategy=strategy, bandwidth=bandwidth)
-        formula = alpha_beta_step(profile, mp, workers=workers, strategy=strategy, bandwidth=bandwidth)
-        rows.append(
-            ValidationRow(
-                model, strategy, network or "local", workers, measured[(model, strategy, network)], pred.step_s, formula
-            )
+        pred = predict(profile, mp, workers=workers, strategy=strategy, bandwidth=bandwidth, batch_size=batch)
+        formula = alpha_beta_step(
+            profile, mp, workers=workers, strategy=strategy, bandwidth=bandwidth, batch_size=batch
         )
+        rows.append(ValidationRow(model, strategy, network or "local", workers, steps, pred.step_s, formula))
     return summarise(rows, profile)
 
 
@@ -279,6 +290,14 @@ def render_bucket_grid(report: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"the simulator's pick is {report['pick_vs_best']:+.1%} from the best measured size")
     return "\n".join(lines)
+
+
+def measurements(report: dict[str, Any]) -> dict[tuple[str, str, str | None], list[float]]:
+    """The measured steps of an earlier report (its ``rows``), keyed as :func:`predict_rows` takes them."""
+    return {
+        (r["model"], r["strategy"], None if r["network"] == "local" else r["network"]): list(r["measured"])
+        for r in report["rows"]
+    }
 
 
 def summarise(rows: Sequence[ValidationRow], profile: MachineProfile) -> dict[str, Any]:

@@ -59,6 +59,14 @@ def add_parsers(bench_sub: Any) -> None:
         "(e.g. 256KiB,1MiB,4MiB,16MiB,64MiB), measured and predicted; reports how far the simulator's pick is from "
         "the best measured size",
     )
+    p.add_argument(
+        "--measured",
+        default=None,
+        metavar="JSON",
+        action="append",
+        help="instead of running: predict again the measurements of earlier reports (repeatable; they are "
+        "merged), e.g. after a change to the simulator or the profile",
+    )
     p.add_argument("--out", default=None, help="directory for the runs (default a temporary one)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     p.set_defaults(func=_simulator)
@@ -106,6 +114,15 @@ def _simulator(args: argparse.Namespace) -> int:
         for model in args.models:
             profile.model(model, args.batch_size, args.workers)  # fail now, not after an hour of runs
         networks = [None if n in ("", "none", "local") else n for n in args.networks]
+        if args.measured:
+            from paratrain.bench.simulator import measurements, predict_rows
+
+            measured: dict[Any, list[float]] = {}
+            for path in args.measured:
+                with open(path, encoding="utf-8") as fh:
+                    measured.update(measurements(json.load(fh)))
+            report = predict_rows(profile, measured, workers=args.workers, batch=args.batch_size)
+            return _emit("simulator", render_validation(report), report, args.json)
         if args.bucket_grid:
             from paratrain.bench.simulator import render_bucket_grid, run_bucket_grid
 

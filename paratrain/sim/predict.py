@@ -206,14 +206,19 @@ def alpha_beta_step(
     servers: int = 1,
     bandwidth: float | None = None,
     latency: float = 0.0,
+    batch_size: int = 64,
 ) -> float:
     """The plain formula a back-of-the-envelope estimate uses: compute, plus the model's bytes through the
     textbook cost with no overlap, no buckets, no contention model beyond the obvious, no agreement::
 
         allreduce (ring)   compute + 2 (W-1) (alpha + n / (W b))
         parameter server   compute + 2 (alpha + W n / (S b))     (every worker's n through S server links)
+        sfb, poseidon:allreduce   compute + the ring for the dense layers' bytes
+                                  + (W-1) (alpha + K (M + N) / b) per SFB layer (its rows, allgathered)
 
-    with ``n`` the model's bytes and (alpha, 1/b) the link's. What :func:`predict` improves on.
+    with ``n`` the model's bytes and (alpha, 1/b) the link's; the SFB layers are those :func:`predict` takes.
+    What :func:`predict` improves on (it adds the buckets' overlap with backward, every call's agreement, the
+    queues of shared links, and SFB's rebuild).
     """
     if bandwidth is not None or latency > 0:
         base = profile.path("ipc")
@@ -223,12 +228,30 @@ def alpha_beta_step(
         link = profile.path("shm" if "shm" in profile.paths else "ipc")
         alpha, beta = link.alpha, link.beta
     n = model.param_bytes
+    comm = 0.0
+    if strategy in ("sfb", "poseidon:allreduce") and workers > 1:
+        choose = network_for(profile, world_size=workers, bandwidth=bandwidth, latency=latency)[1]
+        sfb = set(
+            hybrid_layers(
+                model,
+                strategy,
+                workers=workers,
+                batch_size=batch_size,
+                bandwidth=bandwidth,
+                latency=latency,
+                choose=choose,
+            )
+        )
+        for layer in model.layers:
+            if layer.name in sfb:
+                rows = batch_size * (layer.out_features + layer.in_features) * 4
+                comm += (workers - 1) * (alpha + rows * beta)
+                n -= sum(layer.param_bytes)
+        strategy = "allreduce"
     if strategy == "bsp":
-        comm = 2 * (alpha + workers * n * beta / servers)
-    elif workers > 1:
-        comm = 2 * (workers - 1) * (alpha + n * beta / workers)
-    else:
-        comm = 0.0
+        comm += 2 * (alpha + workers * n * beta / servers)
+    elif workers > 1 and n > 0:
+        comm += 2 * (workers - 1) * (alpha + n * beta / workers)
     return model.compute_s + comm
 
 
