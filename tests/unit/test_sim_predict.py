@@ -1,0 +1,91 @@
+"""Predictions from a machine profile: the runtime's policies, the hybrid's layers, the formula, the planner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from paratrain.cli.main import main
+from paratrain.sim.machine import LayerCost, LinkCost, MachineProfile, ModelProfile
+from paratrain.sim.predict import alpha_beta_step, predict
+from paratrain.sim.search import Candidate, candidates, reason, search
+
+
+def _widemlp() -> ModelProfile:
+    layers = (
+        LayerCost("fc1", 0.010, 0.020, ("fc1.weight", "fc1.bias"), (2048 * 784 * 4, 2048 * 4), 0, 2048, 784),
+        LayerCost("fc2", 0.020, 0.040, ("fc2.weight", "fc2.bias"), (2048 * 2048 * 4, 2048 * 4), 0, 2048, 2048),
+        LayerCost("out", 0.001, 0.002, ("out.weight", "out.bias"), (10 * 2048 * 4, 40), 0, 10, 2048),
+    )
+    return ModelProfile("widemlp", 64, layers, optimizer_s=0.01, concurrency=4)
+
+
+def _profile() -> MachineProfile:
+    paths = {"ipc": LinkCost(300e-6, 0.3e-9), "shm": LinkCost(10e-6, 0.1e-9), "tcp": LinkCost(350e-6, 3e-9)}
+    return MachineProfile("test", paths, gamma=1e-10, copy=5e-11).with_model(_widemlp())
+
+
+def test_the_runtimes_choices() -> None:
+    profile = _profile()
+    local = predict(profile, "widemlp", workers=4)
+    assert set(local.algorithms) == {"shm"}  # one host, no emulated network: shared memory
+    slow = predict(profile, "widemlp", workers=4, bandwidth=12.5e6)
+    assert "shm" not in slow.algorithms and slow.step_s > 10 * local.step_s
+    hybrid = predict(profile, "widemlp", workers=4, strategy="poseidon:allreduce", bandwidth=12.5e6)
+    assert hybrid.job.sfb_layers == ("fc1", "fc2")  # Poseidon's cost model: SFB for the wide layers
+    assert hybrid.step_s < slow.step_s / 3
+    with pytest.raises(Exception, match="paratrain profile --model lenet"):
+        predict(profile, "lenet", workers=4)
+
+
+def test_the_formula_is_the_textbook_sum() -> None:
+    profile, model = _profile(), _widemlp()
+    beta = 0.3e-9 + 1 / 12.5e6
+    want = model.compute_s + 2 * 3 * (300e-6 + model.param_bytes * beta / 4)
+    assert alpha_beta_step(profile, model, workers=4, bandwidth=12.5e6) == pytest.approx(want)
+    ps = alpha_beta_step(profile, model, workers=4, strategy="bsp", bandwidth=12.5e6)
+    assert ps == pytest.approx(model.compute_s + 2 * (300e-6 + 4 * model.param_bytes * beta))
+
+
+def test_the_search_ranks_everything_and_says_why() -> None:
+    profile, model = _profile(), _widemlp()
+    space = candidates(model)
+    assert len(space) == (1 + 3 + 1 + 1) * 5 * 2
+    ranked = search(profile, model, workers=4, batch_size=64, bandwidth=12.5e6, space=space)
+    assert [s.step_s for s in ranked] == sorted(s.step_s for s in ranked)
+    assert ranked[0].candidate.strategy == "poseidon:allreduce"
+    default = next(s for s in ranked if s.candidate == Candidate())
+    text = reason(ranked[0], default)
+    assert "faster than the default allreduce" in text and "fc1, fc2" in text
+
+
+def test_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    machine = tmp_path / "machine.json"
+    _profile().save(machine)
+    trace = tmp_path / "pick.json"
+    code = main(
+        [
+            "plan",
+            "--machine",
+            str(machine),
+            "--model",
+            "widemlp",
+            "--workers",
+            "4",
+            "--bandwidth",
+            "100Mbit",
+            "--trace",
+            str(trace),
+            "--top",
+            "3",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "pick: poseidon:allreduce" in out and "run it: paratrain train --model widemlp --workers 4" in out
+    assert "traceEvents" in json.loads(trace.read_text())
+    assert main(["plan", "--machine", str(machine), "--model", "lenet", "--workers", "4"]) == 2
+    assert "paratrain profile --model lenet" in capsys.readouterr().err
+    assert main(["plan", "--machine", str(tmp_path / "none.json"), "--model", "widemlp", "--workers", "4"]) == 2
