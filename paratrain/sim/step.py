@@ -24,8 +24,8 @@ pure functions, so a change to bucketing, an allreduce schedule or key sharding 
   :func:`~paratrain.ps.sharding.plan_chunks` cuts (servers are ranks ``W..W+S-1``); after backward, the push
   acknowledgements, :func:`~paratrain.ps.plans.clock_actions`, then one blocking pull per bucket
   (:func:`~paratrain.ps.plans.pull_actions`), as the strategy's ``apply`` does. A server answers a worker on a
-  lane of its own per worker, adds each push (``gamma`` per byte), and updates a bucket's chunks once every
-  worker pushed them (its share of the optimizer time); the replies to pulls wait for that update.
+  lane of its own per worker, adds each push (``gamma`` per byte), and updates a chunk once every worker pushed
+  it (its share of the optimizer time); the reply to a chunk's pull waits for that chunk's update only.
 
 Tags are offset per call (:data:`TAG_STRIDE`), as the runtime gives every call tags of its own.
 """
@@ -236,7 +236,7 @@ def _ps_ranks(job: StepJob) -> list[_Rank]:
     ranks = list(workers)
     for j in range(s):
         server = _Rank()
-        pushed: dict[int, list[int]] = {}
+        pushed: dict[tuple[int, int], list[int]] = {}
         # each worker's messages on a lane of its own, in the order that worker sends them
         per_worker_pulls: list[list[tuple[int, Chunk]]] = []
         for wk in range(w):
@@ -249,18 +249,24 @@ def _ps_ranks(job: StepJob) -> list[_Rank]:
                     got = server.add(Action("recv", peer=wk, nbytes=nbytes, items=c.num_rows, tag=REQUEST, lane=lane))
                     add = server.add(Action("reduce", nbytes=nbytes, items=c.num_rows, deps=(got,), lane=lane))
                     server.add(Action("send", peer=wk, nbytes=0, tag=REPLY, deps=(got,), lane=lane))
-                    pushed.setdefault(k, []).append(add)
+                    pushed.setdefault((k, c.index), []).append(add)
             server.add(Action("recv", peer=wk, nbytes=0, tag=REQUEST, lane=lane))  # the clock
             per_worker_pulls.append([(k, c) for k in range(len(buckets)) for c in chunks[k] if c.server == j])
-        updated: dict[int, int] = {}
+        # a chunk is updated once every worker pushed it (the server's round is per chunk), so the replies to
+        # pulls of chunks that are complete leave while later chunks still arrive
+        updated: dict[tuple[int, int], int] = {}
         for k in range(len(buckets)):
-            mine = sum(c.num_rows for c in chunks[k] if c.server == j)
-            if not mine:
-                continue
-            seconds = job.model.optimizer_s * mine / total
-            updated[k] = server.add(
-                Action("compute", seconds=seconds, label=f"update bucket {k}", deps=tuple(pushed.get(k, ())))
-            )
+            for c in chunks[k]:
+                if c.server != j:
+                    continue
+                updated[(k, c.index)] = server.add(
+                    Action(
+                        "compute",
+                        seconds=job.model.optimizer_s * c.num_rows / total,
+                        label=f"update bucket {k} chunk {c.index}",
+                        deps=tuple(pushed.get((k, c.index), ())),
+                    )
+                )
         for wk in range(w):
             lane = 1 + wk
             for k, c in per_worker_pulls[wk]:
@@ -272,7 +278,7 @@ def _ps_ranks(job: StepJob) -> list[_Rank]:
                         nbytes=c.num_rows * job.itemsize,
                         items=c.num_rows,
                         tag=REPLY,
-                        deps=(request, updated[k]),
+                        deps=(request, updated[(k, c.index)]),
                         lane=lane,
                     )
                 )
