@@ -18,7 +18,11 @@ from paratrain.collectives.policy import default_allreduce_choice, network_allre
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.engine import Network, Replay, replay
 from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
-from paratrain.sim.step import StepJob, step_plan
+from paratrain.sim.step import StepJob, step_plan, symmetric_step
+
+#: Above this many workers a ring step on uniform links is replayed from rank 0 alone (:func:`symmetric_step`
+#: with padding); below, every rank is replayed exactly.
+SYMMETRIC_FROM = 64
 
 __all__ = ["Prediction", "alpha_beta_step", "describe", "hybrid_layers", "network_for", "predict"]
 
@@ -155,6 +159,12 @@ def predict(
         sfb_layers=sfb_layers,
         batch_size=batch_size,
     )
+    rank0 = None
+    if workers > SYMMETRIC_FROM and slowdown is None and (bandwidth is not None or latency > 0):
+        rank0 = symmetric_step(job, pad=True)  # every rank's link alike: one rank's replay stands for all
+    if rank0 is not None:
+        out = replay(rank0, network, gamma=profile.gamma, copy=profile.copy, trace=trace, symmetric=workers)
+        return Prediction(step_s=out.finish[0], compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
     plan = step_plan(job)
     slow = None if slowdown is None else list(slowdown) + [1.0] * (plan.world_size - len(slowdown))
     out = replay(plan, network, gamma=profile.gamma, copy=profile.copy, slowdown=slow, trace=trace, validate=False)

@@ -174,7 +174,7 @@ def _backward(rank: _Rank, job: StepJob) -> dict[int, int]:
     return launch
 
 
-def _allreduce_ranks(job: StepJob, which: Sequence[int]) -> list[_Rank]:
+def _allreduce_ranks(job: StepJob, which: Sequence[int], *, pad: bool = False) -> list[_Rank]:
     n, buckets = job.workers, job.buckets()
     ranks = [_Rank() for _ in which]
     ends: list[list[int]] = [[] for _ in which]
@@ -192,6 +192,8 @@ def _allreduce_ranks(job: StepJob, which: Sequence[int]) -> list[_Rank]:
             continue
         count = bucket.numel + len(bucket.params)  # the gradients and one used-flag per parameter
         algorithm = job.choose(count * job.itemsize, n) if n > 1 else "none"
+        if pad:
+            count = -(-count // n) * n  # every ring chunk the size of the largest (see symmetric_step)
         if algorithm == "none":
             continue
         call = allreduce_parts(
@@ -302,11 +304,16 @@ def step_plan(job: StepJob) -> Plan:
     return Plan(f"step/{job.strategy}", tuple(tuple(r.actions) for r in ranks))
 
 
-def symmetric_step(job: StepJob) -> Plan | None:
+def symmetric_step(job: StepJob, *, pad: bool = False) -> Plan | None:
     """Rank 0's step alone, for :func:`~paratrain.sim.engine.replay` with ``symmetric=job.workers``, when the
     step is the same on every worker up to a rotation of ranks: allreduce whose every bucket goes by the ring
     (and SFB's ring allgathers) with chunks of equal size. None otherwise (the tree, shared memory,
-    uneven chunks, the parameter server): replay :func:`step_plan` then."""
+    uneven chunks, the parameter server): replay :func:`step_plan` then.
+
+    With ``pad``, a bucket whose items do not divide into N equal chunks is costed as if padded to the next
+    multiple of N (at most N - 1 items more, each chunk the size of the largest: an upper bound within
+    N x itemsize bytes of the exact plan), so that a ring step of a thousand workers replays in a fraction of a
+    second instead of building N times its actions."""
     if job.strategy != "allreduce":
         return None
     n = job.workers
@@ -315,7 +322,7 @@ def symmetric_step(job: StepJob) -> Plan | None:
             continue
         count = bucket.numel + len(bucket.params)
         algorithm = job.choose(count * job.itemsize, n)
-        if algorithm != "ring" or count % n:  # "direct" is not: ranks >= 2 copy their own array first
+        if algorithm != "ring" or (count % n and not pad):  # "direct" is not: ranks >= 2 copy their array first
             return None
-    ranks = _allreduce_ranks(job, [0])
+    ranks = _allreduce_ranks(job, [0], pad=pad)
     return Plan(f"step/{job.strategy}/rank0", (tuple(ranks[0].actions),))

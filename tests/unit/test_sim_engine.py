@@ -212,3 +212,18 @@ def test_no_symmetric_shortcut_for_plans_that_are_not() -> None:
     assert symmetric_step(StepJob(_model(), workers=3, choose=lambda nbytes, n: "tree")) is None
     assert symmetric_step(StepJob(_model(), workers=3, choose=lambda nbytes, n: "direct")) is None
     assert symmetric_step(StepJob(_model(), workers=3, strategy="bsp")) is None
+
+
+def test_the_padded_symmetric_step_bounds_an_uneven_ring_closely() -> None:
+    """Buckets that do not split into N equal chunks: rank 0's replay with every chunk padded to the largest is
+    an upper bound of the exact replay, off by at most the padding's bytes."""
+    from paratrain.sim.step import symmetric_step
+
+    job = StepJob(_model(), workers=5, bucket_bytes=1 << 30, choose=lambda nbytes, n: "ring")
+    net = Network.uniform(LinkCost(ALPHA, BETA))
+    exact = replay(step_plan(job), net, gamma=1e-10).time
+    assert symmetric_step(job) is None
+    padded = symmetric_step(job, pad=True)
+    assert padded is not None
+    bound = replay(padded, net, gamma=1e-10, symmetric=5).time
+    assert exact <= bound <= exact * (1 + 1e-4)
