@@ -88,6 +88,14 @@ def add_parsers(bench_sub: Any) -> None:
         "--workers", type=_ints, default=[2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], help="the Ns (default 2..1024)"
     )
     s.add_argument("--schemes", type=_list, default=None, help="subset of ring,tree,central,ps:N/8,gossip")
+    s.add_argument(
+        "--step",
+        default=None,
+        metavar="MODEL",
+        help="instead: one training step of MODEL (profiled in --machine) with ring allreduce at every N, and how "
+        "long simulating it took",
+    )
+    s.add_argument("--machine", default="machine.json", help="with --step: the machine profile")
     s.add_argument("--plot", default=None, help="write the figure (PNG) here")
     s.add_argument("--json", default=None, help="also write the report to this JSON file")
     s.set_defaults(func=_scaling)
@@ -166,6 +174,8 @@ def _scaling(args: argparse.Namespace) -> int:
     try:
         nbytes = _bytes(args.size)
         link = LinkCost(parse_duration(args.latency), 1.0 / parse_bandwidth(args.bandwidth))
+        if args.step:
+            return _step_scaling(args, link)
         schemes = args.schemes or list(SCHEMES)
         bad = [s for s in schemes if s not in SCHEMES]
         if bad:
@@ -192,3 +202,27 @@ def _bytes(text: str) -> int:
 
 def _fail(text: str) -> int:
     raise ConfigError(f"{text!r} is not a size; write e.g. 100MB or 64MiB")
+
+
+def _step_scaling(args: argparse.Namespace, link: Any) -> int:
+    """``bench scaling --step MODEL``: a training step at every N, its simulated time and the simulation's."""
+    import time
+
+    from paratrain.sim.machine import MachineProfile
+    from paratrain.sim.predict import predict
+
+    profile = MachineProfile.load(args.machine)
+    model = next((m for m in profile.models.values() if m.model == args.step), None)
+    if model is None:
+        raise ConfigError(
+            f"{args.machine} has no profile of {args.step!r}; run 'paratrain profile --model {args.step}'"
+        )
+    rows = []
+    for n in args.workers:
+        t0 = time.perf_counter()
+        p = predict(profile, model, workers=n, bandwidth=1.0 / link.beta, latency=link.alpha, algorithm="ring")
+        rows.append({"workers": n, "step_s": p.step_s, "simulated_in_s": time.perf_counter() - t0})
+    lines = ["| N | simulated step | time to simulate it |", "|---:|---:|---:|"]
+    lines += [f"| {r['workers']} | {r['step_s']:.3f} s | {r['simulated_in_s']:.3f} s |" for r in rows]
+    report = {"benchmark": "scaling-step", "model": args.step, "alpha": link.alpha, "beta": link.beta, "rows": rows}
+    return _emit("scaling", "\n".join(lines), report, args.json)
