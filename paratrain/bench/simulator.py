@@ -58,7 +58,7 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     """Spearman's rank correlation (average ranks for ties).
 
     Example:
-        >>> spearman([1, 2, 3, 4], [10, 20, 40, 30])
+        >>> round(spearman([1, 2, 3, 4], [10, 20, 40, 30]), 6)
         0.8
     """
     if len(a) != len(b) or len(a) < 2:

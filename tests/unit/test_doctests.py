@@ -22,6 +22,13 @@ MODULES = [
     "paratrain.strategy.spec",
     "paratrain.transport.recording",
     "paratrain.runtime.group",
+    "paratrain.fusion.buckets",
+    "paratrain.sim.machine",
+    "paratrain.sim.engine",
+    "paratrain.sim.step",
+    "paratrain.compression.compressors",
+    "paratrain.collectives.shm",
+    "paratrain.bench.simulator",
 ]
 
 
