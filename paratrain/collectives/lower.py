@@ -504,7 +504,9 @@ def reduce_scatter_plan(
     agreement: bool = True,
 ) -> Plan:
     """The plan of one ring reduce-scatter over the flat chunks ``bounds`` (rank r keeps chunk r)."""
-    return _ring_plan("reduce_scatter", n, bounds, itemsize, segment_bytes, aliased=aliased, agreement=agreement)
+    return _ring_parts(
+        "reduce_scatter", n, bounds, itemsize, segment_bytes, aliased=aliased, agreement=agreement
+    ).plan()
 
 
 @functools.lru_cache(maxsize=256)
@@ -517,20 +519,7 @@ def allgather_plan(
     agreement: bool = True,
 ) -> Plan:
     """The plan of one ring allgather in place: rank r's block is ``bounds[r]`` of ``dst``."""
-    return _ring_plan("allgather", n, bounds, itemsize, segment_bytes, aliased=True, agreement=agreement)
-
-
-def _ring_plan(
-    kind: str,
-    n: int,
-    bounds: tuple[tuple[int, int], ...],
-    itemsize: int,
-    segment_bytes: int | None,
-    *,
-    aliased: bool,
-    agreement: bool,
-) -> Plan:
-    return _ring_parts(kind, n, bounds, itemsize, segment_bytes, aliased=aliased, agreement=agreement).plan()
+    return allgather_parts(n, bounds, itemsize, segment_bytes=segment_bytes, agreement=agreement).plan()
 
 
 def allgather_parts(
