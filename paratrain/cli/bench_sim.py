@@ -191,17 +191,13 @@ def _scaling(args: argparse.Namespace) -> int:
 
 
 def _bytes(text: str) -> int:
-    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-    value = text.strip().lower()
-    number = value.rstrip("abgikm")
+    """A size as the other benchmarks read it (:func:`paratrain.bench.harness.parse_size`)."""
+    from paratrain.bench.harness import parse_size
+
     try:
-        return int(float(number) * units.get(value[len(number) :] or "b", 0)) or _fail(text)
-    except ValueError:
-        return _fail(text)
-
-
-def _fail(text: str) -> int:
-    raise ConfigError(f"{text!r} is not a size; write e.g. 100MB or 64MiB")
+        return parse_size(text)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _step_scaling(args: argparse.Namespace, link: Any) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from paratrain.collectives.policy import default_allreduce_choice, network_allreduce_choice
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
@@ -24,7 +23,7 @@ from paratrain.sim.step import StepJob, step_plan, symmetric_step
 #: with padding); below, every rank is replayed exactly.
 SYMMETRIC_FROM = 64
 
-__all__ = ["Prediction", "alpha_beta_step", "describe", "hybrid_layers", "network_for", "predict"]
+__all__ = ["Prediction", "alpha_beta_step", "hybrid_layers", "network_for", "predict"]
 
 
 @dataclass
@@ -263,21 +262,3 @@ def alpha_beta_step(
     elif workers > 1 and n > 0:
         comm += 2 * (workers - 1) * (alpha + n * beta / workers)
     return model.compute_s + comm
-
-
-def describe(prediction: Prediction) -> dict[str, Any]:
-    """A JSON-ready summary of a prediction."""
-    job = prediction.job
-    return {
-        "strategy": job.strategy + ("+sfb" if job.sfb_layers else ""),
-        "sfb_layers": list(job.sfb_layers),
-        "workers": job.workers,
-        "servers": job.servers if job.strategy == "bsp" else 0,
-        "bucket_bytes": job.bucket_bytes,
-        "overlap": job.overlap,
-        "step_s": prediction.step_s,
-        "compute_s": prediction.compute_s,
-        "comm_wait_s": prediction.comm_wait_s,
-        "bytes_out": prediction.replay.bytes_out,
-        "algorithms": sorted(set(prediction.algorithms)),
-    }
