@@ -17,6 +17,14 @@ What is measured, and how (every number is a median, so that one preempted repea
   therefore one call's bookkeeping plus a signal seen by the other process; its beta a byte copied in and out
   (arrays above the segment's 1 MiB block go through in blocks, the sender filling the next block while the
   receiver empties the last, so the copies of a long message partly overlap).
+* **paths under load** (``concurrency`` N >= 2): a ping-pong between two processes of an idle machine is not
+  what a job of N processes on shared cores sees: each rank's ZeroMQ and background threads then compete for
+  the cores with N - 1 others, so a message costs more (on 2 cores, 4 processes: alpha about 1 ms instead of
+  0.34 ms, and 5x the seconds per byte). ``"ipc@N"`` is therefore timed as the pattern the collectives
+  produce: N processes, each sending to the next while it receives from the previous, steps chained without a
+  barrier as a ring allreduce chains them; seconds per step, fitted as above. ``"injected@N"`` is the same
+  under the fault injector with a link that limits nothing: ipc plus the injector's copy of every message and
+  its scheduling thread, on which an emulated network's bandwidth and latency are then added.
 * **gamma** and **copy** (:func:`measure_reduce_copy`): ``np.add(a, b, out=c)`` and ``np.copyto`` on float32
   arrays of 4 MiB in this process, seconds per byte of one array.
 * **models** (:func:`profile_model`): every layer (a module with trained parameters of its own, as
@@ -70,6 +78,7 @@ __all__ = [
     "PATHS",
     "ProfileError",
     "emulated_spec",
+    "expected_max",
     "fit_hockney",
     "measure_machine",
     "measure_paths",
@@ -88,6 +97,11 @@ CALL_TIMEOUT_S = 60.0
 #: What the measuring processes run (``python -m``): this module, wherever it lives.
 _MODULE = __spec__.name if __spec__ is not None else __name__
 _TAG = 0x5052  # the ping-pong's tag
+#: The ring exchange's largest message: a ring step of the buckets this measures for is a fraction of a bucket.
+RING_MAX_BYTES = 4 << 20
+#: An emulated link that limits nothing, to time what the fault injector itself adds (its copies, its thread).
+UNLIMITED_LINK = "bandwidth=1000Gbit"
+_RING_STEPS = 8  # chained exchanges per timed run
 _SETTLE = 100  # empty round trips before the first timed size
 _TIME_FLOOR_S = 1e-9  # a relative fit weighs a measured time of 0 as 1 ns: no real message is faster
 
@@ -193,6 +207,13 @@ def _repeats(nbytes: int, quick: bool) -> int:
     return 4 if quick else 20
 
 
+def _ring_repeats(nbytes: int, quick: bool) -> int:
+    """Timed runs of the ring exchange per size (each :data:`_RING_STEPS` steps)."""
+    if nbytes <= 64 << 10:
+        return 5 if quick else 15
+    return 3 if quick else 7
+
+
 def _emulated_plan(spec: str, sizes: Sequence[int], quick: bool) -> tuple[list[int], list[int]]:
     """Sizes and repeats for an emulated link: messages of at most :data:`EMULATED_MESSAGE_S` on it, and about
     half a second (0.2 s with ``quick``) of round trips per size."""
@@ -253,16 +274,18 @@ def _link_job(
     quick: bool,
     separate_hosts: bool = False,
     faults: str | None = None,
+    nproc: int = 2,
     timeout: float,
     what: str,
 ) -> dict[str, list[tuple[int, float]]]:
-    """One 2-process job timing the ping-pongs of ``kinds`` (``"p2p"``, ``"shm"``); (size, one-way s) per kind."""
+    """One job of ``nproc`` processes timing ``kinds`` (``"p2p"``, ``"shm"``: ping-pongs of 2; ``"ring"``: the
+    ring exchange of all); (size, seconds per message) per kind."""
     with tempfile.TemporaryDirectory(prefix="paratrain-profile-") as tmp:
         out = pathlib.Path(tmp) / "links.json"
         argv = ["links", "--out", str(out), "--kinds", ",".join(kinds)]
         argv += ["--sizes", ",".join(map(str, sizes)), "--repeats", ",".join(map(str, repeats))]
         argv += ["--warmup", "2" if quick else "5"] + (["--separate-hosts"] if separate_hosts else [])
-        _run_job(argv, nproc=2, faults=faults, timeout=timeout, what=what)
+        _run_job(argv, nproc=nproc, faults=faults, timeout=timeout, what=what)
         data = _read_json(out, what)
     return {kind: [(int(n), float(s)) for n, s in data[kind]] for kind in kinds}
 
@@ -273,6 +296,7 @@ def measure_paths(
     emulate: Sequence[str] = (),
     sizes: Sequence[int] = DEFAULT_SIZES,
     quick: bool = False,
+    concurrency: int = 1,
     timeout: float = 300.0,
     say: Callable[[str], None] | None = None,
 ) -> dict[str, LinkCost]:
@@ -280,6 +304,10 @@ def measure_paths(
 
     Blocks for the jobs' time: a few seconds per path (``quick``: fewer repeats), each job stopped after
     ``timeout`` seconds. ``ipc`` and ``shm`` share one job, ``tcp`` and each emulated link have their own.
+    With ``concurrency`` N >= 2 and ``ipc``, two more jobs of N processes time the ring exchange (every rank
+    sends to the next while it receives from the previous, as a ring step does), plainly (``"ipc@N"``) and
+    under the fault injector with an unlimited link (``"injected@N"``: what the injector adds, the base of
+    every emulated network of N processes).
 
     Args:
         paths: any of :data:`PATHS`.
@@ -317,6 +345,22 @@ def measure_paths(
         kinds = [{"ipc": "p2p", "shm": "shm"}[p] for p in local]
         got = _link_job(kinds, sizes, plain, quick=quick, timeout=timeout, what=" and ".join(local))
         samples |= {p: got[k] for p, k in zip(local, kinds, strict=True)}
+    if "ipc" in paths and concurrency >= 2:
+        ring_sizes = [n for n in sizes if n <= RING_MAX_BYTES]
+        ring_repeats = [_ring_repeats(n, quick) for n in ring_sizes]
+        for name, spec in ((f"ipc@{concurrency}", None), (f"injected@{concurrency}", UNLIMITED_LINK)):
+            say(f"measuring {name} ({concurrency} processes in a ring{', fault injector' if spec else ''}) ...")
+            got = _link_job(
+                ["ring"],
+                ring_sizes,
+                ring_repeats,
+                quick=quick,
+                faults=spec,
+                nproc=concurrency,
+                timeout=timeout,
+                what=name,
+            )
+            samples[name] = got["ring"]
     if "tcp" in paths:
         say("measuring tcp (2 processes, as two hosts on loopback) ...")
         tcp = _link_job(["p2p"], sizes, plain, quick=quick, separate_hosts=True, timeout=timeout, what="tcp")
@@ -351,6 +395,29 @@ def _pingpong(transport: Transport, sizes: Sequence[int], repeats: Sequence[int]
                 transport.send(peer, _TAG, transport.recv(peer, _TAG).arrays)
         if first and timed:
             result.append([n, statistics.median(times[untimed:]) / 2])
+    return result
+
+
+def _ring(ctx: Context, sizes: Sequence[int], repeats: Sequence[int], warmup: int) -> list[list[float]]:
+    """Every rank sends ``n`` bytes to the next while it receives from the previous, step after step with no
+    barrier between steps (a ring allreduce's chain): rank 0's seconds per step, the median over ``repeats``
+    runs of :data:`_RING_STEPS` steps, each run started together by a barrier."""
+    transport, rank, size = ctx.transport, ctx.rank, ctx.world_size
+    right, left = (rank + 1) % size, (rank - 1) % size
+    result = []
+    for n, untimed, timed in _schedule(sizes, repeats, warmup):
+        buf = np.ones(n, dtype=np.uint8)
+        runs = []
+        for i in range(untimed + timed):
+            ctx.barrier()
+            t0 = time.perf_counter()
+            for _ in range(_RING_STEPS):
+                transport.isend(right, _TAG, [buf])
+                transport.recv(left, _TAG)
+            if i >= untimed:
+                runs.append((time.perf_counter() - t0) / _RING_STEPS)
+        if rank == 0 and timed:
+            result.append([n, statistics.median(runs)])
     return result
 
 
@@ -574,6 +641,7 @@ def _profile_here(
         "layers": layers,
         "optimizer_s": statistics.median(optimizer_s),
         "step_s": statistics.median(step_s),
+        "step_samples": step_s,
         "threads": torch.get_num_threads(),
     }
 
@@ -600,6 +668,8 @@ def _combine(model: str, batch_size: int, runs: Sequence[Mapping[str, Any]]) -> 
     optimizer_s = median([run["optimizer_s"] for run in runs])
     layer_s = sum(layer.forward_s + layer.backward_s for layer in layers)
     overhead_s = max(0.0, median([run["step_s"] for run in runs]) - layer_s - optimizer_s)
+    pooled = [float(x) for run in runs for x in run.get("step_samples", ())]
+    straggle_s = expected_max(pooled, len(runs)) - median(pooled) if len(runs) > 1 and pooled else 0.0
     return ModelProfile(
         model=model,
         batch_size=batch_size,
@@ -607,7 +677,23 @@ def _combine(model: str, batch_size: int, runs: Sequence[Mapping[str, Any]]) -> 
         optimizer_s=optimizer_s,
         concurrency=len(runs),
         overhead_s=overhead_s,
+        straggle_s=max(0.0, straggle_s),
     )
+
+
+def expected_max(samples: Sequence[float], n: int) -> float:
+    """The expected largest of ``n`` independent draws from the samples' empirical distribution: with the samples
+    sorted, x_(i) is the largest with probability (i/m)^n - ((i-1)/m)^n. What a synchronous step of ``n``
+    workers waits for, where each worker's step time is such a draw.
+
+    Example:
+        >>> expected_max([1.0, 2.0], 1), expected_max([1.0, 2.0], 2), expected_max([3.0] * 5, 4)
+        (1.5, 1.75, 3.0)
+    """
+    if not samples or n < 1:
+        raise ConfigError(f"expected_max needs samples and n >= 1, got {len(samples)} samples and n={n}")
+    ordered, m = sorted(samples), len(samples)
+    return sum(x * ((i / m) ** n - ((i - 1) / m) ** n) for i, x in enumerate(ordered, start=1))
 
 
 def _steps(quick: bool) -> tuple[int, int]:
@@ -699,7 +785,9 @@ def measure_machine(
     datasets = {m: dataset or _default_dataset(m) for m in models}
     for model in models:
         _check_model(model, datasets[model], data_dir)
-    links = measure_paths(paths, emulate=emulate, sizes=sizes, quick=quick, timeout=timeout, say=say)
+    links = measure_paths(
+        paths, emulate=emulate, sizes=sizes, quick=quick, concurrency=concurrency, timeout=timeout, say=say
+    )
     gamma, copy = measure_reduce_copy()
     profiles = []
     for model in models:
@@ -744,6 +832,8 @@ def _links_main(args: argparse.Namespace) -> None:
         for kind in args.kinds.split(","):
             if kind == "p2p":
                 result[kind] = _pingpong(ctx.transport, sizes, repeats, args.warmup)
+            elif kind == "ring":
+                result[kind] = _ring(ctx, sizes, repeats, args.warmup)
             else:
                 result[kind] = _shm_pingpong(ctx, sizes, repeats, args.warmup)
         if ctx.rank == 0:
@@ -778,8 +868,10 @@ def _worker_main(argv: Sequence[str] | None = None) -> int:
     """One measuring process (a rank under the launch library); what it measures goes to ``--out`` as JSON."""
     parser = argparse.ArgumentParser(prog=f"python -m {_MODULE}", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
-    links = sub.add_parser("links", help="ping-pongs between 2 ranks; rank 0 writes (size, one-way s) per kind")
-    links.add_argument("--kinds", required=True, help="p2p (the transport) and/or shm, comma-separated")
+    links = sub.add_parser(
+        "links", help="ping-pongs between 2 ranks or a ring exchange of all; rank 0 writes (size, s) per kind"
+    )
+    links.add_argument("--kinds", required=True, help="p2p (the transport), shm and/or ring, comma-separated")
     links.add_argument("--sizes", required=True, help="message sizes in bytes, comma-separated")
     links.add_argument("--repeats", required=True, help="timed round trips per size, comma-separated")
     links.add_argument("--warmup", type=int, default=5, help="untimed round trips per size first")

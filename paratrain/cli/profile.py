@@ -45,7 +45,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=1,
         metavar="N",
         help="profile the models in N processes at once, sharing the cores as the N workers of a job here do, "
-        "each with the threads such a job gives it (default 1)",
+        "each with the threads such a job gives it, and time ipc and the fault injector under that load: N "
+        "processes in a ring exchange (paths ipc@N, injected@N; default 1)",
     )
     p.add_argument(
         "--dataset",

@@ -264,7 +264,7 @@ def replay(
                 begin = max(ready, egress.get(out_q, 0.0))
                 egress[out_q] = begin + tx
                 arrive = begin + tx + link.alpha
-                visible = max(arrive, ingress.get(in_q, 0.0) + tx)
+                visible = max(arrive, ingress.get(in_q, 0.0) + a.nbytes * link.receive_beta)
                 ingress[in_q] = visible
                 queue_bytes[out_q] = queue_bytes.get(out_q, 0) + a.nbytes
                 bytes_out[r] += a.nbytes

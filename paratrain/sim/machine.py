@@ -8,7 +8,9 @@ parts:
   one-way times. The names the simulator knows: ``"shm"`` (the collectives' shared-memory path inside a host:
   alpha is a signal seen by another process, beta a copy through the segment), ``"ipc"`` (ZeroMQ between
   processes of one host), ``"tcp"`` (ZeroMQ between hosts, or on loopback), and ``"emulated"`` paths named by
-  the fault injector's spec (``"emulated:100Mbit"``: the injector's link plus the transport under it).
+  the fault injector's spec (``"emulated:100Mbit"``: the injector's link plus the transport under it). A
+  path measured with N processes at once, as a job of N ranks loads the machine, is named ``"ipc@N"``;
+  ``"injected@N"`` is the fault injector's own cost on top of ipc with N processes (see :meth:`MachineProfile.link`).
 * **gamma**: seconds per byte of an elementwise reduce (``out = a + b``) on one core, and ``copy`` per byte of
   a copy; what a ring's reduce steps and a parameter server's adds cost.
 * **models**: per model and batch size, each layer's forward and backward seconds and its parameters' bytes, the
@@ -44,6 +46,11 @@ FORMAT = 1
 class LinkCost:
     """One path's Hockney parameters: a message of ``n`` bytes takes ``alpha + beta * n`` seconds.
 
+    ``ingress_beta`` is how long a byte holds the receiving node's queue when it differs from ``beta``: under
+    the fault injector, a message's CPU cost (its copies, the transport) is paid by its sender while the
+    receiver's queue drains at the emulated link's rate, so many senders into one node share that rate, not
+    their CPU time. None (a real path): ``beta``.
+
     Example:
         >>> LinkCost(alpha=50e-6, beta=1 / 12.5e6).time(1_250_000)
         0.10005
@@ -51,10 +58,16 @@ class LinkCost:
 
     alpha: float
     beta: float
+    ingress_beta: float | None = None
 
     def __post_init__(self) -> None:
-        if self.alpha < 0 or self.beta < 0:
-            raise ConfigError(f"a link's alpha and beta must be >= 0, got alpha={self.alpha}, beta={self.beta}")
+        if self.alpha < 0 or self.beta < 0 or (self.ingress_beta or 0.0) < 0:
+            raise ConfigError(f"a link's alpha and betas must be >= 0, got alpha={self.alpha}, beta={self.beta}")
+
+    @property
+    def receive_beta(self) -> float:
+        """Seconds per byte a message holds the receiver's ingress queue."""
+        return self.beta if self.ingress_beta is None else self.ingress_beta
 
     def time(self, nbytes: int) -> float:
         """Seconds for one message of ``nbytes``."""
@@ -104,6 +117,9 @@ class ModelProfile:
         optimizer_s: seconds of one optimizer step over all parameters.
         concurrency: processes that ran the model at once while it was measured (see the module docstring).
         overhead_s: seconds per step outside the layers (data loading, the loss, autograd's bookkeeping).
+        straggle_s: how much longer than the median step the slowest of ``concurrency`` processes' steps is
+            expected to be (from the measured steps' spread): what a synchronous step waits for beyond the
+            median worker, as processes sharing cores are preempted at different times. 0 where not measured.
     """
 
     model: str
@@ -112,6 +128,7 @@ class ModelProfile:
     optimizer_s: float = 0.0
     concurrency: int = 1
     overhead_s: float = 0.0
+    straggle_s: float = 0.0
 
     @property
     def param_bytes(self) -> int:
@@ -188,6 +205,23 @@ class MachineProfile:
                 "run 'paratrain profile' with that path, or add it to the JSON by hand"
             ) from None
 
+    def link(self, name: str, concurrency: int = 1, *, fallback: str | None = None) -> LinkCost:
+        """Path ``name`` as ``concurrency`` processes at once see it: ``"name@N"`` where measured, else
+        ``fallback`` at N, else ``name`` itself (an idle machine's ping-pong, or a described cluster's path).
+
+        Raises:
+            ConfigError: none of them is in the profile.
+
+        Example:
+            >>> m = MachineProfile("m", {"ipc": LinkCost(1e-4, 1e-9), "ipc@4": LinkCost(1e-3, 2e-9)})
+            >>> m.link("ipc", 4).alpha, m.link("ipc", 2).alpha, m.link("injected", 4, fallback="ipc").alpha
+            (0.001, 0.0001, 0.001)
+        """
+        for key in (f"{name}@{concurrency}", f"{fallback}@{concurrency}" if fallback else None):
+            if key is not None and key in self.paths:
+                return self.paths[key]
+        return self.path(name if name in self.paths or fallback is None else fallback)
+
     def model(self, model: str, batch_size: int, concurrency: int = 1) -> ModelProfile:
         """The profile of ``model`` at ``batch_size`` measured with ``concurrency`` processes.
 
@@ -216,7 +250,7 @@ class MachineProfile:
         return {
             "format": FORMAT,
             "name": self.name,
-            "paths": {k: asdict(v) for k, v in sorted(self.paths.items())},
+            "paths": {k: {f: x for f, x in asdict(v).items() if x is not None} for k, v in sorted(self.paths.items())},
             "gamma": self.gamma,
             "copy": self.copy,
             "models": {k: asdict(v) for k, v in sorted(self.models.items())},
@@ -237,7 +271,7 @@ class MachineProfile:
                 "profile'"
             )
         try:
-            paths = {k: LinkCost(**v) for k, v in data["paths"].items()}
+            paths = {k: LinkCost(**v) for k, v in data["paths"].items()}  # ingress_beta: optional
             models = {}
             for k, v in data.get("models", {}).items():
                 layers = tuple(
@@ -260,6 +294,7 @@ class MachineProfile:
                     optimizer_s=v.get("optimizer_s", 0.0),
                     concurrency=v.get("concurrency", 1),
                     overhead_s=v.get("overhead_s", 0.0),
+                    straggle_s=v.get("straggle_s", 0.0),
                 )
             return MachineProfile(
                 name=data["name"],

@@ -17,11 +17,14 @@ from paratrain.collectives.policy import default_allreduce_choice, network_allre
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.engine import Network, Replay, replay
 from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
-from paratrain.sim.step import StepJob, step_plan, symmetric_step
+from paratrain.sim.step import StepJob, repeat_steps, step_plan, symmetric_step
 
 #: Above this many workers a ring step on uniform links is replayed from rank 0 alone (:func:`symmetric_step`
 #: with padding); below, every rank is replayed exactly.
 SYMMETRIC_FROM = 64
+#: Steps a parameter-server job is replayed for; its step is the period over the last ones (see
+#: :func:`~paratrain.sim.step.repeat_steps`).
+PS_STEPS = 4
 
 __all__ = ["Prediction", "alpha_beta_step", "hybrid_layers", "network_for", "predict"]
 
@@ -57,6 +60,7 @@ def network_for(
     bandwidth: float | None = None,
     latency: float = 0.0,
     hosts: int = 1,
+    concurrency: int = 1,
 ) -> tuple[Network, Callable[[int, int], str]]:
     """The network and the allreduce policy the runtime would have for this job (see the module docstring).
 
@@ -66,6 +70,8 @@ def network_for(
         bandwidth: the fault injector's per-node bandwidth in bytes/s (None: not emulated).
         latency: the fault injector's one-way latency in seconds.
         hosts: hosts the ranks are spread over (block placement).
+        concurrency: processes sharing this host's cores (the job's workers): the paths measured under that
+            load (``"ipc@N"``, ``"injected@N"``) are used where the profile has them.
 
     Raises:
         ConfigError: the profile lacks a path the job needs.
@@ -73,11 +79,12 @@ def network_for(
     shm_alpha = profile.paths["shm"].alpha if "shm" in profile.paths else 0.0
     emulated = bandwidth is not None or latency > 0
     if emulated:
-        base = profile.path("ipc" if hosts == 1 else "tcp")
-        link = LinkCost(base.alpha + latency, base.beta + (1.0 / bandwidth if bandwidth else 0.0))
+        base = profile.link("injected", concurrency, fallback="ipc") if hosts == 1 else profile.path("tcp")
+        wire = 1.0 / bandwidth if bandwidth else 0.0  # the injector's queues: the sender's, then the receiver's
+        link = LinkCost(base.alpha + latency, base.beta + wire, ingress_beta=max(base.beta, wire))
         return Network.uniform(link, shm_alpha=shm_alpha), network_allreduce_choice(latency, bandwidth)
     if hosts == 1:
-        link = profile.path("ipc")
+        link = profile.link("ipc", concurrency)
         return Network.uniform(link, shm_alpha=shm_alpha), lambda nbytes, n: "shm"
     per_host = -(-world_size // hosts)
     network = Network.hosts(
@@ -124,7 +131,9 @@ def predict(
     """
     model_profile = profile.model(model, batch_size, workers) if isinstance(model, str) else model
     world = workers + (servers if strategy == "bsp" else 0)
-    network, choose = network_for(profile, world_size=world, bandwidth=bandwidth, latency=latency, hosts=hosts)
+    network, choose = network_for(
+        profile, world_size=world, bandwidth=bandwidth, latency=latency, hosts=hosts, concurrency=workers
+    )
     if algorithm != "auto":
         fixed = algorithm
         choose = lambda nbytes, n: fixed  # noqa: E731
@@ -166,8 +175,18 @@ def predict(
         return Prediction(step_s=out.finish[0], compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
     plan = step_plan(job)
     slow = None if slowdown is None else list(slowdown) + [1.0] * (plan.world_size - len(slowdown))
-    out = replay(plan, network, gamma=profile.gamma, copy=profile.copy, slowdown=slow, trace=trace, validate=False)
-    step = max(out.finish[:workers])
+    if strategy != "bsp":  # every worker waits for every other at the step's end: one step is the steady state
+        out = replay(plan, network, gamma=profile.gamma, copy=profile.copy, slowdown=slow, trace=trace, validate=False)
+        step = max(out.finish[:workers])
+        return Prediction(step_s=step, compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
+    # the server's pulls to one worker overlap the next step's pushes of another: the period of the last steps
+    runs = repeat_steps(plan, PS_STEPS)
+    out = replay(runs, network, gamma=profile.gamma, copy=profile.copy, slowdown=slow, trace=trace, validate=False)
+    ends = [
+        max(max(out.done[r][j * len(plan.ranks[r]) : (j + 1) * len(plan.ranks[r])]) for r in range(workers))
+        for j in range(PS_STEPS)
+    ]
+    step = (ends[-1] - ends[0]) / (PS_STEPS - 1)
     return Prediction(step_s=step, compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
 
 
@@ -230,7 +249,7 @@ def alpha_beta_step(
     queues of shared links, and SFB's rebuild).
     """
     if bandwidth is not None or latency > 0:
-        base = profile.path("ipc")
+        base = profile.link("injected", workers, fallback="ipc")
         alpha = base.alpha + latency
         beta = base.beta + (1.0 / bandwidth if bandwidth else 0.0)
     else:

@@ -28,6 +28,11 @@ pure functions, so a change to bucketing, an allreduce schedule or key sharding 
   it (its share of the optimizer time); the reply to a chunk's pull waits for that chunk's update only.
 
 Tags are offset per call (:data:`TAG_STRIDE`), as the runtime gives every call tags of its own.
+
+One step is not always the steady state: with a parameter server, the worker whose pulls the server answers
+first starts its next step and pushes while the server still sends to the others, so one step's pulls overlap
+the next one's pushes. :func:`repeat_steps` chains K copies of a step; a run's steady step is the period of the
+last copies (what a measurement that leaves out the first steps sees).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from paratrain.ps.plans import REPLY, REQUEST, clock_actions, pull_actions, push
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks
 from paratrain.sim.machine import LayerCost, ModelProfile
 
-__all__ = ["STRATEGIES", "TAG_STRIDE", "StepJob", "step_plan", "symmetric_step"]
+__all__ = ["STRATEGIES", "TAG_STRIDE", "StepJob", "repeat_steps", "step_plan", "symmetric_step"]
 
 #: Tag space of one call inside a composed step (a call's plan uses small tag offsets).
 TAG_STRIDE = 1 << 12
@@ -151,6 +156,8 @@ def _backward(rank: _Rank, job: StepJob) -> dict[int, int]:
     model = job.model
     if model.overhead_s:
         rank.add(Action("compute", seconds=model.overhead_s, label="overhead"))
+    if model.straggle_s and job.workers > 1:  # every worker waits for the slowest one's step at the barrier
+        rank.add(Action("compute", seconds=model.straggle_s, label="the slowest worker (expected)"))
     for layer in model.layers:
         rank.add(Action("compute", seconds=layer.forward_s, label=f"F {layer.name}"))
     buckets = job.buckets()
@@ -302,6 +309,36 @@ def step_plan(job: StepJob) -> Plan:
     """
     ranks = _allreduce_ranks(job, range(job.workers)) if job.strategy == "allreduce" else _ps_ranks(job)
     return Plan(f"step/{job.strategy}", tuple(tuple(r.actions) for r in ranks))
+
+
+def repeat_steps(plan: Plan, k: int) -> Plan:
+    """``k`` copies of a step plan, one after the other on every lane of every rank (each lane runs its actions
+    in order, so copy j + 1 starts on a lane when copy j is done there and its own dependencies are met; a
+    message matches the receive of the same copy, as sends and receives keep their order). Copy j of rank r is
+    actions ``j n_r .. (j + 1) n_r - 1``, with ``n_r`` the step's actions of rank r.
+
+    Example:
+        >>> from paratrain.sim.machine import LayerCost, ModelProfile
+        >>> model = ModelProfile("tiny", 8, (LayerCost("fc", 0.001, 0.002, ("fc.weight",), (4096,)),))
+        >>> one = step_plan(StepJob(model, workers=2, choose=lambda b, n: "ring"))
+        >>> three = repeat_steps(one, 3)
+        >>> [len(a) for a in three.ranks] == [3 * len(a) for a in one.ranks], three.bytes_sent() == [
+        ...     3 * b for b in one.bytes_sent()]
+        (True, True)
+    """
+    if k < 1:
+        raise ConfigError(f"repeat_steps needs at least one copy, got {k}")
+    ranks = []
+    for actions in plan.ranks:
+        n = len(actions)
+        ranks.append(
+            tuple(
+                dataclasses.replace(a, deps=tuple(d + j * n for d in a.deps)) if j else a
+                for j in range(k)
+                for a in actions
+            )
+        )
+    return Plan(f"{plan.name}x{k}", tuple(ranks))
 
 
 def symmetric_step(job: StepJob, *, pad: bool = False) -> Plan | None:

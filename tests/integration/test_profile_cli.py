@@ -83,3 +83,11 @@ def test_bad_options_exit_2(args: list[str], message: str, tmp_path: Path, capsy
     err = capsys.readouterr().err
     assert err.startswith("paratrain profile: error:") and message in err
     assert not out.exists()
+
+
+def test_paths_under_load_are_a_ring_of_n_processes() -> None:
+    from paratrain.bench.profile import measure_paths
+
+    links = measure_paths(["ipc"], concurrency=2, sizes=[0, 64 << 10], quick=True, timeout=90)
+    assert set(links) == {"ipc", "ipc@2", "injected@2"}
+    assert all(link.alpha > 0 for link in links.values())

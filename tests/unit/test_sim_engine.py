@@ -14,7 +14,7 @@ from paratrain.ps.plans import push_actions
 from paratrain.ps.sharding import plan_chunks
 from paratrain.sim.engine import Network, replay
 from paratrain.sim.machine import LayerCost, LinkCost, ModelProfile
-from paratrain.sim.step import TAG_STRIDE, StepJob, step_plan
+from paratrain.sim.step import TAG_STRIDE, StepJob, repeat_steps, step_plan
 
 ALPHA, BETA = 1e-3, 1e-8
 
@@ -44,6 +44,34 @@ def test_parameter_server_incast_shares_the_servers_link() -> None:
     assert simulate(Plan("incast", (*workers, server)), alpha=ALPHA, beta=BETA).time == pytest.approx(
         ALPHA + nbytes * BETA
     )
+
+
+def test_an_emulated_receivers_queue_drains_at_the_links_rate_not_the_senders_cpu() -> None:
+    """The fault injector's ingress: a sender pays its CPU per byte (beta), the receiver's queue holds each message
+    ``n * ingress_beta``; two senders at once are visible at max(arrival, previous + n ingress_beta)."""
+    workers = tuple((Action("send", peer=2, nbytes=1000),) for _ in range(2))
+    server = tuple(Action("recv", peer=w, nbytes=1000) for w in range(2))
+    out = replay(Plan("incast", (*workers, server)), Network.uniform(LinkCost(0.0, 1e-3, ingress_beta=2e-3)))
+    assert sorted(out.done[2]) == pytest.approx([2.0, 4.0])
+    out = replay(Plan("incast", (*workers, server)), Network.uniform(LinkCost(0.0, 1e-3, ingress_beta=0.0)))
+    assert sorted(out.done[2]) == pytest.approx([1.0, 1.0])
+
+
+def test_parameter_server_steps_overlap_one_workers_pulls_with_anothers_next_push() -> None:
+    """Two workers, one server, one chunk of one unit of link time, backward 0.5 s, no latency (by hand): step 1
+    ends at 3.5 s on worker 0 (push 0.5-1.5, visible 1.5; worker 1's visible 2.5; replies 2.5-3.5, 3.5-4.5) and
+    4.5 s on worker 1; in step 2 worker 0 pushes at 4.0-5.0 while the server still sends to worker 1, so steps
+    then take 3.5 s, not the 4.5 s of one step replayed alone."""
+    model = ModelProfile("one", 8, (LayerCost("fc", 0.0, 0.5, ("fc.weight",), (4000,)),))
+    plan = step_plan(StepJob(model, workers=2, strategy="bsp", servers=1))
+    assert plan.bytes_sent() == [4000, 4000, 8000]
+    network = Network.uniform(LinkCost(0.0, 1 / 4000))
+    assert replay(plan, network).finish[:2] == pytest.approx([3.5, 4.5])
+    three = replay(repeat_steps(plan, 3), network)
+    ends = [
+        [max(three.done[r][j * len(plan.ranks[r]) : (j + 1) * len(plan.ranks[r])]) for j in range(3)] for r in (0, 1)
+    ]
+    assert ends == [pytest.approx([3.5, 7.0, 10.5]), pytest.approx([4.5, 8.0, 11.5])]
 
 
 def test_hosts_share_a_nic_between_hosts_and_not_inside() -> None:

@@ -49,6 +49,38 @@ def test_the_formula_is_the_textbook_sum() -> None:
     assert ps == pytest.approx(model.compute_s + 2 * (300e-6 + 4 * model.param_bytes * beta))
 
 
+def test_paths_measured_under_the_jobs_load_are_used_where_the_profile_has_them() -> None:
+    base, model = _profile(), _widemlp()
+    loaded = MachineProfile(
+        "loaded",
+        {**base.paths, "ipc@4": LinkCost(900e-6, 2e-9), "injected@4": LinkCost(1e-3, 3e-9)},
+        gamma=base.gamma,
+        copy=base.copy,
+    ).with_model(model)
+    # emulated: the injector's own cost at 4 processes, then the link; the receiver's queue at the link's rate
+    want = model.compute_s + 2 * 3 * (1e-3 + model.param_bytes * (3e-9 + 1 / 12.5e6) / 4)
+    assert alpha_beta_step(loaded, model, workers=4, bandwidth=12.5e6) == pytest.approx(want)
+    assert (
+        predict(loaded, model, workers=4, bandwidth=12.5e6).step_s
+        > predict(base, model, workers=4, bandwidth=12.5e6).step_s
+    )
+    # two workers: nothing measured at 2, so the idle ping-pong's ipc
+    assert predict(loaded, "widemlp", workers=4).step_s == pytest.approx(predict(base, "widemlp", workers=4).step_s)
+    assert loaded.link("injected", 2, fallback="ipc") == base.paths["ipc"]
+
+
+def test_a_synchronous_step_waits_for_the_expected_slowest_worker() -> None:
+    base = _profile()
+    model = _widemlp()
+    late = ModelProfile(model.model, 64, model.layers, optimizer_s=0.01, concurrency=4, straggle_s=0.125)
+    for strategy in ("allreduce", "bsp"):
+        on_time = predict(base, model, workers=4, strategy=strategy, bandwidth=12.5e6).step_s
+        assert predict(base, late, workers=4, strategy=strategy, bandwidth=12.5e6).step_s == pytest.approx(
+            on_time + 0.125, rel=1e-3
+        )
+    assert predict(base, late, workers=1).step_s == pytest.approx(predict(base, model, workers=1).step_s)
+
+
 def test_the_search_ranks_everything_and_says_why() -> None:
     profile, model = _profile(), _widemlp()
     space = candidates(model)

@@ -102,15 +102,30 @@ def test_combine_takes_medians_over_processes() -> None:
     assert _combine("m", 8, [_run(1.0, 1.0, 2.0, 0.5)]).overhead_s == 0.0  # never negative
 
 
+def test_combine_expects_the_slowest_of_the_processes_steps() -> None:
+    runs = [
+        dict(_run(10.0, 1.0, 2.0, 0.5), step_samples=[1.0, 2.0]),
+        dict(_run(10.0, 1.0, 2.0, 0.5), step_samples=[3.0, 4.0]),
+    ]
+    # pooled 1, 2, 3, 4: the larger of two draws is 4 w.p. 7/16, 3 w.p. 5/16, 2 w.p. 3/16, 1 w.p. 1/16
+    assert _combine("m", 8, runs).straggle_s == pytest.approx((4 * 7 + 3 * 5 + 2 * 3 + 1) / 16 - 2.5)
+    assert _combine("m", 8, runs[:1]).straggle_s == 0.0  # one process waits for no one
+
+
 def _machine() -> MachineProfile:
     layers = (
         LayerCost("0", 1e-3, 2e-3, ("0.position",), (256,), 1024),
         LayerCost("0.token", 5e-4, 1e-3, ("0.token.weight",), (4096,), 1024),
     )
-    model = ModelProfile("transformer", 16, layers, optimizer_s=1e-4, concurrency=2, overhead_s=3e-4)
+    model = ModelProfile("transformer", 16, layers, optimizer_s=1e-4, concurrency=2, overhead_s=3e-4, straggle_s=2e-4)
     return MachineProfile(
         "box",
-        {"ipc": LinkCost(40e-6, 1 / 2e9), "emulated:100Mbit": LinkCost(1e-3, 1 / 12.5e6), "shm": LinkCost(5e-6, 0.0)},
+        {
+            "ipc": LinkCost(40e-6, 1 / 2e9),
+            "injected@2": LinkCost(80e-6, 1 / 1e9, ingress_beta=1e-9),
+            "emulated:100Mbit": LinkCost(1e-3, 1 / 12.5e6),
+            "shm": LinkCost(5e-6, 0.0),
+        },
         gamma=1e-10,
         copy=5e-11,
         cluster=Cluster(hosts=2, ranks_per_host=2, intra="shm", inter="emulated:100Mbit", cores_per_host=2),
