@@ -14,15 +14,21 @@ exchange of ``nbytes`` per worker for every N:
 * ``gossip``: one D-PSGD round on the ring graph (each worker exchanges its model with two neighbours),
   :func:`ring_gossip_plan`.
 
-No compute and no agreement: the exchange alone, as the claim states it. The measured side (``--check``) times
-ring and tree allreduces on this machine at N = 2..4 (real processes, the fault injector's links) and sets them
-beside the same simulation with this machine's profile, which is how far the figure can be trusted.
+No compute and no agreement: the exchange alone, as the claim states it. The measured side
+(:func:`check_scaling`, ``--check``) times ring and tree allreduces on this machine at N = 2..4 (real processes,
+the fault injector's links) and sets them beside the same plans (with the call's agreement, as the runtime runs
+them) replayed on this machine's profile, which is how far the figure can be trusted.
 """
 
 from __future__ import annotations
 
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from paratrain.collectives.lower import allreduce_parts, allreduce_plan
@@ -31,9 +37,17 @@ from paratrain.plan.ir import Plan
 from paratrain.ps.plans import round_plan
 from paratrain.ps.sharding import plan_chunks
 from paratrain.sim.engine import Network, replay
-from paratrain.sim.machine import LinkCost
+from paratrain.sim.machine import LinkCost, MachineProfile
 
-__all__ = ["SCHEMES", "exchange_time", "render_scaling", "ring_gossip_plan", "run_scaling"]
+__all__ = [
+    "SCHEMES",
+    "check_scaling",
+    "exchange_time",
+    "render_check",
+    "render_scaling",
+    "ring_gossip_plan",
+    "run_scaling",
+]
 
 SCHEMES = ("ring", "tree", "central", "ps:N/8", "gossip")
 
@@ -131,3 +145,96 @@ def plot_scaling(report: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+#: The algorithms ``--check`` measures (the ones the runtime runs over the transport for any N).
+CHECKED = ("ring", "tree")
+
+
+def check_scaling(
+    profile: MachineProfile,
+    *,
+    nbytes: int,
+    workers: Sequence[int] = (2, 3, 4),
+    spec: str,
+    algorithms: Sequence[str] = CHECKED,
+    iters: int = 10,
+    repeat: int = 1,
+    timeout: float = 300.0,
+    say: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Times ``pt.allreduce_`` of ``nbytes`` per rank with each algorithm in ``N`` real processes under the fault
+    injector (``spec``, e.g. ``"bandwidth=1Gbit"``), for every N, ``repeat`` times (N interleaved within each
+    round); and replays the same call's plan (:func:`~paratrain.collectives.lower.allreduce_plan`, agreement
+    included) on the network :func:`~paratrain.sim.predict.network_for` builds from ``profile`` for that job.
+    Blocks for the runs (seconds each).
+
+    Raises:
+        RuntimeError: a measuring job failed or ran past ``timeout``.
+    """
+    from paratrain.launch.run import run_launch
+    from paratrain.sim.predict import network_for
+    from paratrain.transport.faults import FaultSpec
+
+    say = say or (lambda line: None)
+    count = max(1, nbytes // 4)
+    link = FaultSpec.parse(spec)
+    bandwidth, latency = link.bandwidth, link.latency
+    measured: dict[tuple[int, str], list[float]] = {}
+    for round_ in range(repeat):
+        for n in workers:
+            say(f"round {round_ + 1}/{repeat}: {n} processes, {', '.join(algorithms)} ...")
+            with tempfile.TemporaryDirectory(prefix="paratrain-scaling-") as tmp:
+                argv = [sys.executable, "-m", "paratrain.bench._scaling_worker", "--count", str(count)]
+                argv += ["--algorithms", ",".join(algorithms), "--iters", str(iters), "--out", tmp]
+                argv += ["--deadline", str(timeout)]
+                code = run_launch(argv, nproc=n, faults=spec, deadline_s=timeout, stdout=sys.stderr)
+                if code:
+                    raise RuntimeError(f"the measuring job of {n} processes failed (exit code {code}); see above")
+                got = json.loads((pathlib.Path(tmp) / "scaling-check.json").read_text())
+            for algorithm in algorithms:
+                measured.setdefault((n, algorithm), []).append(got["results"][algorithm]["median_s"])
+    rows = []
+    for n in workers:
+        network, _ = network_for(profile, world_size=n, bandwidth=bandwidth, latency=latency, concurrency=n)
+        for algorithm in algorithms:
+            plan = allreduce_plan(algorithm, n, count, 4, aliased=True)
+            simulated = replay(plan, network, gamma=profile.gamma, copy=profile.copy).time
+            runs = measured[(n, algorithm)]
+            median = statistics.median(runs)
+            rows.append(
+                {
+                    "workers": n,
+                    "scheme": algorithm,
+                    "measured_s": median,
+                    "measured_runs_s": runs,
+                    "simulated_s": simulated,
+                    "error": simulated / median - 1.0,
+                }
+            )
+    return {
+        "benchmark": "scaling-check",
+        "nbytes": count * 4,
+        "network": spec,
+        "bandwidth": bandwidth,
+        "latency": latency,
+        "machine": profile.name,
+        "repeat": repeat,
+        "rows": rows,
+    }
+
+
+def render_check(report: dict[str, Any]) -> str:
+    """The check as a Markdown table: measured (median, min-max over rounds), simulated, error."""
+    lines = ["| N | scheme | measured (min-max) | simulated | error |", "|---:|---|---:|---:|---:|"]
+    for r in report["rows"]:
+        runs = r["measured_runs_s"]
+        lines.append(
+            f"| {r['workers']} | {r['scheme']} | {r['measured_s'] * 1e3:.1f} ms ({min(runs) * 1e3:.1f}-"
+            f"{max(runs) * 1e3:.1f}) | {r['simulated_s'] * 1e3:.1f} ms | {r['error']:+.1%} |"
+        )
+    errors = sorted(abs(r["error"]) for r in report["rows"])
+    if errors:
+        lines.append("")
+        lines.append(f"median |error| {statistics.median(errors):.1%}, worst {errors[-1]:.1%}")
+    return "\n".join(lines)

@@ -23,7 +23,7 @@ from typing import Any
 
 from paratrain.sim.machine import MachineProfile
 
-__all__ = ["ValidationRow", "render_validation", "run_validation", "spearman"]
+__all__ = ["ValidationRow", "render_validation", "run_validation", "spearman", "split_strategy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +85,18 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return cov / (va * vb) if va and vb else 0.0
 
 
+def split_strategy(text: str) -> tuple[str, str | None]:
+    """A configuration's strategy and compression: ``"allreduce+fp16"`` is ``--strategy allreduce --compression
+    fp16``.
+
+    Example:
+        >>> split_strategy("allreduce+fp16"), split_strategy("bsp")
+        (('allreduce', 'fp16'), ('bsp', None))
+    """
+    strategy, _, compression = text.partition("+")
+    return strategy, compression or None
+
+
 def measured_step(records: list[dict[str, Any]], *, skip: int = 2) -> float:
     """Median wall seconds between rank 0's consecutive steps, leaving out the first ``skip`` steps."""
     times = sorted((r["step"], r["time"]) for r in records if r.get("kind") == "step" and r.get("rank") == 0)
@@ -108,6 +120,7 @@ def _train(
 ) -> float:
     from paratrain.train.record import merge_run
 
+    strategy, compression = split_strategy(strategy)
     argv = [
         "train",
         "--model",
@@ -116,6 +129,7 @@ def _train(
         dataset,
         "--strategy",
         strategy,
+        *(["--compression", compression] if compression else []),
         "--workers",
         str(workers),
         "--epochs",
@@ -212,9 +226,24 @@ def predict_rows(
     for (model, strategy, network), steps in measured.items():
         bandwidth = parse_bandwidth(network) if network else None
         mp = profile.model(model, batch, workers)
-        pred = predict(profile, mp, workers=workers, strategy=strategy, bandwidth=bandwidth, batch_size=batch)
+        strategy_, compression = split_strategy(strategy)
+        pred = predict(
+            profile,
+            mp,
+            workers=workers,
+            strategy=strategy_,
+            bandwidth=bandwidth,
+            batch_size=batch,
+            compression=compression,
+        )
         formula = alpha_beta_step(
-            profile, mp, workers=workers, strategy=strategy, bandwidth=bandwidth, batch_size=batch
+            profile,
+            mp,
+            workers=workers,
+            strategy=strategy_,
+            bandwidth=bandwidth,
+            batch_size=batch,
+            compression=compression,
         )
         rows.append(ValidationRow(model, strategy, network or "local", workers, steps, pred.step_s, formula))
     return summarise(rows, profile)

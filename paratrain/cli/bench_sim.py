@@ -41,7 +41,7 @@ def add_parsers(bench_sub: Any) -> None:
         "--strategies",
         type=_list,
         default=["allreduce", "bsp"],
-        help="default allreduce,bsp (also sfb, poseidon:allreduce)",
+        help="default allreduce,bsp (also asp, sfb, poseidon:allreduce; allreduce+fp16 or +bf16 for compression)",
     )
     p.add_argument(
         "--networks", type=_list, default=["1Gbit", "100Mbit"], help="--bandwidth values (default 1Gbit,100Mbit)"
@@ -95,7 +95,14 @@ def add_parsers(bench_sub: Any) -> None:
         help="instead: one training step of MODEL (profiled in --machine) with ring allreduce at every N, and how "
         "long simulating it took",
     )
-    s.add_argument("--machine", default="machine.json", help="with --step: the machine profile")
+    s.add_argument(
+        "--check",
+        action="store_true",
+        help="instead: time ring and tree allreduces of --size in N real processes here (the --workers, e.g. "
+        "2,3,4) under the fault injector's --bandwidth and --latency, beside the same plans replayed on --machine",
+    )
+    s.add_argument("--repeat", type=int, default=3, help="with --check: rounds, N interleaved (default 3)")
+    s.add_argument("--machine", default="machine.json", help="with --step or --check: the machine profile")
     s.add_argument("--plot", default=None, help="write the figure (PNG) here")
     s.add_argument("--json", default=None, help="also write the report to this JSON file")
     s.set_defaults(func=_scaling)
@@ -176,6 +183,8 @@ def _scaling(args: argparse.Namespace) -> int:
         link = LinkCost(parse_duration(args.latency), 1.0 / parse_bandwidth(args.bandwidth))
         if args.step:
             return _step_scaling(args, link)
+        if args.check:
+            return _check_scaling(args, nbytes)
         schemes = args.schemes or list(SCHEMES)
         bad = [s for s in schemes if s not in SCHEMES]
         if bad:
@@ -222,3 +231,29 @@ def _step_scaling(args: argparse.Namespace, link: Any) -> int:
     lines += [f"| {r['workers']} | {r['step_s']:.3f} s | {r['simulated_in_s']:.3f} s |" for r in rows]
     report = {"benchmark": "scaling-step", "model": args.step, "alpha": link.alpha, "beta": link.beta, "rows": rows}
     return _emit("scaling", "\n".join(lines), report, args.json)
+
+
+def _check_scaling(args: argparse.Namespace, nbytes: int) -> int:
+    """``bench scaling --check``: ring and tree at small N, measured here and simulated on the profile."""
+    from paratrain.bench.scaling import check_scaling, render_check
+    from paratrain.sim.machine import MachineProfile
+
+    if args.repeat < 1:
+        raise ConfigError(f"--repeat must be at least 1, got {args.repeat}")
+    profile = MachineProfile.load(args.machine)
+    spec = ",".join(
+        [f"bandwidth={args.bandwidth}"] + ([f"latency={args.latency}"] if args.latency not in ("0", "0s") else [])
+    )
+    try:
+        report = check_scaling(
+            profile,
+            nbytes=nbytes,
+            workers=args.workers,
+            spec=spec,
+            repeat=args.repeat,
+            say=lambda line: print(f"paratrain bench scaling: {line}", file=sys.stderr),
+        )
+    except RuntimeError as exc:
+        print(f"paratrain bench scaling: error: {exc}", file=sys.stderr)
+        return 1
+    return _emit("scaling", render_check(report), report, args.json)

@@ -20,10 +20,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "plan",
         help="predict the step time of every strategy for a model on this machine and rank them",
         description=(
-            "Search strategies (allreduce, the BSP parameter server with 1-4 servers, SFB, the Poseidon hybrid), "
-            "bucket sizes and overlap for a data-parallel job, predicting each with the simulator from a machine "
-            "profile (paratrain profile), and print them ranked with the reason for the pick. --run trains the "
-            "top candidates and the default allreduce for a few steps to confirm."
+            "Search strategies (allreduce with or without fp16 compression, the BSP or ASP parameter server with "
+            "1-4 servers, SFB, the Poseidon hybrid), bucket sizes and overlap for a data-parallel job, predicting "
+            "each with the simulator from a machine profile (paratrain profile), and print them ranked with the "
+            "reason for the pick; the 'update' column marks those whose step is not synchronous SGD's (--exact "
+            "leaves them out). --run trains the top candidates and the default allreduce for a few steps to confirm."
         ),
     )
     p.add_argument("--model", required=True, help="a model of paratrain train (profiled in --machine)")
@@ -39,8 +40,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--strategies",
-        default="allreduce,bsp,sfb,poseidon:allreduce",
-        help="the strategies to search (default allreduce,bsp,sfb,poseidon:allreduce)",
+        default="allreduce,bsp,asp,sfb,poseidon:allreduce",
+        help="the strategies to search (default allreduce,bsp,asp,sfb,poseidon:allreduce)",
+    )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="only configurations whose step is synchronous SGD's exactly (no compression, no asp)",
     )
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print (default 10)")
     p.add_argument("--run", action="store_true", help="train the top --confirm candidates and the default to confirm")
@@ -76,7 +82,7 @@ def _plan(args: argparse.Namespace) -> int:
     model = profile.model(args.model, args.batch_size, args.workers)
     bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
     latency = parse_duration(args.latency) if args.latency else 0.0
-    space = candidates(model, strategies=strategies)
+    space = [c for c in candidates(model, strategies=strategies) if c.update == "exact" or not args.exact]
     if Candidate() not in space:
         space.append(Candidate())
     ranked = search(
@@ -98,8 +104,8 @@ def _plan(args: argparse.Namespace) -> int:
         + (f", {network}" if network else "")
         + f" on {profile.name!r}: {len(ranked)} configurations simulated"
     )
-    print("| rank | configuration | step (s) | vs default | compute (s) | waiting (s) | MB sent per worker |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("| rank | configuration | step (s) | vs default | compute (s) | waiting (s) | MB sent per worker | update |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|")
     for i, s in enumerate(ranked[: args.top]):
         _row(i + 1, s, default)
     if default not in ranked[: args.top]:
@@ -115,7 +121,13 @@ def _plan(args: argparse.Namespace) -> int:
         "latency": args.latency,
         "machine": profile.name,
         "ranking": [
-            {"configuration": s.candidate.label, "flags": s.candidate.train_flags(), "step_s": s.step_s} for s in ranked
+            {
+                "configuration": s.candidate.label,
+                "flags": s.candidate.train_flags(),
+                "step_s": s.step_s,
+                "update": s.candidate.update,
+            }
+            for s in ranked
         ],
     }
     if args.trace:
@@ -135,6 +147,7 @@ def _plan(args: argparse.Namespace) -> int:
             latency=latency,
             hosts=args.hosts,
             trace=True,
+            compression=pick.compression or None,
         )
         Path(args.trace).write_text(json.dumps(traced.replay.chrome_trace()))
         print(f"trace of the pick's simulated step: {args.trace} (open in Perfetto or chrome://tracing)")
@@ -150,7 +163,7 @@ def _row(rank: int, s: Any, default: Any) -> None:
     workers = p.job.workers
     print(
         f"| {rank} | {s.candidate.label} | {p.step_s:.3f} | {default.step_s / p.step_s:.2f}x | {p.compute_s:.3f} "
-        f"| {p.comm_wait_s:.3f} | {max(p.replay.bytes_out[:workers]) / 1e6:.2f} |"
+        f"| {p.comm_wait_s:.3f} | {max(p.replay.bytes_out[:workers]) / 1e6:.2f} | {s.candidate.update} |"
     )
 
 

@@ -206,20 +206,27 @@ class MachineProfile:
             ) from None
 
     def link(self, name: str, concurrency: int = 1, *, fallback: str | None = None) -> LinkCost:
-        """Path ``name`` as ``concurrency`` processes at once see it: ``"name@N"`` where measured, else
-        ``fallback`` at N, else ``name`` itself (an idle machine's ping-pong, or a described cluster's path).
+        """Path ``name`` as ``concurrency`` processes at once see it: ``"name@N"`` where measured, else the
+        ``"name@M"`` measured with the nearest M >= 2 (the load of several processes, of another size), else the
+        same for ``fallback``, else ``name`` (an idle machine's ping-pong, or a described cluster's path), else
+        ``fallback``. One process (``concurrency`` 1) takes the idle path.
 
         Raises:
             ConfigError: none of them is in the profile.
 
         Example:
             >>> m = MachineProfile("m", {"ipc": LinkCost(1e-4, 1e-9), "ipc@4": LinkCost(1e-3, 2e-9)})
-            >>> m.link("ipc", 4).alpha, m.link("ipc", 2).alpha, m.link("injected", 4, fallback="ipc").alpha
-            (0.001, 0.0001, 0.001)
+            >>> [m.link("ipc", n).alpha for n in (1, 2, 4, 64)], m.link("injected", 4, fallback="ipc").alpha
+            ([0.0001, 0.001, 0.001, 0.001], 0.001)
         """
-        for key in (f"{name}@{concurrency}", f"{fallback}@{concurrency}" if fallback else None):
-            if key is not None and key in self.paths:
-                return self.paths[key]
+        for base in (name, fallback):
+            if base is None or concurrency < 2:
+                continue
+            measured = [int(n) for b, _, n in (k.rpartition("@") for k in self.paths) if b == base and n.isdigit()]
+            usable = [m for m in measured if m >= 2]
+            if usable:
+                nearest = min(usable, key=lambda m: (abs(m - concurrency), m))
+                return self.paths[f"{base}@{nearest}"]
         return self.path(name if name in self.paths or fallback is None else fallback)
 
     def model(self, model: str, batch_size: int, concurrency: int = 1) -> ModelProfile:

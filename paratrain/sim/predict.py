@@ -112,6 +112,7 @@ def predict(
     algorithm: str = "auto",
     slowdown: list[float] | None = None,
     trace: bool = False,
+    compression: str | None = None,
 ) -> Prediction:
     """Predicts one step of a data-parallel job on the profiled machine.
 
@@ -125,12 +126,13 @@ def predict(
         algorithm: ``"auto"`` (the runtime's policy) or one allreduce algorithm for every bucket.
         slowdown: per rank, how much slower its compute runs (stragglers).
         trace: keep the replay's Chrome-trace spans.
+        compression: ``"fp16"`` or ``"bf16"`` with allreduce (``--compression``), or None.
 
     Raises:
         ConfigError: the profile lacks the model or a path.
     """
     model_profile = profile.model(model, batch_size, workers) if isinstance(model, str) else model
-    world = workers + (servers if strategy == "bsp" else 0)
+    world = workers + (servers if strategy in ("bsp", "asp") else 0)
     network, choose = network_for(
         profile, world_size=world, bandwidth=bandwidth, latency=latency, hosts=hosts, concurrency=workers
     )
@@ -166,6 +168,7 @@ def predict(
         choose=recorded,
         sfb_layers=sfb_layers,
         batch_size=batch_size,
+        compression=compression,
     )
     rank0 = None
     if workers > SYMMETRIC_FROM and slowdown is None and (bandwidth is not None or latency > 0):
@@ -175,7 +178,7 @@ def predict(
         return Prediction(step_s=out.finish[0], compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
     plan = step_plan(job)
     slow = None if slowdown is None else list(slowdown) + [1.0] * (plan.world_size - len(slowdown))
-    if strategy != "bsp":  # every worker waits for every other at the step's end: one step is the steady state
+    if not job.uses_servers:  # every worker waits for every other at the step's end: one step is the steady state
         out = replay(plan, network, gamma=profile.gamma, copy=profile.copy, slowdown=slow, trace=trace, validate=False)
         step = max(out.finish[:workers])
         return Prediction(step_s=step, compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
@@ -235,12 +238,13 @@ def alpha_beta_step(
     bandwidth: float | None = None,
     latency: float = 0.0,
     batch_size: int = 64,
+    compression: str | None = None,
 ) -> float:
     """The plain formula a back-of-the-envelope estimate uses: compute, plus the model's bytes through the
     textbook cost with no overlap, no buckets, no contention model beyond the obvious, no agreement::
 
-        allreduce (ring)   compute + 2 (W-1) (alpha + n / (W b))
-        parameter server   compute + 2 (alpha + W n / (S b))     (every worker's n through S server links)
+        allreduce (ring)   compute + 2 (W-1) (alpha + n / (W b))   (n halved by fp16 or bf16 compression)
+        parameter server   compute + 2 (alpha + W n / (S b))     (bsp and asp: every worker's n through S links)
         sfb, poseidon:allreduce   compute + the ring for the dense layers' bytes
                                   + (W-1) (alpha + K (M + N) / b) per SFB layer (its rows, allgathered)
 
@@ -276,7 +280,9 @@ def alpha_beta_step(
                 comm += (workers - 1) * (alpha + rows * beta)
                 n -= sum(layer.param_bytes)
         strategy = "allreduce"
-    if strategy == "bsp":
+    if compression:
+        n //= 2
+    if strategy in ("bsp", "asp"):
         comm += 2 * (alpha + workers * n * beta / servers)
     elif workers > 1 and n > 0:
         comm += 2 * (workers - 1) * (alpha + n * beta / workers)

@@ -1,10 +1,15 @@
 """The planner's search: every runnable configuration of a job, predicted by the simulator, ranked.
 
 The space is what ``paratrain train`` can run for a data-parallel job: the strategy (allreduce with the runtime's
-``auto`` algorithm policy; the BSP parameter server with 1, 2 or 4 servers; SFB for every fully-connected layer;
-Poseidon's per-layer hybrid of SFB and allreduce), the fusion size (``--bucket-bytes``, 256 KiB to 64 MiB) and
-wait-free backprop on or off. That is a few dozen points, and a replay of one step takes milliseconds to a few
-tenths of a second, so the search is exhaustive: no sampling error and no tuning of a random walk, which
+``auto`` algorithm policy, with or without fp16 compression; the parameter server with 1, 2 or 4 servers, BSP or
+ASP; SFB for every fully-connected layer; Poseidon's per-layer hybrid of SFB and allreduce), the fusion size
+(``--bucket-bytes``, 256 KiB to 64 MiB) and wait-free backprop on or off. Two of them change the update, not only
+its speed, and the ranking says so (:attr:`Candidate.update`): fp16 rounds every gradient to 16 bits, and ASP
+computes on parameters that miss other workers' latest gradients; every other candidate computes synchronous
+SGD's step exactly (SFB rebuilds the same gradient), so its predicted speed is the whole comparison.
+
+That is about a hundred points, and a replay of one step takes milliseconds to a few tenths of a second, so the
+search is exhaustive: no sampling error and no tuning of a random walk, which
 FlexFlow's MCMC needs because its space (a parallelisation per operator) is exponential. Where paratrain's
 space has such a part, the per-layer choice of SFB against the dense scheme, the layers' choices are
 independent given the network, and Poseidon's cost model (:func:`paratrain.sfb.choose_schemes`, the same
@@ -20,13 +25,15 @@ from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.machine import MachineProfile, ModelProfile
 from paratrain.sim.predict import Prediction, predict
 
-__all__ = ["BUCKET_SIZES", "Candidate", "Scored", "candidates", "reason", "search"]
+__all__ = ["BUCKET_SIZES", "COMPRESSIONS", "SEARCHED", "Candidate", "Scored", "candidates", "reason", "search"]
 
 #: The fusion sizes the planner tries.
 BUCKET_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 
 #: Strategies the planner searches (those the step composer models).
-SEARCHED = ("allreduce", "bsp", "sfb", "poseidon:allreduce")
+SEARCHED = ("allreduce", "bsp", "asp", "sfb", "poseidon:allreduce")
+#: Compressions the planner tries with allreduce ("" is none).
+COMPRESSIONS = ("", "fp16")
 
 
 def _size(nbytes: int) -> str:
@@ -39,28 +46,45 @@ class Candidate:
 
     Attributes:
         strategy: ``paratrain train --strategy``.
-        servers: parameter servers (``bsp``).
+        servers: parameter servers (``bsp``, ``asp``).
         bucket_bytes: ``--bucket-bytes``.
         overlap: wait-free backprop (``--no-overlap`` when False).
+        compression: ``--compression`` (allreduce), "" for none.
     """
 
     strategy: str = "allreduce"
     servers: int = 1
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     overlap: bool = True
+    compression: str = ""
+
+    @property
+    def uses_servers(self) -> bool:
+        """Whether it runs parameter servers."""
+        return self.strategy in ("bsp", "asp")
 
     @property
     def label(self) -> str:
-        """A short name: ``"bsp x2, 16MiB"``."""
-        servers = f" x{self.servers}" if self.strategy == "bsp" else ""
+        """A short name: ``"bsp x2, 16MiB"``, ``"allreduce+fp16, 4MiB"``."""
+        servers = f" x{self.servers}" if self.uses_servers else ""
+        compression = f"+{self.compression}" if self.compression else ""
         overlap = "" if self.overlap else ", no overlap"
-        return f"{self.strategy}{servers}, {_size(self.bucket_bytes)}{overlap}"
+        return f"{self.strategy}{compression}{servers}, {_size(self.bucket_bytes)}{overlap}"
+
+    @property
+    def update(self) -> str:
+        """What its step computes, against synchronous SGD on the mean gradient (see the module docstring)."""
+        if self.compression:
+            return f"{self.compression}-rounded gradients"
+        return "asynchronous (stale reads)" if self.strategy == "asp" else "exact"
 
     def train_flags(self) -> list[str]:
         """The ``paratrain train`` flags that run it."""
         flags = ["--strategy", self.strategy, "--bucket-bytes", str(self.bucket_bytes)]
-        if self.strategy == "bsp":
+        if self.uses_servers:
             flags += ["--servers", str(self.servers)]
+        if self.compression:
+            flags += ["--compression", self.compression]
         if not self.overlap:
             flags.append("--no-overlap")
         return flags
@@ -85,18 +109,20 @@ def candidates(
     strategies: Sequence[str] = SEARCHED,
     servers: Sequence[int] = (1, 2, 4),
     bucket_sizes: Sequence[int] = BUCKET_SIZES,
+    compressions: Sequence[str] = COMPRESSIONS,
 ) -> list[Candidate]:
     """Every point of the space (see the module docstring); SFB strategies only for a model with
-    fully-connected layers."""
+    fully-connected layers, compression only with allreduce."""
     linear = any(layer.out_features for layer in model.layers)
     out = []
     for strategy in strategies:
         if strategy in ("sfb", "poseidon:allreduce") and not linear:
             continue
-        for count in servers if strategy == "bsp" else (1,):
-            for size in bucket_sizes:
-                for overlap in (True, False):
-                    out.append(Candidate(strategy, count, size, overlap))
+        for count in servers if strategy in ("bsp", "asp") else (1,):
+            for compression in compressions if strategy == "allreduce" else ("",):
+                for size in bucket_sizes:
+                    for overlap in (True, False):
+                        out.append(Candidate(strategy, count, size, overlap, compression))
     return out
 
 
@@ -127,6 +153,7 @@ def search(
             bandwidth=bandwidth,
             latency=latency,
             hosts=hosts,
+            compression=candidate.compression or None,
         )
         scored.append(Scored(candidate, prediction))
     return sorted(
@@ -146,6 +173,8 @@ def reason(best: Scored, default: Scored) -> str:
     parts = [f"{best.candidate.label} is predicted {d.step_s / b.step_s:.2f}x faster than the default allreduce"]
     if b.job.sfb_layers:
         parts.append(f"it sends {', '.join(b.job.sfb_layers)} as sufficient factors")
+    if best.candidate.update != "exact":
+        parts.append(f"its update is not synchronous SGD's ({best.candidate.update}): compare accuracy, not only speed")
     parts.append(
         f"a worker sends {sent_b / 1e6:.2f} MB per step instead of {sent_d / 1e6:.2f} MB and its training loop waits "
         f"{b.comm_wait_s:.3f} s instead of {d.comm_wait_s:.3f} s for communication"

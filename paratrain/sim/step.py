@@ -56,7 +56,9 @@ __all__ = ["STRATEGIES", "TAG_STRIDE", "StepJob", "repeat_steps", "step_plan", "
 TAG_STRIDE = 1 << 12
 
 #: Strategies :func:`step_plan` composes.
-STRATEGIES = ("allreduce", "bsp")
+STRATEGIES = ("allreduce", "bsp", "asp")
+#: Gradient compressions the allreduce step composes (a cast to 16 bits), by name as ``--compression`` takes them.
+CASTS = {"fp16": 2, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,8 @@ class StepJob:
     Attributes:
         model: the profiled model (per-layer times at the job's batch size).
         workers: W.
-        strategy: ``"allreduce"`` or ``"bsp"`` (the parameter server).
-        servers: S, for ``bsp``.
+        strategy: ``"allreduce"``, ``"bsp"`` or ``"asp"`` (the parameter server).
+        servers: S, for ``bsp`` and ``asp``.
         bucket_bytes: the fusion size (DistributedOptimizer's ``bucket_bytes``).
         chunk_bytes: the parameter server's key chunk size.
         overlap: wait-free backprop (buckets start during backward) or not.
@@ -76,6 +78,8 @@ class StepJob:
         sfb_layers: names of the layers sent by their sufficient factors (allreduce only); the caller takes them
             from :func:`paratrain.sfb.choose_schemes`, as the optimizer does.
         batch_size: rows per worker and step through each layer (K, for SFB).
+        compression: ``"fp16"`` or ``"bf16"`` (allreduce): each bucket is cast to 16 bits before its collective
+            and back after it, as :class:`~paratrain.compression.Cast` does; None: none.
     """
 
     model: ModelProfile
@@ -89,10 +93,18 @@ class StepJob:
     itemsize: int = 4
     sfb_layers: tuple[str, ...] = ()
     batch_size: int = 0
+    compression: str | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"the simulator composes {', '.join(STRATEGIES)}, not {self.strategy!r}")
+        if self.compression is not None and (self.compression not in CASTS or self.strategy != "allreduce"):
+            raise ConfigError(
+                f"the simulator composes {', '.join(CASTS)} compression with allreduce, not {self.compression!r} "
+                f"with {self.strategy!r}"
+            )
+        if self.compression is not None and self.sfb_layers:
+            raise ConfigError("the simulator does not compose compression with SFB layers")
         if self.sfb_layers and self.strategy != "allreduce":
             raise ConfigError("the simulator sends SFB layers beside allreduce only (poseidon:allreduce, sfb)")
         known = {layer.name: layer for layer in self.model.layers}
@@ -101,13 +113,23 @@ class StepJob:
                 raise ConfigError(f"SFB needs a profiled fully-connected layer; {name!r} is not one")
         if self.sfb_layers and self.batch_size < 1:
             raise ConfigError("SFB layers need batch_size (rows per worker and step)")
-        if self.workers < 1 or (self.strategy == "bsp" and self.servers < 1):
+        if self.workers < 1 or (self.uses_servers and self.servers < 1):
             raise ConfigError(f"need at least one worker (and one server for bsp), got {self.workers}/{self.servers}")
+
+    @property
+    def uses_servers(self) -> bool:
+        """Whether the job has parameter servers."""
+        return self.strategy in ("bsp", "asp")
+
+    @property
+    def wire_itemsize(self) -> int:
+        """Bytes per gradient element on the wire (after compression)."""
+        return CASTS.get(self.compression or "", self.itemsize)
 
     @property
     def world_size(self) -> int:
         """Ranks in the plan: the workers, then the servers."""
-        return self.workers + (self.servers if self.strategy == "bsp" else 0)
+        return self.workers + (self.servers if self.uses_servers else 0)
 
     def buckets(self) -> list[Bucket]:
         """The fusion plan DistributedOptimizer makes for this model."""
@@ -156,7 +178,7 @@ def _backward(rank: _Rank, job: StepJob) -> dict[int, int]:
     model = job.model
     if model.overhead_s:
         rank.add(Action("compute", seconds=model.overhead_s, label="overhead"))
-    if model.straggle_s and job.workers > 1:  # every worker waits for the slowest one's step at the barrier
+    if model.straggle_s and job.workers > 1 and job.strategy != "asp":  # all wait for the slowest one's step
         rank.add(Action("compute", seconds=model.straggle_s, label="the slowest worker (expected)"))
     for layer in model.layers:
         rank.add(Action("compute", seconds=layer.forward_s, label=f"F {layer.name}"))
@@ -198,24 +220,29 @@ def _allreduce_ranks(job: StepJob, which: Sequence[int], *, pad: bool = False) -
                 rebuild[j].append((part[-1], layer.forward_s * n, layer.name))
             continue
         count = bucket.numel + len(bucket.params)  # the gradients and one used-flag per parameter
-        algorithm = job.choose(count * job.itemsize, n) if n > 1 else "none"
+        wire = job.wire_itemsize
+        algorithm = job.choose(count * wire, n) if n > 1 else "none"
         if pad:
             count = -(-count // n) * n  # every ring chunk the size of the largest (see symmetric_step)
         if algorithm == "none":
             continue
         call = allreduce_parts(
-            algorithm,
-            n,
-            count,
-            job.itemsize,
-            aliased=True,
-            shm=shm_plan_args(n, job.itemsize) if algorithm == "shm" else None,
+            algorithm, n, count, wire, aliased=True, shm=shm_plan_args(n, wire) if algorithm == "shm" else None
         )
         for j, r in enumerate(which):
-            ends[j] += ranks[j].part(call.rank(r), lane=1, tag=k * TAG_STRIDE, after=[launches[j][k]])
+            after = launches[j][k]
+            if job.compression:  # g / P, then the cast: two passes over the bucket before it leaves
+                cast = Action("copy", nbytes=2 * count * job.itemsize, label=f"cast bucket {k}", deps=(after,))
+                after = ranks[j].add(dataclasses.replace(cast, lane=1))
+            ends[j] += ranks[j].part(call.rank(r), lane=1, tag=k * TAG_STRIDE, after=[after])
     for r, rank in enumerate(ranks):
         last = len(rank.actions) - 1
         rank.add(Action("compute", seconds=0.0, label="synchronize", deps=tuple(sorted({last, *ends[r]}))))
+        if job.compression:  # each bucket cast back to 32 bits as the step takes it
+            for k, bucket in enumerate(buckets):
+                if bucket.group < 0:
+                    nbytes = (bucket.numel + len(bucket.params)) * job.itemsize
+                    rank.add(Action("copy", nbytes=nbytes, label=f"cast back bucket {k}"))
         for _, seconds, name in rebuild[r]:
             rank.add(Action("compute", seconds=seconds, label=f"SFB rebuild {name}"))
         rank.add(Action("compute", seconds=job.model.optimizer_s, label="optimizer"))
@@ -280,6 +307,18 @@ def _ps_ranks(job: StepJob) -> list[_Rank]:
             lane = 1 + wk
             for k, c in per_worker_pulls[wk]:
                 request = server.add(Action("recv", peer=wk, nbytes=0, tag=REQUEST, lane=lane))
+                if job.strategy == "asp":  # answered at once: a preview of the open round, this worker's push in it
+                    ready = server.add(
+                        Action(
+                            "compute",
+                            seconds=job.model.optimizer_s * c.num_rows / total,
+                            label=f"preview bucket {k} chunk {c.index}",
+                            deps=(request, pushed[(k, c.index)][wk]),
+                            lane=lane,
+                        )
+                    )
+                else:
+                    ready = updated[(k, c.index)]
                 server.add(
                     Action(
                         "send",
@@ -287,7 +326,7 @@ def _ps_ranks(job: StepJob) -> list[_Rank]:
                         nbytes=c.num_rows * job.itemsize,
                         items=c.num_rows,
                         tag=REPLY,
-                        deps=(request, updated[(k, c.index)]),
+                        deps=(request, ready),
                         lane=lane,
                     )
                 )

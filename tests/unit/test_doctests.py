@@ -29,6 +29,7 @@ MODULES = [
     "paratrain.compression.compressors",
     "paratrain.collectives.shm",
     "paratrain.bench.simulator",
+    "paratrain.bench.profile",
 ]
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from paratrain.collectives.lower import allreduce_plan
+from paratrain.errors import ConfigError
 from paratrain.pipeline.schedules import gpipe, lower, one_f_one_b
 from paratrain.plan.cost import simulate
 from paratrain.plan.ir import Action, Plan, PlanError
@@ -72,6 +73,30 @@ def test_parameter_server_steps_overlap_one_workers_pulls_with_anothers_next_pus
         [max(three.done[r][j * len(plan.ranks[r]) : (j + 1) * len(plan.ranks[r])]) for j in range(3)] for r in (0, 1)
     ]
     assert ends == [pytest.approx([3.5, 7.0, 10.5]), pytest.approx([4.5, 8.0, 11.5])]
+
+
+def test_asp_answers_a_pull_without_waiting_for_the_other_workers_push() -> None:
+    """As above, with worker 1 five times slower (backward 2.5 s). ASP: worker 0's push is visible at 1.5 s and its
+    pull is answered from the open round at once, 1.5-2.5 s. BSP: the chunk's round closes when worker 1's push is
+    visible (2.5-3.5 s), so worker 0's reply leaves at 3.5 s and arrives at 4.5 s."""
+    model = ModelProfile("one", 8, (LayerCost("fc", 0.0, 0.5, ("fc.weight",), (4000,)),))
+    network = Network.uniform(LinkCost(0.0, 1 / 4000))
+    finish = {}
+    for strategy in ("asp", "bsp"):
+        plan = step_plan(StepJob(model, workers=2, strategy=strategy, servers=1))
+        finish[strategy] = replay(plan, network, slowdown=[1.0, 5.0, 1.0]).finish[0]
+    assert finish == {"asp": pytest.approx(2.5), "bsp": pytest.approx(4.5)}
+
+
+def test_fp16_compression_halves_the_wire_and_costs_two_casts() -> None:
+    model = ModelProfile("one", 8, (LayerCost("fc", 0.0, 0.5, ("fc.weight",), (4000,)),))
+    plain = step_plan(StepJob(model, workers=2, choose=lambda b, n: "ring"))
+    cast = step_plan(StepJob(model, workers=2, choose=lambda b, n: "ring", compression="fp16"))
+    assert [2 * b for b in cast.bytes_sent()] == plain.bytes_sent()
+    copies = [(a.label, a.nbytes, a.lane) for a in cast.ranks[0] if a.label.startswith("cast")]
+    assert copies == [("cast bucket 0", 2 * 1001 * 4, 1), ("cast back bucket 0", 1001 * 4, 0)]
+    with pytest.raises(ConfigError, match="fp16"):
+        StepJob(model, workers=2, strategy="bsp", compression="fp16")
 
 
 def test_hosts_share_a_nic_between_hosts_and_not_inside() -> None:
