@@ -9,14 +9,19 @@ HERE=benchmarks/simulator
 # 1. the machine profile: the transport paths and the three models, measured with 4 processes at once
 $P profile --model mlp --model lenet --model widemlp --dataset fashion-mnist --workers 4 --out "$HERE/machine.json"
 # 2. predicted vs measured: 3 models x 2 emulated networks x allreduce and the parameter server, 2 rounds; then the
-#    hybrids on the FC models; then both sets of measurements predicted by the same simulator in one table
+#    hybrids on the FC models; then ASP and fp16-compressed allreduce; then all measurements predicted by the same
+#    simulator in one table
 $P bench simulator --machine "$HERE/machine.json" --models mlp,lenet,widemlp --networks 1Gbit,100Mbit \
     --strategies allreduce,bsp --steps 8 --repeat 2 --out "$OUT/validation" --json "$HERE/validation-measured.json"
 $P bench simulator --machine "$HERE/machine.json" --models mlp,widemlp --networks 1Gbit,100Mbit \
     --strategies poseidon:allreduce,sfb --steps 8 --repeat 2 --out "$OUT/validation-hybrid" \
     --json "$HERE/validation-hybrid-measured.json"
+$P bench simulator --machine "$HERE/machine.json" --models mlp,lenet,widemlp --networks 1Gbit,100Mbit \
+    --strategies asp,allreduce+fp16 --steps 8 --repeat 2 --out "$OUT/validation-more" \
+    --json "$HERE/validation-more-measured.json"
 $P bench simulator --machine "$HERE/machine.json" --measured "$HERE/validation-measured.json" \
-    --measured "$HERE/validation-hybrid-measured.json" --json "$HERE/validation.json"
+    --measured "$HERE/validation-hybrid-measured.json" --measured "$HERE/validation-more-measured.json" \
+    --json "$HERE/validation.json"
 # 3. the planner on a communication-bound job, confirmed by real runs
 $P plan --machine "$HERE/machine.json" --model widemlp --workers 4 --bandwidth 100Mbit --run --confirm 1 --steps 8 \
     --json "$HERE/plan-widemlp-100m.json"
@@ -25,6 +30,9 @@ $P bench simulator --machine "$HERE/machine.json" --models widemlp --networks 1G
     --bucket-grid 256KiB,1MiB,4MiB,16MiB,64MiB --out "$OUT/buckets" --json "$HERE/buckets.json"
 # 5. beyond this machine: 2 ... 1024 workers on 10 Gbit/s links, 100 MB per worker
 $P bench scaling --size 100MB --bandwidth 10Gbit --latency 10us --plot "$HERE/scaling.png" --json "$HERE/scaling.json"
+# 5b. the figure's ring and tree checked here at N = 2..4: measured under the fault injector beside the simulation
+$P bench scaling --check --machine "$HERE/machine.json" --size 4MB --bandwidth 1Gbit --latency 0 --workers 2,3,4 \
+    --repeat 3 --json "$HERE/scaling-check.json"
 # 6. one training step of N workers (widemlp, ring allreduce), and how long simulating it takes
 $P bench scaling --step widemlp --machine "$HERE/machine.json" --workers 4,16,64,256,1024 --bandwidth 10Gbit \
     --latency 10us --json "$HERE/scaling-step.json"

@@ -48,6 +48,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="only configurations whose step is synchronous SGD's exactly (no compression, no asp)",
     )
+    p.add_argument(
+        "--straggler",
+        default=None,
+        metavar="RANK:FACTOR",
+        help="worker RANK computes FACTOR times slower (a persistent straggler, as train's --straggler RANK:FACTOR)",
+    )
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print (default 10)")
     p.add_argument("--run", action="store_true", help="train the top --confirm candidates and the default to confirm")
     p.add_argument("--confirm", type=int, default=2, help="with --run: how many top candidates (default 2)")
@@ -82,6 +88,7 @@ def _plan(args: argparse.Namespace) -> int:
     model = profile.model(args.model, args.batch_size, args.workers)
     bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
     latency = parse_duration(args.latency) if args.latency else 0.0
+    slowdown = _slowdown(args.straggler, args.workers)
     space = [c for c in candidates(model, strategies=strategies) if c.update == "exact" or not args.exact]
     if Candidate() not in space:
         space.append(Candidate())
@@ -94,10 +101,17 @@ def _plan(args: argparse.Namespace) -> int:
         latency=latency,
         hosts=args.hosts,
         space=space,
+        slowdown=slowdown,
     )
     default = next(s for s in ranked if s.candidate == Candidate())
     network = ", ".join(
-        x for x in (args.bandwidth and f"{args.bandwidth} links", args.latency and f"{args.latency} latency") if x
+        x
+        for x in (
+            args.bandwidth and f"{args.bandwidth} links",
+            args.latency and f"{args.latency} latency",
+            args.straggler and f"straggler {args.straggler}",
+        )
+        if x
     )
     print(
         f"{args.model}, {args.workers} workers x batch {args.batch_size}"
@@ -148,6 +162,7 @@ def _plan(args: argparse.Namespace) -> int:
             hosts=args.hosts,
             trace=True,
             compression=pick.compression or None,
+            slowdown=slowdown,
         )
         Path(args.trace).write_text(json.dumps(traced.replay.chrome_trace()))
         print(f"trace of the pick's simulated step: {args.trace} (open in Perfetto or chrome://tracing)")
@@ -158,12 +173,35 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slowdown(spec: str | None, workers: int) -> list[float] | None:
+    """``--straggler RANK:FACTOR`` as the simulator's per-rank slowdown.
+
+    Raises:
+        ConfigError: not RANK:FACTOR with 0 <= RANK < workers and FACTOR >= 1 (the planner models a persistent
+            straggler; train's random and pareto models vary per step).
+    """
+    if spec is None:
+        return None
+    rank, _, factor = spec.partition(":")
+    try:
+        r, f = int(rank), float(factor)
+    except ValueError:
+        r, f = -1, 0.0
+    if not 0 <= r < workers or f < 1.0:
+        raise ConfigError(
+            f"--straggler {spec!r}: the planner takes RANK:FACTOR (a worker 0..{workers - 1} that computes FACTOR "
+            ">= 1 times slower, e.g. 1:3); train's random: and pareto: stragglers vary per step and are not modelled"
+        )
+    slowdown = [1.0] * workers
+    slowdown[r] = f
+    return slowdown
+
+
 def _row(rank: int, s: Any, default: Any) -> None:
     p = s.prediction
-    workers = p.job.workers
     print(
         f"| {rank} | {s.candidate.label} | {p.step_s:.3f} | {default.step_s / p.step_s:.2f}x | {p.compute_s:.3f} "
-        f"| {p.comm_wait_s:.3f} | {max(p.replay.bytes_out[:workers]) / 1e6:.2f} | {s.candidate.update} |"
+        f"| {p.comm_wait_s:.3f} | {p.sent_per_step / 1e6:.2f} | {s.candidate.update} |"
     )
 
 
@@ -204,6 +242,8 @@ def _confirm(args: argparse.Namespace, ranked: list[Any], default: Any) -> list[
             argv += ["--bandwidth", args.bandwidth]
         if args.latency:
             argv += ["--latency", args.latency]
+        if args.straggler:
+            argv += ["--straggler", args.straggler]
         print(f"paratrain plan: running {s.candidate.label} for {args.steps} steps ...", file=sys.stderr, flush=True)
         summary = run_training(TrainJob(**vars(build_parser().parse_args(argv))))
         measured = measured_step(merge_run(summary["run_dir"]))

@@ -34,11 +34,13 @@ class Prediction:
     """A predicted step.
 
     Attributes:
-        step_s: seconds of one step (the slowest worker's).
+        step_s: seconds of one step (the slowest worker's; under ASP, where nobody waits for anybody, W over the
+            sum of the workers' own step rates: the synchronous step of the same throughput).
         compute_s: the model's compute per step with no communication.
         replay: the replay (per-rank busy and waiting time, bytes, trace spans).
         job: what was simulated.
         algorithms: the allreduce algorithm each bucket used (allreduce jobs).
+        steps: steps the replay covers (a parameter server's are chained, see :func:`predict`).
     """
 
     step_s: float
@@ -46,11 +48,17 @@ class Prediction:
     replay: Replay
     job: StepJob
     algorithms: list[str] = field(default_factory=list)
+    steps: int = 1
 
     @property
     def comm_wait_s(self) -> float:
         """Seconds per step the slowest worker's training loop stood waiting."""
-        return max(self.replay.waiting[: self.job.workers], default=0.0)
+        return max(self.replay.waiting[: self.job.workers], default=0.0) / self.steps
+
+    @property
+    def sent_per_step(self) -> int:
+        """Bytes per step the busiest worker sent."""
+        return max(self.replay.bytes_out[: self.job.workers], default=0) // self.steps
 
 
 def network_for(
@@ -186,11 +194,15 @@ def predict(
     runs = repeat_steps(plan, PS_STEPS)
     out = replay(runs, network, gamma=profile.gamma, copy=profile.copy, slowdown=slow, trace=trace, validate=False)
     ends = [
-        max(max(out.done[r][j * len(plan.ranks[r]) : (j + 1) * len(plan.ranks[r])]) for r in range(workers))
-        for j in range(PS_STEPS)
+        [max(out.done[r][j * len(plan.ranks[r]) : (j + 1) * len(plan.ranks[r])]) for j in range(PS_STEPS)]
+        for r in range(workers)
     ]
-    step = (ends[-1] - ends[0]) / (PS_STEPS - 1)
-    return Prediction(step_s=step, compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
+    periods = [(e[-1] - e[0]) / (PS_STEPS - 1) for e in ends]
+    # under ASP nobody waits: the job's rate is the sum of the workers' own rates
+    step = workers / sum(1.0 / p for p in periods) if strategy == "asp" else max(periods)
+    return Prediction(
+        step_s=step, compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used, steps=PS_STEPS
+    )
 
 
 def hybrid_layers(

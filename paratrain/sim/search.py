@@ -136,9 +136,11 @@ def search(
     latency: float = 0.0,
     hosts: int = 1,
     space: Sequence[Candidate] | None = None,
+    slowdown: list[float] | None = None,
 ) -> list[Scored]:
     """Predicts every candidate; returns them fastest first (a tie goes to the default bucket size, then to
-    overlap on: the settings a user changes least)."""
+    overlap on: the settings a user changes least). ``slowdown``: per worker, how much slower its compute runs
+    (a persistent straggler)."""
     scored = []
     for candidate in space if space is not None else candidates(model):
         prediction = predict(
@@ -154,6 +156,7 @@ def search(
             latency=latency,
             hosts=hosts,
             compression=candidate.compression or None,
+            slowdown=slowdown,
         )
         scored.append(Scored(candidate, prediction))
     return sorted(
@@ -167,9 +170,7 @@ def reason(best: Scored, default: Scored) -> str:
     b, d = best.prediction, default.prediction
     if best.candidate == default.candidate:
         return "the default allreduce is already the fastest configuration predicted"
-    workers = b.job.workers
-    sent_b = max(b.replay.bytes_out[:workers])
-    sent_d = max(d.replay.bytes_out[:workers])
+    sent_b, sent_d = b.sent_per_step, d.sent_per_step
     parts = [f"{best.candidate.label} is predicted {d.step_s / b.step_s:.2f}x faster than the default allreduce"]
     if b.job.sfb_layers:
         parts.append(f"it sends {', '.join(b.job.sfb_layers)} as sufficient factors")

@@ -125,3 +125,40 @@ def test_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["plan", "--machine", str(machine), "--model", "lenet", "--workers", "4"]) == 2
     assert "paratrain profile --model lenet" in capsys.readouterr().err
     assert main(["plan", "--machine", str(tmp_path / "none.json"), "--model", "widemlp", "--workers", "4"]) == 2
+
+
+def test_a_persistent_straggler_holds_back_bsp_but_not_asp(capsys: pytest.CaptureFixture[str]) -> None:
+    profile, model = _profile(), _widemlp()
+    slow = [1.0, 3.0, 1.0, 1.0]
+    even = {s: predict(profile, model, workers=4, strategy=s, bandwidth=1.25e9).step_s for s in ("bsp", "asp")}
+    late = {
+        s: predict(profile, model, workers=4, strategy=s, bandwidth=1.25e9, slowdown=slow).step_s
+        for s in ("bsp", "asp")
+    }
+    # BSP: every step waits for the straggler's 3x compute; ASP: the others go on, and as the server's link is
+    # the bottleneck here, they take the share of it the straggler leaves (the job's rate hardly moves)
+    assert late["bsp"] >= 3 * model.compute_s > even["bsp"]
+    assert late["asp"] < 1.1 * even["asp"] and late["asp"] < late["bsp"]
+    ranked = search(profile, model, workers=4, batch_size=64, bandwidth=1.25e9, slowdown=slow)
+    assert ranked[0].candidate.strategy == "asp" and "compare accuracy" in reason(ranked[0], ranked[-1])
+    exact = search(
+        profile,
+        model,
+        workers=4,
+        batch_size=64,
+        bandwidth=1.25e9,
+        slowdown=slow,
+        space=[c for c in candidates(model) if c.update == "exact"],
+    )
+    assert all(s.candidate.strategy != "asp" and not s.candidate.compression for s in exact)
+
+
+@pytest.mark.parametrize("spec", ["random:0.1:3", "4:2", "1:0.5", "x"])
+def test_plan_refuses_stragglers_it_does_not_model(
+    spec: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    machine = tmp_path / "machine.json"
+    _profile().save(machine)
+    argv = ["plan", "--machine", str(machine), "--model", "widemlp", "--workers", "4", "--straggler", spec]
+    assert main(argv) == 2
+    assert "the planner takes RANK:FACTOR" in capsys.readouterr().err
