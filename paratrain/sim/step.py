@@ -4,10 +4,12 @@ communication, on the lanes where the runtime runs them.
 The composition follows what :class:`~paratrain.torch.optimizer.DistributedOptimizer` does, calling the same
 pure functions, so a change to bucketing, an allreduce schedule or key sharding changes the prediction too::
 
-    lane 0 (training loop)   overhead  F(layer 1) .. F(layer L)  B(layer L) .. B(layer 1)  [wait]  optimizer
-    lane 1 (background)                               bucket 0's collective | bucket 1's | ...
-                                                      ^ starts after the B that completes it (LaunchOrder)
+    lane 0 (training loop)  overhead [slowest] F(layer 1) .. F(layer L) B(layer L) .. B(layer 1) [wait] optimizer
+    lane 1 (background)                                             bucket 0's collective | bucket 1's | ...
+                                                                    ^ starts after the B that completes it
 
+* ``[slowest]``: the profile's ``straggle_s``, how much longer the slowest of the job's processes' step is
+  expected to be than the median (synchronous strategies wait for it at every step);
 * buckets: :func:`~paratrain.fusion.buckets.plan_buckets` over the profiled parameters (registration order =
   the layers' forward order), started in :class:`~paratrain.fusion.buckets.LaunchOrder` as backward produces
   them (or all after backward with ``overlap=False``);
@@ -25,7 +27,13 @@ pure functions, so a change to bucketing, an allreduce schedule or key sharding 
   acknowledgements, :func:`~paratrain.ps.plans.clock_actions`, then one blocking pull per bucket
   (:func:`~paratrain.ps.plans.pull_actions`), as the strategy's ``apply`` does. A server answers a worker on a
   lane of its own per worker, adds each push (``gamma`` per byte), and updates a chunk once every worker pushed
-  it (its share of the optimizer time); the reply to a chunk's pull waits for that chunk's update only.
+  it (its share of the optimizer time); the reply to a chunk's pull waits for that chunk's update only;
+* ``asp``: the same messages, but the server answers a pull at once (:mod:`paratrain.ps.rounds`: a preview of
+  the open round, the worker's own push in it, costing a step on the chunk), so nobody waits for anybody, and
+  the expected wait for the slowest worker (``straggle_s``) does not apply;
+* ``compression`` (``fp16``, ``bf16``, with allreduce): each bucket divided by P and cast to 16 bits (two passes,
+  ``copy`` per byte, on the background lane) before a collective of 2-byte items, and cast back on lane 0 at
+  the step, as :class:`~paratrain.compression.Cast` runs.
 
 Tags are offset per call (:data:`TAG_STRIDE`), as the runtime gives every call tags of its own.
 
