@@ -9,7 +9,7 @@ HERE=benchmarks/simulator
 # 1. the machine profile: the transport paths and the three models, measured with 4 processes at once
 $P profile --model mlp --model lenet --model widemlp --dataset fashion-mnist --workers 4 --out "$HERE/machine.json"
 # 2. predicted vs measured: 3 models x 2 emulated networks x allreduce and the parameter server, 2 rounds; then the
-#    hybrids on the FC models; then ASP and fp16-compressed allreduce; then all measurements predicted by the same
+#    hybrids on the FC models; then ASP, fp16-compressed allreduce and gossip; then all measurements predicted by the same
 #    simulator in one table
 $P bench simulator --machine "$HERE/machine.json" --models mlp,lenet,widemlp --networks 1Gbit,100Mbit \
     --strategies allreduce,bsp --steps 8 --repeat 2 --out "$OUT/validation" --json "$HERE/validation-measured.json"
@@ -17,7 +17,7 @@ $P bench simulator --machine "$HERE/machine.json" --models mlp,widemlp --network
     --strategies poseidon:allreduce,sfb --steps 8 --repeat 2 --out "$OUT/validation-hybrid" \
     --json "$HERE/validation-hybrid-measured.json"
 $P bench simulator --machine "$HERE/machine.json" --models mlp,lenet,widemlp --networks 1Gbit,100Mbit \
-    --strategies asp,allreduce+fp16 --steps 8 --repeat 2 --out "$OUT/validation-more" \
+    --strategies asp,allreduce+fp16,gossip:ring --steps 8 --repeat 2 --out "$OUT/validation-more" \
     --json "$HERE/validation-more-measured.json"
 $P bench simulator --machine "$HERE/machine.json" --measured "$HERE/validation-measured.json" \
     --measured "$HERE/validation-hybrid-measured.json" --measured "$HERE/validation-more-measured.json" \

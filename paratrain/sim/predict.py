@@ -17,7 +17,7 @@ from paratrain.collectives.policy import default_allreduce_choice, network_allre
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.engine import Network, Replay, replay
 from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
-from paratrain.sim.step import StepJob, repeat_steps, step_plan, symmetric_step
+from paratrain.sim.step import StepJob, gossip_steps, repeat_steps, step_plan, symmetric_step
 
 #: Above this many workers a ring step on uniform links is replayed from rank 0 alone (:func:`symmetric_step`
 #: with padding); below, every rank is replayed exactly.
@@ -159,6 +159,12 @@ def predict(
             choose=choose,
         )
         strategy = "allreduce"
+    topology = "ring"
+    if strategy.startswith("gossip"):  # "gossip:TOPOLOGY", as train takes it
+        topology = strategy.partition(":")[2] or "ring"
+        strategy = "gossip"
+        if not (bandwidth is not None or latency > 0) and hosts == 1 and "shm" in profile.paths:
+            network = Network.uniform(profile.paths["shm"])  # the workers' shared-memory slots
     used: list[str] = []
 
     def recorded(nbytes: int, n: int) -> str:
@@ -177,7 +183,10 @@ def predict(
         sfb_layers=sfb_layers,
         batch_size=batch_size,
         compression=compression,
+        topology=topology,
     )
+    if strategy == "gossip":
+        return _steady(job, model_profile, network=network, profile=profile, slowdown=slowdown, trace=trace, used=used)
     rank0 = None
     if workers > SYMMETRIC_FROM and slowdown is None and (bandwidth is not None or latency > 0):
         rank0 = symmetric_step(job, pad=True)  # every rank's link alike: one rank's replay stands for all
@@ -191,18 +200,39 @@ def predict(
         step = max(out.finish[:workers])
         return Prediction(step_s=step, compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
     # the server's pulls to one worker overlap the next step's pushes of another: the period of the last steps
-    runs = repeat_steps(plan, PS_STEPS)
+    return _steady(job, model_profile, network=network, profile=profile, slowdown=slowdown, trace=trace, used=used)
+
+
+def _steady(
+    job: StepJob,
+    model: ModelProfile,
+    *,
+    network: Network,
+    profile: MachineProfile,
+    slowdown: list[float] | None,
+    trace: bool,
+    used: list[str],
+) -> Prediction:
+    """A job whose steps overlap each other (the parameter server, gossip): :data:`PS_STEPS` steps chained and
+    replayed, the step the period of the last ones."""
+    if job.strategy == "gossip":
+        runs, first = gossip_steps(job, PS_STEPS)
+        sizes = [(len(actions) - f) // PS_STEPS for actions, f in zip(runs.ranks, first, strict=True)]
+    else:
+        plan = step_plan(job)
+        runs, first, sizes = repeat_steps(plan, PS_STEPS), [0] * plan.world_size, [len(a) for a in plan.ranks]
+    slow = None if slowdown is None else list(slowdown) + [1.0] * (runs.world_size - len(slowdown))
     out = replay(runs, network, gamma=profile.gamma, copy=profile.copy, slowdown=slow, trace=trace, validate=False)
     ends = [
-        [max(out.done[r][j * len(plan.ranks[r]) : (j + 1) * len(plan.ranks[r])]) for j in range(PS_STEPS)]
-        for r in range(workers)
+        [max(out.done[r][first[r] + j * sizes[r] : first[r] + (j + 1) * sizes[r]]) for j in range(PS_STEPS)]
+        for r in range(job.workers)
     ]
-    periods = [(e[-1] - e[0]) / (PS_STEPS - 1) for e in ends]
-    # under ASP nobody waits: the job's rate is the sum of the workers' own rates
-    step = workers / sum(1.0 / p for p in periods) if strategy == "asp" else max(periods)
-    return Prediction(
-        step_s=step, compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used, steps=PS_STEPS
-    )
+    if job.strategy == "asp":  # nobody waits: the job's rate is the sum of the workers' own rates
+        step = job.workers / sum((PS_STEPS - 1) / (e[-1] - e[0]) for e in ends)
+    else:  # the workers wait for each other: the period of the job's slowest step end
+        last = [max(e[j] for e in ends) for j in range(PS_STEPS)]
+        step = (last[-1] - last[0]) / (PS_STEPS - 1)
+    return Prediction(step_s=step, compute_s=model.compute_s, replay=out, job=job, algorithms=used, steps=PS_STEPS)
 
 
 def hybrid_layers(
@@ -257,6 +287,7 @@ def alpha_beta_step(
 
         allreduce (ring)   compute + 2 (W-1) (alpha + n / (W b))   (n halved by fp16 or bf16 compression)
         parameter server   compute + 2 (alpha + W n / (S b))     (bsp and asp: every worker's n through S links)
+        gossip             compute + alpha + d n / b              (the model to each of d neighbours, one link)
         sfb, poseidon:allreduce   compute + the ring for the dense layers' bytes
                                   + (W-1) (alpha + K (M + N) / b) per SFB layer (its rows, allgathered)
 
@@ -294,6 +325,12 @@ def alpha_beta_step(
         strategy = "allreduce"
     if compression:
         n //= 2
+    if strategy.startswith("gossip") and workers > 1:  # the model to every neighbour, over one link
+        from paratrain.gossip.mixing import neighbors, resolve_mixing
+
+        mixing, _ = resolve_mixing(strategy.partition(":")[2] or "ring", workers)
+        degree = max(len(neighbors(mixing, r)) for r in range(workers))
+        return model.compute_s + alpha + degree * n * beta
     if strategy in ("bsp", "asp"):
         comm += 2 * (alpha + workers * n * beta / servers)
     elif workers > 1 and n > 0:

@@ -2,11 +2,12 @@
 
 The space is what ``paratrain train`` can run for a data-parallel job: the strategy (allreduce with the runtime's
 ``auto`` algorithm policy, with or without fp16 compression; the parameter server with 1, 2 or 4 servers, BSP or
-ASP; SFB for every fully-connected layer; Poseidon's per-layer hybrid of SFB and allreduce), the fusion size
-(``--bucket-bytes``, 256 KiB to 64 MiB) and wait-free backprop on or off. Two of them change the update, not only
-its speed, and the ranking says so (:attr:`Candidate.update`): fp16 rounds every gradient to 16 bits, and ASP
-computes on parameters that miss other workers' latest gradients; every other candidate computes synchronous
-SGD's step exactly (SFB rebuilds the same gradient), so its predicted speed is the whole comparison.
+ASP; SFB for every fully-connected layer; Poseidon's per-layer hybrid of SFB and allreduce; D-PSGD gossip on the
+ring or the exponential graph), the fusion size (``--bucket-bytes``, 256 KiB to 64 MiB) and wait-free backprop on
+or off. Three of them change the update, not only its speed, and the ranking says so (:attr:`Candidate.update`):
+fp16 rounds every gradient to 16 bits, ASP computes on parameters that miss other workers' latest gradients, and
+gossip averages with the neighbours only; every other candidate computes synchronous SGD's step exactly (SFB
+rebuilds the same gradient), so its predicted speed is the whole comparison.
 
 That is about a hundred points, and a replay of one step takes milliseconds to a few tenths of a second, so the
 search is exhaustive: no sampling error and no tuning of a random walk, which
@@ -31,7 +32,7 @@ __all__ = ["BUCKET_SIZES", "COMPRESSIONS", "SEARCHED", "Candidate", "Scored", "c
 BUCKET_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 
 #: Strategies the planner searches (those the step composer models).
-SEARCHED = ("allreduce", "bsp", "asp", "sfb", "poseidon:allreduce")
+SEARCHED = ("allreduce", "bsp", "asp", "sfb", "poseidon:allreduce", "gossip:ring", "gossip:exponential")
 #: Compressions the planner tries with allreduce ("" is none).
 COMPRESSIONS = ("", "fp16")
 
@@ -65,7 +66,9 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """A short name: ``"bsp x2, 16MiB"``, ``"allreduce+fp16, 4MiB"``."""
+        """A short name: ``"bsp x2, 16MiB"``, ``"allreduce+fp16, 4MiB"``, ``"gossip:ring"``."""
+        if self.strategy.startswith("gossip"):
+            return self.strategy
         servers = f" x{self.servers}" if self.uses_servers else ""
         compression = f"+{self.compression}" if self.compression else ""
         overlap = "" if self.overlap else ", no overlap"
@@ -76,10 +79,14 @@ class Candidate:
         """What its step computes, against synchronous SGD on the mean gradient (see the module docstring)."""
         if self.compression:
             return f"{self.compression}-rounded gradients"
+        if self.strategy.startswith("gossip"):
+            return "decentralised (neighbours' average)"
         return "asynchronous (stale reads)" if self.strategy == "asp" else "exact"
 
     def train_flags(self) -> list[str]:
         """The ``paratrain train`` flags that run it."""
+        if self.strategy.startswith("gossip"):
+            return ["--strategy", self.strategy]
         flags = ["--strategy", self.strategy, "--bucket-bytes", str(self.bucket_bytes)]
         if self.uses_servers:
             flags += ["--servers", str(self.servers)]
@@ -117,6 +124,9 @@ def candidates(
     out = []
     for strategy in strategies:
         if strategy in ("sfb", "poseidon:allreduce") and not linear:
+            continue
+        if strategy.startswith("gossip"):  # no buckets on the wire (the whole model, as the step ends)
+            out.append(Candidate(strategy))
             continue
         for count in servers if strategy in ("bsp", "asp") else (1,):
             for compression in compressions if strategy == "allreduce" else ("",):

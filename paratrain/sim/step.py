@@ -31,6 +31,7 @@ pure functions, so a change to bucketing, an allreduce schedule or key sharding 
 * ``asp``: the same messages, but the server answers a pull at once (:mod:`paratrain.ps.rounds`: a preview of
   the open round, the worker's own push in it, costing a step on the chunk), so nobody waits for anybody, and
   the expected wait for the slowest worker (``straggle_s``) does not apply;
+* ``gossip`` (:func:`gossip_steps`): D-PSGD on a graph, each step's model sent to the neighbours as it ends;
 * ``compression`` (``fp16``, ``bf16``, with allreduce): each bucket divided by P and cast to 16 bits (two passes,
   ``copy`` per byte, on the background lane) before a collective of 2-byte items, and cast back on lane 0 at
   the step, as :class:`~paratrain.compression.Cast` runs.
@@ -58,13 +59,15 @@ from paratrain.ps.plans import REPLY, REQUEST, clock_actions, pull_actions, push
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks
 from paratrain.sim.machine import LayerCost, ModelProfile
 
-__all__ = ["STRATEGIES", "TAG_STRIDE", "StepJob", "repeat_steps", "step_plan", "symmetric_step"]
+__all__ = ["STRATEGIES", "TAG_STRIDE", "StepJob", "gossip_steps", "repeat_steps", "step_plan", "symmetric_step"]
 
 #: Tag space of one call inside a composed step (a call's plan uses small tag offsets).
 TAG_STRIDE = 1 << 12
 
-#: Strategies :func:`step_plan` composes.
-STRATEGIES = ("allreduce", "bsp", "asp")
+#: Strategies :func:`step_plan` composes (``"gossip"`` through :func:`gossip_steps`).
+STRATEGIES = ("allreduce", "bsp", "asp", "gossip")
+#: The tag of gossip's model messages (one per neighbour per step, in order).
+GOSSIP_TAG = 7
 #: Gradient compressions the allreduce step composes (a cast to 16 bits), by name as ``--compression`` takes them.
 CASTS = {"fp16": 2, "bf16": 2}
 
@@ -88,6 +91,7 @@ class StepJob:
         batch_size: rows per worker and step through each layer (K, for SFB).
         compression: ``"fp16"`` or ``"bf16"`` (allreduce): each bucket is cast to 16 bits before its collective
             and back after it, as :class:`~paratrain.compression.Cast` does; None: none.
+        topology: the graph of ``gossip`` (a name :func:`~paratrain.gossip.mixing.resolve_mixing` takes).
     """
 
     model: ModelProfile
@@ -102,6 +106,7 @@ class StepJob:
     sfb_layers: tuple[str, ...] = ()
     batch_size: int = 0
     compression: str | None = None
+    topology: str = "ring"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -354,8 +359,53 @@ def step_plan(job: StepJob) -> Plan:
         >>> plan.bytes_sent()
         [4100, 4100]
     """
+    if job.strategy == "gossip":
+        raise ConfigError("a gossip step depends on the one before it (its messages left then): use gossip_steps")
     ranks = _allreduce_ranks(job, range(job.workers)) if job.strategy == "allreduce" else _ps_ranks(job)
     return Plan(f"step/{job.strategy}", tuple(tuple(r.actions) for r in ranks))
+
+
+def gossip_steps(job: StepJob, k: int) -> tuple[Plan, list[int]]:
+    """``k`` steps of D-PSGD as :class:`~paratrain.torch.strategies.GossipStrategy` runs them with overlap: a
+    step's parameters leave for the graph's neighbours as the step ends and travel during the next forward and
+    backward; the next step then waits for the neighbours' messages, mixes them (a reduce per neighbour, and the
+    correction: a copy and two passes over the model), steps the optimizer and sends the new parameters. Each
+    rank starts with the first step's sends (the runtime posts them in the first ``step()``); the last step's
+    sends stay unreceived. Returns the plan and, per rank, how many actions precede the first step (step j of
+    rank r is then the next ``j``-th equal block of its actions).
+
+    Example:
+        >>> from paratrain.sim.machine import LayerCost, ModelProfile
+        >>> model = ModelProfile("tiny", 8, (LayerCost("fc", 0.001, 0.002, ("fc.weight",), (4096,)),))
+        >>> plan, first = gossip_steps(StepJob(model, workers=4, strategy="gossip"), 2)
+        >>> first, plan.bytes_sent()[0] == 3 * 2 * 4096
+        ([2, 2, 2, 2], True)
+    """
+    from paratrain.gossip.mixing import neighbors, resolve_mixing
+
+    if job.strategy != "gossip" or k < 1:
+        raise ConfigError(f"gossip_steps composes gossip for k >= 1 steps, not {job.strategy!r} x {k}")
+    mixing, _ = resolve_mixing(job.topology, job.workers)
+    nbytes = job.model.param_bytes
+    ranks, first = [], []
+    for r in range(job.workers):
+        peers = [p for p, _ in neighbors(mixing, r)]
+        rank = _Rank()
+        for p in peers:
+            rank.add(Action("send", peer=p, nbytes=nbytes, tag=GOSSIP_TAG, label="model"))
+        first.append(len(rank.actions))
+        for _ in range(k):
+            _backward(rank, job)
+            got = [rank.add(Action("recv", peer=p, nbytes=nbytes, tag=GOSSIP_TAG)) for p in peers]
+            rank.add(Action("copy", nbytes=nbytes, label="x_i(k)", deps=tuple(got)))
+            for _ in peers:
+                rank.add(Action("reduce", nbytes=nbytes, label="mix"))
+            rank.add(Action("compute", seconds=job.model.optimizer_s, label="optimizer"))
+            rank.add(Action("reduce", nbytes=2 * nbytes, label="correction"))
+            for p in peers:
+                rank.add(Action("send", peer=p, nbytes=nbytes, tag=GOSSIP_TAG, label="model"))
+        ranks.append(tuple(rank.actions))
+    return Plan(f"step/gossip:{job.topology}x{k}", tuple(ranks)), first
 
 
 def repeat_steps(plan: Plan, k: int) -> Plan:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -15,7 +16,7 @@ from paratrain.ps.plans import push_actions
 from paratrain.ps.sharding import plan_chunks
 from paratrain.sim.engine import Network, replay
 from paratrain.sim.machine import LayerCost, LinkCost, ModelProfile
-from paratrain.sim.step import TAG_STRIDE, StepJob, repeat_steps, step_plan
+from paratrain.sim.step import TAG_STRIDE, StepJob, gossip_steps, repeat_steps, step_plan
 
 ALPHA, BETA = 1e-3, 1e-8
 
@@ -86,6 +87,20 @@ def test_asp_answers_a_pull_without_waiting_for_the_other_workers_push() -> None
         plan = step_plan(StepJob(model, workers=2, strategy=strategy, servers=1))
         finish[strategy] = replay(plan, network, slowdown=[1.0, 5.0, 1.0]).finish[0]
     assert finish == {"asp": pytest.approx(2.5), "bsp": pytest.approx(4.5)}
+
+
+@pytest.mark.parametrize(("backward", "period"), [(0.5, 1.0), (1.5, 1.5)])
+def test_gossip_hides_the_exchange_behind_the_next_step(backward: float, period: float) -> None:
+    """Two workers, each step's model (one unit of link time) sent as the step ends and received during the next
+    step's backward: a step takes max(backward, the link's time), by hand; no mixing or optimizer cost here."""
+    model = ModelProfile("one", 8, (LayerCost("fc", 0.0, backward, ("fc.weight",), (4000,)),))
+    plan, first = gossip_steps(StepJob(model, workers=2, strategy="gossip"), 4)
+    out = replay(plan, Network.uniform(LinkCost(0.0, 1 / 4000)), validate=False)
+    size = (len(plan.ranks[0]) - first[0]) // 4
+    ends = [max(out.done[0][first[0] + j * size : first[0] + (j + 1) * size]) for j in range(4)]
+    assert [b - a for a, b in itertools.pairwise(ends)] == pytest.approx([period] * 3)
+    with pytest.raises(ConfigError, match="gossip_steps"):
+        step_plan(StepJob(model, workers=2, strategy="gossip"))
 
 
 def test_fp16_compression_halves_the_wire_and_costs_two_casts() -> None:

@@ -87,8 +87,13 @@ def test_the_search_ranks_everything_and_says_why() -> None:
     profile, model = _profile(), _widemlp()
     space = candidates(model)
     # allreduce with and without fp16, bsp and asp with 1, 2, 4 servers, sfb, poseidon; 5 sizes; overlap or not
-    assert len(space) == (2 + 3 + 3 + 1 + 1) * 5 * 2
-    assert {c.update for c in space} == {"exact", "fp16-rounded gradients", "asynchronous (stale reads)"}
+    assert len(space) == (2 + 3 + 3 + 1 + 1) * 5 * 2 + 2  # and gossip on two graphs (no buckets)
+    assert {c.update for c in space} == {
+        "exact",
+        "fp16-rounded gradients",
+        "asynchronous (stale reads)",
+        "decentralised (neighbours' average)",
+    }
     ranked = search(profile, model, workers=4, batch_size=64, bandwidth=12.5e6, space=space)
     assert [s.step_s for s in ranked] == sorted(s.step_s for s in ranked)
     assert ranked[0].candidate.strategy == "poseidon:allreduce"
