@@ -12,6 +12,11 @@ turns a sum into a mean. Semantics, chosen to match what users of torch.distribu
   of many large float16 values can overflow to inf; reduce in float32 if that matters.
 * bfloat16 (stored as uint16) is widened to float32 for each combine and rounded back to nearest-even, so it
   also accumulates in its own precision; NaN stays NaN.
+* speed: numpy has no vectorised float16 arithmetic (about 0.16 GB/s on this machine's add, 50x slower per
+  byte than its float32 add), so when torch is importable the 16-bit types are combined by torch's vectorised
+  CPU kernels instead (about 8.7 GB/s). The values are the same: both compute each element in float32 and
+  round it once to the 16-bit type, to nearest even (the tests compare them bit for bit); only a NaN's payload
+  and the sign of max/min(0, -0) may differ, which every rank does alike. Without torch, numpy.
 * bool supports ``max`` (logical or) and ``min`` (logical and); ``sum``/``mean`` are refused, since numpy's
   bool sum is an or and a silent or is never what a gradient wanted. complex supports ``sum`` and ``mean``.
 """
@@ -85,7 +90,7 @@ class Reducer:
         array([3, 5], dtype=int32)
     """
 
-    __slots__ = ("_ufunc", "bfloat16", "dtype_name", "integer", "op")
+    __slots__ = ("_torch", "_ufunc", "bfloat16", "dtype_name", "integer", "op")
 
     def __init__(self, op: str, dtype_name: str) -> None:
         if op not in OPS:
@@ -105,10 +110,14 @@ class Reducer:
             raise TypeError(f"cannot reduce arrays of dtype {dtype_name}")
         self.integer = kind in "iu"
         self._ufunc: np.ufunc = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}[op]
+        self._torch = _torch_kernels(op, dtype_name) if dtype_name in ("float16", "bfloat16") else None
 
     def combine(self, a: npt.NDArray[Any], b: npt.NDArray[Any], out: npt.NDArray[Any]) -> None:
         """Writes ``a op b`` into ``out`` (which may be ``a``; ``b`` may be a read-only received buffer)."""
-        if self.bfloat16:
+        if self._torch is not None:
+            view, kernel = self._torch
+            kernel(view(a), view(b), out=view(out))
+        elif self.bfloat16:
             wide = bf16_to_f32(a)
             self._ufunc(wide, bf16_to_f32(b), out=wide)
             f32_to_bf16(wide, out=out)
@@ -119,7 +128,11 @@ class Reducer:
         """Turns the sum in ``buf`` into the mean over ``world_size`` ranks (a no-op for other ops)."""
         if self.op != "mean" or world_size == 1:
             return
-        if self.bfloat16:
+        if self._torch is not None:
+            view = self._torch[0]
+            t = view(buf)
+            t.div_(world_size)
+        elif self.bfloat16:
             wide = bf16_to_f32(buf)
             np.divide(wide, np.float32(world_size), out=wide)
             f32_to_bf16(wide, out=buf)
@@ -130,3 +143,27 @@ class Reducer:
 
     def __repr__(self) -> str:
         return f"Reducer({self.op!r}, {self.dtype_name!r})"
+
+
+def _torch_kernels(op: str, dtype_name: str) -> tuple[Any, Any] | None:
+    """(array -> tensor view, torch kernel) for a 16-bit float type, or None without torch (see the module
+    docstring). Views share memory; a read-only array (a received buffer) is viewed without torch's warning,
+    as the kernels never write their inputs."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    import warnings
+
+    dtype = torch.bfloat16 if dtype_name == "bfloat16" else torch.float16
+    kernel = {"sum": torch.add, "mean": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
+
+    def view(array: npt.NDArray[Any]) -> Any:
+        raw = array.view(np.int16)
+        if raw.flags.writeable:
+            return torch.from_numpy(raw).view(dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": only read here
+            return torch.from_numpy(raw).view(dtype)
+
+    return view, kernel
