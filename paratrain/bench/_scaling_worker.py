@@ -1,8 +1,10 @@
 """One rank of ``paratrain bench scaling --check``: times ``pt.allreduce_`` with each algorithm, under whatever
-network the launcher gave it (the fault injector's links); rank 0 writes ``scaling-check.json`` into ``--out``.
+network the launcher gave it (the fault injector's links); every rank writes ``scaling-check-rank{r}.json``
+into ``--out``.
 
-Every call starts together (a barrier first), as the simulated exchange starts every rank at time 0; rank 0's
-time of each call is kept, and the median over the timed calls reported.
+Every call starts together (a barrier first), as the simulated exchange starts every rank at time 0. Each rank
+keeps its own time of every call; the caller takes, per call, the slowest rank's (a root that returns once its
+last send is queued has not finished the collective), as the simulated makespan is the last rank's finish.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
 import time
 
@@ -44,11 +45,10 @@ def main(argv: list[str] | None = None) -> int:
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t0)
                 buf.fill(1.0)
-            result[algorithm] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+            result[algorithm] = times
         ctx.barrier()
-        if ctx.rank == 0:
-            out = pathlib.Path(args.out) / "scaling-check.json"
-            out.write_text(json.dumps({"world_size": ctx.world_size, "count": args.count, "results": result}))
+        out = pathlib.Path(args.out) / f"scaling-check-rank{ctx.rank}.json"
+        out.write_text(json.dumps({"world_size": ctx.world_size, "count": args.count, "times_s": result}))
     finally:
         ctx.shutdown()
     return 0

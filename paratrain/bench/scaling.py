@@ -164,7 +164,8 @@ def check_scaling(
     say: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Times ``pt.allreduce_`` of ``nbytes`` per rank with each algorithm in ``N`` real processes under the fault
-    injector (``spec``, e.g. ``"bandwidth=1Gbit"``), for every N, ``repeat`` times (N interleaved within each
+    injector (``spec``, e.g. ``"bandwidth=1Gbit"``; per call the slowest rank's time, median over calls), for
+    every N, ``repeat`` times (N interleaved within each
     round); and replays the same call's plan (:func:`~paratrain.collectives.lower.allreduce_plan`, agreement
     included) on the network :func:`~paratrain.sim.predict.network_for` builds from ``profile`` for that job.
     Blocks for the runs (seconds each).
@@ -191,9 +192,13 @@ def check_scaling(
                 code = run_launch(argv, nproc=n, faults=spec, deadline_s=timeout, stdout=sys.stderr)
                 if code:
                     raise RuntimeError(f"the measuring job of {n} processes failed (exit code {code}); see above")
-                got = json.loads((pathlib.Path(tmp) / "scaling-check.json").read_text())
-            for algorithm in algorithms:
-                measured.setdefault((n, algorithm), []).append(got["results"][algorithm]["median_s"])
+                ranks = [
+                    json.loads((pathlib.Path(tmp) / f"scaling-check-rank{r}.json").read_text())["times_s"]
+                    for r in range(n)
+                ]
+            for algorithm in algorithms:  # per call the slowest rank, then the median over calls
+                slowest = [max(calls) for calls in zip(*(rank[algorithm] for rank in ranks), strict=True)]
+                measured.setdefault((n, algorithm), []).append(statistics.median(slowest))
     rows = []
     for n in workers:
         network, _ = network_for(profile, world_size=n, bandwidth=bandwidth, latency=latency, concurrency=n)
