@@ -56,7 +56,7 @@ class Network:
     Example:
         >>> net = Network.uniform(LinkCost(alpha=1e-3, beta=1e-6))
         >>> net.route(0, 1)
-        (LinkCost(alpha=0.001, beta=1e-06), ('out', 0), ('in', 1))
+        (LinkCost(alpha=0.001, beta=1e-06, ingress_beta=None), ('out', 0), ('in', 1))
     """
 
     route: Callable[[int, int], tuple[LinkCost, Any, Any]]
