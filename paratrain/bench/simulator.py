@@ -227,25 +227,15 @@ def predict_rows(
         bandwidth = parse_bandwidth(network) if network else None
         mp = profile.model(model, batch, workers)
         strategy_, compression = split_strategy(strategy)
-        pred = predict(
-            profile,
-            mp,
-            workers=workers,
-            strategy=strategy_,
-            bandwidth=bandwidth,
-            batch_size=batch,
-            compression=compression,
-        )
-        formula = alpha_beta_step(
-            profile,
-            mp,
-            workers=workers,
-            strategy=strategy_,
-            bandwidth=bandwidth,
-            batch_size=batch,
-            compression=compression,
-        )
-        rows.append(ValidationRow(model, strategy, network or "local", workers, steps, pred.step_s, formula))
+        job: dict[str, Any] = {
+            "workers": workers,
+            "strategy": strategy_,
+            "bandwidth": bandwidth,
+            "batch_size": batch,
+            "compression": compression,
+        }
+        pred, formula = predict(profile, mp, **job).step_s, alpha_beta_step(profile, mp, **job)
+        rows.append(ValidationRow(model, strategy, network or "local", workers, steps, pred, formula))
     return summarise(rows, profile)
 
 
