@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "plan",
         help="predict the step time of every strategy for a model on this machine and rank them",
         description=(
-            "Search strategies (allreduce with or without fp16 compression, the BSP or ASP parameter server with "
+            "Search strategies (allreduce with or without fp16 compression, the BSP, SSP or ASP parameter server with "
             "1-4 servers, SFB, the Poseidon hybrid, gossip on the ring or exponential graph), bucket sizes and "
             "overlap for a data-parallel job, predicting "
             "each with the simulator from a machine profile (paratrain profile), and print them ranked with the "
@@ -41,14 +41,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--strategies",
-        default="allreduce,bsp,asp,sfb,poseidon:allreduce,gossip:ring,gossip:exponential",
-        help="the strategies to search (default allreduce,bsp,asp,sfb,poseidon:allreduce,gossip:ring,"
+        default="allreduce,bsp,ssp:2,asp,sfb,poseidon:allreduce,gossip:ring,gossip:exponential",
+        help="the strategies to search (default allreduce,bsp,ssp:2,asp,sfb,poseidon:allreduce,gossip:ring,"
         "gossip:exponential)",
     )
     p.add_argument(
         "--exact",
         action="store_true",
-        help="only configurations whose step is synchronous SGD's exactly (no compression, asp or gossip)",
+        help="only configurations whose step is synchronous SGD's exactly (no compression, ssp, asp or gossip)",
     )
     p.add_argument(
         "--straggler",

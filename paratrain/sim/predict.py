@@ -17,7 +17,7 @@ from paratrain.collectives.policy import default_allreduce_choice, network_allre
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.engine import Network, Replay, replay
 from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
-from paratrain.sim.step import StepJob, gossip_steps, repeat_steps, step_plan, symmetric_step
+from paratrain.sim.step import StepJob, gossip_steps, repeat_steps, stale_bound, step_plan, symmetric_step
 
 #: Above this many workers a ring step on uniform links is replayed from rank 0 alone (:func:`symmetric_step`
 #: with padding); below, every rank is replayed exactly.
@@ -140,7 +140,7 @@ def predict(
         ConfigError: the profile lacks the model or a path.
     """
     model_profile = profile.model(model, batch_size, workers) if isinstance(model, str) else model
-    world = workers + (servers if strategy in ("bsp", "asp") else 0)
+    world = workers + (servers if strategy in ("bsp", "asp") or strategy.startswith("ssp") else 0)
     network, choose = network_for(
         profile, world_size=world, bandwidth=bandwidth, latency=latency, hosts=hosts, concurrency=workers
     )
@@ -159,7 +159,10 @@ def predict(
             choose=choose,
         )
         strategy = "allreduce"
-    topology = "ring"
+    topology, staleness = "ring", 1
+    if strategy.startswith("ssp"):  # "ssp:S", as train takes it; SSP(0) is BSP by construction
+        staleness = int(strategy.partition(":")[2] or 0)
+        strategy = "ssp" if staleness > 0 else "bsp"
     if strategy.startswith("gossip"):  # "gossip:TOPOLOGY", as train takes it
         topology = strategy.partition(":")[2] or "ring"
         strategy = "gossip"
@@ -184,6 +187,7 @@ def predict(
         batch_size=batch_size,
         compression=compression,
         topology=topology,
+        staleness=staleness,
     )
     if strategy == "gossip":
         return _steady(job, model_profile, network=network, profile=profile, slowdown=slowdown, trace=trace, used=used)
@@ -221,13 +225,15 @@ def _steady(
     else:
         plan = step_plan(job)
         runs, first, sizes = repeat_steps(plan, PS_STEPS), [0] * plan.world_size, [len(a) for a in plan.ranks]
+        if job.strategy == "ssp":
+            runs = stale_bound(runs, job.workers, job.staleness, PS_STEPS)
     slow = None if slowdown is None else list(slowdown) + [1.0] * (runs.world_size - len(slowdown))
     out = replay(runs, network, gamma=profile.gamma, copy=profile.copy, slowdown=slow, trace=trace, validate=False)
     ends = [
         [max(out.done[r][first[r] + j * sizes[r] : first[r] + (j + 1) * sizes[r]]) for j in range(PS_STEPS)]
         for r in range(job.workers)
     ]
-    if job.strategy == "asp":  # nobody waits: the job's rate is the sum of the workers' own rates
+    if job.strategy in ("asp", "ssp"):  # nobody waits (or s steps later): the sum of the workers' own rates
         step = job.workers / sum((PS_STEPS - 1) / (e[-1] - e[0]) for e in ends)
     else:  # the workers wait for each other: the period of the job's slowest step end
         last = [max(e[j] for e in ends) for j in range(PS_STEPS)]
@@ -286,7 +292,7 @@ def alpha_beta_step(
     textbook cost with no overlap, no buckets, no contention model beyond the obvious, no agreement::
 
         allreduce (ring)   compute + 2 (W-1) (alpha + n / (W b))   (n halved by fp16 or bf16 compression)
-        parameter server   compute + 2 (alpha + W n / (S b))     (bsp and asp: every worker's n through S links)
+        parameter server   compute + 2 (alpha + W n / (S b))     (bsp, ssp, asp: every worker's n through S links)
         gossip             compute + alpha + d n / b              (the model to each of d neighbours, one link)
         sfb, poseidon:allreduce   compute + the ring for the dense layers' bytes
                                   + (W-1) (alpha + K (M + N) / b) per SFB layer (its rows, allgathered)
@@ -331,7 +337,7 @@ def alpha_beta_step(
         mixing, _ = resolve_mixing(strategy.partition(":")[2] or "ring", workers)
         degree = max(len(neighbors(mixing, r)) for r in range(workers))
         return model.compute_s + alpha + degree * n * beta
-    if strategy in ("bsp", "asp"):
+    if strategy in ("bsp", "asp") or strategy.startswith("ssp"):
         comm += 2 * (alpha + workers * n * beta / servers)
     elif workers > 1 and n > 0:
         comm += 2 * (workers - 1) * (alpha + n * beta / workers)

@@ -1,15 +1,16 @@
 """The planner's search: every runnable configuration of a job, predicted by the simulator, ranked.
 
 The space is what ``paratrain train`` can run for a data-parallel job: the strategy (allreduce with the runtime's
-``auto`` algorithm policy, with or without fp16 compression; the parameter server with 1, 2 or 4 servers, BSP or
-ASP; SFB for every fully-connected layer; Poseidon's per-layer hybrid of SFB and allreduce; D-PSGD gossip on the
-ring or the exponential graph), the fusion size (``--bucket-bytes``, 256 KiB to 64 MiB) and wait-free backprop on
-or off. Three of them change the update, not only its speed, and the ranking says so (:attr:`Candidate.update`):
-fp16 rounds every gradient to 16 bits, ASP computes on parameters that miss other workers' latest gradients, and
-gossip averages with the neighbours only; every other candidate computes synchronous SGD's step exactly (SFB
-rebuilds the same gradient), so its predicted speed is the whole comparison.
+``auto`` algorithm policy, with or without fp16 compression; the parameter server with 1, 2 or 4 servers, BSP,
+SSP(2) or ASP; SFB for every fully-connected layer; Poseidon's per-layer hybrid of SFB and allreduce; D-PSGD
+gossip on the ring or the exponential graph), the fusion size (``--bucket-bytes``, 256 KiB to 64 MiB) and
+wait-free backprop on or off. Some change the update, not only its speed, and the ranking says so
+(:attr:`Candidate.update`): fp16 rounds every gradient to 16 bits, ASP and SSP compute on parameters that may
+miss other workers' latest gradients (SSP at most s steps of them), and gossip averages with the neighbours
+only; every other candidate computes synchronous SGD's step exactly (SFB rebuilds the same gradient), so its
+predicted speed is the whole comparison.
 
-That is about a hundred points, and a replay of one step takes milliseconds to a few tenths of a second, so the
+That is about 130 points, and a replay of one step takes milliseconds to a few tenths of a second, so the
 search is exhaustive: no sampling error and no tuning of a random walk, which
 FlexFlow's MCMC needs because its space (a parallelisation per operator) is exponential. Where paratrain's
 space has such a part, the per-layer choice of SFB against the dense scheme, the layers' choices are
@@ -32,7 +33,7 @@ __all__ = ["BUCKET_SIZES", "COMPRESSIONS", "SEARCHED", "Candidate", "Scored", "c
 BUCKET_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 
 #: Strategies the planner searches (those the step composer models).
-SEARCHED = ("allreduce", "bsp", "asp", "sfb", "poseidon:allreduce", "gossip:ring", "gossip:exponential")
+SEARCHED = ("allreduce", "bsp", "ssp:2", "asp", "sfb", "poseidon:allreduce", "gossip:ring", "gossip:exponential")
 #: Compressions the planner tries with allreduce ("" is none).
 COMPRESSIONS = ("", "fp16")
 
@@ -62,7 +63,7 @@ class Candidate:
     @property
     def uses_servers(self) -> bool:
         """Whether it runs parameter servers."""
-        return self.strategy in ("bsp", "asp")
+        return self.strategy in ("bsp", "asp") or self.strategy.startswith("ssp")
 
     @property
     def label(self) -> str:
@@ -81,6 +82,8 @@ class Candidate:
             return f"{self.compression}-rounded gradients"
         if self.strategy.startswith("gossip"):
             return "decentralised (neighbours' average)"
+        if self.strategy.startswith("ssp") and self.strategy != "ssp:0":
+            return f"stale reads (at most {self.strategy.partition(':')[2]} steps)"
         return "asynchronous (stale reads)" if self.strategy == "asp" else "exact"
 
     def train_flags(self) -> list[str]:
@@ -128,7 +131,7 @@ def candidates(
         if strategy.startswith("gossip"):  # no buckets on the wire (the whole model, as the step ends)
             out.append(Candidate(strategy))
             continue
-        for count in servers if strategy in ("bsp", "asp") else (1,):
+        for count in servers if Candidate(strategy).uses_servers else (1,):
             for compression in compressions if strategy == "allreduce" else ("",):
                 for size in bucket_sizes:
                     for overlap in (True, False):

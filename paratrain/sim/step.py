@@ -28,9 +28,11 @@ pure functions, so a change to bucketing, an allreduce schedule or key sharding 
   (:func:`~paratrain.ps.plans.pull_actions`), as the strategy's ``apply`` does. A server answers a worker on a
   lane of its own per worker, adds each push (``gamma`` per byte), and updates a chunk once every worker pushed
   it (its share of the optimizer time); the reply to a chunk's pull waits for that chunk's update only;
-* ``asp``: the same messages, but the server answers a pull at once (:mod:`paratrain.ps.rounds`: a preview of
+* ``asp`` and ``ssp`` (``staleness`` s >= 1): the same messages, but the server answers a pull at once
+  (:mod:`paratrain.ps.rounds`: a preview of
   the open round, the worker's own push in it, costing a step on the chunk), so nobody waits for anybody, and
-  the expected wait for the slowest worker (``straggle_s``) does not apply;
+  the expected wait for the slowest worker (``straggle_s``) does not apply; under SSP a pull at step j also
+  waits until the server has every worker's clock of step j - s (:func:`stale_bound`, across chained steps);
 * ``gossip`` (:func:`gossip_steps`): D-PSGD on a graph, each step's model sent to the neighbours as it ends;
 * ``compression`` (``fp16``, ``bf16``, with allreduce): each bucket divided by P and cast to 16 bits (two passes,
   ``copy`` per byte, on the background lane) before a collective of 2-byte items, and cast back on lane 0 at
@@ -59,13 +61,22 @@ from paratrain.ps.plans import REPLY, REQUEST, clock_actions, pull_actions, push
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks
 from paratrain.sim.machine import LayerCost, ModelProfile
 
-__all__ = ["STRATEGIES", "TAG_STRIDE", "StepJob", "gossip_steps", "repeat_steps", "step_plan", "symmetric_step"]
+__all__ = [
+    "STRATEGIES",
+    "TAG_STRIDE",
+    "StepJob",
+    "gossip_steps",
+    "repeat_steps",
+    "stale_bound",
+    "step_plan",
+    "symmetric_step",
+]
 
 #: Tag space of one call inside a composed step (a call's plan uses small tag offsets).
 TAG_STRIDE = 1 << 12
 
 #: Strategies :func:`step_plan` composes (``"gossip"`` through :func:`gossip_steps`).
-STRATEGIES = ("allreduce", "bsp", "asp", "gossip")
+STRATEGIES = ("allreduce", "bsp", "asp", "ssp", "gossip")
 #: The tag of gossip's model messages (one per neighbour per step, in order).
 GOSSIP_TAG = 7
 #: Gradient compressions the allreduce step composes (a cast to 16 bits), by name as ``--compression`` takes them.
@@ -79,8 +90,8 @@ class StepJob:
     Attributes:
         model: the profiled model (per-layer times at the job's batch size).
         workers: W.
-        strategy: ``"allreduce"``, ``"bsp"`` or ``"asp"`` (the parameter server).
-        servers: S, for ``bsp`` and ``asp``.
+        strategy: ``"allreduce"``, ``"bsp"``, ``"ssp"``, ``"asp"`` (the parameter server) or ``"gossip"``.
+        servers: S, for the parameter server.
         bucket_bytes: the fusion size (DistributedOptimizer's ``bucket_bytes``).
         chunk_bytes: the parameter server's key chunk size.
         overlap: wait-free backprop (buckets start during backward) or not.
@@ -92,6 +103,7 @@ class StepJob:
         compression: ``"fp16"`` or ``"bf16"`` (allreduce): each bucket is cast to 16 bits before its collective
             and back after it, as :class:`~paratrain.compression.Cast` does; None: none.
         topology: the graph of ``gossip`` (a name :func:`~paratrain.gossip.mixing.resolve_mixing` takes).
+        staleness: s of ``ssp`` (s >= 1; SSP(0) is ``bsp``).
     """
 
     model: ModelProfile
@@ -107,8 +119,11 @@ class StepJob:
     batch_size: int = 0
     compression: str | None = None
     topology: str = "ring"
+    staleness: int = 1
 
     def __post_init__(self) -> None:
+        if self.strategy == "ssp" and self.staleness < 1:
+            raise ConfigError(f"ssp needs staleness >= 1 (SSP(0) is bsp), got {self.staleness}")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"the simulator composes {', '.join(STRATEGIES)}, not {self.strategy!r}")
         if self.compression is not None and (self.compression not in CASTS or self.strategy != "allreduce"):
@@ -132,7 +147,7 @@ class StepJob:
     @property
     def uses_servers(self) -> bool:
         """Whether the job has parameter servers."""
-        return self.strategy in ("bsp", "asp")
+        return self.strategy in ("bsp", "ssp", "asp")
 
     @property
     def wire_itemsize(self) -> int:
@@ -191,7 +206,7 @@ def _backward(rank: _Rank, job: StepJob) -> dict[int, int]:
     model = job.model
     if model.overhead_s:
         rank.add(Action("compute", seconds=model.overhead_s, label="overhead"))
-    if model.straggle_s and job.workers > 1 and job.strategy != "asp":  # all wait for the slowest one's step
+    if model.straggle_s and job.workers > 1 and job.strategy not in ("asp", "ssp"):  # all wait for the slowest
         rank.add(Action("compute", seconds=model.straggle_s, label="the slowest worker (expected)"))
     for layer in model.layers:
         rank.add(Action("compute", seconds=layer.forward_s, label=f"F {layer.name}"))
@@ -299,7 +314,7 @@ def _ps_ranks(job: StepJob) -> list[_Rank]:
                     add = server.add(Action("reduce", nbytes=nbytes, items=c.num_rows, deps=(got,), lane=lane))
                     server.add(Action("send", peer=wk, nbytes=0, tag=REPLY, deps=(got,), lane=lane))
                     pushed.setdefault((k, c.index), []).append(add)
-            server.add(Action("recv", peer=wk, nbytes=0, tag=REQUEST, lane=lane))  # the clock
+            server.add(Action("recv", peer=wk, nbytes=0, tag=REQUEST, lane=lane, label="clock"))
             per_worker_pulls.append([(k, c) for k in range(len(buckets)) for c in chunks[k] if c.server == j])
         # a chunk is updated once every worker pushed it (the server's round is per chunk), so the replies to
         # pulls of chunks that are complete leave while later chunks still arrive
@@ -320,7 +335,7 @@ def _ps_ranks(job: StepJob) -> list[_Rank]:
             lane = 1 + wk
             for k, c in per_worker_pulls[wk]:
                 request = server.add(Action("recv", peer=wk, nbytes=0, tag=REQUEST, lane=lane))
-                if job.strategy == "asp":  # answered at once: a preview of the open round, this worker's push in it
+                if job.strategy in ("asp", "ssp"):  # at once: a preview of the open round, this worker's push in it
                     ready = server.add(
                         Action(
                             "compute",
@@ -436,6 +451,39 @@ def repeat_steps(plan: Plan, k: int) -> Plan:
             )
         )
     return Plan(f"{plan.name}x{k}", tuple(ranks))
+
+
+def stale_bound(plan: Plan, workers: int, staleness: int, k: int) -> Plan:
+    """SSP's bound on ``k`` chained copies (:func:`repeat_steps`) of an ``ssp`` step plan: on every server, each
+    pull reply of copy j also waits for every worker's clock message of copy j - ``staleness`` (the server
+    answers a read at clock c once ``min(done) >= c - s``, :mod:`paratrain.ps.consistency`; a worker's pull
+    in step j reads at clock j + 1, and the clock of step i makes ``done`` i + 1). Copies before
+    ``staleness`` are not held.
+
+    Example:
+        >>> from paratrain.sim.machine import LayerCost, ModelProfile
+        >>> model = ModelProfile("tiny", 8, (LayerCost("fc", 0.001, 0.002, ("fc.weight",), (4096,)),))
+        >>> one = step_plan(StepJob(model, workers=2, strategy="ssp", servers=1))
+        >>> held = stale_bound(repeat_steps(one, 3), 2, 1, 3).ranks[2]
+        >>> n = len(one.ranks[2])
+        >>> [len(a.deps) for a in held[2 * n :] if a.kind == "send" and a.nbytes]  # request, push, 2 clocks
+        [4, 4]
+    """
+    if staleness < 0 or k < 1:
+        raise ConfigError(f"stale_bound needs staleness >= 0 and k >= 1, got {staleness} and {k}")
+    ranks = list(plan.ranks[:workers])
+    for actions in plan.ranks[workers:]:
+        n = len(actions) // k
+        clocks = [i for i in range(n) if actions[i].kind == "recv" and actions[i].label == "clock"]
+        replies = {i for i in range(n) if actions[i].kind == "send" and actions[i].nbytes > 0}
+        out = list(actions)
+        for j in range(staleness, k):
+            held = tuple((j - staleness) * n + c for c in clocks)
+            for i in replies:
+                a = out[j * n + i]
+                out[j * n + i] = dataclasses.replace(a, deps=tuple(sorted({*a.deps, *held})))
+        ranks.append(tuple(out))
+    return Plan(f"{plan.name}/ssp{staleness}", tuple(ranks))
 
 
 def symmetric_step(job: StepJob, *, pad: bool = False) -> Plan | None:

@@ -86,11 +86,12 @@ def test_a_synchronous_step_waits_for_the_expected_slowest_worker() -> None:
 def test_the_search_ranks_everything_and_says_why() -> None:
     profile, model = _profile(), _widemlp()
     space = candidates(model)
-    # allreduce with and without fp16, bsp and asp with 1, 2, 4 servers, sfb, poseidon; 5 sizes; overlap or not
-    assert len(space) == (2 + 3 + 3 + 1 + 1) * 5 * 2 + 2  # and gossip on two graphs (no buckets)
+    # allreduce with and without fp16, bsp, ssp:2 and asp with 1, 2, 4 servers, sfb, poseidon; 5 sizes; overlap
+    assert len(space) == (2 + 3 + 3 + 3 + 1 + 1) * 5 * 2 + 2  # and gossip on two graphs (no buckets)
     assert {c.update for c in space} == {
         "exact",
         "fp16-rounded gradients",
+        "stale reads (at most 2 steps)",
         "asynchronous (stale reads)",
         "decentralised (neighbours' average)",
     }
@@ -167,3 +168,19 @@ def test_plan_refuses_stragglers_it_does_not_model(
     argv = ["plan", "--machine", str(machine), "--model", "widemlp", "--workers", "4", "--straggler", spec]
     assert main(argv) == 2
     assert "the planner takes RANK:FACTOR" in capsys.readouterr().err
+
+
+def test_ssp_sits_between_asp_and_bsp_and_ssp0_is_bsp() -> None:
+    profile, model = _profile(), _widemlp()
+    net = {"workers": 4, "bandwidth": 1.25e9}
+    assert (
+        predict(profile, model, strategy="ssp:0", **net).step_s == predict(profile, model, strategy="bsp", **net).step_s
+    )
+    # identical workers never meet the bound: SSP(2) runs as ASP
+    assert predict(profile, model, strategy="ssp:2", **net).step_s == pytest.approx(
+        predict(profile, model, strategy="asp", **net).step_s
+    )
+    # a persistent straggler: ASP's fast workers run free, SSP(1)'s at most one step ahead, BSP's in lockstep
+    slow = {**net, "slowdown": [1.0, 4.0, 1.0, 1.0]}
+    asp, ssp, bsp = (predict(profile, model, strategy=s, **slow).step_s for s in ("asp", "ssp:1", "bsp"))
+    assert asp < ssp < bsp
