@@ -22,6 +22,13 @@ $P bench simulator --machine "$HERE/machine.json" --models mlp,lenet,widemlp --n
 $P bench simulator --machine "$HERE/machine.json" --measured "$HERE/validation-measured.json" \
     --measured "$HERE/validation-hybrid-measured.json" --measured "$HERE/validation-more-measured.json" \
     --json "$HERE/validation.json"
+# 2b. pipelines (GPipe and 1F1B, one stage per worker, 4 micro-batches of 64) with a profile that records the
+#     models' module structure (the first profile predates it)
+$P profile --model mlp --model lenet --model widemlp --dataset fashion-mnist --workers 4 \
+    --out "$HERE/machine-pipeline.json"
+$P bench simulator --machine "$HERE/machine-pipeline.json" --models mlp,lenet,widemlp --networks 1Gbit,100Mbit \
+    --strategies pipeline:gpipe,pipeline:1f1b --steps 8 --repeat 2 --out "$OUT/validation-pipeline" \
+    --json "$HERE/validation-pipeline.json"
 # 3. the planner on a communication-bound job, confirmed by real runs
 $P plan --machine "$HERE/machine.json" --model widemlp --workers 4 --bandwidth 100Mbit --run --confirm 1 --steps 8 \
     --json "$HERE/plan-widemlp-100m.json"

@@ -590,6 +590,7 @@ def _profile_here(
     from paratrain.train import tasks
     from paratrain.train.data import load_dataset
     from paratrain.train.models import build_model
+    from paratrain.train.pipeline_worker import flat_layers
 
     data = load_dataset(dataset, data_dir=data_dir)
     index = np.arange(batch_size) % len(data.y_train)
@@ -599,6 +600,8 @@ def _profile_here(
         model = build_model(model_name, side=data.side, classes=data.classes)
     shapes, linear = model_layers(model)  # linear: the fully-connected layers SFB can carry, by name
     names = [shape.name for shape in shapes]
+    flat = {id(m): i for i, m in enumerate(flat_layers(model))}  # where a pipeline can cut, in order
+    module_of = {n: flat.get(id(model.get_submodule(n)), -1) if n != "(root)" else -1 for n in names}
     qualified = [(q, p) for q, p in model.named_parameters() if p.requires_grad]
     owner = {q: (q.rpartition(".")[0] or "(root)") for q, _ in qualified}
     params = {name: [(q, p) for q, p in qualified if owner[q] == name] for name in names}
@@ -634,6 +637,7 @@ def _profile_here(
             "output_bytes": clock.output_bytes[name],
             "out_features": linear[name].out_features if name in linear else 0,
             "in_features": linear[name].in_features if name in linear else 0,
+            "module": module_of[name],
         }
         for name in names
     ]
@@ -642,6 +646,7 @@ def _profile_here(
         "optimizer_s": statistics.median(optimizer_s),
         "step_s": statistics.median(step_s),
         "step_samples": step_s,
+        "modules": len(flat),
         "threads": torch.get_num_threads(),
     }
 
@@ -662,6 +667,7 @@ def _combine(model: str, batch_size: int, runs: Sequence[Mapping[str, Any]]) -> 
             output_bytes=int(first["output_bytes"]),
             out_features=int(first.get("out_features", 0)),
             in_features=int(first.get("in_features", 0)),
+            module=int(first.get("module", -1)),
         )
         for i, first in enumerate(runs[0]["layers"])
     )
@@ -678,6 +684,7 @@ def _combine(model: str, batch_size: int, runs: Sequence[Mapping[str, Any]]) -> 
         concurrency=len(runs),
         overhead_s=overhead_s,
         straggle_s=max(0.0, straggle_s),
+        modules=int(runs[0].get("modules", 0)),
     )
 
 

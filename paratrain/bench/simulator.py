@@ -117,6 +117,7 @@ def _train(
     dataset: str,
     run_dir: Path,
     bucket_bytes: int | None = None,
+    extra: Sequence[str] = (),
 ) -> float:
     from paratrain.train.record import merge_run
 
@@ -145,7 +146,7 @@ def _train(
         argv += ["--bandwidth", network]
     if bucket_bytes:
         argv += ["--bucket-bytes", str(bucket_bytes)]
-    run_train(argv)
+    run_train([*argv, *extra])
     return measured_step(merge_run(run_dir))
 
 
@@ -191,6 +192,7 @@ def run_validation(
     root = Path(out_dir or tempfile.mkdtemp(prefix="paratrain-simcheck-"))
     grid = [(m, s, n) for m in models for n in networks for s in strategies]
     measured: dict[tuple[str, str, str | None], list[float]] = {key: [] for key in grid}
+    extra = {key: _job(profile, *key, workers=workers, batch=batch)[1] for key in grid}  # checks them all first
     for r in range(repeat):
         for model, strategy, network in grid:
             run_dir = root / f"{model}-{strategy}-{network or 'local'}-round{r + 1}"
@@ -204,9 +206,34 @@ def run_validation(
                     batch=batch,
                     dataset=dataset,
                     run_dir=run_dir,
+                    extra=extra[(model, strategy, network)],
                 )
             )
     return predict_rows(profile, measured, workers=workers, batch=batch)
+
+
+def _job(
+    profile: MachineProfile, model: str, strategy: str, network: str | None, *, workers: int, batch: int
+) -> tuple[dict[str, Any], list[str]]:
+    """A configuration as :func:`~paratrain.sim.predict.predict`'s keywords, and the ``paratrain train`` flags
+    it needs beyond strategy, workers and batch: a pipeline (one stage per worker, as many micro-batches, and
+    workers x batch examples per step, as many as the data-parallel runs train on) with the simulator's split."""
+    from paratrain.sim.predict import predict
+    from paratrain.transport.faults import parse_bandwidth
+
+    strategy_, compression = split_strategy(strategy)
+    job: dict[str, Any] = {
+        "workers": workers,
+        "strategy": strategy_,
+        "bandwidth": parse_bandwidth(network) if network else None,
+        "batch_size": batch,
+        "compression": compression,
+    }
+    if not strategy_.startswith("pipeline"):
+        return job, []
+    job |= {"batch_size": workers * batch, "microbatches": workers}
+    flags = predict(profile, profile.model(model, batch, workers), **job).flags
+    return job, ["--microbatches", str(workers), "--batch-size", str(workers * batch), *flags]
 
 
 def predict_rows(
@@ -220,21 +247,13 @@ def predict_rows(
     predicted by the simulator and by the formula. Also how ``--measured`` re-predicts an earlier report's
     measurements after a change to the simulator (the runs are not repeated)."""
     from paratrain.sim.predict import alpha_beta_step, predict
-    from paratrain.transport.faults import parse_bandwidth
 
     rows = []
     for (model, strategy, network), steps in measured.items():
-        bandwidth = parse_bandwidth(network) if network else None
         mp = profile.model(model, batch, workers)
-        strategy_, compression = split_strategy(strategy)
-        job: dict[str, Any] = {
-            "workers": workers,
-            "strategy": strategy_,
-            "bandwidth": bandwidth,
-            "batch_size": batch,
-            "compression": compression,
-        }
-        pred, formula = predict(profile, mp, **job).step_s, alpha_beta_step(profile, mp, **job)
+        job = _job(profile, model, strategy, network, workers=workers, batch=batch)[0]
+        pred = predict(profile, mp, **job).step_s
+        formula = alpha_beta_step(profile, mp, **job)
         rows.append(ValidationRow(model, strategy, network or "local", workers, steps, pred, formula))
     return summarise(rows, profile)
 

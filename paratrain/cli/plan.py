@@ -11,6 +11,12 @@ from typing import Any
 
 from paratrain.errors import ConfigError
 
+#: What ``--strategies`` searches by default: :data:`paratrain.sim.search.SEARCHED` (a test keeps them equal;
+#: written out so that ``paratrain --help`` does not import the simulator).
+DEFAULT_STRATEGIES = (
+    "allreduce,bsp,ssp:2,asp,sfb,poseidon:allreduce,gossip:ring,gossip:exponential,pipeline:gpipe,pipeline:1f1b"
+)
+
 __all__ = ["add_parser"]
 
 
@@ -21,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="predict the step time of every strategy for a model on this machine and rank them",
         description=(
             "Search strategies (allreduce with or without fp16 compression, the BSP, SSP or ASP parameter server with "
-            "1-4 servers, SFB, the Poseidon hybrid, gossip on the ring or exponential graph), bucket sizes and "
+            "1-4 servers, SFB, the Poseidon hybrid, gossip on the ring or exponential graph, GPipe and 1F1B "
+            "pipelines of one stage per worker), bucket sizes and "
             "overlap for a data-parallel job, predicting "
             "each with the simulator from a machine profile (paratrain profile), and print them ranked with the "
             "reason for the pick; the 'update' column marks those whose step is not synchronous SGD's (--exact "
@@ -41,9 +48,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--strategies",
-        default="allreduce,bsp,ssp:2,asp,sfb,poseidon:allreduce,gossip:ring,gossip:exponential",
-        help="the strategies to search (default allreduce,bsp,ssp:2,asp,sfb,poseidon:allreduce,gossip:ring,"
-        "gossip:exponential)",
+        default=DEFAULT_STRATEGIES,
+        help=f"the strategies to search (default {DEFAULT_STRATEGIES})",
     )
     p.add_argument(
         "--exact",
@@ -91,7 +97,11 @@ def _plan(args: argparse.Namespace) -> int:
     bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
     latency = parse_duration(args.latency) if args.latency else 0.0
     slowdown = _slowdown(args.straggler, args.workers)
-    space = [c for c in candidates(model, strategies=strategies) if c.update == "exact" or not args.exact]
+    space = [
+        c
+        for c in candidates(model, strategies=strategies, workers=args.workers, batch_size=args.batch_size)
+        if c.update == "exact" or not args.exact
+    ]
     if Candidate() not in space:
         space.append(Candidate())
     ranked = search(
@@ -127,7 +137,7 @@ def _plan(args: argparse.Namespace) -> int:
     if default not in ranked[: args.top]:
         _row(ranked.index(default) + 1, default, default)
     print(f"pick: {reason(ranked[0], default)}")
-    flags = " ".join(ranked[0].candidate.train_flags())
+    flags = " ".join(ranked[0].train_flags())
     print(f"run it: paratrain train --model {args.model} --workers {args.workers} {flags}")
     result: dict[str, Any] = {
         "model": args.model,
@@ -139,7 +149,7 @@ def _plan(args: argparse.Namespace) -> int:
         "ranking": [
             {
                 "configuration": s.candidate.label,
-                "flags": s.candidate.train_flags(),
+                "flags": s.train_flags(),
                 "step_s": s.step_s,
                 "update": s.candidate.update,
             }
@@ -238,7 +248,7 @@ def _confirm(args: argparse.Namespace, ranked: list[Any], default: Any) -> list[
             str(args.steps),
             "--run-dir",
             str(root / f"run{i}"),
-            *s.candidate.train_flags(),
+            *s.train_flags(),
         ]
         if args.bandwidth:
             argv += ["--bandwidth", args.bandwidth]

@@ -88,6 +88,9 @@ class LayerCost:
         out_features: M of a fully-connected layer (``nn.Linear``), 0 for any other kind; with ``in_features``
             it lets the simulator cost sufficient-factor broadcasting (:mod:`paratrain.sfb`).
         in_features: N of a fully-connected layer, 0 otherwise.
+        module: its position in the model's flat list of modules (nested ``nn.Sequential`` opened up, as a
+            pipeline cuts the model), -1 where unknown; with :attr:`ModelProfile.modules` it places pipeline
+            stage boundaries.
     """
 
     name: str
@@ -98,6 +101,7 @@ class LayerCost:
     output_bytes: int = 0
     out_features: int = 0
     in_features: int = 0
+    module: int = -1
 
     def __post_init__(self) -> None:
         if len(self.params) != len(self.param_bytes):
@@ -120,6 +124,7 @@ class ModelProfile:
         straggle_s: how much longer than the median step the slowest of ``concurrency`` processes' steps is
             expected to be (from the measured steps' spread): what a synchronous step waits for beyond the
             median worker, as processes sharing cores are preempted at different times. 0 where not measured.
+        modules: how many modules the model's flat list has (see :attr:`LayerCost.module`), 0 where unknown.
     """
 
     model: str
@@ -129,6 +134,7 @@ class ModelProfile:
     concurrency: int = 1
     overhead_s: float = 0.0
     straggle_s: float = 0.0
+    modules: int = 0
 
     @property
     def param_bytes(self) -> int:
@@ -291,6 +297,7 @@ class MachineProfile:
                         output_bytes=layer.get("output_bytes", 0),
                         out_features=layer.get("out_features", 0),
                         in_features=layer.get("in_features", 0),
+                        module=layer.get("module", -1),
                     )
                     for layer in v["layers"]
                 )
@@ -302,6 +309,7 @@ class MachineProfile:
                     concurrency=v.get("concurrency", 1),
                     overhead_s=v.get("overhead_s", 0.0),
                     straggle_s=v.get("straggle_s", 0.0),
+                    modules=v.get("modules", 0),
                 )
             return MachineProfile(
                 name=data["name"],

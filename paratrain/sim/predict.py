@@ -10,6 +10,7 @@ The compute is the model profile measured with as many processes at once as the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ class Prediction:
         job: what was simulated.
         algorithms: the allreduce algorithm each bucket used (allreduce jobs).
         steps: steps the replay covers (a parameter server's are chained, see :func:`predict`).
+        flags: ``paratrain train`` flags the prediction assumed beyond the job's own (a pipeline's ``--balance``).
     """
 
     step_s: float
@@ -49,6 +51,7 @@ class Prediction:
     job: StepJob
     algorithms: list[str] = field(default_factory=list)
     steps: int = 1
+    flags: list[str] = field(default_factory=list)
 
     @property
     def comm_wait_s(self) -> float:
@@ -121,6 +124,7 @@ def predict(
     slowdown: list[float] | None = None,
     trace: bool = False,
     compression: str | None = None,
+    microbatches: int = 0,
 ) -> Prediction:
     """Predicts one step of a data-parallel job on the profiled machine.
 
@@ -135,10 +139,26 @@ def predict(
         slowdown: per rank, how much slower its compute runs (stragglers).
         trace: keep the replay's Chrome-trace spans.
         compression: ``"fp16"`` or ``"bf16"`` with allreduce (``--compression``), or None.
+        microbatches: a pipeline's (``strategy`` ``"pipeline:gpipe"`` or ``"pipeline:1f1b"``, one stage per
+            worker, ``batch_size`` examples per pipeline and step, as ``paratrain train`` takes them); 0: as
+            many as stages.
 
     Raises:
         ConfigError: the profile lacks the model or a path.
     """
+    if strategy.startswith("pipeline"):
+        return _pipeline(
+            profile,
+            model,
+            workers=workers,
+            strategy=strategy,
+            batch_size=batch_size,
+            microbatches=microbatches,
+            bandwidth=bandwidth,
+            latency=latency,
+            slowdown=slowdown,
+            trace=trace,
+        )
     model_profile = profile.model(model, batch_size, workers) if isinstance(model, str) else model
     world = workers + (servers if strategy in ("bsp", "asp") or strategy.startswith("ssp") else 0)
     network, choose = network_for(
@@ -205,6 +225,47 @@ def predict(
         return Prediction(step_s=step, compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
     # the server's pulls to one worker overlap the next step's pushes of another: the period of the last steps
     return _steady(job, model_profile, network=network, profile=profile, slowdown=slowdown, trace=trace, used=used)
+
+
+def _pipeline(
+    profile: MachineProfile,
+    model: str | ModelProfile,
+    *,
+    workers: int,
+    strategy: str,
+    batch_size: int,
+    microbatches: int,
+    bandwidth: float | None,
+    latency: float,
+    slowdown: list[float] | None,
+    trace: bool,
+) -> Prediction:
+    """A pipeline step (:mod:`paratrain.sim.pipe`): ``workers`` stages, one process each."""
+    from paratrain.sim.pipe import pipeline_step
+
+    if isinstance(model, str):  # any profile of the model with this many processes: it scales to the micro-batch
+        found = [m for m in profile.models.values() if m.model == model and m.concurrency == workers]
+        model = found[0] if found else profile.model(model, batch_size, workers)
+    m = microbatches or workers
+    network, _ = network_for(profile, world_size=workers, bandwidth=bandwidth, latency=latency, concurrency=workers)
+    link = network.route(0, 1 % workers)[0]
+    step = pipeline_step(
+        model,
+        stages=workers,
+        microbatches=m,
+        batch_size=batch_size,
+        schedule_name=strategy.partition(":")[2],
+        bandwidth=1.0 / link.beta if link.beta > 0 else math.inf,
+    )
+    out = replay(step.plan, network, gamma=profile.gamma, copy=profile.copy, slowdown=slowdown, trace=trace)
+    job = StepJob(model, workers=workers, strategy="pipeline", batch_size=batch_size, microbatches=m)
+    return Prediction(
+        step_s=out.time,
+        compute_s=model.compute_s * batch_size / model.batch_size / workers,
+        replay=out,
+        job=job,
+        flags=["--balance", ",".join(map(str, step.balance))],
+    )
 
 
 def _steady(
@@ -287,6 +348,7 @@ def alpha_beta_step(
     latency: float = 0.0,
     batch_size: int = 64,
     compression: str | None = None,
+    microbatches: int = 0,
 ) -> float:
     """The plain formula a back-of-the-envelope estimate uses: compute, plus the model's bytes through the
     textbook cost with no overlap, no buckets, no contention model beyond the obvious, no agreement::
@@ -294,6 +356,8 @@ def alpha_beta_step(
         allreduce (ring)   compute + 2 (W-1) (alpha + n / (W b))   (n halved by fp16 or bf16 compression)
         parameter server   compute + 2 (alpha + W n / (S b))     (bsp, ssp, asp: every worker's n through S links)
         gossip             compute + alpha + d n / b              (the model to each of d neighbours, one link)
+        pipeline           (M + K - 1) / M x compute / K + 2 (K - 1) (alpha + a / b)
+                           (K = W stages, balanced; M micro-batches; a the largest layer output of one)
         sfb, poseidon:allreduce   compute + the ring for the dense layers' bytes
                                   + (W-1) (alpha + K (M + N) / b) per SFB layer (its rows, allgathered)
 
@@ -331,6 +395,11 @@ def alpha_beta_step(
         strategy = "allreduce"
     if compression:
         n //= 2
+    if strategy.startswith("pipeline"):  # batch_size is the pipeline's, the profile's times are per its batch
+        m = microbatches or workers
+        scale = batch_size / model.batch_size
+        a = max((layer.output_bytes for layer in model.layers), default=0) * scale / m
+        return (m + workers - 1) / m * model.compute_s * scale / workers + 2 * (workers - 1) * (alpha + a * beta)
     if strategy.startswith("gossip") and workers > 1:  # the model to every neighbour, over one link
         from paratrain.gossip.mixing import neighbors, resolve_mixing
 

@@ -33,7 +33,18 @@ __all__ = ["BUCKET_SIZES", "COMPRESSIONS", "SEARCHED", "Candidate", "Scored", "c
 BUCKET_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 
 #: Strategies the planner searches (those the step composer models).
-SEARCHED = ("allreduce", "bsp", "ssp:2", "asp", "sfb", "poseidon:allreduce", "gossip:ring", "gossip:exponential")
+SEARCHED = (
+    "allreduce",
+    "bsp",
+    "ssp:2",
+    "asp",
+    "sfb",
+    "poseidon:allreduce",
+    "gossip:ring",
+    "gossip:exponential",
+    "pipeline:gpipe",
+    "pipeline:1f1b",
+)
 #: Compressions the planner tries with allreduce ("" is none).
 COMPRESSIONS = ("", "fp16")
 
@@ -52,6 +63,9 @@ class Candidate:
         bucket_bytes: ``--bucket-bytes``.
         overlap: wait-free backprop (``--no-overlap`` when False).
         compression: ``--compression`` (allreduce), "" for none.
+        microbatches: a pipeline's ``--microbatches`` (one stage per worker).
+        batch_size: a pipeline's examples per step (``--batch-size``: the data-parallel candidates' examples
+            per step, workers x their batch, so that every candidate trains on as many examples per step).
     """
 
     strategy: str = "allreduce"
@@ -59,6 +73,8 @@ class Candidate:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     overlap: bool = True
     compression: str = ""
+    microbatches: int = 0
+    batch_size: int = 0
 
     @property
     def uses_servers(self) -> bool:
@@ -70,6 +86,8 @@ class Candidate:
         """A short name: ``"bsp x2, 16MiB"``, ``"allreduce+fp16, 4MiB"``, ``"gossip:ring"``."""
         if self.strategy.startswith("gossip"):
             return self.strategy
+        if self.strategy.startswith("pipeline"):
+            return f"{self.strategy}, {self.microbatches} micro-batches of {self.batch_size // self.microbatches}"
         servers = f" x{self.servers}" if self.uses_servers else ""
         compression = f"+{self.compression}" if self.compression else ""
         overlap = "" if self.overlap else ", no overlap"
@@ -90,6 +108,15 @@ class Candidate:
         """The ``paratrain train`` flags that run it."""
         if self.strategy.startswith("gossip"):
             return ["--strategy", self.strategy]
+        if self.strategy.startswith("pipeline"):
+            return [
+                "--strategy",
+                self.strategy,
+                "--microbatches",
+                str(self.microbatches),
+                "--batch-size",
+                str(self.batch_size),
+            ]
         flags = ["--strategy", self.strategy, "--bucket-bytes", str(self.bucket_bytes)]
         if self.uses_servers:
             flags += ["--servers", str(self.servers)]
@@ -112,6 +139,10 @@ class Scored:
         """Predicted seconds per step."""
         return self.prediction.step_s
 
+    def train_flags(self) -> list[str]:
+        """The ``paratrain train`` flags that run it as predicted (a pipeline's split included)."""
+        return self.candidate.train_flags() + self.prediction.flags
+
 
 def candidates(
     model: ModelProfile,
@@ -120,16 +151,30 @@ def candidates(
     servers: Sequence[int] = (1, 2, 4),
     bucket_sizes: Sequence[int] = BUCKET_SIZES,
     compressions: Sequence[str] = COMPRESSIONS,
+    workers: int = 0,
+    batch_size: int = 0,
 ) -> list[Candidate]:
     """Every point of the space (see the module docstring); SFB strategies only for a model with
-    fully-connected layers, compression only with allreduce."""
+    fully-connected layers, compression only with allreduce, pipelines (one stage per worker, ``workers`` and
+    2 x ``workers`` micro-batches, ``workers x batch_size`` examples per step) only when ``workers`` >= 2 and the
+    profile knows the model's modules."""
     linear = any(layer.out_features for layer in model.layers)
+    cuttable = model.modules >= workers >= 2 and all(layer.module >= 0 for layer in model.layers)
     out = []
     for strategy in strategies:
         if strategy in ("sfb", "poseidon:allreduce") and not linear:
             continue
         if strategy.startswith("gossip"):  # no buckets on the wire (the whole model, as the step ends)
             out.append(Candidate(strategy))
+            continue
+        if strategy.startswith("pipeline"):
+            if cuttable:
+                examples = workers * batch_size
+                out += [
+                    Candidate(strategy, microbatches=m, batch_size=examples)
+                    for m in (workers, 2 * workers)
+                    if examples % m == 0
+                ]
             continue
         for count in servers if Candidate(strategy).uses_servers else (1,):
             for compression in compressions if strategy == "allreduce" else ("",):
@@ -162,7 +207,8 @@ def search(
             workers=workers,
             strategy=candidate.strategy,
             servers=candidate.servers,
-            batch_size=batch_size,
+            batch_size=candidate.batch_size or batch_size,
+            microbatches=candidate.microbatches,
             bucket_bytes=candidate.bucket_bytes,
             overlap=candidate.overlap,
             bandwidth=bandwidth,

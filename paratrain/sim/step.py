@@ -76,7 +76,7 @@ __all__ = [
 TAG_STRIDE = 1 << 12
 
 #: Strategies :func:`step_plan` composes (``"gossip"`` through :func:`gossip_steps`).
-STRATEGIES = ("allreduce", "bsp", "asp", "ssp", "gossip")
+STRATEGIES = ("allreduce", "bsp", "asp", "ssp", "gossip", "pipeline")
 #: The tag of gossip's model messages (one per neighbour per step, in order).
 GOSSIP_TAG = 7
 #: Gradient compressions the allreduce step composes (a cast to 16 bits), by name as ``--compression`` takes them.
@@ -104,6 +104,8 @@ class StepJob:
             and back after it, as :class:`~paratrain.compression.Cast` does; None: none.
         topology: the graph of ``gossip`` (a name :func:`~paratrain.gossip.mixing.resolve_mixing` takes).
         staleness: s of ``ssp`` (s >= 1; SSP(0) is ``bsp``).
+        microbatches, schedule: a ``pipeline``'s (composed by :func:`paratrain.sim.pipe.pipeline_step`); its
+            ``workers`` are its stages and ``batch_size`` the examples per pipeline and step.
     """
 
     model: ModelProfile
@@ -120,6 +122,8 @@ class StepJob:
     compression: str | None = None
     topology: str = "ring"
     staleness: int = 1
+    microbatches: int = 1
+    schedule: str = "gpipe"
 
     def __post_init__(self) -> None:
         if self.strategy == "ssp" and self.staleness < 1:
@@ -376,6 +380,8 @@ def step_plan(job: StepJob) -> Plan:
     """
     if job.strategy == "gossip":
         raise ConfigError("a gossip step depends on the one before it (its messages left then): use gossip_steps")
+    if job.strategy == "pipeline":
+        raise ConfigError("a pipeline step is its schedule's plan: use paratrain.sim.pipe.pipeline_step")
     ranks = _allreduce_ranks(job, range(job.workers)) if job.strategy == "allreduce" else _ps_ranks(job)
     return Plan(f"step/{job.strategy}", tuple(tuple(r.actions) for r in ranks))
 

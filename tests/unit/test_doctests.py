@@ -30,6 +30,7 @@ MODULES = [
     "paratrain.collectives.shm",
     "paratrain.bench.simulator",
     "paratrain.bench.profile",
+    "paratrain.sim.pipe",
 ]
 
 

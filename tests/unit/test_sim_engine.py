@@ -295,3 +295,21 @@ def test_the_padded_symmetric_step_bounds_an_uneven_ring_closely() -> None:
     assert padded is not None
     bound = replay(padded, net, gamma=1e-10, symmetric=5).time
     assert exact <= bound <= exact * (1 + 1e-4)
+
+
+@pytest.mark.parametrize(("schedule", "microbatches"), [("gpipe", 4), ("1f1b", 4), ("gpipe", 8)])
+def test_a_pipeline_step_is_its_schedules_bubble(schedule: str, microbatches: int) -> None:
+    """Four equal layers, one per module, 1 s forward and 2 s backward at the profiled batch of 64: four stages
+    of one layer each, micro-batches of 64/M examples (f = 1/M, b = 2/M); with free links and no optimizer a
+    flushing schedule takes (M + K - 1)(f + b), by hand."""
+    from paratrain.sim.pipe import pipeline_step
+
+    layers = tuple(LayerCost(f"{i}", 1.0, 2.0, (f"{i}.weight",), (400,), 256, module=i) for i in range(4))
+    model = ModelProfile("four", 64, layers, modules=4)
+    step = pipeline_step(model, stages=4, microbatches=microbatches, batch_size=64, schedule_name=schedule)
+    assert step.balance == (1, 1, 1, 1) and step.microbatch == 64 // microbatches
+    out = replay(step.plan, Network.uniform(LinkCost(0.0, 0.0)))
+    f, b = 1.0 / microbatches, 2.0 / microbatches
+    assert out.time == pytest.approx((microbatches + 4 - 1) * (f + b))
+    with pytest.raises(ConfigError, match="profile --model four"):
+        pipeline_step(ModelProfile("four", 64, layers), stages=4, microbatches=4, batch_size=64)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -184,3 +185,35 @@ def test_ssp_sits_between_asp_and_bsp_and_ssp0_is_bsp() -> None:
     slow = {**net, "slowdown": [1.0, 4.0, 1.0, 1.0]}
     asp, ssp, bsp = (predict(profile, model, strategy=s, **slow).step_s for s in ("asp", "ssp:1", "bsp"))
     assert asp < ssp < bsp
+
+
+def test_plan_searches_what_the_search_knows_by_default() -> None:
+    from paratrain.cli.plan import DEFAULT_STRATEGIES
+    from paratrain.sim.search import SEARCHED
+
+    assert ",".join(SEARCHED) == DEFAULT_STRATEGIES
+
+
+def test_pipelines_are_searched_when_the_profile_knows_the_modules() -> None:
+    profile, model = _profile(), _widemlp()
+    assert not any(c.strategy.startswith("pipeline") for c in candidates(model, workers=4, batch_size=64))
+    cut = ModelProfile(
+        model.model,
+        64,
+        tuple(dataclasses.replace(layer, module=2 * i + 1) for i, layer in enumerate(model.layers)),
+        optimizer_s=0.01,
+        concurrency=4,
+        modules=6,
+    )
+    pipes = [c for c in candidates(cut, workers=4, batch_size=64) if c.strategy.startswith("pipeline")]
+    assert [(c.strategy, c.microbatches, c.batch_size) for c in pipes] == [
+        ("pipeline:gpipe", 4, 256),
+        ("pipeline:gpipe", 8, 256),
+        ("pipeline:1f1b", 4, 256),
+        ("pipeline:1f1b", 8, 256),
+    ]
+    ranked = search(profile, cut, workers=4, batch_size=64, bandwidth=12.5e6, space=pipes)
+    flags = ranked[0].train_flags()
+    assert flags[:2] == ["--strategy", ranked[0].candidate.strategy] and "--balance" in flags
+    balance = [int(n) for n in flags[flags.index("--balance") + 1].split(",")]
+    assert len(balance) == 4 and sum(balance) == 6 and min(balance) >= 1
