@@ -102,6 +102,13 @@ def _plan(args: argparse.Namespace) -> int:
         for c in candidates(model, strategies=strategies, workers=args.workers, batch_size=args.batch_size)
         if c.update == "exact" or not args.exact
     ]
+    if any(s.startswith("pipeline") for s in strategies) and not any(c.strategy.startswith("pipeline") for c in space):
+        why = (
+            f"{args.model} has fewer modules than {args.workers} stages"
+            if model.modules and all(layer.module >= 0 for layer in model.layers)
+            else f"the profile of {args.model} predates its module structure (run 'paratrain profile' again)"
+        )
+        print(f"paratrain plan: pipelines not searched: {why}", file=sys.stderr)
     if Candidate() not in space:
         space.append(Candidate())
     ranked = search(
