@@ -370,7 +370,8 @@ class Pipe:
                 msg = transport.recv(self.stage_index + 1, base - gradient_tag(mb), timeout=self._timeout)
                 if trace is not None:
                     t0 = _span(trace, f"wait gradient {mb}", "waiting", t0)
-                torch.autograd.backward(out, torch.from_numpy(msg.arrays[0].copy()))
+                if out.requires_grad:  # a first stage without parameters (a Flatten) has nothing to compute
+                    torch.autograd.backward(out, torch.from_numpy(msg.arrays[0].copy()))
             if params is not None:  # the stashed copy's gradient goes to the live parameters
                 for name, p in self.module.named_parameters():
                     grad = params[name].grad

@@ -384,3 +384,30 @@ def test_vertical_sync_runs_each_micro_batch_on_the_weights_of_its_version() -> 
 
     versions = run_ranks(2, stage, timeout=60)
     assert [v for k, _, v in versions[1] if k == "F"] == [0, 0, 1]  # stage 0's versions, not stage 1's 0, 1, 2
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_first_stage_without_parameters_trains_as_one_process(schedule: str) -> None:
+    """A stage of only parameterless modules in front (a Flatten, as the planner's split of mlp gives) has no
+    gradient to compute: it takes its gradient message and moves on, and the model trains as one process."""
+    reference = _reference(2)
+
+    def stage(ctx: Context) -> list[np.ndarray]:
+        pipe = Pipe(
+            [nn.Identity(), *_layers()],
+            balance=[1, 4, 4],
+            microbatches=2,
+            schedule=schedule,
+            optimizer=_optimizer,
+            loss_fn=nn.MSELoss(reduction="sum"),
+            context=ctx,
+        )
+        for step in range(STEPS):
+            x, y = _batch(step)
+            pipe.step(x, y)
+        return [p.detach().numpy().copy() for p in pipe.module.parameters()]
+
+    got = [p for params in run_ranks(3, stage, timeout=120) for p in params]
+    assert len(got) == len(reference)
+    for a, b in zip(got, reference, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
