@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     steps = per_replica // batch
     if steps == 0:
         raise SystemExit(f"batch size {batch} is larger than a pipeline's {per_replica} examples; lower --batch-size")
+    if args.steps_per_epoch > 0:  # as the data-parallel worker: each epoch cut to its first N steps
+        steps = min(steps, args.steps_per_epoch)
     if batch < microbatches:
         raise SystemExit(f"--batch-size {batch} cannot be cut into {microbatches} micro-batches; raise it")
     rec.log(

@@ -60,6 +60,16 @@ def test_a_pipeline_trains_and_leaves_every_stage_in_the_timeline(tmp_path: Path
     assert all(loss > 0 for loss in losses) and sum(losses[-5:]) < sum(losses[:5])
 
 
+def test_steps_per_epoch_cuts_a_pipelines_epoch_too(tmp_path: Path) -> None:
+    out = _train(
+        tmp_path, "s", "--strategy", "pipeline:gpipe", "--stages", "2", "--epochs", "1", "--steps-per-epoch", "3"
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    records = [json.loads(line) for line in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["steps_per_epoch"] for r in records if r["kind"] == "start"} == {3}
+    assert sum(1 for r in records if r["kind"] == "step" and r["rank"] == 0) == 3
+
+
 def test_replicated_stages_sum_each_stage_s_gradients(tmp_path: Path) -> None:
     """2 stages x 2 replicas = 4 workers, an explicit balance, re-materialisation: each pipeline's stages sit on
     ranks r * 2 + s, the replicas' allreduce and the recomputed forwards show in the timeline, the loss falls."""
