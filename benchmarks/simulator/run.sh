@@ -32,6 +32,8 @@ $P bench simulator --machine "$HERE/machine-pipeline.json" --models mlp,lenet,wi
 # 3. the planner on a communication-bound job, confirmed by real runs
 $P plan --machine "$HERE/machine.json" --model widemlp --workers 4 --bandwidth 100Mbit --run --confirm 1 --steps 8 \
     --json "$HERE/plan-widemlp-100m.json"
+$P plan --machine "$HERE/machine-pipeline.json" --model widemlp --workers 4 --bandwidth 100Mbit --run --confirm 1 \
+    --steps 8 --json "$HERE/plan-widemlp-100m-pipelines.json"
 # 4. the fusion size picked by the simulator (no warm-up) against a measured grid: widemlp, 1 Gbit/s, 2 rounds
 $P bench simulator --machine "$HERE/machine.json" --models widemlp --networks 1Gbit --steps 8 --repeat 2 \
     --bucket-grid 256KiB,1MiB,4MiB,16MiB,64MiB --out "$OUT/buckets" --json "$HERE/buckets.json"
