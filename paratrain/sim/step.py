@@ -29,16 +29,20 @@ pure functions, so a change to bucketing, an allreduce schedule or key sharding 
   lane of its own per worker, adds each push (``gamma`` per byte), and updates a chunk once every worker pushed
   it (its share of the optimizer time); the reply to a chunk's pull waits for that chunk's update only;
 * ``asp`` and ``ssp`` (``staleness`` s >= 1): the same messages, but the server answers a pull at once
-  (:mod:`paratrain.ps.rounds`: a preview of
-  the open round, the worker's own push in it, costing a step on the chunk), so nobody waits for anybody, and
-  the expected wait for the slowest worker (``straggle_s``) does not apply; under SSP a pull at step j also
-  waits until the server has every worker's clock of step j - s (:func:`stale_bound`, across chained steps);
+  (:mod:`paratrain.ps.rounds`: a preview of the open round, the worker's own push in it, costing a step on the
+  chunk), so nobody waits for anybody, and the expected wait for the slowest worker (``straggle_s``) does not
+  apply; under SSP a pull at step j also waits until the server has every worker's clock of step j - s
+  (:func:`stale_bound`, across chained steps);
 * ``gossip`` (:func:`gossip_steps`): D-PSGD on a graph, each step's model sent to the neighbours as it ends;
 * ``compression`` (``fp16``, ``bf16``, with allreduce): each bucket divided by P and cast to 16 bits (two passes,
   ``copy`` per byte, on the background lane) before a collective of 2-byte items, and cast back on lane 0 at
   the step, as :class:`~paratrain.compression.Cast` runs.
 
 Tags are offset per call (:data:`TAG_STRIDE`), as the runtime gives every call tags of its own.
+
+One module (about 520 lines) because every strategy's step shares the backward composition and the ranks'
+builder; pipelines, whose step is a schedule's plan, live in :mod:`paratrain.sim.pipe`. Split the parameter
+server's composition (``_ps_ranks``, :func:`stale_bound`) out first if it grows.
 
 One step is not always the steady state: with a parameter server, the worker whose pulls the server answers
 first starts its next step and pushes while the server still sends to the others, so one step's pulls overlap
