@@ -19,6 +19,8 @@ $P bench simulator --machine "$HERE/machine.json" --models mlp,widemlp --network
 $P bench simulator --machine "$HERE/machine.json" --models mlp,lenet,widemlp --networks 1Gbit,100Mbit \
     --strategies asp,allreduce+fp16,gossip:ring --steps 8 --repeat 2 --out "$OUT/validation-more" \
     --json "$HERE/validation-more-measured.json"
+$P bench simulator --machine "$HERE/machine.json" --models mlp,lenet,widemlp --networks 1Gbit,100Mbit \
+    --strategies ssp:2 --steps 8 --repeat 2 --out "$OUT/validation-ssp" --json "$HERE/validation-ssp-measured.json"
 $P bench simulator --machine "$HERE/machine.json" --measured "$HERE/validation-measured.json" \
     --measured "$HERE/validation-hybrid-measured.json" --measured "$HERE/validation-more-measured.json" \
     --json "$HERE/validation.json"
