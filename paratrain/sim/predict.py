@@ -19,6 +19,7 @@ from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.engine import Network, Replay, replay
 from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
 from paratrain.sim.step import StepJob, gossip_steps, repeat_steps, stale_bound, step_plan, symmetric_step
+from paratrain.strategy import parse_strategy
 
 #: Above this many workers a ring step on uniform links is replayed from rank 0 alone (:func:`symmetric_step`
 #: with padding); below, every rank is replayed exactly.
@@ -146,7 +147,8 @@ def predict(
     Raises:
         ConfigError: the profile lacks the model or a path.
     """
-    if strategy.startswith("pipeline"):
+    spec = parse_strategy(strategy)  # the names train takes, parsed as train parses them
+    if spec.family == "pipeline":
         return _pipeline(
             profile,
             model,
@@ -160,7 +162,7 @@ def predict(
             trace=trace,
         )
     model_profile = profile.model(model, batch_size, workers) if isinstance(model, str) else model
-    world = workers + (servers if strategy in ("bsp", "asp") or strategy.startswith("ssp") else 0)
+    world = workers + (servers if spec.uses_servers else 0)
     network, choose = network_for(
         profile, world_size=world, bandwidth=bandwidth, latency=latency, hosts=hosts, concurrency=workers
     )
@@ -179,12 +181,10 @@ def predict(
             choose=choose,
         )
         strategy = "allreduce"
-    topology, staleness = "ring", 1
-    if strategy.startswith("ssp"):  # "ssp:S", as train takes it; SSP(0) is BSP by construction
-        staleness = int(strategy.partition(":")[2] or 0)
-        strategy = "ssp" if staleness > 0 else "bsp"
-    if strategy.startswith("gossip"):  # "gossip:TOPOLOGY", as train takes it
-        topology = strategy.partition(":")[2] or "ring"
+    topology, staleness = spec.topology or "ring", spec.staleness or 1
+    if spec.kind == "ssp":  # SSP(0) is BSP by construction
+        strategy = "ssp" if spec.staleness else "bsp"
+    if spec.kind == "gossip":
         strategy = "gossip"
         if not (bandwidth is not None or latency > 0) and hosts == 1 and "shm" in profile.paths:
             network = Network.uniform(profile.paths["shm"])  # the workers' shared-memory slots
@@ -254,7 +254,7 @@ def _pipeline(
         stages=workers,
         microbatches=m,
         batch_size=batch_size,
-        schedule_name=strategy.partition(":")[2],
+        schedule_name=str(parse_strategy(strategy).options["schedule"]),
         bandwidth=1.0 / link.beta if link.beta > 0 else math.inf,
     )
     out = replay(step.plan, network, gamma=profile.gamma, copy=profile.copy, slowdown=slowdown, trace=trace)
@@ -395,18 +395,19 @@ def alpha_beta_step(
         strategy = "allreduce"
     if compression:
         n //= 2
-    if strategy.startswith("pipeline"):  # batch_size is the pipeline's, the profile's times are per its batch
+    spec = parse_strategy(strategy)
+    if spec.family == "pipeline":  # batch_size is the pipeline's, the profile's times are per its batch
         m = microbatches or workers
         scale = batch_size / model.batch_size
         a = max((layer.output_bytes for layer in model.layers), default=0) * scale / m
         return (m + workers - 1) / m * model.compute_s * scale / workers + 2 * (workers - 1) * (alpha + a * beta)
-    if strategy.startswith("gossip") and workers > 1:  # the model to every neighbour, over one link
+    if spec.kind == "gossip" and workers > 1:  # the model to every neighbour, over one link
         from paratrain.gossip.mixing import neighbors, resolve_mixing
 
-        mixing, _ = resolve_mixing(strategy.partition(":")[2] or "ring", workers)
+        mixing, _ = resolve_mixing(spec.topology, workers)
         degree = max(len(neighbors(mixing, r)) for r in range(workers))
         return model.compute_s + alpha + degree * n * beta
-    if strategy in ("bsp", "asp") or strategy.startswith("ssp"):
+    if spec.uses_servers:
         comm += 2 * (alpha + workers * n * beta / servers)
     elif workers > 1 and n > 0:
         comm += 2 * (workers - 1) * (alpha + n * beta / workers)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.machine import MachineProfile, ModelProfile
 from paratrain.sim.predict import Prediction, predict
+from paratrain.strategy import parse_strategy
 
 __all__ = ["BUCKET_SIZES", "COMPRESSIONS", "SEARCHED", "Candidate", "Scored", "candidates", "reason", "search"]
 
@@ -79,7 +80,7 @@ class Candidate:
     @property
     def uses_servers(self) -> bool:
         """Whether it runs parameter servers."""
-        return self.strategy in ("bsp", "asp") or self.strategy.startswith("ssp")
+        return parse_strategy(self.strategy).uses_servers
 
     @property
     def label(self) -> str:
@@ -100,8 +101,9 @@ class Candidate:
             return f"{self.compression}-rounded gradients"
         if self.strategy.startswith("gossip"):
             return "decentralised (neighbours' average)"
-        if self.strategy.startswith("ssp") and self.strategy != "ssp:0":
-            return f"stale reads (at most {self.strategy.partition(':')[2]} steps)"
+        staleness = parse_strategy(self.strategy).staleness
+        if staleness:
+            return f"stale reads (at most {staleness} steps)"
         return "asynchronous (stale reads)" if self.strategy == "asp" else "exact"
 
     def train_flags(self) -> list[str]:
