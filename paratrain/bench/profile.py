@@ -38,7 +38,9 @@ What is measured, and how (every number is a median, so that one preempted repea
   Fully-connected layers also record their shape (``out_features``, ``in_features``), which SFB's cost needs.
   ``concurrency`` N runs the profile in N processes at once under the launch library, started together by a
   barrier, with the intra-op threads a job of N workers gets (``OMP_NUM_THREADS``, cores / N): they share the
-  cores as the N workers of a job on this machine do. Each layer's time is the median over the processes.
+  cores as the N workers of a job on this machine do. Each layer's time is the median over the processes. One
+  process alone with the same threads is timed first (``alone_s``): the two say how the cores are shared, so
+  that the simulator can speed up a process that computes while the others wait (a pipeline's stages).
 
 Run it through ``paratrain profile`` (:mod:`paratrain.cli.profile`); this module is also the worker the measuring
 processes run (``python -m paratrain.bench.profile links|model ...``).
@@ -50,6 +52,7 @@ paths, the model profiler and their entry point travel together; split along tho
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -647,6 +650,7 @@ def _profile_here(
         "step_s": statistics.median(step_s),
         "step_samples": step_s,
         "modules": len(flat),
+        "input_bytes": x.numel() * x.element_size(),
         "threads": torch.get_num_threads(),
     }
 
@@ -685,6 +689,7 @@ def _combine(model: str, batch_size: int, runs: Sequence[Mapping[str, Any]]) -> 
         overhead_s=overhead_s,
         straggle_s=max(0.0, straggle_s),
         modules=int(runs[0].get("modules", 0)),
+        input_bytes=int(runs[0].get("input_bytes", 0)),
     )
 
 
@@ -720,9 +725,11 @@ def profile_model(
 ) -> ModelProfile:
     """Each layer's forward and backward time of a ``paratrain train`` model, measured here (module docstring).
 
-    With ``concurrency`` 1 the steps run in this process (its torch threads set for the time as a one-worker job
-    sets them, then restored); above 1 in that many processes at once, under the launch library, stopped after
-    ``timeout`` seconds. Blocks for about 35 training steps (7 with ``quick``), plus the processes' start.
+    The steps run in this process first (its torch threads set for the time as each worker of a
+    ``concurrency``-worker job gets them, then restored): with ``concurrency`` 1 that is the profile; above 1 it
+    is the step alone (:attr:`ModelProfile.alone_s`), and then the layers are timed in that many processes at
+    once, under the launch library, stopped after ``timeout`` seconds. Blocks for about 35 training steps (7 with
+    ``quick``), twice above 1, plus the processes' start.
 
     Args:
         model_name: a ``paratrain train --model`` name.
@@ -742,18 +749,11 @@ def profile_model(
     dataset = dataset or _default_dataset(model_name)
     _check_model(model_name, dataset, data_dir)
     warmup, steps = _steps(quick)
+    alone = _profile_alone(
+        model_name, batch_size, concurrency, dataset=dataset, data_dir=data_dir, steps=(warmup, steps)
+    )
     if concurrency == 1:
-        import torch
-
-        from paratrain.launch.env import process_environment
-
-        before = torch.get_num_threads()
-        torch.set_num_threads(max(1, int(process_environment(os.environ, processes=1)["OMP_NUM_THREADS"])))
-        try:
-            run = _profile_here(model_name, batch_size, dataset=dataset, data_dir=data_dir, steps=steps, warmup=warmup)
-        finally:
-            torch.set_num_threads(before)
-        return _combine(model_name, batch_size, [run])
+        return _combine(model_name, batch_size, [alone])
     what = f"model {model_name} in {concurrency} processes"
     with tempfile.TemporaryDirectory(prefix="paratrain-profile-") as tmp:
         argv = ["model", "--model", model_name, "--batch-size", str(batch_size), "--dataset", dataset]
@@ -761,7 +761,27 @@ def profile_model(
         argv += ["--data-dir", data_dir] if data_dir else []
         _run_job(argv, nproc=concurrency, faults=None, timeout=timeout, what=what)
         runs = [_read_json(pathlib.Path(tmp) / f"model-rank{r}.json", what) for r in range(concurrency)]
-    return _combine(model_name, batch_size, runs)
+    return dataclasses.replace(_combine(model_name, batch_size, runs), alone_s=float(alone["step_s"]))
+
+
+def _profile_alone(
+    model_name: str, batch_size: int, concurrency: int, *, dataset: str, data_dir: str | None, steps: tuple[int, int]
+) -> dict[str, Any]:
+    """The model's steps in this process, alone on the machine, with the intra-op threads each process of a
+    ``concurrency``-worker job gets (set for the time, then restored): the profile of a one-worker job, and,
+    beside ``concurrency`` processes at once, how much the sharing of the cores slows each of them."""
+    import torch
+
+    from paratrain.launch.env import process_environment
+
+    before = torch.get_num_threads()
+    env = process_environment(os.environ, processes=concurrency)
+    torch.set_num_threads(max(1, int(env["OMP_NUM_THREADS"])))
+    try:
+        warmup, timed = steps
+        return _profile_here(model_name, batch_size, dataset=dataset, data_dir=data_dir, steps=timed, warmup=warmup)
+    finally:
+        torch.set_num_threads(before)
 
 
 # -- everything ----------------------------------------------------------------------------------------------------

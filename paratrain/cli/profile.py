@@ -128,6 +128,12 @@ def format_table(machine: MachineProfile) -> str:
             f"{model.optimizer_s * 1e3:.2f} + other {model.overhead_s * 1e3:.2f}; {model.param_bytes / 1e6:.2f} MB "
             "of parameters"
         )
+        shares = model.cores()
+        if shares is not None:
+            lines.append(
+                f"  one process alone: {model.alone_s * 1e3:.2f} ms a step; the {model.concurrency} processes shared "
+                f"the cores as {shares[0]:.2f} cores' worth"
+            )
         lines.append(f"  {'layer':<20} {'fwd (ms)':>9} {'bwd (ms)':>9} {'params (KB)':>12} {'output (KB)':>12}")
         for layer in model.layers:
             lines.append(

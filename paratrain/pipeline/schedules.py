@@ -40,6 +40,7 @@ __all__ = [
     "activation_tag",
     "check",
     "gpipe",
+    "gradient_from",
     "gradient_tag",
     "lower",
     "one_f_one_b",
@@ -216,6 +217,20 @@ def schedule(name: str, stages: int, microbatches: int) -> Schedule:
 # -- lowering and checking ------------------------------------------------------------------------------------
 
 
+def gradient_from(learns: Sequence[bool]) -> int:
+    """The first stage that has parameters to train, given whether each stage does (``len(learns)`` if none).
+
+    Gradients flow back only as far as it: the stages in front of it (parameterless modules such as a
+    Flatten) learn nothing, so they get no gradient message and run no backward, and it computes no gradient
+    of its input. Each saved hop is a message per micro-batch the size of the activation.
+
+    Example:
+        >>> gradient_from([False, True, True]), gradient_from([True, False]), gradient_from([False, False])
+        (1, 0, 2)
+    """
+    return next((s for s, yes in enumerate(learns) if yes), len(learns))
+
+
 def lower(
     sched: Schedule,
     *,
@@ -223,6 +238,7 @@ def lower(
     backward_s: Sequence[float] | float = 2.0,
     step_s: float = 0.0,
     activation_bytes: Sequence[int] | int = 0,
+    first_learner: int = 0,
 ) -> Plan:
     """The schedule as a plan (:mod:`paratrain.plan.ir`): per stage, the receive each step needs, the step as a
     ``compute`` of the given duration, and the send of its output. Receives are posted when their step comes;
@@ -233,6 +249,8 @@ def lower(
         forward_s, backward_s: seconds of one micro-batch's forward/backward, per stage or for all.
         step_s: seconds of an optimizer step.
         activation_bytes: bytes of stage s's output activation (its gradient has the same size), per stage or all.
+        first_learner: :func:`gradient_from` of the stages: the stages before it have no backward steps (no
+            gradient comes to them) and it sends no gradient back, as the runtime does.
     """
     k = sched.num_stages
 
@@ -257,14 +275,14 @@ def lower(
                 b.compute(label, seconds=per_stage(forward_s, s), deps=deps)
                 if s < k - 1:
                     b.message("send", s + 1, nbytes=act_out, tag=activation_tag(step.microbatch), label=label)
-            else:
+            elif s >= first_learner:
                 deps = (
                     [b.message("recv", s + 1, nbytes=act_out, tag=gradient_tag(step.microbatch), label=label)]
                     if s < k - 1
                     else []
                 )
                 b.compute(label, seconds=per_stage(backward_s, s), deps=deps)
-                if s > 0:
+                if s > first_learner:
                     b.message("send", s - 1, nbytes=act_in, tag=gradient_tag(step.microbatch), label=label)
         ranks.append(b.actions)
     return Plan(f"pipeline/{sched.name}", tuple(ranks))

@@ -17,6 +17,10 @@ training step really does, from the same :class:`~paratrain.plan.ir.Plan` object
 * **costs**: ``compute`` takes its seconds times the rank's slowdown (stragglers); ``reduce`` and ``finish``
   take ``gamma`` per byte, ``copy`` takes ``copy`` per byte; ``wait`` (shared memory) completes the ``shm``
   path's alpha after the last of the other ranks' matching ``signal``.
+* **shared cores** (optional, :class:`Cores`): processes of one host that compute at the same moment share its
+  cores (processor sharing): with k computing, each progresses at min(1, capacity / k) of its speed alone. A
+  profile measured with N processes at once already holds the N-way share; replayed with all N computing it
+  gives the profiled times, and a pipeline stage that computes while the others wait runs at its speed alone.
 
 Events are processed in time order (a heap of lane wake-ups), so a queue serves messages in the order they
 were sent. Sends and receive postings do not block their lane (as in the runtime); whatever depends on a
@@ -36,7 +40,7 @@ from typing import Any
 from paratrain.plan.ir import Plan, PlanError
 from paratrain.sim.machine import LinkCost
 
-__all__ = ["Network", "Replay", "replay"]
+__all__ = ["Cores", "Network", "Replay", "replay"]
 
 _UNKNOWN = -1.0  # a completion time not known yet (times are >= 0)
 
@@ -79,6 +83,40 @@ class Network:
             return inter, ("nic-out", hs), ("nic-in", hd)
 
         return Network(route, shm_alpha=shm_alpha)
+
+
+@dataclass(frozen=True)
+class Cores:
+    """How a host's processes share its cores when they compute at once (processor sharing).
+
+    Attributes:
+        capacity: cores' worth of compute per host: with k ranks of a host computing, each runs at
+            min(1, capacity / k) of its speed alone. On a measured machine this is what the profile observed
+            (N processes at once ran 1/f as fast as one alone: capacity N / f), not the nominal core count.
+        alone: seconds alone per second of a plan's ``compute`` (whose times were profiled N-way shared: 1 / f).
+        host_of: each rank's host; None: all on one.
+
+    Example:
+        Two ranks of one core, with times profiled 2-way shared (alone they take half): together they take
+        their profiled times; once the shorter one is done, the other runs at its speed alone.
+
+        >>> from paratrain.plan.ir import Action, Plan
+        >>> net, cores = Network.uniform(LinkCost(0.0, 0.0)), Cores(capacity=1.0, alone=0.5)
+        >>> both = Plan("c", ((Action("compute", seconds=1.0),), (Action("compute", seconds=1.0),)))
+        >>> replay(both, net, cores=cores).finish
+        [1.0, 1.0]
+        >>> uneven = Plan("c", ((Action("compute", seconds=1.0),), (Action("compute", seconds=0.5),)))
+        >>> replay(uneven, net, cores=cores).finish
+        [0.75, 0.5]
+    """
+
+    capacity: float
+    alone: float = 1.0
+    host_of: Callable[[int], int] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.capacity > 0 or not self.alone > 0:
+            raise PlanError(f"cores: capacity and alone must be > 0, got {self.capacity} and {self.alone}")
 
 
 @dataclass
@@ -130,6 +168,7 @@ def replay(
     trace: bool = False,
     validate: bool = True,
     symmetric: int | None = None,
+    cores: Cores | None = None,
 ) -> Replay:
     """Replays ``plan`` on ``network`` under the model of the module docstring.
 
@@ -147,6 +186,8 @@ def replay(
             k-th receive from peer p (tag t) is the image of its own k-th send to -p mod N (tag t), and its
             ingress queue sees the images of its own sends: one rank's replay is exact for all, in O(its
             actions) instead of O(N x its actions) (a 1024-rank ring step in a fraction of a second).
+        cores: share each host's cores among the ranks computing at once (:class:`Cores`); None: every
+            ``compute`` takes its seconds whatever the others do. Not with ``symmetric``.
 
     Raises:
         PlanError: the plan is malformed or deadlocks (some action waits for something that never happens).
@@ -165,6 +206,8 @@ def replay(
         plan.validate()
     if symmetric is not None and plan.world_size != 1:
         raise PlanError(f"{plan.name}: a symmetric replay takes rank 0's actions only, got {plan.world_size} ranks")
+    if symmetric is not None and cores is not None:
+        raise PlanError(f"{plan.name}: shared cores need every rank's actions, not a symmetric replay")
     n = plan.world_size
     slow = list(slowdown) if slowdown is not None else [1.0] * n
     if len(slow) != n:
@@ -201,6 +244,57 @@ def replay(
     busy, waiting, comm_busy = [0.0] * n, [0.0] * n, [0.0] * n
     bytes_out = [0] * n
     spans: list[dict[str, Any]] = []
+    # shared cores: per host, the computing ranks' [work left (seconds alone), rank, lane, action, start]
+    pool: dict[int, list[list[Any]]] = {}
+    pool_time: dict[int, float] = {}
+    pool_version: dict[int, int] = {}
+
+    def host(r: int) -> int:
+        return 0 if cores is None or cores.host_of is None else cores.host_of(r)
+
+    def rate(h: int) -> float:
+        assert cores is not None
+        return min(1.0, cores.capacity / max(1, len(pool.get(h, ()))))
+
+    def advance(h: int, t: float) -> None:
+        """Progress the host's computing ranks to ``t``."""
+        elapsed = t - pool_time.get(h, 0.0)
+        if elapsed > 0:
+            step = elapsed * rate(h)
+            for job in pool.get(h, ()):
+                job[0] -= step
+        pool_time[h] = max(t, pool_time.get(h, 0.0))
+
+    def reschedule(h: int) -> None:
+        """Put the host's next finish on the heap (older entries go stale by version)."""
+        nonlocal seq
+        pool_version[h] = pool_version.get(h, 0) + 1
+        jobs = pool.get(h)
+        if jobs:
+            first = pool_time[h] + max(0.0, min(job[0] for job in jobs)) / rate(h)
+            heapq.heappush(heap, (first, seq, -1 - h, pool_version[h]))
+            seq += 1
+
+    def finish_computes(h: int, now: float) -> None:
+        """The host's computing ranks whose work is done complete now; their lanes go on."""
+        nonlocal seq
+        advance(h, now)
+        jobs = pool.get(h, [])
+        left = min(job[0] for job in jobs) if jobs else 0.0
+        finished = [job for job in jobs if job[0] <= left + 1e-12]
+        pool[h] = [job for job in jobs if job[0] > left + 1e-12]
+        for _, r, lane, i, start in finished:
+            if lane == 0:
+                busy[r] += now - start
+            else:
+                comm_busy[r] += now - start
+            if trace:
+                span(r, "compute", ranks[r][i].label or "compute", start, now)
+            clock[(r, lane)] = now
+            complete(r, i, now)
+            heapq.heappush(heap, (now, seq, r, lane))
+            seq += 1
+        reschedule(h)
 
     def complete(r: int, i: int, t: float) -> None:
         nonlocal seq
@@ -224,6 +318,10 @@ def replay(
 
     while heap:
         now, _, r, lane = heapq.heappop(heap)
+        if r < 0:  # a host's next compute finish (lane: the pool's version when it was scheduled)
+            if lane == pool_version.get(-1 - r):
+                finish_computes(-1 - r, now)
+            continue
         key = (r, lane)
         order = lanes[r][lane]
         actions = ranks[r]
@@ -295,6 +393,13 @@ def replay(
                     for r2, lane2 in sig_waiters.pop(a.tag, ()):
                         heapq.heappush(heap, (max(ready, clock[(r2, lane2)]), seq, r2, lane2))
                         seq += 1
+            elif kind == "compute" and cores is not None:  # shares the host's cores until its work is done
+                h = host(r)
+                start = max(ready, pool_time.get(h, 0.0))
+                advance(h, start)
+                pool.setdefault(h, []).append([a.seconds * slow[r] * cores.alone, r, lane, i, start])
+                reschedule(h)
+                break  # the lane goes on when the host finishes this compute
             else:
                 if kind == "compute":
                     cost = a.seconds * slow[r]

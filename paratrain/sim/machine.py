@@ -125,6 +125,11 @@ class ModelProfile:
             expected to be (from the measured steps' spread): what a synchronous step waits for beyond the
             median worker, as processes sharing cores are preempted at different times. 0 where not measured.
         modules: how many modules the model's flat list has (see :attr:`LayerCost.module`), 0 where unknown.
+        alone_s: the median step of one process alone on the machine with the threads each of ``concurrency``
+            processes gets (no sharing), 0 where not measured. With the shared step (:attr:`compute_s`) it
+            says how the processes share the cores (:meth:`cores`).
+        input_bytes: bytes of one batch's input, 0 where not recorded: what a pipeline's first stage sends on
+            when its modules keep the size (a Flatten).
     """
 
     model: str
@@ -135,6 +140,8 @@ class ModelProfile:
     overhead_s: float = 0.0
     straggle_s: float = 0.0
     modules: int = 0
+    alone_s: float = 0.0
+    input_bytes: int = 0
 
     @property
     def param_bytes(self) -> int:
@@ -145,6 +152,26 @@ class ModelProfile:
     def compute_s(self) -> float:
         """Seconds of one step's computation with no communication at all."""
         return sum(layer.forward_s + layer.backward_s for layer in self.layers) + self.optimizer_s + self.overhead_s
+
+    def cores(self) -> tuple[float, float] | None:
+        """How the measuring processes shared the cores: (capacity, alone) for :class:`paratrain.sim.engine.Cores`,
+        or None where one process was measured or the step alone was not.
+
+        ``concurrency`` processes at once each ran a step in :attr:`compute_s`, one alone in :attr:`alone_s`: the
+        host did ``concurrency`` steps' work at the rate of ``concurrency * alone_s / compute_s`` processes alone
+        (its capacity, in cores' worth), and a profiled second of compute is ``alone_s / compute_s`` alone
+        (capped at 1: a sharing that measured faster than alone is noise).
+
+        Example:
+            >>> layer = LayerCost("fc", 0.01, 0.02)
+            >>> ModelProfile("m", 64, (layer,), optimizer_s=0.01, concurrency=4, alone_s=0.02).cores()
+            (2.0, 0.5)
+        """
+        shared = self.compute_s
+        if self.concurrency < 2 or self.alone_s <= 0 or shared <= 0:
+            return None
+        alone = min(1.0, self.alone_s / shared)
+        return self.concurrency * alone, alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +337,8 @@ class MachineProfile:
                     overhead_s=v.get("overhead_s", 0.0),
                     straggle_s=v.get("straggle_s", 0.0),
                     modules=v.get("modules", 0),
+                    alone_s=v.get("alone_s", 0.0),
+                    input_bytes=v.get("input_bytes", 0),
                 )
             return MachineProfile(
                 name=data["name"],

@@ -14,7 +14,9 @@ simulator composes that step from the same pure functions the runtime runs:
   previous layer produced. The split is returned as ``--balance`` so that a run uses exactly it (the runtime's
   own auto split profiles at run time and may differ);
 * the step: :func:`paratrain.pipeline.schedules.lower` of the schedule with those per-stage times, the
-  activations of each boundary, and each stage's share of the optimizer step; replayed on the network's links.
+  activations of each boundary (the input's size out of parameterless modules in front), each stage's share of
+  the optimizer step, and no gradients back to stages in front of the first with parameters (as the runtime);
+  replayed on the network's links, the stages sharing the cores as the profile saw them shared.
 
 A step is one replay (the schedules flush: no step overlaps the next). The expected wait for the slowest process
 (``straggle_s``) is not added: stages do not run the same work at the same time.
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from paratrain.errors import ConfigError
 from paratrain.pipeline.partition import LayerCost as StageCost
 from paratrain.pipeline.partition import partition
-from paratrain.pipeline.schedules import SCHEDULES, lower, schedule
+from paratrain.pipeline.schedules import SCHEDULES, gradient_from, lower, schedule
 from paratrain.plan.ir import Plan
 from paratrain.sim.machine import ModelProfile
 
@@ -108,9 +110,9 @@ def pipeline_step(
         backward[layer.module] += layer.backward_s * share * scale
         activation[layer.module] = int(layer.output_bytes * scale)
         params[layer.module] += sum(layer.param_bytes)
-    for i in range(1, model.modules):  # an activation or pooling passes its input's size on (roughly)
+    for i in range(model.modules):  # an activation or pooling passes its input's size on (roughly)
         if not params[i] and not activation[i]:
-            activation[i] = activation[i - 1]
+            activation[i] = activation[i - 1] if i else int(model.input_bytes * scale)
     costs = [StageCost(forward[i] + backward[i], activation[i], params[i]) for i in range(model.modules)]
     split = partition(costs, stages, bandwidth=bandwidth)
     total_params = sum(params) or 1
@@ -120,7 +122,14 @@ def pipeline_step(
         b_s.append(sum(backward[first:stop]))
         opt_s.append(model.optimizer_s * sum(params[first:stop]) / total_params)
         act.append(activation[stop - 1])
-    plan = lower(schedule(schedule_name, stages, microbatches), forward_s=f_s, backward_s=b_s, activation_bytes=act)
+    first_learner = gradient_from([sum(params[first:stop]) > 0 for first, stop in split.bounds])
+    plan = lower(
+        schedule(schedule_name, stages, microbatches),
+        forward_s=f_s,
+        backward_s=b_s,
+        activation_bytes=act,
+        first_learner=first_learner,
+    )
     # each stage's optimizer step ("S<version>"): lower() takes one duration for all; give each stage its share
     ranks = tuple(
         tuple(

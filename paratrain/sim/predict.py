@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from paratrain.collectives.policy import default_allreduce_choice, network_allreduce_choice
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
-from paratrain.sim.engine import Network, Replay, replay
+from paratrain.sim.engine import Cores, Network, Replay, replay
 from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
 from paratrain.sim.step import StepJob, gossip_steps, repeat_steps, stale_bound, step_plan, symmetric_step
 from paratrain.strategy import parse_strategy
@@ -211,20 +211,32 @@ def predict(
     )
     if strategy == "gossip":
         return _steady(job, model_profile, network=network, profile=profile, slowdown=slowdown, trace=trace, used=used)
+    cores = shared_cores(model_profile, world_size=world, hosts=hosts)
     rank0 = None
     if workers > SYMMETRIC_FROM and slowdown is None and (bandwidth is not None or latency > 0):
         rank0 = symmetric_step(job, pad=True)  # every rank's link alike: one rank's replay stands for all
-    if rank0 is not None:
+    if rank0 is not None:  # every rank computes at once, as profiled: no sharing to replay
         out = replay(rank0, network, gamma=profile.gamma, copy=profile.copy, trace=trace, symmetric=workers)
         return Prediction(step_s=out.finish[0], compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
     plan = step_plan(job)
     slow = None if slowdown is None else list(slowdown) + [1.0] * (plan.world_size - len(slowdown))
     if not job.uses_servers:  # every worker waits for every other at the step's end: one step is the steady state
-        out = replay(plan, network, gamma=profile.gamma, copy=profile.copy, slowdown=slow, trace=trace, validate=False)
+        out = replay(
+            plan,
+            network,
+            gamma=profile.gamma,
+            copy=profile.copy,
+            slowdown=slow,
+            trace=trace,
+            validate=False,
+            cores=cores,
+        )
         step = max(out.finish[:workers])
         return Prediction(step_s=step, compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
     # the server's pulls to one worker overlap the next step's pushes of another: the period of the last steps
-    return _steady(job, model_profile, network=network, profile=profile, slowdown=slowdown, trace=trace, used=used)
+    return _steady(
+        job, model_profile, network=network, profile=profile, slowdown=slowdown, trace=trace, used=used, cores=cores
+    )
 
 
 def _pipeline(
@@ -257,7 +269,10 @@ def _pipeline(
         schedule_name=str(parse_strategy(strategy).options["schedule"]),
         bandwidth=1.0 / link.beta if link.beta > 0 else math.inf,
     )
-    out = replay(step.plan, network, gamma=profile.gamma, copy=profile.copy, slowdown=slowdown, trace=trace)
+    cores = shared_cores(model, world_size=workers, hosts=1)
+    out = replay(
+        step.plan, network, gamma=profile.gamma, copy=profile.copy, slowdown=slowdown, trace=trace, cores=cores
+    )
     job = StepJob(model, workers=workers, strategy="pipeline", batch_size=batch_size, microbatches=m)
     return Prediction(
         step_s=out.time,
@@ -266,6 +281,17 @@ def _pipeline(
         job=job,
         flags=["--balance", ",".join(map(str, step.balance))],
     )
+
+
+def shared_cores(model: ModelProfile, *, world_size: int, hosts: int) -> Cores | None:
+    """How the job's ranks share their hosts' cores, from how the model's profile saw them shared
+    (:meth:`ModelProfile.cores`); None where the profile does not say (one process, or no step alone measured):
+    then every compute takes its profiled time."""
+    shares = model.cores()
+    if shares is None:
+        return None
+    per_host = -(-world_size // max(1, hosts))
+    return Cores(capacity=shares[0], alone=shares[1], host_of=None if hosts <= 1 else (lambda r: r // per_host))
 
 
 def _steady(
@@ -277,6 +303,7 @@ def _steady(
     slowdown: list[float] | None,
     trace: bool,
     used: list[str],
+    cores: Cores | None = None,
 ) -> Prediction:
     """A job whose steps overlap each other (the parameter server, gossip): :data:`PS_STEPS` steps chained and
     replayed, the step the period of the last ones."""
@@ -289,7 +316,9 @@ def _steady(
         if job.strategy == "ssp":
             runs = stale_bound(runs, job.workers, job.staleness, PS_STEPS)
     slow = None if slowdown is None else list(slowdown) + [1.0] * (runs.world_size - len(slowdown))
-    out = replay(runs, network, gamma=profile.gamma, copy=profile.copy, slowdown=slow, trace=trace, validate=False)
+    out = replay(
+        runs, network, gamma=profile.gamma, copy=profile.copy, slowdown=slow, trace=trace, validate=False, cores=cores
+    )
     ends = [
         [max(out.done[r][first[r] + j * sizes[r] : first[r] + (j + 1) * sizes[r]]) for j in range(PS_STEPS)]
         for r in range(job.workers)

@@ -9,7 +9,9 @@ among them) before every optimizer step: data parallelism inside each stage, Pip
 :mod:`paratrain.pipeline.schedules` schedule lists, in order, nothing else: ``F m`` receives micro-batch m's
 activation from the previous stage (stage 0 takes the input), runs its layers and sends the output on; ``B m``
 receives the gradient of that output (the last stage computes the loss instead), back-propagates through its layers
-and sends the input's gradient back; ``S`` is the optimizer step.
+and sends the input's gradient back; ``S`` is the optimizer step. Gradients go back only as far as the first stage
+with parameters to train (:func:`~paratrain.pipeline.schedules.gradient_from`): stages in front of it (a Flatten)
+run no backward and receive nothing, which saves a message per micro-batch per such hop.
 
 Update rule. GPipe and 1F1B: gradients of all micro-batches' losses are summed (``loss_fn`` per micro-batch, as
 torch's ``scale_grads=False``), then one optimizer step, so the parameters equal non-pipelined training on the whole
@@ -43,7 +45,7 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.launch.kills import kill_point
-from paratrain.pipeline.schedules import Schedule, Step, activation_tag, gradient_tag, schedule
+from paratrain.pipeline.schedules import Schedule, Step, activation_tag, gradient_from, gradient_tag, schedule
 from paratrain.runtime.context import Context, current
 from paratrain.runtime.group import Group
 from paratrain.transport.base import Handle
@@ -139,6 +141,14 @@ class Pipe:
         self.schedule: Schedule = _schedule(schedule, stages, microbatches)
         self.microbatches = microbatches
         params = list(self.module.parameters())
+        bounds = np.cumsum([0, *balance])
+        learns = [
+            any(p.requires_grad for m in modules[bounds[k] : bounds[k + 1]] for p in m.parameters())
+            for k in range(stages)
+        ]
+        #: the first stage with parameters to train: the stages before it (a Flatten in front) learn nothing, so
+        #: no gradient goes back to them and they run no backward (see :func:`gradient_from`)
+        self.gradient_from = gradient_from(learns)
         #: None for a stage without parameters (an activation alone), which has nothing to step.
         self.optimizer = optimizer(params) if params else None
         self.loss_fn = loss_fn
@@ -313,7 +323,8 @@ class Pipe:
                     inp = xs[mb]
                 else:
                     msg = transport.recv(self.stage_index - 1, base - activation_tag(mb), timeout=self._timeout)
-                    inp = torch.from_numpy(msg.arrays[0].copy()).requires_grad_(True)
+                    # the input's gradient only where a stage before this one learns
+                    inp = torch.from_numpy(msg.arrays[0].copy()).requires_grad_(self.stage_index > self.gradient_from)
                     if trace is not None:
                         t0 = _span(trace, f"wait activation {mb}", "waiting", t0)
                 params: dict[str, torch.Tensor] | None = None
@@ -358,6 +369,9 @@ class Pipe:
                 continue
             inp, kept, params, version, nbytes = held.pop(mb)
             holding -= nbytes
+            if self.stage_index < self.gradient_from:  # nothing here or before learns: no gradient comes or goes
+                self.versions.append(("B", mb, version))
+                continue
             if kept is not None:
                 out = kept
             else:  # re-materialisation: the forward again, this time keeping what backward needs
@@ -370,8 +384,7 @@ class Pipe:
                 msg = transport.recv(self.stage_index + 1, base - gradient_tag(mb), timeout=self._timeout)
                 if trace is not None:
                     t0 = _span(trace, f"wait gradient {mb}", "waiting", t0)
-                if out.requires_grad:  # a first stage without parameters (a Flatten) has nothing to compute
-                    torch.autograd.backward(out, torch.from_numpy(msg.arrays[0].copy()))
+                torch.autograd.backward(out, torch.from_numpy(msg.arrays[0].copy()))
             if params is not None:  # the stashed copy's gradient goes to the live parameters
                 for name, p in self.module.named_parameters():
                     grad = params[name].grad
@@ -379,7 +392,7 @@ class Pipe:
             self.versions.append(("B", mb, version))
             if trace is not None:
                 t0 = _span(trace, f"backward {mb}", "compute", t0)
-            if not self.is_first:
+            if self.stage_index > self.gradient_from:
                 assert inp.grad is not None
                 sends.append(transport.isend(self.stage_index - 1, base - gradient_tag(mb), [_array(inp.grad)]))
                 if trace is not None:

@@ -16,6 +16,8 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.pipeline.partition import LayerCost, partition
+from paratrain.pipeline.schedules import lower
+from paratrain.pipeline.schedules import schedule as pipeline_schedule
 from paratrain.runtime.context import Context
 from paratrain.testing import run_ranks
 from paratrain.torch.pipeline import Pipe
@@ -388,11 +390,12 @@ def test_vertical_sync_runs_each_micro_batch_on_the_weights_of_its_version() -> 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_first_stage_without_parameters_trains_as_one_process(schedule: str) -> None:
-    """A stage of only parameterless modules in front (a Flatten, as the planner's split of mlp gives) has no
-    gradient to compute: it takes its gradient message and moves on, and the model trains as one process."""
+    """A stage of only parameterless modules in front (a Flatten, as the planner's split of mlp gives) learns
+    nothing: no gradient goes back to it, it runs no backward, and the model trains as one process. Every stage
+    sends exactly the bytes of the plan the simulator replays (:func:`lower` with ``first_learner``)."""
     reference = _reference(2)
 
-    def stage(ctx: Context) -> list[np.ndarray]:
+    def stage(ctx: Context) -> tuple[list[np.ndarray], int, int]:
         pipe = Pipe(
             [nn.Identity(), *_layers()],
             balance=[1, 4, 4],
@@ -402,12 +405,20 @@ def test_a_first_stage_without_parameters_trains_as_one_process(schedule: str) -
             loss_fn=nn.MSELoss(reduction="sum"),
             context=ctx,
         )
+        before = ctx.transport.stats.bytes_sent
         for step in range(STEPS):
             x, y = _batch(step)
             pipe.step(x, y)
-        return [p.detach().numpy().copy() for p in pipe.module.parameters()]
+        params = [p.detach().numpy().copy() for p in pipe.module.parameters()]
+        return params, ctx.transport.stats.bytes_sent - before, pipe.gradient_from
 
-    got = [p for params in run_ranks(3, stage, timeout=120) for p in params]
+    results = run_ranks(3, stage, timeout=120)
+    got = [p for params, _, _ in results for p in params]
     assert len(got) == len(reference)
     for a, b in zip(got, reference, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert [first for _, _, first in results] == [1, 1, 1]
+    micro = BATCH // 2 * 8  # float64 rows of a micro-batch
+    plan = lower(pipeline_schedule(schedule, 3, 2), activation_bytes=[micro * IN, micro * 6, 0], first_learner=1)
+    assert [sent for _, sent, _ in results] == [STEPS * sum(m.nbytes for m in plan.sends(s)) for s in range(3)]
+    assert plan.sends(1) == [m for m in plan.sends(1) if m.dst == 2]  # nothing back to stage 0

@@ -9,6 +9,7 @@ from paratrain.pipeline.schedules import (
     Step,
     check,
     gpipe,
+    gradient_from,
     lower,
     one_f_one_b,
     pipedream,
@@ -89,5 +90,11 @@ def test_lowered_messages_carry_activations_forward_and_gradients_back() -> None
     # stage 1 runs F0 F1 B0 B1: two activations of 200 bytes to stage 2, two gradients of 100 bytes to stage 0
     assert [(m.dst, m.nbytes) for m in plan.sends(1)] == [(2, 200), (2, 200), (0, 100), (0, 100)]
     assert schedule("gpipe", 2, 2) == gpipe(2, 2)
+    # a stage 0 that learns nothing (a Flatten) gets no gradient and runs no backward; stage 1 sends it nothing
+    front = lower(one_f_one_b(3, 2), activation_bytes=[100, 200, 0], first_learner=gradient_from([False, True, True]))
+    front.validate()
+    assert [(m.dst, m.nbytes) for m in front.sends(1)] == [(2, 200), (2, 200)]
+    assert [a.label for a in front.ranks[0] if a.kind == "compute"] == ["F0", "F1", "S1"]
+    assert [m.dst for m in front.sends(2)] == [1, 1]
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         schedule("zigzag", 2, 2)

@@ -14,7 +14,7 @@ from paratrain.plan.cost import simulate
 from paratrain.plan.ir import Action, Plan, PlanError
 from paratrain.ps.plans import push_actions
 from paratrain.ps.sharding import plan_chunks
-from paratrain.sim.engine import Network, replay
+from paratrain.sim.engine import Cores, Network, replay
 from paratrain.sim.machine import LayerCost, LinkCost, ModelProfile
 from paratrain.sim.step import TAG_STRIDE, StepJob, gossip_steps, repeat_steps, step_plan
 
@@ -313,3 +313,57 @@ def test_a_pipeline_step_is_its_schedules_bubble(schedule: str, microbatches: in
     assert out.time == pytest.approx((microbatches + 4 - 1) * (f + b))
     with pytest.raises(ConfigError, match="profile --model four"):
         pipeline_step(ModelProfile("four", 64, layers), stages=4, microbatches=4, batch_size=64)
+
+
+def test_shared_cores_run_computes_at_their_share_by_hand() -> None:
+    """Processor sharing, profiled 2-way shared on 1 core (alone: half the time): all computing at once take the
+    profiled times; when one finishes the others speed up; hosts share only their own cores."""
+    free = Network.uniform(LinkCost(0.0, 0.0))
+
+    def computes(*seconds: float) -> Plan:
+        return Plan("c", tuple((Action("compute", seconds=s),) for s in seconds))
+
+    four = replay(computes(1.0, 1.0, 1.0, 1.0), free, cores=Cores(capacity=2.0, alone=0.5))
+    assert four.finish == pytest.approx([1.0] * 4) and four.busy == pytest.approx([1.0] * 4)
+    # 3 on 2 cores: each at 2/3 until rank 2's 0.125 s of work is done at 0.1875, then the others at full speed
+    three = replay(computes(1.0, 1.0, 0.25), free, cores=Cores(capacity=2.0, alone=0.5), trace=True)
+    assert three.finish == pytest.approx([0.5625, 0.5625, 0.1875])
+    assert sorted(e["dur"] for e in three.spans if e["cat"] == "compute") == pytest.approx([187_500, 562_500, 562_500])
+    two_hosts = Cores(capacity=1.0, alone=0.5, host_of=lambda r: r // 2)
+    assert replay(computes(1.0, 1.0, 1.0), free, cores=two_hosts).finish == pytest.approx([1.0, 1.0, 0.5])
+    with pytest.raises(PlanError, match="symmetric"):
+        replay(Plan("c", ((Action("compute", seconds=1.0),),)), free, cores=two_hosts, symmetric=4)
+
+
+def test_pipeline_stages_that_compute_alone_run_at_their_speed_alone() -> None:
+    """GPipe, 2 stages, one micro-batch, profiled 2-way shared on one core: the stages never compute at the same
+    time, so each runs alone at twice its profiled speed: (F + B) x 2 stages x 0.5, not the profiled 6 s."""
+    plan = lower(gpipe(2, 1), forward_s=1.0, backward_s=2.0)
+    free = Network.uniform(LinkCost(0.0, 0.0))
+    assert replay(plan, free).time == pytest.approx(6.0)
+    assert replay(plan, free, cores=Cores(capacity=1.0, alone=0.5)).time == pytest.approx(3.0)
+
+
+def test_model_profile_says_how_its_processes_shared_the_cores() -> None:
+    """4 processes at once took 40 ms a step, one alone 20 ms: they ran as 2 cores' worth, each profiled second is
+    half a second alone; one process, or no step alone, says nothing."""
+    layer = LayerCost("fc", 0.01, 0.02)
+    shared = ModelProfile("m", 64, (layer,), optimizer_s=0.01, concurrency=4, alone_s=0.02)
+    assert shared.cores() == pytest.approx((2.0, 0.5))
+    assert ModelProfile("m", 64, (layer,), concurrency=4).cores() is None
+    assert ModelProfile("m", 64, (layer,), alone_s=0.01).cores() is None
+    assert ModelProfile("m", 64, (layer,), concurrency=2, alone_s=0.05).cores() == pytest.approx((2.0, 1.0))
+
+
+def test_a_parameterless_first_stage_sends_the_input_and_gets_no_gradient() -> None:
+    """A Flatten in front (module 0, no parameters) as its own stage: it sends each micro-batch's input
+    (``input_bytes`` scaled) on and, as the runtime, receives no gradient and runs no backward."""
+    from paratrain.sim.pipe import pipeline_step
+
+    layers = tuple(LayerCost(f"{i}", 1.0, 2.0, (f"{i}.weight",), (400,), 256, module=i + 1) for i in range(4))
+    model = ModelProfile("flat", 64, layers, modules=5, input_bytes=6400)
+    step = pipeline_step(model, stages=5, microbatches=2, batch_size=64)
+    assert step.balance == (1, 1, 1, 1, 1)
+    assert [(m.dst, m.nbytes) for m in step.plan.sends(0)] == [(1, 3200), (1, 3200)]
+    assert {m.dst for m in step.plan.sends(1)} == {2}
+    assert not [a for a in step.plan.ranks[0] if a.kind == "compute" and a.label.startswith("B")]

@@ -117,7 +117,17 @@ def _machine() -> MachineProfile:
         LayerCost("0", 1e-3, 2e-3, ("0.position",), (256,), 1024),
         LayerCost("0.token", 5e-4, 1e-3, ("0.token.weight",), (4096,), 1024),
     )
-    model = ModelProfile("transformer", 16, layers, optimizer_s=1e-4, concurrency=2, overhead_s=3e-4, straggle_s=2e-4)
+    model = ModelProfile(
+        "transformer",
+        16,
+        layers,
+        optimizer_s=1e-4,
+        concurrency=2,
+        overhead_s=3e-4,
+        straggle_s=2e-4,
+        alone_s=5e-4,
+        input_bytes=4096,
+    )
     return MachineProfile(
         "box",
         {
