@@ -39,6 +39,7 @@ __all__ = [
     "Step",
     "activation_tag",
     "check",
+    "done_tag",
     "gpipe",
     "gradient_from",
     "gradient_tag",
@@ -60,6 +61,12 @@ def activation_tag(microbatch: int) -> int:
 def gradient_tag(microbatch: int) -> int:
     """Tag offset of micro-batch m's gradient (backward)."""
     return 2 * microbatch + 1
+
+
+def done_tag(microbatches: int) -> int:
+    """Tag offset of the empty message that ends a step of a stage in front of the first learner (see
+    :func:`gradient_from`): the first after the micro-batches' own."""
+    return 2 * microbatches
 
 
 class Step(NamedTuple):
@@ -250,7 +257,9 @@ def lower(
         step_s: seconds of an optimizer step.
         activation_bytes: bytes of stage s's output activation (its gradient has the same size), per stage or all.
         first_learner: :func:`gradient_from` of the stages: the stages before it have no backward steps (no
-            gradient comes to them) and it sends no gradient back, as the runtime does.
+            gradient comes to them) and it sends no gradient back, as the runtime does; instead each stage up to
+            it sends the one before an empty message when its step ends (:func:`done_tag`), which ends that
+            one's step.
     """
     k = sched.num_stages
 
@@ -284,6 +293,12 @@ def lower(
                 b.compute(label, seconds=per_stage(backward_s, s), deps=deps)
                 if s > first_learner:
                     b.message("send", s - 1, nbytes=act_in, tag=gradient_tag(step.microbatch), label=label)
+        last = len(b.actions) - 1
+        done = done_tag(sched.microbatches)
+        if s < first_learner and s < k - 1:
+            last = b.message("recv", s + 1, nbytes=0, tag=done, label="done", deps=[last])
+        if 0 < s <= first_learner:
+            b.message("send", s - 1, nbytes=0, tag=done, label="done", deps=[last])
         ranks.append(b.actions)
     return Plan(f"pipeline/{sched.name}", tuple(ranks))
 

@@ -11,7 +11,8 @@ activation from the previous stage (stage 0 takes the input), runs its layers an
 receives the gradient of that output (the last stage computes the loss instead), back-propagates through its layers
 and sends the input's gradient back; ``S`` is the optimizer step. Gradients go back only as far as the first stage
 with parameters to train (:func:`~paratrain.pipeline.schedules.gradient_from`): stages in front of it (a Flatten)
-run no backward and receive nothing, which saves a message per micro-batch per such hop.
+run no backward and receive no gradients, which saves a message per micro-batch per such hop; an empty message at
+the step's end (:func:`~paratrain.pipeline.schedules.done_tag`) keeps them from running ahead of the others.
 
 Update rule. GPipe and 1F1B: gradients of all micro-batches' losses are summed (``loss_fn`` per micro-batch, as
 torch's ``scale_grads=False``), then one optimizer step, so the parameters equal non-pipelined training on the whole
@@ -45,7 +46,15 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.launch.kills import kill_point
-from paratrain.pipeline.schedules import Schedule, Step, activation_tag, gradient_from, gradient_tag, schedule
+from paratrain.pipeline.schedules import (
+    Schedule,
+    Step,
+    activation_tag,
+    done_tag,
+    gradient_from,
+    gradient_tag,
+    schedule,
+)
 from paratrain.runtime.context import Context, current
 from paratrain.runtime.group import Group
 from paratrain.transport.base import Handle
@@ -294,7 +303,7 @@ class Pipe:
         m = self.microbatches
         xs = list(torch.tensor_split(inputs, m)) if self.is_first and inputs is not None else []
         ys = list(torch.tensor_split(targets, m)) if self.is_last and targets is not None else []
-        base = self.group.reserve_tags(2 * m)
+        base = self.group.reserve_tags(2 * m + 1)
         transport = self.group.transport
         sends: list[Handle[None]] = []
         held: dict[int, tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None, int, int]] = {}
@@ -397,7 +406,15 @@ class Pipe:
                 sends.append(transport.isend(self.stage_index - 1, base - gradient_tag(mb), [_array(inp.grad)]))
                 if trace is not None:
                     _span(trace, f"send gradient {mb}", "communication", t0)
+        # stages in front of the first learner get no gradients to wait for: an empty message from the next
+        # stage ends their step when its step ends, so they never run ahead by more than one mini-batch
         t0 = time.time()
+        if self.stage_index < self.gradient_from and not self.is_last:
+            transport.recv(self.stage_index + 1, base - done_tag(m), timeout=self._timeout)
+            if trace is not None:
+                t0 = _span(trace, "wait next stage", "waiting", t0)
+        if 0 < self.stage_index <= self.gradient_from:
+            sends.append(transport.isend(self.stage_index - 1, base - done_tag(m), []))
         for handle in sends:
             handle.wait(self._timeout)
         if trace is not None and sends:

@@ -93,7 +93,9 @@ def test_lowered_messages_carry_activations_forward_and_gradients_back() -> None
     # a stage 0 that learns nothing (a Flatten) gets no gradient and runs no backward; stage 1 sends it nothing
     front = lower(one_f_one_b(3, 2), activation_bytes=[100, 200, 0], first_learner=gradient_from([False, True, True]))
     front.validate()
-    assert [(m.dst, m.nbytes) for m in front.sends(1)] == [(2, 200), (2, 200)]
+    # instead an empty message ends stage 0's step when stage 1's ends
+    assert [(m.dst, m.nbytes) for m in front.sends(1)] == [(2, 200), (2, 200), (0, 0)]
+    assert [(a.kind, a.peer, a.nbytes) for a in front.ranks[0][-1:]] == [("recv", 1, 0)]
     assert [a.label for a in front.ranks[0] if a.kind == "compute"] == ["F0", "F1", "S1"]
     assert [m.dst for m in front.sends(2)] == [1, 1]
     with pytest.raises(ValueError, match="unknown pipeline schedule"):

@@ -365,5 +365,5 @@ def test_a_parameterless_first_stage_sends_the_input_and_gets_no_gradient() -> N
     step = pipeline_step(model, stages=5, microbatches=2, batch_size=64)
     assert step.balance == (1, 1, 1, 1, 1)
     assert [(m.dst, m.nbytes) for m in step.plan.sends(0)] == [(1, 3200), (1, 3200)]
-    assert {m.dst for m in step.plan.sends(1)} == {2}
+    assert {(m.dst, m.nbytes) for m in step.plan.sends(1) if m.dst == 0} == {(0, 0)}
     assert not [a for a in step.plan.ranks[0] if a.kind == "compute" and a.label.startswith("B")]
