@@ -31,11 +31,25 @@ $P profile --model mlp --model lenet --model widemlp --dataset fashion-mnist --w
 $P bench simulator --machine "$HERE/machine-pipeline.json" --models mlp,lenet,widemlp --networks 1Gbit,100Mbit \
     --strategies pipeline:gpipe,pipeline:1f1b --steps 8 --repeat 2 --out "$OUT/validation-pipeline" \
     --json "$HERE/validation-pipeline.json"
+# 2c. (second session) a profile that also times each model's step alone (core sharing) and the input's size; the
+#     pipelines measured again after the runtime stopped sending gradients to a Flatten stage; all 50 rows
+#     predicted from it. Profile on a quiet machine: nothing else may run meanwhile.
+$P profile --model mlp --model lenet --model widemlp --dataset fashion-mnist --workers 4 --out "$HERE/machine-cores.json"
+$P bench simulator --machine "$HERE/machine-cores.json" --models mlp,lenet,widemlp --networks 1Gbit,100Mbit \
+    --strategies pipeline:gpipe,pipeline:1f1b --steps 8 --repeat 2 --out "$OUT/validation-pipeline-cores" \
+    --json "$HERE/validation-pipeline-cores-measured.json"
+$P bench simulator --machine "$HERE/machine-cores.json" --measured "$HERE/validation-pipeline-cores-measured.json" \
+    --json "$HERE/validation-pipeline-cores.json"
+$P bench simulator --machine "$HERE/machine-cores.json" --measured "$HERE/validation-measured.json" \
+    --measured "$HERE/validation-hybrid-measured.json" --measured "$HERE/validation-more-measured.json" \
+    --json "$HERE/validation-cores.json"
 # 3. the planner on a communication-bound job, confirmed by real runs
 $P plan --machine "$HERE/machine.json" --model widemlp --workers 4 --bandwidth 100Mbit --run --confirm 1 --steps 8 \
     --json "$HERE/plan-widemlp-100m.json"
 $P plan --machine "$HERE/machine-pipeline.json" --model widemlp --workers 4 --bandwidth 100Mbit --run --confirm 1 \
     --steps 8 --json "$HERE/plan-widemlp-100m-pipelines.json"
+$P plan --machine "$HERE/machine-cores.json" --model widemlp --workers 4 --bandwidth 100Mbit --run --confirm 1 \
+    --steps 8 --json "$HERE/plan-widemlp-100m-cores.json"
 # 4. the fusion size picked by the simulator (no warm-up) against a measured grid: widemlp, 1 Gbit/s, 2 rounds
 $P bench simulator --machine "$HERE/machine.json" --models widemlp --networks 1Gbit --steps 8 --repeat 2 \
     --bucket-grid 256KiB,1MiB,4MiB,16MiB,64MiB --out "$OUT/buckets" --json "$HERE/buckets.json"
