@@ -14,6 +14,8 @@ compared with.
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -21,7 +23,17 @@ import numpy as np
 
 from paratrain.errors import ConfigError
 
-__all__ = ["BlockRun", "Scheduler", "block_values", "lasso_objective", "run_blocks", "soft_threshold"]
+__all__ = [
+    "BlockRun",
+    "Scheduler",
+    "block_values",
+    "lasso_objective",
+    "row_bounds",
+    "run_blocks",
+    "soft_threshold",
+    "stop",
+    "values_from_dots",
+]
 
 
 class Scheduler(Protocol):
@@ -57,11 +69,8 @@ def block_values(
         >>> block_values(x, y, np.zeros(1), np.array([0]), alpha=0.25, scale=np.array([1.0])).tolist()
         [0.75]
     """
-    n = len(residual)
-    c = scale[coordinates]
-    rho = x[:, coordinates].T @ residual / n + c * beta[coordinates]
-    values: np.ndarray = np.divide(soft_threshold(rho, alpha), c, out=np.zeros_like(rho), where=c > 0)
-    return values
+    dots = x[:, coordinates].T @ residual
+    return values_from_dots(dots, beta[coordinates], scale[coordinates], n=len(residual), alpha=alpha)
 
 
 @dataclass
@@ -90,35 +99,75 @@ def run_blocks(
     max_updates: int,
     target: float | None = None,
     diverged: float = 1e6,
+    depth: int = 1,
+    parts: int = 1,
 ) -> BlockRun:
     """Blocks from ``scheduler`` until ``max_updates`` coordinate updates, the objective at or below
     ``target``, or the objective above ``diverged`` times its start (parallel updates of correlated features
     blow up).
 
+    ``depth`` is how far the scheduler plans ahead: the block of round k is drawn after the changes of round
+    k - depth were reported (1: after the previous round's; the distributed engine draws the blocks of later
+    rounds while the workers compute, from priorities that much older). ``parts`` sums each coordinate's dot
+    product over that many row blocks, in order, as the engine's workers do.
+
     Raises:
-        ConfigError: shapes that do not match.
+        ConfigError: shapes that do not match, or depth or parts below 1.
     """
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if x.ndim != 2 or y.shape != (x.shape[0],):
         raise ConfigError(f"x must be n x p and y n long, got {x.shape} and {y.shape}")
+    if depth < 1 or parts < 1:
+        raise ConfigError(f"depth and parts must be >= 1, got {depth} and {parts}")
+    n = len(y)
+    bounds = row_bounds(n, parts)
     beta = np.zeros(x.shape[1])
     residual = y.copy()
-    scale = (x * x).sum(axis=0) / len(y)
+    scale = (x * x).sum(axis=0) / n
     start = lasso_objective(x, y, beta, alpha)
     run = BlockRun(beta)
+    planned = deque(scheduler.next_block() for _ in range(depth))
     done = 0
     while done < max_updates:
-        block = scheduler.next_block()
-        new = block_values(x, residual, beta, block, alpha=alpha, scale=scale)
+        block = planned.popleft()
+        dots = sum(
+            (x[a:b, block].T @ residual[a:b] for a, b in itertools.pairwise(bounds.tolist())),
+            start=np.zeros(len(block)),
+        )
+        new = values_from_dots(dots, beta[block], scale[block], n=n, alpha=alpha)
         delta = new - beta[block]
         beta[block] = new
         residual -= x[:, block] @ delta
         scheduler.report(block, delta)
+        planned.append(scheduler.next_block())
         done += len(block)
-        objective = lasso_objective(x, y, beta, alpha)
+        objective = float(residual @ residual / (2 * n) + alpha * np.abs(beta).sum())
         run.updates.append(done)
         run.objectives.append(objective)
         run.blocks.append(block)
-        if (target is not None and objective <= target) or not np.isfinite(objective) or objective > diverged * start:
+        if stop(objective, start=start, target=target, diverged=diverged):
             break
     return run
+
+
+def row_bounds(n: int, parts: int) -> np.ndarray:
+    """Where ``parts`` contiguous row blocks of ``n`` rows begin (and the last ends), sizes within one.
+
+    Example:
+        >>> row_bounds(10, 3).tolist()
+        [0, 3, 6, 10]
+    """
+    return np.array([k * n // parts for k in range(parts + 1)], dtype=np.int64)
+
+
+def values_from_dots(dots: np.ndarray, beta: np.ndarray, scale: np.ndarray, *, n: int, alpha: float) -> np.ndarray:
+    """:func:`block_values` from the dot products ``x_j . r`` (summed over the rows' holders)."""
+    rho = dots / n + scale * beta
+    values: np.ndarray = np.divide(soft_threshold(rho, alpha), scale, out=np.zeros_like(rho), where=scale > 0)
+    return values
+
+
+def stop(objective: float, *, start: float, target: float | None, diverged: float) -> bool:
+    """Whether a run ends: the target reached, or the objective not finite or ``diverged`` times its start."""
+    reached = target is not None and objective <= target
+    return reached or not np.isfinite(objective) or objective > diverged * start

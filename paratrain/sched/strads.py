@@ -28,7 +28,15 @@ import numpy as np
 
 from paratrain.errors import ConfigError
 
-__all__ = ["RandomScheduler", "StradsScheduler", "sample_candidates", "select_independent", "standardize"]
+__all__ = [
+    "RandomScheduler",
+    "StradsScheduler",
+    "correlation",
+    "correlation_from_moments",
+    "sample_candidates",
+    "select_independent",
+    "standardize",
+]
 
 
 def standardize(x: np.ndarray) -> np.ndarray:
@@ -43,6 +51,31 @@ def standardize(x: np.ndarray) -> np.ndarray:
     centred = np.asarray(x, dtype=np.float64) - np.mean(x, axis=0)
     norms = np.linalg.norm(centred, axis=0)
     out: np.ndarray = np.divide(centred, norms, out=np.zeros_like(centred), where=norms > 0)
+    return out
+
+
+def correlation(x: np.ndarray) -> np.ndarray:
+    """The absolute Pearson correlation of every pair of columns (p x p; 0 for a column that does not vary):
+    what the dependency check reads. Dense: fine for thousands of features, not for millions."""
+    z = standardize(x)
+    out: np.ndarray = np.abs(z.T @ z)
+    return out
+
+
+def correlation_from_moments(gram: np.ndarray, sums: np.ndarray, count: int) -> np.ndarray:
+    """:func:`correlation` from ``X^T X``, the column sums and the number of rows: what row partitions add up
+    to, so that workers holding rows can give a scheduler that holds none the correlations.
+
+    Example:
+        >>> x = np.random.default_rng(0).normal(size=(20, 3))
+        >>> bool(np.allclose(correlation_from_moments(x.T @ x, x.sum(axis=0), 20), correlation(x)))
+        True
+    """
+    mean = sums / count
+    cov = gram - count * np.outer(mean, mean)
+    sd = np.sqrt(np.maximum(np.diag(cov), 0.0))
+    scale = np.outer(sd, sd)
+    out: np.ndarray = np.abs(np.divide(cov, scale, out=np.zeros_like(cov), where=scale > 0))
     return out
 
 
@@ -63,22 +96,22 @@ def sample_candidates(weights: np.ndarray, count: int, rng: np.random.Generator)
     return np.argsort(-keys, kind="stable")[:count]
 
 
-def select_independent(candidates: np.ndarray, columns: np.ndarray, threshold: float, size: int) -> np.ndarray:
+def select_independent(candidates: np.ndarray, corr: np.ndarray, threshold: float, size: int) -> np.ndarray:
     """Of ``candidates`` (in priority order), greedily the first that are pairwise below ``threshold`` in
-    absolute correlation (``columns`` standardized), at most ``size``.
+    absolute correlation (``corr``, :func:`correlation`), at most ``size``.
 
     Example:
         Coordinates 0 and 1 are the same feature, 2 another: 1 is dropped, 2 kept.
 
-        >>> z = standardize(np.array([[1.0, 1.0, 0.0], [2.0, 2.0, 1.0], [3.0, 3.0, 0.0]]))
-        >>> select_independent(np.array([0, 1, 2]), z, 0.1, 8).tolist()
+        >>> c = correlation(np.array([[1.0, 1.0, 0.0], [2.0, 2.0, 1.0], [3.0, 3.0, 0.0]]))
+        >>> select_independent(np.array([0, 1, 2]), c, 0.1, 8).tolist()
         [0, 2]
     """
     kept: list[int] = []
     for j in candidates.tolist():
         if len(kept) >= size:
             break
-        if not kept or float(np.max(np.abs(columns[:, kept].T @ columns[:, j]))) < threshold:
+        if not kept or float(corr[j, kept].max()) < threshold:
             kept.append(int(j))
     return np.array(kept, dtype=np.int64)
 
@@ -88,7 +121,7 @@ class StradsScheduler:
     """Blocks of coordinates by priority and dependency check (see the module docstring).
 
     Attributes:
-        columns: the features, standardized (:func:`standardize`).
+        corr: the features' absolute correlations (:func:`correlation` or :func:`correlation_from_moments`).
         block_size: coordinates per block (the parallel degree).
         threshold: the largest absolute correlation two coordinates of a block may have (exclusive).
         oversample: candidates drawn per block, as a multiple of ``block_size`` (the dependency check drops some).
@@ -97,14 +130,13 @@ class StradsScheduler:
 
     Example:
         >>> rng = np.random.default_rng(1)
-        >>> z = standardize(rng.normal(size=(50, 6)))
-        >>> s = StradsScheduler(z, block_size=3)
+        >>> s = StradsScheduler(correlation(rng.normal(size=(50, 6))), block_size=3)
         >>> block = s.next_block()
         >>> len(block), len(set(block.tolist()))
         (3, 3)
     """
 
-    columns: np.ndarray
+    corr: np.ndarray
     block_size: int
     threshold: float = 0.1
     oversample: int = 4
@@ -119,7 +151,9 @@ class StradsScheduler:
                 f"block_size and oversample must be >= 1 and 0 < threshold <= 1, got {self.block_size}, "
                 f"{self.oversample}, {self.threshold}"
             )
-        self.changes = np.zeros(self.columns.shape[1])
+        if self.corr.ndim != 2 or self.corr.shape[0] != self.corr.shape[1]:
+            raise ConfigError(f"corr must be a square matrix, got shape {self.corr.shape}")
+        self.changes = np.zeros(self.corr.shape[0])
         self._rng = np.random.default_rng(self.seed)
 
     def priorities(self) -> np.ndarray:
@@ -131,7 +165,7 @@ class StradsScheduler:
     def next_block(self) -> np.ndarray:
         """The next block: candidates by priority, then the dependency check."""
         candidates = sample_candidates(self.priorities(), self.block_size * self.oversample, self._rng)
-        return select_independent(candidates, self.columns, self.threshold, self.block_size)
+        return select_independent(candidates, self.corr, self.threshold, self.block_size)
 
     def report(self, coordinates: np.ndarray, deltas: np.ndarray) -> None:
         """The workers' changes to ``coordinates`` (new value minus old): the next draws' priorities."""

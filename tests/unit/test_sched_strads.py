@@ -11,7 +11,7 @@ from sklearn.linear_model import Lasso
 
 from paratrain.errors import ConfigError
 from paratrain.sched.lasso import block_values, lasso_objective, run_blocks
-from paratrain.sched.strads import RandomScheduler, StradsScheduler, sample_candidates, standardize
+from paratrain.sched.strads import RandomScheduler, StradsScheduler, correlation, sample_candidates
 
 
 def _design(n: int, p: int, group: int, rho: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -36,7 +36,7 @@ def test_the_dependency_check_never_schedules_two_correlated_coordinates(thresho
     absolute Pearson correlation at or above the threshold (numpy's corrcoef, computed apart), all distinct."""
     x, _ = _design(120, 60, 6, 0.9, seed=3)
     corr = np.abs(np.corrcoef(x.T))
-    scheduler = StradsScheduler(standardize(x), block_size=8, threshold=threshold, seed=2)
+    scheduler = StradsScheduler(correlation(x), block_size=8, threshold=threshold, seed=2)
     sizes = []
     for _ in range(200):
         block = scheduler.next_block()
@@ -49,7 +49,7 @@ def test_the_dependency_check_never_schedules_two_correlated_coordinates(thresho
 
 def test_priorities_follow_the_reported_changes() -> None:
     """A coordinate that just moved a lot is drawn first far more often than one that did not move."""
-    scheduler = StradsScheduler(standardize(np.random.default_rng(0).normal(size=(40, 10))), block_size=1)
+    scheduler = StradsScheduler(correlation(np.random.default_rng(0).normal(size=(40, 10))), block_size=1)
     scheduler.report(np.arange(10), np.array([5.0] + [0.01] * 9))
     first = [int(scheduler.next_block()[0]) for _ in range(200)]
     assert first.count(0) > 100
@@ -64,7 +64,7 @@ def test_one_coordinate_at_a_time_reaches_scikit_learns_optimum(which: str) -> N
     alpha = 0.05
     coef = _optimum(x, y, alpha)
     optimum = lasso_objective(x, y, coef, alpha)
-    scheduler = StradsScheduler(standardize(x), block_size=1, seed=4) if which == "strads" else RandomScheduler(30, 1)
+    scheduler = StradsScheduler(correlation(x), block_size=1, seed=4) if which == "strads" else RandomScheduler(30, 1)
     run = run_blocks(x, y, alpha, scheduler, max_updates=200_000, target=optimum * (1 + 1e-9))
     assert run.objectives[-1] <= optimum * (1 + 1e-9)
     np.testing.assert_allclose(run.beta, coef, atol=1e-4)
@@ -80,7 +80,7 @@ def test_unchecked_parallel_blocks_diverge_where_the_checked_ones_converge() -> 
     unchecked = run_blocks(x, y, alpha, RandomScheduler(20, 8, seed=1), max_updates=20_000, target=optimum * 1.0001)
     assert unchecked.objectives[-1] > 1e4 * optimum
     checked = run_blocks(
-        x, y, alpha, StradsScheduler(standardize(x), 8, seed=1), max_updates=20_000, target=optimum * 1.0001
+        x, y, alpha, StradsScheduler(correlation(x), 8, seed=1), max_updates=20_000, target=optimum * 1.0001
     )
     assert checked.objectives[-1] <= optimum * 1.0001
     assert all(len(b) == 1 for b in checked.blocks)

@@ -1,0 +1,61 @@
+"""The STRADS engine with real processes: a worker SIGKILLed mid-round makes the scheduler and the other worker
+raise PeerLostError (no hang), under paratrain launch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(90)
+
+JOB = """
+import os, signal
+import numpy as np
+import paratrain as pt
+from paratrain.errors import PeerLostError, CommTimeoutError
+from paratrain.sched.engine import lasso, strads, worker_rows
+
+ctx = pt.init(timeout=30)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(120, 20))
+y = x @ rng.normal(size=20)
+transport = ctx.world.transport
+if ctx.rank == 2:  # dies at its 5th message: mid-round, deterministically
+    original, sent = transport.send, [0]
+
+    def send(*args, **kwargs):
+        sent[0] += 1
+        if sent[0] == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    transport.send = send
+rows = (None, None) if ctx.rank == 0 else worker_rows(x, y, ctx.rank, ctx.world_size)
+try:
+    lasso(ctx, *rows, alpha=0.01, make_scheduler=strads(4), max_updates=10_000)
+    print(f"rank {ctx.rank}: finished", flush=True)
+except (PeerLostError, CommTimeoutError) as exc:
+    print(f"rank {ctx.rank}: {type(exc).__name__} {getattr(exc, 'peer', '')}", flush=True)
+"""
+
+
+def test_a_killed_worker_is_an_error_on_the_scheduler_and_the_other_worker(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    out = subprocess.run(
+        [sys.executable, "-m", "paratrain.cli.main", "launch", "-n", "3", "--keep-going", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+        env={**os.environ, "PARATRAIN_HEARTBEAT_TIMEOUT": "10"},
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "rank 2" in out.stderr and "SIGKILL" in out.stderr
+    # the scheduler loses the worker it waits for; the other worker then loses the scheduler
+    assert "rank 0: PeerLostError 2" in out.stdout and "rank 1: PeerLostError 0" in out.stdout, out.stdout
+    assert "finished" not in out.stdout
