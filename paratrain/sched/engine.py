@@ -165,9 +165,9 @@ def _schedule(
 ) -> LassoResult:
     """The scheduler: the correlations from the workers' moments, then rounds (see the module docstring)."""
     moments = [transport.recv(w, up, timeout=timeout).arrays for w in range(1, workers + 1)]
-    gram = np.asarray(moments[0][0], dtype=np.float64).copy()
-    sums = np.asarray(moments[0][1], dtype=np.float64).copy()
-    for m in moments[1:]:  # in rank order
+    gram = np.zeros_like(np.asarray(moments[0][0], dtype=np.float64))
+    sums = np.zeros_like(np.asarray(moments[0][1], dtype=np.float64))
+    for m in moments:  # in rank order, from zero: as row_moments adds them
         gram += np.asarray(m[0], dtype=np.float64)
         sums += np.asarray(m[1], dtype=np.float64)
     n = int(sum(float(m[2][0]) for m in moments))

@@ -29,6 +29,7 @@ __all__ = [
     "block_values",
     "lasso_objective",
     "row_bounds",
+    "row_moments",
     "run_blocks",
     "soft_threshold",
     "stop",
@@ -123,7 +124,8 @@ def run_blocks(
     bounds = row_bounds(n, parts)
     beta = np.zeros(x.shape[1])
     residual = y.copy()
-    scale = (x * x).sum(axis=0) / n
+    gram, _ = row_moments(x, bounds)
+    scale = np.diag(gram) / n  # as the engine's scheduler gets it from its workers' moments
     start = lasso_objective(x, y, beta, alpha)
     run = BlockRun(beta)
     planned = deque(scheduler.next_block() for _ in range(depth))
@@ -137,7 +139,8 @@ def run_blocks(
         new = values_from_dots(dots, beta[block], scale[block], n=n, alpha=alpha)
         delta = new - beta[block]
         beta[block] = new
-        residual -= x[:, block] @ delta
+        for a, b in itertools.pairwise(bounds.tolist()):  # per row block, as the engine's workers do
+            residual[a:b] -= x[a:b, block] @ delta
         scheduler.report(block, delta)
         planned.append(scheduler.next_block())
         done += len(block)
@@ -148,6 +151,17 @@ def run_blocks(
         if stop(objective, start=start, target=target, diverged=diverged):
             break
     return run
+
+
+def row_moments(x: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``X^T X`` and the column sums, added up over the row blocks in order (as the engine's scheduler adds its
+    workers' moments), so that a one-process run and the engine see the same numbers to the last bit."""
+    gram = np.zeros((x.shape[1], x.shape[1]))
+    sums = np.zeros(x.shape[1])
+    for a, b in itertools.pairwise(bounds.tolist()):
+        gram += x[a:b].T @ x[a:b]
+        sums += x[a:b].sum(axis=0)
+    return gram, sums
 
 
 def row_bounds(n: int, parts: int) -> np.ndarray:

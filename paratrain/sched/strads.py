@@ -9,7 +9,8 @@ block in two steps:
 
 1. **Prioritisation**: draw candidates, each coordinate with probability proportional to its recent change
    plus a base weight (:func:`sample_candidates`): coordinates that moved are likely to move again, and the base
-   weight keeps every coordinate reachable. The base weight follows the scale of the changes (a fraction of
+   weight keeps every coordinate reachable. A coordinate not updated yet counts as the largest mover, so every
+   coordinate is tried early. The base weight follows the scale of the changes (a fraction of
    their mean over coordinates that changed), or 1 while nothing has changed.
 2. **Dependency check**: keep candidates greedily, in draw order, each only if its absolute correlation with
    every coordinate kept so far is below a threshold (:func:`select_independent`, STRADS's ``infthreshold``,
@@ -143,6 +144,7 @@ class StradsScheduler:
     base_fraction: float = 0.1
     seed: int = 0
     changes: np.ndarray = field(init=False)
+    _tried: np.ndarray = field(init=False, repr=False)
     _rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -154,13 +156,16 @@ class StradsScheduler:
         if self.corr.ndim != 2 or self.corr.shape[0] != self.corr.shape[1]:
             raise ConfigError(f"corr must be a square matrix, got shape {self.corr.shape}")
         self.changes = np.zeros(self.corr.shape[0])
+        self._tried = np.zeros(self.corr.shape[0], dtype=bool)
         self._rng = np.random.default_rng(self.seed)
 
     def priorities(self) -> np.ndarray:
-        """Each coordinate's weight: its last change plus the base weight."""
+        """Each coordinate's weight: its last change plus the base weight; a coordinate never updated yet counts
+        as having made the largest change seen (it may well be one of the big movers)."""
         moved = self.changes[self.changes > 0]
         base = self.base_fraction * float(moved.mean()) if len(moved) else 1.0
-        return self.changes + base
+        fresh = float(moved.max()) if len(moved) else 1.0
+        return np.where(self._tried, self.changes, fresh) + base
 
     def next_block(self) -> np.ndarray:
         """The next block: candidates by priority, then the dependency check."""
@@ -170,6 +175,7 @@ class StradsScheduler:
     def report(self, coordinates: np.ndarray, deltas: np.ndarray) -> None:
         """The workers' changes to ``coordinates`` (new value minus old): the next draws' priorities."""
         self.changes[coordinates] = np.abs(deltas)
+        self._tried[coordinates] = True
 
 
 @dataclass

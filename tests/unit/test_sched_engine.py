@@ -10,8 +10,8 @@ from sklearn.linear_model import Lasso
 from paratrain.errors import ConfigError
 from paratrain.runtime.context import Context
 from paratrain.sched.engine import LassoResult, lasso, shotgun, strads, worker_rows
-from paratrain.sched.lasso import lasso_objective, run_blocks
-from paratrain.sched.strads import RandomScheduler, StradsScheduler, correlation
+from paratrain.sched.lasso import lasso_objective, row_bounds, row_moments, run_blocks
+from paratrain.sched.strads import RandomScheduler, StradsScheduler, correlation_from_moments
 from paratrain.testing import run_ranks
 
 
@@ -37,9 +37,9 @@ def test_the_engine_computes_what_one_process_computes(workers: int, depth: int)
     and the same coefficients and objectives to rounding, against run_blocks with the same depth and row parts."""
     x, y = _data()
     alpha = 0.05
-    ref = run_blocks(
-        x, y, alpha, StradsScheduler(correlation(x), 4, seed=2), max_updates=300, depth=depth, parts=workers
-    )
+    gram, sums = row_moments(x, row_bounds(len(y), workers))  # the scheduler's view, summed as it sums it
+    corr = correlation_from_moments(gram, sums, len(y))
+    ref = run_blocks(x, y, alpha, StradsScheduler(corr, 4, seed=2), max_updates=300, depth=depth, parts=workers)
     out = _run(workers, x, y, alpha=alpha, make_scheduler=strads(4, seed=2), max_updates=300, depth=depth)
     assert len(out.blocks) == len(ref.blocks)
     assert all(np.array_equal(a, b) for a, b in zip(out.blocks, ref.blocks, strict=True))
