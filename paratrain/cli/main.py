@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from paratrain.cli import bench, compare, demo, launch, plan, profile, topology, train
+from paratrain.cli import bench, compare, demo, launch, plan, profile, sched, topology, train
 
 __all__ = ["build_parser", "main"]
 
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     topology.add_parser(sub)
     profile.add_parser(sub)
     plan.add_parser(sub)
+    sched.add_parser(sub)
     return parser
 
 

@@ -59,3 +59,39 @@ def test_a_killed_worker_is_an_error_on_the_scheduler_and_the_other_worker(tmp_p
     # the scheduler loses the worker it waits for; the other worker then loses the scheduler
     assert "rank 0: PeerLostError 2" in out.stdout and "rank 1: PeerLostError 0" in out.stdout, out.stdout
     assert "finished" not in out.stdout
+
+
+def test_sched_commands_run_real_jobs_and_report_against_their_anchors(tmp_path: Path) -> None:
+    """``paratrain sched pagerank`` and ``lasso`` end to end on small problems: the tables, the plot, no overlap."""
+    run = [sys.executable, "-m", "paratrain.cli.main", "sched"]
+    pr = subprocess.run(
+        [
+            *run,
+            "pagerank",
+            "--graph",
+            "power-law:300",
+            "--workers",
+            "2",
+            "--sweeps",
+            "60",
+            "--out",
+            str(tmp_path / "p"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+    )
+    assert pr.returncode == 0, pr.stdout + pr.stderr
+    assert "overlapping times (the engine's log): 0" in pr.stdout and "networkx pagerank" in pr.stdout
+    small = ["--data", "synthetic", "--rows", "300", "--alpha", "0.05", "--workers", "2", "--max-updates", "3000"]
+    lasso = subprocess.run(
+        [*run, "lasso", *small, "--gap", "1e-2", "--out", str(tmp_path / "l")],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+    )
+    assert lasso.returncode == 0, lasso.stdout + lasso.stderr
+    assert "| strads |" in lasso.stdout and "| shotgun |" in lasso.stdout
+    assert (tmp_path / "l" / "lasso.png").stat().st_size > 0 and (tmp_path / "l" / "lasso.json").is_file()
