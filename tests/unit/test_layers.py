@@ -37,6 +37,7 @@ LAYERS = {
     "compression": 3,  # pure numpy: what a compressed gradient is; the torch front end moves it
     "runtime": 4,
     "sim": 4,  # the simulator: replays the algorithms' own plans (collectives, ps, sfb); measuring lives in bench
+    "sched": 4,  # model parallelism: pure plans (colourings, the chromatic plan, STRADS's blocks) and their engines
     "recovery": 5,  # reliable collectives over the runtime (it re-forms contexts); the torch front end uses it
     "__init__": 5,  # the public API (paratrain.init, allreduce...): what user scripts and our workers import
     "testing": 5,
