@@ -31,7 +31,7 @@ from paratrain.runtime.context import Context
 from paratrain.sched.chromatic import ChromaticPlan
 from paratrain.sched.graph import Graph
 
-__all__ = ["PageRank", "Sweeps", "VertexProgram", "overlaps", "run_chromatic", "run_sequential"]
+__all__ = ["GreedyColor", "PageRank", "Sweeps", "VertexProgram", "overlaps", "run_chromatic", "run_sequential"]
 
 
 class VertexProgram(Protocol):
@@ -100,6 +100,37 @@ class PageRank:
         totals = _segment_sums(share[sources[_positions(indptr, vertices, counts)]], counts)
         result: np.ndarray = (1 - self.damping) / n + self.damping * (totals + sums[0] / n)
         return result
+
+
+@dataclass(frozen=True)
+class GreedyColor:
+    """Graph colouring as a vertex program, an update for which consistency decides the result: each vertex
+    takes the smallest colour none of its neighbours has. Under edge consistency (a chromatic schedule) no two
+    neighbours choose at once, so one sweep leaves a proper colouring; with every vertex updated at once
+    (vertex consistency: one class) neighbours choose from the same stale values and clash.
+
+    Attributes:
+        graph: its undirected adjacency is what an update reads.
+    """
+
+    graph: Graph
+    _adjacent: Graph = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_adjacent", self.graph.undirected())
+
+    def aggregate(self, owned: np.ndarray, view: np.ndarray) -> np.ndarray:
+        return np.zeros(0)
+
+    def update(self, vertices: np.ndarray, view: np.ndarray, sums: np.ndarray) -> np.ndarray:
+        out = np.empty(len(vertices))
+        for i, v in enumerate(vertices.tolist()):
+            taken = view[self._adjacent.targets(v)]
+            used = np.zeros(len(taken) + 1, dtype=bool)
+            small = taken[(taken >= 0) & (taken <= len(taken))].astype(np.int64)
+            used[small] = True
+            out[i] = float(np.argmin(used))
+        return out
 
 
 def _positions(indptr: np.ndarray, vertices: np.ndarray, counts: np.ndarray) -> np.ndarray:

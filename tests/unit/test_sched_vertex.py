@@ -10,9 +10,9 @@ import pytest
 from paratrain.errors import ConfigError
 from paratrain.runtime.context import Context
 from paratrain.sched.chromatic import block_partition, chromatic_plan
-from paratrain.sched.coloring import color
+from paratrain.sched.coloring import color, conflicts
 from paratrain.sched.graph import DPKG_STATUS, Graph, debian_dependencies, power_law_graph
-from paratrain.sched.vertex import PageRank, Sweeps, overlaps, run_chromatic, run_sequential
+from paratrain.sched.vertex import GreedyColor, PageRank, Sweeps, overlaps, run_chromatic, run_sequential
 from paratrain.testing import run_ranks
 
 
@@ -70,3 +70,31 @@ def test_a_plan_for_another_job_size_is_refused() -> None:
     plan = chromatic_plan(graph, color(graph, "edge"), block_partition(40, 3))
     with pytest.raises(ConfigError, match="for 3 workers"):
         run_ranks(2, lambda ctx: run_chromatic(ctx, plan, PageRank(graph), np.ones(40), 1), timeout=20)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_greedy_colouring_is_proper_only_under_edge_consistency(workers: int) -> None:
+    """Each vertex takes the smallest colour its neighbours do not have. Scheduled by an edge-consistent
+    colouring, one sweep leaves a proper colouring (the same as one process in colour order); with every vertex
+    at once (a vertex-consistency plan, unchecked) all start from colour 0, all take 1, and every edge clashes,
+    which the engine's log also shows as adjacent updates that overlapped."""
+    graph = power_law_graph(200, 3, seed=2)
+    program, start = GreedyColor(graph), np.zeros(200)
+
+    def sweep(plan: object) -> tuple[np.ndarray, list[Sweeps]]:
+        parts = run_ranks(workers, lambda ctx: run_chromatic(ctx, plan, program, start, 1), timeout=60)  # type: ignore[arg-type]
+        got = np.zeros(200)
+        for part in parts:
+            got[part.vertices] = part.values
+        return got, parts
+
+    scheduled = chromatic_plan(graph, color(graph, "edge"), block_partition(200, workers))
+    proper, parts = sweep(scheduled)
+    assert len(conflicts(graph, proper.astype(np.int64), "edge")) == 0
+    np.testing.assert_array_equal(proper, run_sequential(scheduled, program, start, 1))
+    at_once = color(graph, "vertex")
+    loose = chromatic_plan(graph, at_once, block_partition(200, workers), unchecked=True)
+    clashing, parts = sweep(loose)
+    edges = graph.undirected().num_edges // 2
+    assert len(conflicts(graph, clashing.astype(np.int64), "edge")) == edges
+    assert overlaps(graph, loose.owner, [p.log for p in parts], at_once.colors) > 0
