@@ -10,8 +10,8 @@ block in two steps:
 1. **Prioritisation**: draw candidates, each coordinate with probability proportional to its recent change
    plus a base weight (:func:`sample_candidates`): coordinates that moved are likely to move again, and the base
    weight keeps every coordinate reachable. A coordinate not updated yet counts as the largest mover, so every
-   coordinate is tried early. The base weight follows the scale of the changes (a fraction of
-   their mean over coordinates that changed), or 1 while nothing has changed.
+   coordinate is tried early. The base weight follows the scale of the changes (a fraction of their mean over
+   all coordinates), or 1 while nothing has changed.
 2. **Dependency check**: keep candidates greedily, in draw order, each only if its absolute correlation with
    every coordinate kept so far is below a threshold (:func:`select_independent`, STRADS's ``infthreshold``,
    0.1 by default), until the block is full.
@@ -126,7 +126,9 @@ class StradsScheduler:
         block_size: coordinates per block (the parallel degree).
         threshold: the largest absolute correlation two coordinates of a block may have (exclusive).
         oversample: candidates drawn per block, as a multiple of ``block_size`` (the dependency check drops some).
-        base_fraction: the base weight as a fraction of the mean recent change of the coordinates that changed.
+        base_fraction: the base weight as a fraction of the mean recent change over all coordinates: the
+            coordinates that did not move share about this fraction of the draws (0.3 by default; relative to the
+            movers' mean instead, thousands of zero coordinates would take most of the draws).
         seed: the draws' seed.
 
     Example:
@@ -141,7 +143,7 @@ class StradsScheduler:
     block_size: int
     threshold: float = 0.1
     oversample: int = 4
-    base_fraction: float = 0.1
+    base_fraction: float = 0.3
     seed: int = 0
     changes: np.ndarray = field(init=False)
     _tried: np.ndarray = field(init=False, repr=False)
@@ -163,7 +165,7 @@ class StradsScheduler:
         """Each coordinate's weight: its last change plus the base weight; a coordinate never updated yet counts
         as having made the largest change seen (it may well be one of the big movers)."""
         moved = self.changes[self.changes > 0]
-        base = self.base_fraction * float(moved.mean()) if len(moved) else 1.0
+        base = self.base_fraction * float(self.changes.mean()) if len(moved) else 1.0
         fresh = float(moved.max()) if len(moved) else 1.0
         return np.where(self._tried, self.changes, fresh) + base
 
