@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from paratrain.sched.graph import Graph
+
 __all__ = ["lasso_problem", "pagerank_graph"]
 
 
@@ -43,10 +45,10 @@ def lasso_problem(data: str, rows: int, *, seed: int = 0, data_dir: str | None =
     return x, x @ truth + 0.1 * rng.normal(size=len(x))
 
 
-def pagerank_graph(name: str):  # type: ignore[no-untyped-def]
+def pagerank_graph(name: str) -> Graph:
     """``debian`` (this machine's installed packages) or ``power-law:N`` (N vertices, edges to later vertices)."""
     from paratrain.errors import ConfigError
-    from paratrain.sched.graph import Graph, debian_dependencies, power_law_graph
+    from paratrain.sched.graph import debian_dependencies, power_law_graph
 
     if name == "debian":
         return debian_dependencies()
@@ -65,7 +67,8 @@ def _progress(path: str | None, record: dict[str, Any]) -> None:
 
 def _lasso(args: argparse.Namespace) -> None:
     import paratrain as pt
-    from paratrain.sched.engine import LassoResult, lasso, shotgun, strads, worker_rows
+    from paratrain.sched.engine import lasso, shotgun, strads, worker_rows
+    from paratrain.sched.lasso import BlockRun
 
     ctx = pt.init()
     x, y = lasso_problem(args.data, args.rows, seed=args.seed, data_dir=args.data_dir)
@@ -77,7 +80,7 @@ def _lasso(args: argparse.Namespace) -> None:
     rows = (None, None) if ctx.rank == 0 else worker_rows(x, y, ctx.rank, ctx.world_size)
     every = max(1, args.max_updates // args.block // 200)
 
-    def on_round(result: LassoResult) -> None:
+    def on_round(result: BlockRun) -> None:
         if len(result.updates) % every == 0:
             _progress(args.progress, {"updates": result.updates[-1], "objective": result.objectives[-1]})
 

@@ -30,7 +30,7 @@ import numpy as np
 from paratrain.errors import ConfigError
 from paratrain.sched.graph import Graph
 
-__all__ = ["CONSISTENCY_MODELS", "Coloring", "Consistency", "check", "color", "conflicts"]
+__all__ = ["CONSISTENCY_MODELS", "Coloring", "Consistency", "check", "color", "conflicts", "smallest_free"]
 
 Consistency = Literal["vertex", "edge", "full"]
 #: The models, weakest first.
@@ -93,6 +93,19 @@ def _reach(adjacent: Graph, v: int, distance: int) -> np.ndarray:
     return np.unique(around[around != v])
 
 
+def smallest_free(taken: np.ndarray) -> int:
+    """The smallest colour >= 0 not in ``taken`` (entries < 0 mean "none yet"): the greedy choice.
+
+    Example:
+        >>> smallest_free(np.array([0, 1, 3, -1])), smallest_free(np.array([], dtype=np.int64))
+        (2, 0)
+    """
+    used = np.zeros(len(taken) + 1, dtype=bool)  # the smallest free colour is at most the number taken
+    taken = np.asarray(taken, dtype=np.int64)
+    used[taken[(taken >= 0) & (taken <= len(taken))]] = True
+    return int(np.argmin(used))
+
+
 def color(graph: Graph, consistency: str = "edge", *, order: np.ndarray | None = None) -> Coloring:
     """A greedy colouring of ``graph`` that gives ``consistency`` (see the module docstring).
 
@@ -122,10 +135,7 @@ def color(graph: Graph, consistency: str = "edge", *, order: np.ndarray | None =
     adjacent = graph.undirected()
     colors = np.full(n, -1, dtype=np.int64)
     for v in sequence.tolist():
-        taken = colors[_reach(adjacent, v, distance)]
-        used = np.zeros(len(taken) + 1, dtype=bool)  # the smallest free colour is at most the number taken
-        used[taken[(taken >= 0) & (taken <= len(taken))]] = True
-        colors[v] = int(np.argmin(used))
+        colors[v] = smallest_free(colors[_reach(adjacent, v, distance)])
     return Coloring(model, colors)
 
 

@@ -24,39 +24,20 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from paratrain.errors import ConfigError
 from paratrain.runtime.context import Context
-from paratrain.sched.lasso import Scheduler, row_bounds, stop, values_from_dots
+from paratrain.sched.lasso import BlockRun, Scheduler, row_bounds, stop, values_from_dots
 from paratrain.sched.strads import RandomScheduler, StradsScheduler, correlation_from_moments
 from paratrain.transport.base import Transport
 
-__all__ = ["LassoResult", "SchedulerFactory", "lasso", "shotgun", "strads", "worker_rows"]
+__all__ = ["SchedulerFactory", "lasso", "shotgun", "strads", "worker_rows"]
 
 #: Builds the scheduler from the coordinates' absolute correlations (p x p): STRADS's, or the random baseline.
 SchedulerFactory = Callable[[np.ndarray], Scheduler]
-
-
-@dataclass
-class LassoResult:
-    """What the scheduler saw (workers get an empty one).
-
-    Attributes:
-        beta: the coefficients.
-        updates: coordinate updates after each round (cumulative).
-        objectives: the objective after each round.
-        seconds: wall time since the first round began, after each round.
-        blocks: every block.
-    """
-
-    beta: np.ndarray
-    updates: list[int] = field(default_factory=list)
-    objectives: list[float] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
-    blocks: list[np.ndarray] = field(default_factory=list)
 
 
 def strads(block_size: int, *, threshold: float = 0.1, seed: int = 0) -> SchedulerFactory:
@@ -80,8 +61,8 @@ def lasso(
     target: float | None = None,
     depth: int = 1,
     diverged: float = 1e6,
-    on_round: Callable[[LassoResult], None] | None = None,
-) -> LassoResult:
+    on_round: Callable[[BlockRun], None] | None = None,
+) -> BlockRun:
     """Lasso by scheduled coordinate blocks over the job (see the module docstring). Collective: every rank
     calls it; rank 0 passes ``x`` and ``y`` as None, worker w its rows (:func:`worker_rows`).
 
@@ -117,7 +98,7 @@ def lasso(
     _work(
         transport, np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64), down=down, up=up, timeout=timeout
     )
-    return LassoResult(np.zeros(0))
+    return BlockRun(np.zeros(0))
 
 
 def worker_rows(x: np.ndarray, y: np.ndarray, rank: int, world_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -161,8 +142,8 @@ def _schedule(
     up: int,
     timeout: float,
     plan: _Plan,
-    on_round: Callable[[LassoResult], None] | None,
-) -> LassoResult:
+    on_round: Callable[[BlockRun], None] | None,
+) -> BlockRun:
     """The scheduler: the correlations from the workers' moments, then rounds (see the module docstring)."""
     moments = [transport.recv(w, up, timeout=timeout).arrays for w in range(1, workers + 1)]
     gram = np.zeros_like(np.asarray(moments[0][0], dtype=np.float64))
@@ -177,7 +158,7 @@ def _schedule(
     scale = np.diag(gram) / n
     scheduler = plan.make_scheduler(correlation_from_moments(gram, sums, n))
     beta = np.zeros(len(scale))
-    result = LassoResult(beta)
+    result = BlockRun(beta)
     start = rr / (2 * n)
 
     def send(delta: np.ndarray, block: np.ndarray, *, last: bool) -> None:
@@ -187,7 +168,6 @@ def _schedule(
     planned = deque(scheduler.next_block() for _ in range(plan.depth))
     send(np.zeros(0), planned[0], last=False)
     began = time.perf_counter()
-    done = 0
     while True:
         block = planned.popleft()
         dots = np.zeros(len(block))
@@ -198,15 +178,13 @@ def _schedule(
         beta[block] = new
         rr = max(0.0, rr - 2 * float(delta @ dots) + float(delta @ gram[np.ix_(block, block)] @ delta))
         scheduler.report(block, delta)
-        done += len(block)
         objective = rr / (2 * n) + plan.alpha * float(np.abs(beta).sum())
-        result.updates.append(done)
-        result.objectives.append(objective)
-        result.seconds.append(time.perf_counter() - began)
-        result.blocks.append(block)
+        result.add(block, objective, began)
         if on_round is not None:
             on_round(result)
-        if done >= plan.max_updates or stop(objective, start=start, target=plan.target, diverged=plan.diverged):
+        if result.updates[-1] >= plan.max_updates or stop(
+            objective, start=start, target=plan.target, diverged=plan.diverged
+        ):
             send(delta, np.zeros(0, dtype=np.int64), last=True)
             return result
         if plan.depth == 1:

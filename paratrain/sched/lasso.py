@@ -15,6 +15,7 @@ compared with.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -76,19 +77,29 @@ def block_values(
 
 @dataclass
 class BlockRun:
-    """What :func:`run_blocks` did.
+    """What a run of blocks did: :func:`run_blocks` in one process, or the scheduler of the engine
+    (:func:`paratrain.sched.engine.lasso`; its workers get an empty one).
 
     Attributes:
         beta: the coefficients at the end.
         updates: coordinate updates after each block (cumulative).
         objectives: the objective after each block.
         blocks: every block, in order.
+        seconds: wall time since the first block began, after each block.
     """
 
     beta: np.ndarray
     updates: list[int] = field(default_factory=list)
     objectives: list[float] = field(default_factory=list)
     blocks: list[np.ndarray] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    def add(self, block: np.ndarray, objective: float, began: float) -> None:
+        """Records a finished block (``began``: the run's start on :func:`time.perf_counter`)."""
+        self.updates.append((self.updates[-1] if self.updates else 0) + len(block))
+        self.objectives.append(objective)
+        self.blocks.append(block)
+        self.seconds.append(time.perf_counter() - began)
 
 
 def run_blocks(
@@ -129,8 +140,8 @@ def run_blocks(
     start = lasso_objective(x, y, beta, alpha)
     run = BlockRun(beta)
     planned = deque(scheduler.next_block() for _ in range(depth))
-    done = 0
-    while done < max_updates:
+    began = time.perf_counter()
+    while not run.updates or run.updates[-1] < max_updates:
         block = planned.popleft()
         dots = sum(
             (x[a:b, block].T @ residual[a:b] for a, b in itertools.pairwise(bounds.tolist())),
@@ -143,11 +154,8 @@ def run_blocks(
             residual[a:b] -= x[a:b, block] @ delta
         scheduler.report(block, delta)
         planned.append(scheduler.next_block())
-        done += len(block)
         objective = float(residual @ residual / (2 * n) + alpha * np.abs(beta).sum())
-        run.updates.append(done)
-        run.objectives.append(objective)
-        run.blocks.append(block)
+        run.add(block, objective, began)
         if stop(objective, start=start, target=target, diverged=diverged):
             break
     return run

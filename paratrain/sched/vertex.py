@@ -29,6 +29,7 @@ import numpy as np
 from paratrain.errors import ConfigError
 from paratrain.runtime.context import Context
 from paratrain.sched.chromatic import ChromaticPlan
+from paratrain.sched.coloring import smallest_free
 from paratrain.sched.graph import Graph
 
 __all__ = ["GreedyColor", "PageRank", "Sweeps", "VertexProgram", "overlaps", "run_chromatic", "run_sequential"]
@@ -123,14 +124,8 @@ class GreedyColor:
         return np.zeros(0)
 
     def update(self, vertices: np.ndarray, view: np.ndarray, sums: np.ndarray) -> np.ndarray:
-        out = np.empty(len(vertices))
-        for i, v in enumerate(vertices.tolist()):
-            taken = view[self._adjacent.targets(v)]
-            used = np.zeros(len(taken) + 1, dtype=bool)
-            small = taken[(taken >= 0) & (taken <= len(taken))].astype(np.int64)
-            used[small] = True
-            out[i] = float(np.argmin(used))
-        return out
+        picks = [smallest_free(view[self._adjacent.targets(v)].astype(np.int64)) for v in vertices.tolist()]
+        return np.array(picks, dtype=np.float64)
 
 
 def _positions(indptr: np.ndarray, vertices: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -9,8 +9,8 @@ from sklearn.linear_model import Lasso
 
 from paratrain.errors import ConfigError
 from paratrain.runtime.context import Context
-from paratrain.sched.engine import LassoResult, lasso, shotgun, strads, worker_rows
-from paratrain.sched.lasso import lasso_objective, row_bounds, row_moments, run_blocks
+from paratrain.sched.engine import lasso, shotgun, strads, worker_rows
+from paratrain.sched.lasso import BlockRun, lasso_objective, row_bounds, row_moments, run_blocks
 from paratrain.sched.strads import RandomScheduler, StradsScheduler, correlation_from_moments
 from paratrain.testing import run_ranks
 
@@ -23,8 +23,8 @@ def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, x @ truth + 0.1 * rng.normal(size=90)
 
 
-def _run(workers: int, x: np.ndarray, y: np.ndarray, transport: str = "inproc", **kw: object) -> LassoResult:
-    def rank(ctx: Context) -> LassoResult:
+def _run(workers: int, x: np.ndarray, y: np.ndarray, transport: str = "inproc", **kw: object) -> BlockRun:
+    def rank(ctx: Context) -> BlockRun:
         rows = (None, None) if ctx.rank == 0 else worker_rows(x, y, ctx.rank, ctx.world_size)
         return lasso(ctx, *rows, **kw)  # type: ignore[arg-type]
 
@@ -74,13 +74,13 @@ def test_the_random_baseline_runs_the_same_rounds() -> None:
 def test_bad_calls_are_errors_not_hangs() -> None:
     x, y = _data()
 
-    def alone(ctx: Context) -> LassoResult:
+    def alone(ctx: Context) -> BlockRun:
         return lasso(ctx, None, None, alpha=0.1, make_scheduler=strads(2), max_updates=10)
 
     with pytest.raises(ConfigError, match="at least one worker"):
         run_ranks(1, alone)
 
-    def data_everywhere(ctx: Context) -> LassoResult:
+    def data_everywhere(ctx: Context) -> BlockRun:
         return lasso(ctx, x, y, alpha=0.1, make_scheduler=strads(2), max_updates=10)
 
     with pytest.raises(ConfigError, match="holds no data"):
