@@ -1,6 +1,7 @@
-"""The processes of ``paratrain sched``: ``python -m paratrain.cli._sched_job lasso|pagerank ...`` on every rank.
+"""The processes of ``paratrain sched``: ``python -m paratrain.cli._sched_job lasso|mf|pagerank ...`` on every rank.
 
-Every rank builds the same problem from the same seed (:func:`lasso_problem`, :func:`pagerank_graph`), runs its
+Every rank builds the same problem from the same seed (:func:`lasso_problem`, :func:`mf_problem`,
+:func:`pagerank_graph`), runs its
 part of the engine, and rank 0 writes the result as JSON to ``--out`` and, while it runs, a progress line per
 round to ``--progress`` (what the command's progress bar follows).
 """
@@ -16,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scipy.sparse as sp
 
 from paratrain.sched.graph import Graph
 
-__all__ = ["lasso_problem", "pagerank_graph"]
+__all__ = ["lasso_problem", "mf_problem", "pagerank_graph"]
 
 
 def lasso_problem(data: str, rows: int, *, seed: int = 0, data_dir: str | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -43,6 +45,27 @@ def lasso_problem(data: str, rows: int, *, seed: int = 0, data_dir: str | None =
     truth = np.zeros(x.shape[1])
     truth[rng.choice(x.shape[1], 40, replace=False)] = rng.normal(size=40)
     return x, x @ truth + 0.1 * rng.normal(size=len(x))
+
+
+def mf_problem(
+    data: str, rows: int, *, seed: int = 0, data_dir: str | None = None
+) -> tuple[sp.csr_matrix, sp.csr_matrix | None]:
+    """(train, test) of a factorisation benchmark: ``fashion-mnist`` (the first ``rows`` training images as a
+    dense rows x 784 matrix, pixels in [0, 1]; no test part: the optimum is the shrunk SVD's) or
+    ``power-law:MxN`` (:func:`~paratrain.sched.mf.power_law_ratings`: M x N, power-law row and column counts,
+    a planted rank-8 model with noise 0.1, 10 % of the entries held out)."""
+    from paratrain.errors import ConfigError
+    from paratrain.sched.mf import power_law_ratings
+
+    if data == "fashion-mnist":
+        from paratrain.train.data import load_dataset
+
+        images = load_dataset("fashion-mnist", data_dir=data_dir).x_train[:rows]
+        return sp.csr_matrix(images.reshape(len(images), -1).astype(np.float64)), None
+    shape = data.split(":", 1)[1].split("x") if data.startswith("power-law:") else []
+    if len(shape) != 2 or not all(d.isdigit() and int(d) > 0 for d in shape):
+        raise ConfigError(f"--data must be fashion-mnist or power-law:MxN (e.g. power-law:20000x2000), got {data!r}")
+    return power_law_ratings(int(shape[0]), int(shape[1]), seed=seed)
 
 
 def pagerank_graph(name: str) -> Graph:
@@ -114,6 +137,50 @@ def _lasso(args: argparse.Namespace) -> None:
     ctx.shutdown()
 
 
+def _mf(args: argparse.Namespace) -> None:
+    import paratrain as pt
+    from paratrain.sched.mf import MFRun
+    from paratrain.sched.mf_engine import factorize, worker_block
+
+    ctx = pt.init()
+    train, test = mf_problem(args.data, args.rows, seed=args.seed, data_dir=args.data_dir)
+    rows = None if ctx.rank == 0 else worker_block(train, ctx.rank, ctx.world_size)
+
+    def on_pick(run: MFRun) -> None:
+        _progress(args.progress, {"updates": len(run.picks), "objective": run.objectives[-1]})
+
+    began = time.perf_counter()
+    out = factorize(
+        ctx,
+        rows,
+        cols=train.shape[1],
+        rank=args.rank,
+        lam=args.lam,
+        picks=args.picks,
+        inner=args.inner,
+        order=args.order,
+        seed=args.seed,
+        target=args.target,
+        on_pick=on_pick,
+    )
+    wall = time.perf_counter() - began
+    h = ctx.broadcast(out.h if ctx.rank == 0 else np.zeros((train.shape[1], args.rank)), root=0)
+    squared = np.zeros(2)  # the held-out entries' squared error and count, this rank's rows
+    if out.w is not None and test is not None:
+        mine = worker_block(test, ctx.rank, ctx.world_size).tocoo()
+        w = out.w
+        squared = np.array(
+            [float(((mine.data - np.einsum("ij,ij->i", w[mine.row], h[mine.col])) ** 2).sum()), mine.nnz]
+        )
+    squared = ctx.allreduce(squared)
+    if ctx.rank == 0:
+        record = {"order": args.order, "workers": ctx.world_size - 1, "picks": out.picks, "wall_s": wall}
+        record |= {"objectives": out.objectives, "seconds": out.seconds, "rounds": out.rounds}
+        record["test_rmse"] = float(np.sqrt(squared[0] / squared[1])) if squared[1] else None
+        Path(args.out).write_text(json.dumps(record))
+    ctx.shutdown()
+
+
 def _pagerank(args: argparse.Namespace) -> None:
     import paratrain as pt
     from paratrain.sched.chromatic import block_partition, chromatic_plan
@@ -169,12 +236,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     lasso.add_argument("--seed", type=int, default=0)
     lasso.add_argument("--out", required=True)
     lasso.add_argument("--progress", default=None)
+    mf = sub.add_parser("mf")
+    mf.add_argument("--data", default="fashion-mnist")
+    mf.add_argument("--data-dir", default=None)
+    mf.add_argument("--rows", type=int, default=10_000)
+    mf.add_argument("--rank", type=int, default=10)
+    mf.add_argument("--lam", type=float, default=1.0)
+    mf.add_argument("--picks", type=int, default=200)
+    mf.add_argument("--inner", type=int, default=3)
+    mf.add_argument("--order", choices=("cyclic", "priority"), default="cyclic")
+    mf.add_argument("--target", type=float, default=None)
+    mf.add_argument("--seed", type=int, default=0)
+    mf.add_argument("--out", required=True)
+    mf.add_argument("--progress", default=None)
     pagerank = sub.add_parser("pagerank")
     pagerank.add_argument("--graph", default="debian")
     pagerank.add_argument("--sweeps", type=int, default=100)
     pagerank.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    (_lasso if args.app == "lasso" else _pagerank)(args)
+    {"lasso": _lasso, "mf": _mf, "pagerank": _pagerank}[args.app](args)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``paratrain sched lasso|pagerank``: model-parallel jobs (STRADS's scheduler, GraphLab's chromatic engine)
+"""``paratrain sched lasso|mf|pagerank``: model-parallel jobs (STRADS's scheduler, GraphLab's chromatic engine)
 run as real processes, with a progress bar, a plot and the single-process anchors beside them."""
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     """Registers ``sched`` on the ``paratrain`` parser."""
     p = sub.add_parser(
         "sched",
-        help="model-parallel scheduling: Lasso by STRADS-scheduled coordinate blocks, PageRank by colours",
+        help="model-parallel scheduling: Lasso and MF by STRADS's scheduler, PageRank by GraphLab's colours",
         description=(
             "Run a model-parallel job as real processes: 'lasso' (a scheduler rank and W workers holding the "
             "rows; blocks of coordinates chosen by STRADS's priorities and dependency check, or at random as "
-            "Shotgun does) against scikit-learn's Lasso; 'pagerank' (GraphLab's chromatic engine: W workers "
+            "Shotgun does) against scikit-learn's Lasso; 'mf' (matrix factorisation by CCD++: the scheduler holds H "
+            "and picks the rank-1 factor to refine, W workers hold row blocks of R and their rows of W) against the "
+            "shrunk SVD's optimum or one process; 'pagerank' (GraphLab's chromatic engine: W workers "
             "update one colour at a time) against networkx and a scipy power iteration."
         ),
     )
@@ -47,6 +49,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     lasso.add_argument("--seed", type=int, default=0, help="the data's and the draws' seed")
     lasso.add_argument("--out", default="sched-lasso", help="directory for lasso.json and lasso.png")
     lasso.set_defaults(func=_lasso)
+    mf = apps.add_parser("mf", help="matrix factorisation by CCD++ rank-1 picks, against the optimum or one process")
+    mf.add_argument(
+        "--data", default="fashion-mnist", help="fashion-mnist (dense images x pixels) or power-law:MxN (sparse)"
+    )
+    mf.add_argument("--data-dir", default=None, help="where Fashion-MNIST's files are (default Debian's)")
+    mf.add_argument("--rows", type=int, default=10_000, help="images, for fashion-mnist (default 10000)")
+    mf.add_argument("--rank", type=int, default=10, help="factors (default 10)")
+    mf.add_argument("--lam", type=float, default=1.0, help="the L2 weight on W and H (default 1.0)")
+    mf.add_argument("-w", "--workers", type=int, default=4, help="workers holding rows (default 4; +1 scheduler)")
+    mf.add_argument("--picks", type=int, default=200, help="rank-1 picks at most (default 200)")
+    mf.add_argument("--inner", type=int, default=3, help="inner iterations per pick (default 3)")
+    mf.add_argument("--orders", default="cyclic,priority", help="cyclic and/or priority (default both)")
+    mf.add_argument("--gap", type=float, default=1e-3, help="dense data: stop within this of the optimum (1e-3)")
+    mf.add_argument("--seed", type=int, default=0, help="the data's and the start's seed")
+    mf.add_argument("--out", default="sched-mf", help="directory for mf.json and mf.png")
+    mf.set_defaults(func=_mf)
     pagerank = apps.add_parser("pagerank", help="PageRank by the chromatic engine, against networkx and scipy")
     pagerank.add_argument("--graph", default="debian", help="debian (installed packages) or power-law:N")
     pagerank.add_argument("-w", "--workers", type=int, default=2, help="workers (default 2)")
@@ -55,7 +73,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     pagerank.set_defaults(func=_pagerank)
 
 
-def _launch(argv: list[str], nproc: int, progress: Path | None, total: int, what: str) -> None:
+def _launch(argv: list[str], nproc: int, progress: Path | None, total: int, what: str, *, unit: str = "upd") -> None:
     """Runs the job's processes; draws a bar from rank 0's progress lines meanwhile."""
     from tqdm import tqdm
 
@@ -68,7 +86,7 @@ def _launch(argv: list[str], nproc: int, progress: Path | None, total: int, what
         daemon=True,
     )
     job.start()
-    with tqdm(total=total, desc=what, unit="upd", file=sys.stderr, disable=progress is None) as bar:
+    with tqdm(total=total, desc=what, unit=unit, file=sys.stderr, disable=progress is None) as bar:
         while job.is_alive():
             job.join(0.2)  # the bar's refresh period, not an ordering of events
             if progress is not None and progress.is_file():
@@ -152,6 +170,82 @@ def _plot_lasso(runs: dict[str, Any], optimum: float, sklearn_s: float, path: Pa
         ax.set_yscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("objective / optimum - 1")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _mf(args: argparse.Namespace) -> int:
+    from paratrain.cli._sched_job import mf_problem
+    from paratrain.errors import ConfigError
+    from paratrain.sched.mf import ccdpp, svd_optimum
+
+    orders = [s.strip() for s in args.orders.split(",") if s.strip()]
+    if not orders or set(orders) - {"cyclic", "priority"}:
+        raise ConfigError(f"--orders takes cyclic and/or priority, got {args.orders!r}")
+    if args.workers < 1 or args.rank < 1 or args.picks < 1:
+        raise ConfigError("--workers, --rank and --picks must be at least 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train, test = mf_problem(args.data, args.rows, seed=args.seed, data_dir=args.data_dir)
+    print(f"{args.data}: {train.shape[0]} x {train.shape[1]}, {train.nnz} entries, rank {args.rank}, lam {args.lam}")
+    optimum, anchor_s, target = None, None, None
+    if test is None:  # dense: the global optimum is the shrunk SVD's
+        began = time.perf_counter()
+        optimum = svd_optimum(train.toarray(), args.rank, args.lam)
+        anchor_s = time.perf_counter() - began
+        target = optimum * (1 + args.gap)
+        print(f"optimum (numpy SVD, singular values shrunk by lam): {optimum:.8g} in {anchor_s:.2f} s")
+    else:  # sparse: the same picks in one process, the anchor for the time
+        began = time.perf_counter()
+        ccdpp(train, args.rank, args.lam, picks=args.picks, inner=args.inner, seed=args.seed)
+        anchor_s = time.perf_counter() - began
+        print(f"the same {args.picks} picks in one process (cyclic): {anchor_s:.2f} s")
+    runs: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="paratrain-sched-") as tmp:
+        for order in orders:
+            result, progress = Path(tmp) / f"{order}.json", Path(tmp) / f"{order}.progress"
+            argv = ["mf", "--data", args.data, "--rows", str(args.rows), "--rank", str(args.rank)]
+            argv += ["--lam", str(args.lam), "--picks", str(args.picks), "--inner", str(args.inner)]
+            argv += ["--order", order, "--seed", str(args.seed), "--out", str(result), "--progress", str(progress)]
+            argv += ["--target", repr(target)] if target is not None else []
+            argv += ["--data-dir", args.data_dir] if args.data_dir else []
+            _launch(argv, args.workers + 1, progress, args.picks, order, unit="pick")
+            runs[order] = json.loads(result.read_text())
+    print("| order | picks | rounds | wall (s) | objective | gap to optimum | test RMSE |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for order, run in runs.items():
+        final = run["objectives"][-1]
+        gap = f"{final / optimum - 1:.2e}" if optimum else "-"
+        rmse = f"{run['test_rmse']:.4f}" if run.get("test_rmse") is not None else "-"
+        print(
+            f"| {order} | {len(run['picks'])} | {run['rounds'][-1]} | {run['seconds'][-1]:.2f} | {final:.8g} | "
+            f"{gap} | {rmse} |"
+        )
+    summary = {"optimum": optimum, "anchor_s": anchor_s, "args": vars(args) | {"func": None}, "runs": runs}
+    (out / "mf.json").write_text(json.dumps(summary))
+    _plot_mf(runs, optimum, out / "mf.png")
+    print(f"wrote {out / 'mf.json'} and {out / 'mf.png'}")
+    return 0
+
+
+def _plot_mf(runs: dict[str, Any], optimum: float | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_picks, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, run in runs.items():
+        values = [o / optimum - 1 if optimum else o for o in run["objectives"]]
+        by_picks.plot(range(1, len(values) + 1), values, label=name)
+        by_time.plot(run["seconds"], values, label=name)
+    for ax, xlabel in ((by_picks, "rank-1 picks"), (by_time, "wall time (s)")):
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("objective / optimum - 1" if optimum else "objective")
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()
