@@ -122,16 +122,18 @@ def _work(transport: Transport, x: np.ndarray, y: np.ndarray, *, down: int, up: 
     """A worker: its rows' moments, then rounds until the scheduler says stop."""
     transport.send(0, up, [x.T @ x, x.sum(axis=0), np.array([len(y), y @ y], dtype=np.float64)])
     residual = y.copy()
+    xt = np.ascontiguousarray(x.T)  # features as rows: a block's columns are one contiguous gather
+    del x
     block = np.zeros(0, dtype=np.int64)
     while True:
         msg = transport.recv(0, down, timeout=timeout)
         delta, upcoming = (np.asarray(a) for a in msg.arrays)
         if len(block):
-            residual -= x[:, block] @ delta.astype(np.float64)
+            residual -= delta.astype(np.float64) @ xt[block]
         if msg.meta.get("stop"):
             return
         block = upcoming.astype(np.int64)
-        transport.send(0, up, [x[:, block].T @ residual])
+        transport.send(0, up, [xt[block] @ residual])
 
 
 def _schedule(

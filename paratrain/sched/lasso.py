@@ -132,6 +132,7 @@ def run_blocks(
     if depth < 1 or parts < 1:
         raise ConfigError(f"depth and parts must be >= 1, got {depth} and {parts}")
     n = len(y)
+    xt = np.ascontiguousarray(x.T)  # a block's features are rows here: one gather, as the engine's workers hold them
     bounds = row_bounds(n, parts)
     beta = np.zeros(x.shape[1])
     residual = y.copy()
@@ -144,14 +145,14 @@ def run_blocks(
     while not run.updates or run.updates[-1] < max_updates:
         block = planned.popleft()
         dots = sum(
-            (x[a:b, block].T @ residual[a:b] for a, b in itertools.pairwise(bounds.tolist())),
+            (xt[block, a:b] @ residual[a:b] for a, b in itertools.pairwise(bounds.tolist())),
             start=np.zeros(len(block)),
         )
         new = values_from_dots(dots, beta[block], scale[block], n=n, alpha=alpha)
         delta = new - beta[block]
         beta[block] = new
         for a, b in itertools.pairwise(bounds.tolist()):  # per row block, as the engine's workers do
-            residual[a:b] -= x[a:b, block] @ delta
+            residual[a:b] -= delta @ xt[block, a:b]
         scheduler.report(block, delta)
         planned.append(scheduler.next_block())
         objective = float(residual @ residual / (2 * n) + alpha * np.abs(beta).sum())

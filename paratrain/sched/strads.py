@@ -108,13 +108,16 @@ def select_independent(candidates: np.ndarray, corr: np.ndarray, threshold: floa
         >>> select_independent(np.array([0, 1, 2]), c, 0.1, 8).tolist()
         [0, 2]
     """
+    clash = corr[np.ix_(candidates, candidates)] >= threshold  # one gather, then a scan of a small table
+    blocked = np.zeros(len(candidates), dtype=bool)
     kept: list[int] = []
-    for j in candidates.tolist():
+    for i in range(len(candidates)):
         if len(kept) >= size:
             break
-        if not kept or float(corr[j, kept].max()) < threshold:
-            kept.append(int(j))
-    return np.array(kept, dtype=np.int64)
+        if not blocked[i]:
+            kept.append(i)
+            blocked |= clash[i]
+    return np.asarray(candidates, dtype=np.int64)[kept]
 
 
 @dataclass
