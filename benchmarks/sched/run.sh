@@ -5,7 +5,7 @@ set -euo pipefail
 b=benchmarks/sched
 pt=.venv/bin/paratrain
 # Lasso on Fashion-MNIST's pixels (strongly correlated features): STRADS vs random blocks (Shotgun), 4 workers
-$pt sched lasso --data fashion-mnist --rows 10000 --alpha 0.001 --workers 4 --block 8 --max-updates 300000 --out $b/lasso-fmnist | tee $b/lasso-fmnist.txt
+$pt sched lasso --data fashion-mnist --rows 10000 --alpha 0.001 --workers 4 --block 8 --max-updates 600000 --out $b/lasso-fmnist | tee $b/lasso-fmnist.txt
 # Lasso on a wide correlated design where random blocks converge too: the updates ratio
 $pt sched lasso --data correlated:1000x5000 --alpha 0.1 --workers 4 --block 8 --max-updates 2000000 --out $b/lasso-wide | tee $b/lasso-wide.txt
 # Matrix factorisation: dense Fashion-MNIST (optimum = shrunk SVD) and a sparse power-law matrix

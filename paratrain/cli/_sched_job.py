@@ -69,13 +69,13 @@ def mf_problem(
     ``power-law:MxN`` (:func:`~paratrain.sched.mf.power_law_ratings`: M x N, power-law row and column counts,
     a planted rank-8 model with noise 0.1, 10 % of the entries held out)."""
     from paratrain.errors import ConfigError
-    from paratrain.sched.mf import power_law_ratings
+    from paratrain.sched.mf import observed, power_law_ratings
 
     if data == "fashion-mnist":
         from paratrain.train.data import load_dataset
 
         images = load_dataset("fashion-mnist", data_dir=data_dir).x_train[:rows]
-        return sp.csr_matrix(images.reshape(len(images), -1).astype(np.float64)), None
+        return observed(images.reshape(len(images), -1)), None  # every pixel, zeros included, is an entry
     shape = data.split(":", 1)[1].split("x") if data.startswith("power-law:") else []
     if len(shape) != 2 or not all(d.isdigit() and int(d) > 0 for d in shape):
         raise ConfigError(f"--data must be fashion-mnist or power-law:MxN (e.g. power-law:20000x2000), got {data!r}")

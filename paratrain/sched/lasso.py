@@ -39,7 +39,10 @@ __all__ = [
 
 
 class Scheduler(Protocol):
-    """What :func:`run_blocks` needs of a scheduler (:class:`~paratrain.sched.strads.StradsScheduler`)."""
+    """What :func:`run_blocks` needs of a scheduler (:class:`~paratrain.sched.strads.StradsScheduler`); its
+    blocks hold at most ``block_size`` coordinates (the engine's messages have that many slots)."""
+
+    block_size: int
 
     def next_block(self) -> np.ndarray: ...
 

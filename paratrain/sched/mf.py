@@ -41,6 +41,7 @@ __all__ = [
     "ccdpp",
     "initial_h",
     "mf_objective",
+    "observed",
     "power_law_ratings",
     "svd_optimum",
 ]
@@ -48,14 +49,34 @@ __all__ = [
 ORDERS = ("cyclic", "priority")
 
 
+def observed(r: sp.spmatrix | np.ndarray) -> sp.csr_matrix:
+    """R as CSR with its observed entries: every entry of a dense array (zeros included: scipy would drop them and
+    turn them into missing ones), the stored entries of a sparse matrix (explicit zeros kept).
+
+    Example:
+        >>> observed(np.array([[0.0, 1.0]])).nnz
+        2
+    """
+    if sp.issparse(r):
+        out: sp.csr_matrix = sp.csr_matrix(r, dtype=np.float64)
+        return out
+    dense = np.asarray(r, dtype=np.float64)
+    if dense.ndim != 2:
+        raise ConfigError(f"R must be a matrix, got shape {dense.shape}")
+    m, n = dense.shape
+    indptr = np.arange(0, m * n + 1, n, dtype=np.int64)
+    indices = np.tile(np.arange(n, dtype=np.int64), m)
+    return sp.csr_matrix((dense.reshape(-1).copy(), indices, indptr), shape=(m, n))
+
+
 def initial_h(n: int, rank: int, seed: int) -> np.ndarray:
     """H's start (W starts at 0, so ``E = R``): small seeded normal values, the same on every rank."""
     return np.random.default_rng(seed).normal(scale=0.1, size=(n, rank))
 
 
-def mf_objective(r: sp.csr_matrix, w: np.ndarray, h: np.ndarray, lam: float) -> float:
+def mf_objective(r: sp.csr_matrix | np.ndarray, w: np.ndarray, h: np.ndarray, lam: float) -> float:
     """``sum_Omega (R_ij - w_i . h_j)^2 + lam (||W||^2 + ||H||^2)``, computed from scratch (for checks)."""
-    coo = r.tocoo()
+    coo = observed(r).tocoo()
     pred = np.einsum("ij,ij->i", w[coo.row], h[coo.col])
     return float(((coo.data - pred) ** 2).sum() + lam * ((w**2).sum() + (h**2).sum()))
 
@@ -117,7 +138,7 @@ class RowBlock:
     column sums of its column half. Every operation is a sparse product over the block's own entries."""
 
     def __init__(self, r: sp.csr_matrix, rank: int, lam: float) -> None:
-        self.r = sp.csr_matrix(r, dtype=np.float64)
+        self.r = observed(r)
         self.r.sort_indices()
         self.lam = lam
         self.w = np.zeros((self.r.shape[0], rank))
@@ -252,7 +273,7 @@ def ccdpp(
     Raises:
         ConfigError: rank, picks or parts below 1, a bad order, or an empty matrix.
     """
-    r = sp.csr_matrix(r, dtype=np.float64)
+    r = observed(r)
     if rank < 1 or picks < 1 or parts < 1:
         raise ConfigError(f"rank, picks and parts must be >= 1, got {rank}, {picks}, {parts}")
     if r.nnz == 0:

@@ -94,7 +94,10 @@ def sample_candidates(weights: np.ndarray, count: int, rng: np.random.Generator)
     count = min(count, len(weights))
     # Efraimidis-Spirakis: the largest keys u^(1/w) are a weighted draw without replacement, in draw order
     keys = np.log(rng.random(len(weights))) / weights
-    return np.argsort(-keys, kind="stable")[:count]
+    if count < len(keys):  # the top ``count`` in linear time, then only they are sorted
+        top = np.argpartition(-keys, count - 1)[:count]
+        return top[np.argsort(-keys[top], kind="stable")]
+    return np.argsort(-keys, kind="stable")
 
 
 def select_independent(candidates: np.ndarray, corr: np.ndarray, threshold: float, size: int) -> np.ndarray:

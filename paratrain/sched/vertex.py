@@ -198,16 +198,19 @@ def run_chromatic(ctx: Context, plan: ChromaticPlan, program: VertexProgram, val
 
 def overlaps(graph: Graph, owner: np.ndarray, logs: list[list[tuple[int, float, float]]], colors: np.ndarray) -> int:
     """How many pairs of adjacent vertices were updated at overlapping times, from the workers' logs (each
-    colour's interval stands for all of that worker's vertices of the colour): 0 is edge consistency kept."""
+    colour's interval stands for all of that worker's vertices of the colour): 0 is edge consistency kept. The
+    intervals of each (worker, colour) pair are compared once and weighed by the edges between them."""
     intervals: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for worker, log in enumerate(logs):
         for color, start, end in log:
             intervals.setdefault((worker, color), []).append((start, end))
+    edges = graph.undirected().edges()
+    edges = edges[edges[:, 0] < edges[:, 1]]
+    keys = np.stack([owner[edges[:, 0]], colors[edges[:, 0]], owner[edges[:, 1]], colors[edges[:, 1]]], axis=1)
+    pairs, counts = np.unique(keys.astype(np.int64), axis=0, return_counts=True)  # edges per (worker, colour) pair
     seen = 0
-    for u, v in graph.undirected().edges().tolist():
-        if u >= v:
-            continue
-        a = intervals.get((int(owner[u]), int(colors[u])), [])
-        b = intervals.get((int(owner[v]), int(colors[v])), [])
-        seen += sum(1 for s1, e1 in a for s2, e2 in b if s1 < e2 and s2 < e1)
+    for (wu, cu, wv, cv), count in zip(pairs.tolist(), counts.tolist(), strict=True):
+        a = intervals.get((wu, cu), [])
+        b = intervals.get((wv, cv), [])
+        seen += count * sum(1 for s1, e1 in a for s2, e2 in b if s1 < e2 and s2 < e1)
     return seen

@@ -10,7 +10,7 @@ import scipy.sparse as sp
 
 from paratrain.errors import ConfigError
 from paratrain.runtime.context import Context
-from paratrain.sched.mf import MFRun, ccdpp, mf_objective, power_law_ratings, svd_optimum
+from paratrain.sched.mf import MFRun, ccdpp, mf_objective, observed, power_law_ratings, svd_optimum
 from paratrain.sched.mf_engine import factorize, worker_block
 from paratrain.testing import run_ranks
 
@@ -36,6 +36,15 @@ def test_ccdpp_reaches_the_dense_optimum_and_records_the_true_objective(order: s
     assert run.objectives[-1] <= svd_optimum(r, 4, lam) * (1 + (1e-6 if order == "cyclic" else 1e-4))
     assert mf_objective(sp.csr_matrix(r), w, run.h, lam) == pytest.approx(run.objectives[-1], rel=1e-10)
     assert all(b <= a * (1 + 1e-12) for a, b in zip(run.objectives, run.objectives[1:], strict=False))  # descent
+
+
+def test_a_dense_matrixs_zeros_are_observed_entries() -> None:
+    """Zero pixels are data, not missing ratings: the factorisation of a matrix with zeros reaches the SVD's
+    optimum (it would go below it if they were dropped)."""
+    r = np.maximum(_dense(3), 0.0)  # about half zeros
+    assert observed(r).nnz == r.size and worker_block(r, 1, 3).nnz == r.size // 2
+    run, _ = ccdpp(r, 4, 0.5, picks=400, inner=10, parts=2)
+    assert 0 <= run.objectives[-1] / svd_optimum(r, 4, 0.5) - 1 <= 1e-6
 
 
 def test_priority_tries_every_factor_then_draws_by_gain_without_starving_any() -> None:
