@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from paratrain.cli import bench_sim
+from paratrain.cli import bench_sched, bench_sim
 
 __all__ = ["add_parser"]
 
@@ -586,6 +586,7 @@ def _add_auth_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentPars
     _add_sfb_bytes(bench_sub)
     _add_ddp_anchor(bench_sub)
     bench_sim.add_parsers(bench_sub)  # simulator, scaling
+    bench_sched.add_parsers(bench_sub)  # sched
 
 
 def _add_sfb_bytes(bench_sub: Any) -> None:

@@ -130,3 +130,17 @@ def test_sched_mf_runs_the_engine_against_the_dense_optimum(tmp_path: Path) -> N
     )
     assert sparse.returncode == 0, sparse.stdout + sparse.stderr
     assert "| cyclic | 20 | 80 |" in sparse.stdout and (tmp_path / "s" / "mf.png").stat().st_size > 0
+
+
+def test_bench_sched_lists_commands_the_parser_takes() -> None:
+    """Every command of ``paratrain bench sched`` (full and quick) parses with the real ``paratrain`` parser, so the
+    benchmark's settings cannot go stale against the flags; each writes into its own folder."""
+    from paratrain.cli.bench_sched import suite
+    from paratrain.cli.main import build_parser
+
+    for quick in (False, True):
+        runs = suite("out", quick=quick)
+        assert len({name for name, _ in runs}) == len(runs)
+        for name, argv in runs:
+            args = build_parser().parse_args(argv)
+            assert args.out == f"out/{name}" and args.command == "sched"
