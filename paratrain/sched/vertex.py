@@ -145,21 +145,46 @@ def _segment_sums(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return totals
 
 
-def run_sequential(plan: ChromaticPlan, program: VertexProgram, values: np.ndarray, sweeps: int) -> np.ndarray:
-    """One process: each sweep's sums, then every colour in order on the whole graph (the reference)."""
+def run_sequential(
+    plan: ChromaticPlan, program: VertexProgram, values: np.ndarray, sweeps: int, *, tol: float | None = None
+) -> np.ndarray:
+    """One process: each sweep's sums, then every colour in order on the whole graph (the reference); with
+    ``tol``, stops after the first sweep that moved the values by less than ``n * tol`` in L1 (as
+    :func:`run_chromatic`)."""
     view = np.asarray(values, dtype=np.float64).copy()
     everything = np.arange(len(view))
     for _ in range(sweeps):
+        before = view.copy()
         sums = program.aggregate(everything, view)
         for r in plan.rounds:
             members = np.sort(np.concatenate(r.updates))
             view[members] = program.update(members, view, sums)
+        if tol is not None and _moved(plan, np.abs(view - before)) < len(view) * tol:
+            break
     return view
 
 
-def run_chromatic(ctx: Context, plan: ChromaticPlan, program: VertexProgram, values: np.ndarray, sweeps: int) -> Sweeps:
+def _moved(plan: ChromaticPlan, change: np.ndarray) -> float:
+    """A sweep's L1 change, summed per worker's vertices and then in rank order (as the engine adds them)."""
+    total = 0.0
+    for worker in range(plan.workers):
+        total += float(change[plan.owner == worker].sum())
+    return total
+
+
+def run_chromatic(
+    ctx: Context,
+    plan: ChromaticPlan,
+    program: VertexProgram,
+    values: np.ndarray,
+    sweeps: int,
+    *,
+    tol: float | None = None,
+) -> Sweeps:
     """This worker's part of ``sweeps`` sweeps of ``plan`` (see the module docstring). Collective: every rank
-    calls it with the same plan, program and start ``values``; rank r is worker r.
+    calls it with the same plan, program and start ``values``; rank r is worker r. With ``tol``, the sweeps stop
+    after the first that moved the values by less than ``n * tol`` in L1 (networkx's ``pagerank`` criterion):
+    one allreduce of the workers' changes per sweep, so every worker stops after the same sweep.
 
     Raises:
         ConfigError: a plan for another number of workers.
@@ -176,6 +201,7 @@ def run_chromatic(ctx: Context, plan: ChromaticPlan, program: VertexProgram, val
     out = Sweeps(owned, view[owned])
     for _ in range(sweeps):
         began = time.perf_counter()
+        before = view[owned].copy()
         local = program.aggregate(owned, view)
         sums = ctx.allreduce(local) if len(local) else local
         base = group.reserve_tags(max(1, len(plan.rounds)))
@@ -191,7 +217,13 @@ def run_chromatic(ctx: Context, plan: ChromaticPlan, program: VertexProgram, val
             for (src, dst), vertices in r.sends.items():  # in source order (the plan's keys are sorted)
                 if dst == me:
                     view[vertices] = np.asarray(transport.recv(src, base - k, timeout=timeout).arrays[0])
+        if tol is not None:
+            change = np.zeros(ctx.world_size)
+            change[me] = np.abs(view[owned] - before).sum()
+            moved = float(ctx.allreduce(change).sum())  # each worker's own slot: the same sum on every rank
         out.seconds.append(time.perf_counter() - began)
+        if tol is not None and moved < len(view) * tol:
+            break
     out.values = view[owned]
     return out
 

@@ -76,10 +76,18 @@ def _engine(workers: int, r: sp.csr_matrix, transport: str = "inproc", **kw: obj
 
 
 @pytest.mark.parametrize(
-    ("workers", "order", "transport"), [(1, "cyclic", "inproc"), (3, "priority", "inproc"), (2, "priority", "zmq")]
+    ("workers", "order", "transport", "dense"),
+    [
+        (1, "cyclic", "inproc", False),
+        (3, "priority", "inproc", False),
+        (2, "priority", "zmq", False),
+        (3, "cyclic", "inproc", True),
+        (2, "priority", "zmq", True),
+    ],
 )
-def test_the_engine_computes_what_one_process_computes(workers: int, order: str, transport: str) -> None:
-    r, _ = power_law_ratings(90, 40, per_row=8, rank=3, seed=1)
+def test_the_engine_computes_what_one_process_computes(workers: int, order: str, transport: str, dense: bool) -> None:
+    """Sparse rows (CSR products) and fully observed ones (the dense path), over in-process queues and sockets."""
+    r = sp.csr_matrix(_dense(5)[:, :12]) if dense else power_law_ratings(90, 40, per_row=8, rank=3, seed=1)[0]
     ref, _ = ccdpp(r, 3, 0.3, picks=25, inner=2, order=order, parts=workers, seed=4)
     out = _engine(workers, r, transport, rank=3, lam=0.3, picks=25, inner=2, order=order, seed=4)
     assert out.picks == ref.picks and out.rounds == ref.rounds

@@ -56,6 +56,27 @@ def test_pagerank_by_colours_equals_one_process_and_networkx(workers: int, trans
     assert all(len(p.seconds) == 120 for p in parts)
 
 
+def test_with_a_tolerance_every_worker_stops_after_the_same_sweep_as_one_process() -> None:
+    """networkx's criterion (L1 change below n * tol): the engine stops after the sweep the reference stops
+    after, on every worker, with networkx's answer; far fewer sweeps than the cap."""
+    graph = _graph()
+    n = graph.num_vertices
+    plan = chromatic_plan(graph, color(graph, "edge"), block_partition(n, 3))
+    start = np.full(n, 1.0 / n)
+    parts = run_ranks(3, lambda ctx: run_chromatic(ctx, plan, PageRank(graph), start, 500, tol=1e-10), timeout=60)
+    swept = {len(p.seconds) for p in parts}
+    assert len(swept) == 1 and 5 < swept.pop() < 500
+    got = np.zeros(n)
+    for part in parts:
+        got[part.vertices] = part.values
+    want = run_sequential(plan, PageRank(graph), start, 500, tol=1e-10)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(got, _networkx_pagerank(graph), rtol=0, atol=1e-6)
+    k = len(parts[0].seconds)  # the reference ran exactly as many sweeps: k, not k - 1
+    assert np.array_equal(run_sequential(plan, PageRank(graph), start, k), want)
+    assert not np.array_equal(run_sequential(plan, PageRank(graph), start, k - 1), want)
+
+
 def test_the_overlap_check_finds_adjacent_updates_that_ran_together() -> None:
     """Two workers' logs where vertex 0's colour (worker 0) and its neighbour 1's colour (worker 1) ran at
     overlapping times: one pair; run apart: none."""
