@@ -31,6 +31,12 @@ MODULES = [
     "paratrain.bench.simulator",
     "paratrain.bench.profile",
     "paratrain.sim.pipe",
+    "paratrain.sched.graph",
+    "paratrain.sched.coloring",
+    "paratrain.sched.chromatic",
+    "paratrain.sched.strads",
+    "paratrain.sched.lasso",
+    "paratrain.sched.mf",
 ]
 
 
