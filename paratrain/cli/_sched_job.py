@@ -199,7 +199,7 @@ def _pagerank(args: argparse.Namespace) -> None:
     import paratrain as pt
     from paratrain.sched.chromatic import block_partition, chromatic_plan
     from paratrain.sched.coloring import color
-    from paratrain.sched.vertex import PageRank, run_chromatic
+    from paratrain.sched.vertex import PageRank, Sweeps, run_chromatic
 
     ctx = pt.init()
     graph = pagerank_graph(args.graph)
@@ -207,7 +207,14 @@ def _pagerank(args: argparse.Namespace) -> None:
     coloring = color(graph, "edge")
     plan = chromatic_plan(graph, coloring, block_partition(n, ctx.world_size))
     began = time.perf_counter()
-    part = run_chromatic(ctx, plan, PageRank(graph), np.full(n, 1.0 / n), args.sweeps, tol=args.tol or None)
+
+    def on_sweep(sweeps: Sweeps) -> None:
+        if ctx.rank == 0 and sweeps.changes:
+            _progress(args.progress, {"updates": len(sweeps.seconds), "objective": sweeps.changes[-1]})
+
+    part = run_chromatic(
+        ctx, plan, PageRank(graph), np.full(n, 1.0 / n), args.sweeps, tol=args.tol or None, on_sweep=on_sweep
+    )
     values = np.zeros(n)
     values[part.vertices] = part.values
     values = ctx.allreduce(values)  # each vertex is owned once: the sum assembles the ranks
@@ -225,6 +232,7 @@ def _pagerank(args: argparse.Namespace) -> None:
                     "sweeps": len(part.seconds),
                     "wall_s": wall,
                     "sweep_s": part.seconds,
+                    "changes": part.changes,
                     "values": values.tolist(),
                     "logs": logs.tolist(),
                 }
@@ -267,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pagerank.add_argument("--graph", default="debian")
     pagerank.add_argument("--sweeps", type=int, default=100)
     pagerank.add_argument("--tol", type=float, default=1e-10)
+    pagerank.add_argument("--progress", default=None)
     pagerank.add_argument("--out", required=True)
     args = p.parse_args(argv)
     {"lasso": _lasso, "mf": _mf, "pagerank": _pagerank}[args.app](args)

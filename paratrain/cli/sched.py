@@ -78,7 +78,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="stop when a sweep moves the ranks by < n * tol in L1, as networkx "
         "(default 1e-10, its tolerance here; 0: always --sweeps)",
     )
-    pagerank.add_argument("--out", default="sched-pagerank", help="directory for pagerank.json")
+    pagerank.add_argument("--out", default="sched-pagerank", help="directory for pagerank.json and pagerank.png")
     pagerank.set_defaults(func=_pagerank)
 
 
@@ -295,8 +295,9 @@ def _pagerank(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="paratrain-sched-") as tmp:
         result = Path(tmp) / "pagerank.json"
         argv = ["pagerank", "--graph", args.graph, "--sweeps", str(args.sweeps), "--tol", repr(args.tol)]
-        argv += ["--out", str(result)]
-        _launch(argv, args.workers, None, args.sweeps, "pagerank")
+        progress = Path(tmp) / "pagerank.progress"
+        argv += ["--out", str(result), "--progress", str(progress)]
+        _launch(argv, args.workers, progress, args.sweeps, "pagerank", unit="sweep")
         run = json.loads(result.read_text())
     g = nx.DiGraph()
     g.add_nodes_from(range(n))
@@ -309,11 +310,13 @@ def _pagerank(args: argparse.Namespace) -> int:
     out_degree = graph.out_degree().astype(np.float64)
     matrix = sp.csr_matrix((1.0 / out_degree[edges[:, 0]], (edges[:, 1], edges[:, 0])), shape=(n, n))
     began = time.perf_counter()
-    power, sweeps_power = np.full(n, 1.0 / n), 0
+    power, sweeps_power, power_changes, power_times = np.full(n, 1.0 / n), 0, [], []
     while True:
         sweeps_power += 1
         nxt = 0.15 / n + 0.85 * (matrix @ power + power[out_degree == 0].sum() / n)
-        done = float(np.abs(nxt - power).sum()) < n * 1e-10 or sweeps_power >= 1000
+        power_changes.append(float(np.abs(nxt - power).sum()))
+        power_times.append(time.perf_counter() - began)
+        done = power_changes[-1] < n * 1e-10 or sweeps_power >= 1000
         power = nxt
         if done:
             break
@@ -340,7 +343,43 @@ def _pagerank(args: argparse.Namespace) -> int:
                 "scipy_s": scipy_s,
                 "overlaps": seen,
                 "max_error": float(np.abs(got - want).max()),
+                "scipy_changes": power_changes,
+                "scipy_seconds": power_times,
             }
         )
     )
+    _plot_pagerank(run, (power_changes, power_times), networkx_s, n, out / "pagerank.png")
+    print(f"wrote {out / 'pagerank.json'} and {out / 'pagerank.png'}")
     return 0
+
+
+def _plot_pagerank(
+    run: dict[str, Any], power: tuple[list[float], list[float]], networkx_s: float, n: int, path: Path
+) -> None:
+    """Each sweep's L1 change against sweeps and against wall time: the engine beside the scipy power iteration,
+    networkx's whole run as a line."""
+    import itertools
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_sweeps, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    engine_times = list(itertools.accumulate(run["sweep_s"]))[: len(run["changes"])]
+    label = f"chromatic engine, {run['workers']} workers"
+    by_sweeps.plot(range(1, len(run["changes"]) + 1), run["changes"], label=label)
+    by_sweeps.plot(range(1, len(power[0]) + 1), power[0], label="scipy power iteration")
+    by_time.plot(engine_times, run["changes"], label=label)
+    by_time.plot(power[1], power[0], label="scipy power iteration")
+    by_time.axvline(networkx_s, color="gray", linestyle="--", label="networkx pagerank (whole run)")
+    for ax, xlabel in ((by_sweeps, "sweeps / power steps"), (by_time, "wall time (s)")):
+        ax.axhline(n * 1e-10, color="black", linewidth=0.6, label="stop: n x 1e-10")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("L1 change of the ranks")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -21,6 +21,7 @@ neighbours.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,12 +57,14 @@ class Sweeps:
         values: their values at the end.
         log: ``(colour, start, end)`` of every colour it updated, on the machine's monotonic clock.
         seconds: wall time of each sweep.
+        changes: with a tolerance, each sweep's L1 change over the whole graph (the same on every worker).
     """
 
     vertices: np.ndarray
     values: np.ndarray
     log: list[tuple[int, float, float]] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    changes: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -180,11 +183,13 @@ def run_chromatic(
     sweeps: int,
     *,
     tol: float | None = None,
+    on_sweep: Callable[[Sweeps], None] | None = None,
 ) -> Sweeps:
     """This worker's part of ``sweeps`` sweeps of ``plan`` (see the module docstring). Collective: every rank
     calls it with the same plan, program and start ``values``; rank r is worker r. With ``tol``, the sweeps stop
     after the first that moved the values by less than ``n * tol`` in L1 (networkx's ``pagerank`` criterion):
-    one allreduce of the workers' changes per sweep, so every worker stops after the same sweep.
+    one allreduce of the workers' changes per sweep, so every worker stops after the same sweep. ``on_sweep`` is
+    called after every sweep (progress).
 
     Raises:
         ConfigError: a plan for another number of workers.
@@ -220,9 +225,11 @@ def run_chromatic(
         if tol is not None:
             change = np.zeros(ctx.world_size)
             change[me] = np.abs(view[owned] - before).sum()
-            moved = float(ctx.allreduce(change).sum())  # each worker's own slot: the same sum on every rank
+            out.changes.append(float(ctx.allreduce(change).sum()))  # own slots: the same sum on every rank
         out.seconds.append(time.perf_counter() - began)
-        if tol is not None and moved < len(view) * tol:
+        if on_sweep is not None:
+            on_sweep(out)
+        if tol is not None and out.changes[-1] < len(view) * tol:
             break
     out.values = view[owned]
     return out

@@ -93,6 +93,7 @@ def test_sched_commands_run_real_jobs_and_report_against_their_anchors(tmp_path:
     )
     assert pr.returncode == 0, pr.stdout + pr.stderr
     assert "overlapping times (the engine's log): 0" in pr.stdout and "networkx pagerank" in pr.stdout
+    assert (tmp_path / "p" / "pagerank.png").stat().st_size > 0
     small = ["--data", "synthetic", "--rows", "300", "--alpha", "0.05", "--workers", "2", "--max-updates", "3000"]
     lasso = subprocess.run(
         [*run, "lasso", *small, "--gap", "1e-2", "--out", str(tmp_path / "l")],
