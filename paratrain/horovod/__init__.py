@@ -3,9 +3,9 @@
 
 The same names, signatures and defaults as Horovod's (``allreduce`` averages by default), and Horovod's error
 type, :class:`HorovodInternalError`, for mismatched calls and lost peers. What is here so far: the process API
-(:mod:`.basics`), the tensor collectives with handles and autograd (:mod:`.ops`), compression (:mod:`.compression`)
-and the broadcast helpers (:mod:`.functions`). Not yet: the DistributedOptimizer, Adasum, alltoall,
-reducescatter, object broadcasts, join, SyncBatchNorm (issue 17).
+(:mod:`.basics`), the tensor collectives with handles and autograd (:mod:`.ops`), compression (:mod:`.compression`),
+the broadcast helpers (:mod:`.functions`) and the DistributedOptimizer (:mod:`.optimizer`). Not yet: Adasum,
+alltoall, reducescatter, object broadcasts, join, SyncBatchNorm, the timeline (issue 17).
 """
 
 from __future__ import annotations
@@ -47,11 +47,13 @@ from paratrain.horovod.ops import (
     poll,
     synchronize,
 )
+from paratrain.horovod.optimizer import DistributedOptimizer
 
 __all__ = [
     "Adasum",
     "Average",
     "Compression",
+    "DistributedOptimizer",
     "HorovodInternalError",
     "Max",
     "Min",
