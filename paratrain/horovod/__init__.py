@@ -4,8 +4,8 @@
 The same names, signatures and defaults as Horovod's (``allreduce`` averages by default), and Horovod's error
 type, :class:`HorovodInternalError`, for mismatched calls and lost peers. What is here so far: the process API
 (:mod:`.basics`), the tensor collectives with handles and autograd (:mod:`.ops`), compression (:mod:`.compression`),
-the broadcast helpers (:mod:`.functions`) and the DistributedOptimizer (:mod:`.optimizer`). Not yet: Adasum,
-alltoall, reducescatter, object broadcasts, join, SyncBatchNorm, the timeline (issue 17).
+the broadcast helpers (:mod:`.functions`, :mod:`.objects`) and the DistributedOptimizer (:mod:`.optimizer`). Not
+yet: Adasum, join, SyncBatchNorm, the timeline (issue 17).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from paratrain.horovod.basics import (
 )
 from paratrain.horovod.compression import Compression
 from paratrain.horovod.functions import broadcast_optimizer_state, broadcast_parameters
+from paratrain.horovod.objects import allgather_object, broadcast_object
 from paratrain.horovod.ops import (
     allgather,
     allgather_async,
@@ -37,6 +38,7 @@ from paratrain.horovod.ops import (
     allreduce_,
     allreduce_async,
     allreduce_async_,
+    alltoall,
     barrier,
     broadcast,
     broadcast_,
@@ -45,6 +47,7 @@ from paratrain.horovod.ops import (
     grouped_allreduce,
     grouped_allreduce_async,
     poll,
+    reducescatter,
     synchronize,
 )
 from paratrain.horovod.optimizer import DistributedOptimizer
@@ -61,15 +64,18 @@ __all__ = [
     "Sum",
     "allgather",
     "allgather_async",
+    "allgather_object",
     "allreduce",
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
     "barrier",
     "broadcast",
     "broadcast_",
     "broadcast_async",
     "broadcast_async_",
+    "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "cross_rank",
@@ -82,6 +88,7 @@ __all__ = [
     "local_size",
     "poll",
     "rank",
+    "reducescatter",
     "shutdown",
     "size",
     "synchronize",

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from paratrain.horovod.basics import Adasum, Average, Max, Min, Product, Sum, rank, run
+from paratrain.horovod.basics import Adasum, Average, Max, Min, Product, Sum, rank, run, size
 from paratrain.horovod.compression import Compression, Compressor
 from paratrain.runtime.context import Context
 
@@ -39,6 +39,7 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
     "barrier",
     "broadcast",
     "broadcast_",
@@ -47,6 +48,7 @@ __all__ = [
     "grouped_allreduce",
     "grouped_allreduce_async",
     "poll",
+    "reducescatter",
     "synchronize",
 ]
 
@@ -342,3 +344,73 @@ def barrier(process_set: object = None) -> None:
 def _whole_job(process_set: object) -> None:
     if process_set is not None:
         raise ValueError("paratrain.horovod runs on the whole job: process_set= is not supported")
+
+
+def reducescatter(  # noqa: PLR0917 (Horovod's positional signature)
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: int = Average,
+    process_set: object = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """This rank's part of the reduced tensor, split on the first dimension as Horovod splits it (the first
+    ``len % size`` ranks get one row more); ``op`` is Average (Horovod's default here) or Sum."""
+    _whole_job(process_set)
+    if op not in (Average, Sum):
+        raise ValueError("reducescatter supports op=hvd.Average or hvd.Sum")
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension (it splits the first)")
+    compressed, state = compression.compress(tensor)
+    t = _scale(compressed.detach().contiguous(), prescale_factor)
+
+    def call(ctx: Context) -> torch.Tensor:
+        out = torch.as_tensor(ctx.reduce_scatter(t, "sum"))
+        if op == Average:
+            n = ctx.world_size
+            out = out / n if out.is_floating_point() else torch.div(out, n, rounding_mode="trunc")
+        return _scale(out, postscale_factor)
+
+    return compression.decompress(synchronize(_register(run(call), None, name)), state)
+
+
+def alltoall(
+    tensor: torch.Tensor, splits: torch.Tensor | None = None, name: str | None = None, process_set: object = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sends ``splits[q]`` consecutive rows of ``tensor`` to rank q (equal parts if ``splits`` is None) and
+    returns the rows received, in rank order; with ``splits``, also how many rows came from each rank (as
+    Horovod returns them). Moves every rank's whole tensor to every rank (an allgather): correct for any splits,
+    N times the bytes of a direct exchange.
+
+    Raises:
+        ValueError: ``splits`` of the wrong length, negative, or not summing to the first dimension; no splits
+            and a first dimension the ranks do not divide.
+    """
+    _whole_job(process_set)
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    n = size()
+    given = splits is not None
+    if splits is None:
+        if tensor.shape[0] % n:
+            raise ValueError(f"the first dimension {tensor.shape[0]} is not divisible by the {n} ranks; pass splits")
+        splits = torch.full((n,), tensor.shape[0] // n, dtype=torch.int64)
+    splits = torch.as_tensor(splits, dtype=torch.int64).reshape(-1)
+    if len(splits) != n or bool((splits < 0).any()) or int(splits.sum()) != tensor.shape[0]:
+        raise ValueError(f"splits must be {n} non-negative counts summing to {tensor.shape[0]}, got {splits.tolist()}")
+    t = tensor.detach().clone().contiguous()
+    me = rank()
+
+    def call(ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        table = torch.as_tensor(ctx.allgather(splits.reshape(1, -1)))  # table[q][p]: rows q sends p
+        everything = torch.as_tensor(ctx.allgather(t))
+        starts = torch.cumsum(table.sum(dim=1), 0) - table.sum(dim=1)  # where rank q's tensor begins
+        parts = []
+        for q in range(ctx.world_size):
+            offset = int(starts[q]) + int(table[q, :me].sum())
+            parts.append(everything[offset : offset + int(table[q, me])])
+        return torch.cat(parts), table[:, me].clone()
+
+    out, received = run(call).result()
+    return (out, received) if given else out

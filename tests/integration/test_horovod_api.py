@@ -163,6 +163,31 @@ for bad in (dict(op=hvd.Sum, average=True), dict(op=99)):
         check("bad arguments raise", False)
     except ValueError:
         check("bad arguments raise", True)
+rows = torch.arange(2 * n + 1, dtype=torch.float64).reshape(-1, 1).repeat(1, 2) * (r + 1)
+part = hvd.reducescatter(rows, op=hvd.Sum)
+full = torch.arange(2 * n + 1, dtype=torch.float64).reshape(-1, 1).repeat(1, 2) * (n * (n + 1) // 2)
+lo = sum(3 if q == 0 else 2 for q in range(r))  # the first len % n ranks get one row more
+check("reducescatter", torch.equal(part, full[lo : lo + (3 if r == 0 else 2)]))
+check("reducescatter average", torch.allclose(hvd.reducescatter(rows), full[lo : lo + (3 if r == 0 else 2)] / n))
+send = torch.arange(n * 2).reshape(-1, 1) + 100 * r  # 2 rows for every rank
+got = hvd.alltoall(send)
+expected = torch.cat([torch.arange(2 * r, 2 * r + 2).reshape(-1, 1) + 100 * q for q in range(n)])
+check("alltoall", torch.equal(got, expected))
+splits = torch.tensor([q + 1 for q in range(n)])  # q + 1 rows to rank q
+mine = torch.arange(int(splits.sum())) + 1000 * r
+got, received = hvd.alltoall(mine, splits=splits)
+starts = [sum(range(1, q + 1)) for q in range(n)]
+want = torch.cat([torch.arange(starts[r], starts[r] + r + 1) + 1000 * q for q in range(n)])
+check("alltoall splits", torch.equal(got, want) and received.tolist() == [r + 1] * n)
+state = {"epoch": 3 + r, "names": ["a", "b"], "lr": 0.5}
+sent = hvd.broadcast_object(state, root_rank=n - 1)
+check("broadcast_object", sent == {"epoch": 2 + n, "names": ["a", "b"], "lr": 0.5})
+check("allgather_object", hvd.allgather_object({"rank": r}) == [{"rank": q} for q in range(n)])
+try:
+    hvd.broadcast_object(object() if r == 0 else None, root_rank=0)
+    check("an object JSON cannot carry is refused everywhere", False)
+except (TypeError, hvd.HorovodInternalError) as exc:
+    check("an object JSON cannot carry is refused everywhere", isinstance(exc, TypeError) == (r == 0))
 hvd.barrier()
 print(f"rank {r}: {len(checks)} checks passed", flush=True)
 hvd.shutdown()
