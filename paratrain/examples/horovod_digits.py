@@ -2,10 +2,10 @@
 
 Every Horovod idiom is here: ``hvd.init()``, a ``DistributedSampler`` over ``hvd.size()`` replicas, the learning
 rate scaled by the number of ranks, ``broadcast_parameters`` and ``broadcast_optimizer_state`` from rank 0,
-``hvd.DistributedOptimizer`` (optionally with fp16 compression) and the test metrics averaged with
+``hvd.DistributedOptimizer`` (optionally with fp16 compression or Adasum) and the test metrics averaged with
 ``hvd.allreduce``. The data is scikit-learn's bundled digits (no download).
 
-Run: ``paratrain launch -n 2 -- python -m paratrain.examples.horovod_digits [--epochs 5] [--fp16-allreduce]``
+Run: ``paratrain launch -n 2 -- python -m paratrain.examples.horovod_digits [--fp16-allreduce] [--use-adasum]``
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="batch per rank (default 32)")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate of one rank (default 0.05)")
     parser.add_argument("--fp16-allreduce", action="store_true", help="16-bit gradients on the wire")
+    parser.add_argument("--use-adasum", action="store_true", help="combine the ranks' steps by Adasum")
     args = parser.parse_args()
 
     hvd.init()
@@ -47,12 +48,16 @@ def main() -> None:
     test_loader = DataLoader(test, batch_size=100, sampler=test_sampler)
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-    optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.5)
+    lr_scaler = 1 if args.use_adasum else hvd.size()  # Adasum needs no larger learning rate
+    optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=0.5)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(), compression=compression, op=hvd.Average
+        optimizer,
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        op=hvd.Adasum if args.use_adasum else hvd.Average,
     )
 
     for epoch in range(1, args.epochs + 1):

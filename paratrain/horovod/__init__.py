@@ -5,7 +5,7 @@ The same names, signatures and defaults as Horovod's (``allreduce`` averages by 
 type, :class:`HorovodInternalError`, for mismatched calls and lost peers. What is here so far: the process API
 (:mod:`.basics`), the tensor collectives with handles and autograd (:mod:`.ops`), compression (:mod:`.compression`),
 the broadcast helpers (:mod:`.functions`, :mod:`.objects`) and the DistributedOptimizer (:mod:`.optimizer`). Not
-yet: Adasum, join, SyncBatchNorm, the timeline (issue 17).
+yet: join, SyncBatchNorm, the timeline (issue 17).
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ The update rules, in one place:
 
 * ``allreduce(t, op)``: every rank gets ``postscale * REDUCE_r(prescale * t_r)`` with REDUCE the sum (``Sum``),
   the sum divided by ``size()`` (``Average``, the default, as Horovod's), the elementwise ``Min``, ``Max`` or
-  ``Product`` (the product in rank order). Integer tensors are scaled as Horovod scales them (the product with
-  the factor, truncated toward zero); an integer ``Average`` divides exactly, truncating toward zero.
+  ``Product`` (the product in rank order), or ``Adasum`` (:func:`adasum_tree`: pairwise adaptive sums in a
+  binary tree; floating tensors; gathered from every rank, N times a ring's bytes). Integer tensors are scaled
+  as Horovod scales them (the product with the factor, truncated toward zero); an integer ``Average`` divides
+  exactly, truncating toward zero.
 * ``allgather(t)``: the ranks' tensors concatenated on the first dimension in rank order (first dimensions may
   differ); ``broadcast(t, root_rank)``: ``root_rank``'s tensor everywhere.
 * Gradients (the differentiable forms): allreduce's is the same allreduce of the gradient; allgather's is this
@@ -33,6 +35,8 @@ from paratrain.horovod.compression import Compression, Compressor
 from paratrain.runtime.context import Context
 
 __all__ = [
+    "adasum_pair",
+    "adasum_tree",
     "allgather",
     "allgather_async",
     "allreduce",
@@ -73,10 +77,8 @@ def _op(op: int | None, average: bool | None) -> int:
         raise ValueError("The op parameter supersedes average. Please provide only one of them.")
     if op is None:
         return Average if average is None or average else Sum
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not implemented by paratrain.horovod yet; use op=hvd.Average or hvd.Sum")
-    if op not in (*_OPS, Product):
-        raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
+    if op not in (*_OPS, Product, Adasum):
+        raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Adasum, Min, Max or Product")
     return op
 
 
@@ -89,9 +91,35 @@ def _scale(t: torch.Tensor, factor: float) -> torch.Tensor:
     return (t.double() * factor).trunc().to(t.dtype)
 
 
+def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Adasum of two tensors (Maleki et al.): ``(1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b``, the dot product
+    and norms in float64; a side whose squared norm is below 1e-8 keeps coefficient 1 (as Horovod guards it).
+    Orthogonal tensors add up; equal ones give themselves."""
+    a64, b64 = a.double().flatten(), b.double().flatten()
+    dot, aa, bb = float(a64 @ b64), float(a64 @ a64), float(b64 @ b64)
+    ca = 1.0 - dot / (2 * aa) if aa >= 1e-8 else 1.0
+    cb = 1.0 - dot / (2 * bb) if bb >= 1e-8 else 1.0
+    return (ca * a64 + cb * b64).reshape(a.shape).to(a.dtype)
+
+
+def adasum_tree(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The ranks' tensors combined pairwise in a binary tree: (0, 1), (2, 3), ... then their results, the
+    order of Horovod's vector-halving distance-doubling; an unpaired tensor moves up a level unchanged."""
+    level = list(parts)
+    while len(level) > 1:
+        level = [
+            adasum_pair(level[i], level[i + 1]) if i + 1 < len(level) else level[i] for i in range(0, len(level), 2)
+        ]
+    return level[0]
+
+
 def _reduce(ctx: Context, t: torch.Tensor, op: int, prescale: float, postscale: float) -> torch.Tensor:
     x = _scale(t.detach().contiguous(), prescale)
-    if op == Product:
+    if op == Adasum:
+        if not x.is_floating_point():
+            raise ValueError(f"Adasum combines floating-point tensors, got {x.dtype}")
+        out = adasum_tree(list(torch.as_tensor(ctx.allgather(x.reshape(1, *x.shape)))))
+    elif op == Product:
         out = torch.as_tensor(ctx.allgather(x.reshape(1, *x.shape))).prod(dim=0).to(x.dtype)
     else:
         out = torch.as_tensor(ctx.allreduce(x, _OPS[op]))

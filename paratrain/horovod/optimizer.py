@@ -8,6 +8,11 @@ the wrapped optimizer's rule to the reduced gradients, identically on every rank
 gradient hooks while backward still runs (each is queued on the Horovod thread in the order backward produces
 them, the same on every rank for the same model), and ``step()`` (or ``synchronize()``) waits for them.
 ``skip_synchronize()`` lets a script synchronize first (to unscale or clip the gradients) and step after.
+
+With ``op=Adasum`` (Maleki et al., as Horovod's Adasum optimizer): each rank takes the wrapped optimizer's step on
+its own gradients (its optimizer state stays its own), and each parameter becomes its value before the step plus
+the Adasum of the ranks' changes (:func:`~paratrain.horovod.ops.adasum_tree`). As in Horovod, the learning rate
+is not scaled by the number of ranks for Adasum.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 
 import torch
 
-from paratrain.horovod.basics import Average, Sum, size
+from paratrain.horovod.basics import Adasum, Average, Sum, size
 from paratrain.horovod.compression import Compression, Compressor
 from paratrain.horovod.ops import allreduce_async_, synchronize
 
@@ -60,8 +65,8 @@ class _Distributed:
             by_id = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        if op not in (Average, Sum):
-            raise ValueError("paratrain.horovod's DistributedOptimizer supports op=hvd.Average or hvd.Sum so far")
+        if op not in (Average, Sum, Adasum):
+            raise ValueError("the DistributedOptimizer's op must be hvd.Average, hvd.Sum or hvd.Adasum")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         self._hvd_names = by_id
@@ -73,7 +78,8 @@ class _Distributed:
         self._hvd_handles: dict[int, tuple[torch.Tensor, int, Any]] = {}
         self._hvd_synchronized = False
         self._hvd_skip = False
-        self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_hook) for p in params if p.requires_grad]
+        hooked = [p for p in params if p.requires_grad] if op != Adasum else []  # Adasum reduces in step()
+        self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_hook) for p in hooked]
 
     def _hvd_hook(self, p: torch.Tensor) -> None:
         key = id(p)
@@ -130,11 +136,28 @@ class _Distributed:
             self._hvd_skip = False
 
     def step(self, closure: Any = None) -> Any:
-        """Synchronizes (unless inside ``skip_synchronize()``), then the wrapped optimizer's step."""
+        """Synchronizes (unless inside ``skip_synchronize()``), then the wrapped optimizer's step; with Adasum,
+        the local step, then the parameters' changes combined by Adasum (see the module docstring)."""
+        if self._hvd_op == Adasum:
+            return self._hvd_adasum_step(closure)
         if not self._hvd_skip and not self._hvd_synchronized:
             self.synchronize()
         self._hvd_synchronized = False
         return super().step(closure)  # type: ignore[misc]
+
+    def _hvd_adasum_step(self, closure: Any) -> Any:
+        opt: Any = self
+        params = [p for group in opt.param_groups for p in group["params"]]
+        before = [p.detach().clone() for p in params]
+        result = super().step(closure)  # type: ignore[misc]
+        handles = [
+            allreduce_async_(p.detach() - b, name=self._hvd_names[id(p)], op=Adasum)
+            for p, b in zip(params, before, strict=True)
+        ]
+        with torch.no_grad():
+            for p, b, h in zip(params, before, handles, strict=True):
+                p.copy_(b + synchronize(h))
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's, refused while reductions are still in flight (their results would land in

@@ -163,6 +163,25 @@ for bad in (dict(op=hvd.Sum, average=True), dict(op=99)):
         check("bad arguments raise", False)
     except ValueError:
         check("bad arguments raise", True)
+orthogonal = hvd.allreduce(torch.eye(n, dtype=torch.float64)[r], op=hvd.Adasum)
+check("adasum of orthogonal gradients is their sum", torch.equal(orthogonal, torch.ones(n, dtype=torch.float64)))
+same = torch.tensor([0.5, -1.0, 2.0])
+check("adasum of equal gradients is the gradient", torch.allclose(hvd.allreduce(same, op=hvd.Adasum), same))
+vecs = [torch.tensor([1.0, 2.0, 0.5]) * (q + 1) + torch.tensor([0.0, q, -q]) for q in range(n)]
+
+
+def pair(a, b):
+    dot = float(a @ b)
+    return (1 - dot / (2 * float(a @ a))) * a + (1 - dot / (2 * float(b @ b))) * b
+
+
+want = pair(vecs[0], vecs[1]) if n == 2 else pair(pair(vecs[0], vecs[1]), vecs[2])
+check("adasum by its formula", torch.allclose(hvd.allreduce(vecs[r], op=hvd.Adasum), want, atol=1e-6))
+try:
+    hvd.allreduce(torch.ones(2, dtype=torch.int32), op=hvd.Adasum)
+    check("adasum refuses integers", False)
+except ValueError:
+    check("adasum refuses integers", True)
 rows = torch.arange(2 * n + 1, dtype=torch.float64).reshape(-1, 1).repeat(1, 2) * (r + 1)
 part = hvd.reducescatter(rows, op=hvd.Sum)
 full = torch.arange(2 * n + 1, dtype=torch.float64).reshape(-1, 1).repeat(1, 2) * (n * (n + 1) // 2)
@@ -266,6 +285,35 @@ agree("sum", distributed(op=hvd.Sum), reference(1, float(n)), 1e-12)
 agree("backward passes 2", distributed(passes=2), reference(2, 1.0), 1e-12)
 agree("synchronize, skip_synchronize", distributed(clip=True), reference(1, 1.0), 1e-12)
 agree("fp16 compression", distributed(compression=hvd.Compression.fp16), reference(1, 1.0), 1e-2)
+
+
+def adasum_reference():
+    """Each rank's SGD step from the same parameters on its own rows (its momentum its own), the changes
+    combined pairwise by Adasum in a binary tree."""
+    from paratrain.horovod.ops import adasum_tree
+
+    models = [model() for _ in range(n)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    for step in range(STEPS):
+        start = [p.detach().clone() for p in models[0].parameters()]
+        deltas = []
+        for q, (m, o) in enumerate(zip(models, opts)):
+            with torch.no_grad():
+                for p, s in zip(m.parameters(), start):
+                    p.copy_(s)
+            o.zero_grad()
+            xb, yb = batch(step, 0, q)
+            torch.nn.functional.cross_entropy(m(xb), yb).backward()
+            o.step()
+            deltas.append([p.detach() - s for p, s in zip(m.parameters(), start)])
+        for m in models:
+            with torch.no_grad():
+                for i, p in enumerate(m.parameters()):
+                    p.copy_(start[i] + adasum_tree([d[i] for d in deltas]))
+    return torch.cat([p.detach().flatten() for p in models[0].parameters()])
+
+
+agree("adasum", distributed(op=hvd.Adasum), adasum_reference(), 1e-12)
 try:
     hvd.DistributedOptimizer(torch.optim.SGD(model().parameters(), lr=0.1), named_parameters=[("a", torch.zeros(1))])
     raise SystemExit("unnamed parameters were accepted")
