@@ -42,6 +42,7 @@ LAYERS = {
     "__init__": 5,  # the public API (paratrain.init, allreduce...): what user scripts and our workers import
     "testing": 5,
     "torch": 6,
+    "horovod": 6,  # Horovod's API over the runtime and torch (a front end beside paratrain.torch)
     "train": 7,
     "bench": 8,
     "cli": 9,

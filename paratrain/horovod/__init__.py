@@ -1,0 +1,95 @@
+"""Horovod's PyTorch API on paratrain: ``import paratrain.horovod as hvd`` in a script written for
+``horovod.torch`` and run it under ``paratrain launch`` (or torchrun, or SLURM).
+
+The same names, signatures and defaults as Horovod's (``allreduce`` averages by default), and Horovod's error
+type, :class:`HorovodInternalError`, for mismatched calls and lost peers. What is here so far: the process API
+(:mod:`.basics`), the tensor collectives with handles and autograd (:mod:`.ops`), compression (:mod:`.compression`),
+the broadcast helpers (:mod:`.functions`, :mod:`.objects`) and the DistributedOptimizer (:mod:`.optimizer`). Not
+yet: join, SyncBatchNorm, the timeline (issue 17).
+"""
+
+from __future__ import annotations
+
+from paratrain.horovod.basics import (
+    Adasum,
+    Average,
+    HorovodInternalError,
+    Max,
+    Min,
+    Product,
+    Sum,
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+from paratrain.horovod.compression import Compression
+from paratrain.horovod.functions import broadcast_optimizer_state, broadcast_parameters
+from paratrain.horovod.objects import allgather_object, broadcast_object
+from paratrain.horovod.ops import (
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allreduce,
+    grouped_allreduce_async,
+    poll,
+    reducescatter,
+    synchronize,
+)
+from paratrain.horovod.optimizer import DistributedOptimizer
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Compression",
+    "DistributedOptimizer",
+    "HorovodInternalError",
+    "Max",
+    "Min",
+    "Product",
+    "Sum",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "cross_rank",
+    "cross_size",
+    "grouped_allreduce",
+    "grouped_allreduce_async",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "poll",
+    "rank",
+    "reducescatter",
+    "shutdown",
+    "size",
+    "synchronize",
+]

@@ -1,0 +1,165 @@
+"""Horovod's process API over a paratrain context: ``init``, ``rank``, ``size``, the local and cross ranks, the
+reduction ops and Horovod's error type.
+
+``init`` joins the job the way :func:`paratrain.init` does (``paratrain launch``, torchrun, SLURM or one process),
+or adopts the context a script already made. Horovod's *cross* communicator holds the ranks that share this
+rank's local rank (one per host when hosts run equally many ranks): ``cross_rank`` is this rank's position among
+them and ``cross_size`` their number, computed at ``init`` from every rank's local rank.
+
+Every collective of :mod:`paratrain.horovod` runs on one thread per process, in call order, so that async calls
+(Horovod's handles) and blocking ones never interleave on the wire: the ranks match their collectives by order,
+which is what Horovod's names amount to when every rank issues the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from paratrain.errors import CollectiveMismatchError, NotInitializedError, TransportError
+from paratrain.runtime.context import Context, current
+from paratrain.runtime.context import init as _join
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "HorovodInternalError",
+    "Max",
+    "Min",
+    "Product",
+    "Sum",
+    "context",
+    "cross_rank",
+    "cross_size",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "rank",
+    "run",
+    "shutdown",
+    "size",
+]
+
+T = TypeVar("T")
+
+# Horovod's reduction ops, with its values (horovod.common.basics)
+Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed on every rank: the ranks called it with different shapes, dtypes or ops, or a peer
+    was lost (Horovod raises this name; its elastic mode catches it)."""
+
+
+@dataclass
+class _State:
+    ctx: Context
+    owns: bool  # init made the context, so shutdown closes it
+    cross_rank: int
+    cross_size: int
+    pool: concurrent.futures.ThreadPoolExecutor
+
+
+_lock = threading.Lock()
+_state: _State | None = None
+
+
+def init(comm: object = None, process_sets: object = None) -> None:
+    """Joins the job (idempotent). ``comm`` and ``process_sets`` are Horovod's MPI communicator and process sets,
+    which this layer does not have: they must be None.
+
+    Raises:
+        ValueError: ``comm`` or ``process_sets`` given.
+    """
+    global _state
+    if comm is not None or process_sets is not None:
+        raise ValueError("paratrain.horovod runs on the whole job: comm= and process_sets= are not supported")
+    with _lock:
+        if _state is not None and not _state.ctx.closed:
+            return
+        try:
+            ctx, owns = current(), False
+        except NotInitializedError:
+            ctx, owns = _join(), True
+        locals_ = np.asarray(ctx.allgather(np.array([ctx.local_rank], dtype=np.int64)))
+        peers = np.flatnonzero(locals_ == ctx.local_rank)
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-horovod")
+        _state = _State(ctx, owns, int(np.searchsorted(peers, ctx.rank)), len(peers), pool)
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` ran and the job is still up."""
+    return _state is not None and not _state.ctx.closed
+
+
+def shutdown() -> None:
+    """Leaves the job if :func:`init` joined it (a context the script made itself stays open)."""
+    global _state
+    with _lock:
+        state, _state = _state, None
+    if state is None:
+        return
+    state.pool.shutdown(wait=True)
+    if state.owns and not state.ctx.closed:
+        state.ctx.shutdown()
+
+
+def _get() -> _State:
+    if _state is None or _state.ctx.closed:
+        raise ValueError("Horovod has not been initialized; use hvd.init().")
+    return _state
+
+
+def context() -> Context:
+    """The paratrain context behind the Horovod API (for paratrain's own strategies)."""
+    return _get().ctx
+
+
+def rank() -> int:
+    """This process's rank in the job."""
+    return _get().ctx.rank
+
+
+def size() -> int:
+    """The number of processes in the job."""
+    return _get().ctx.world_size
+
+
+def local_rank() -> int:
+    """This process's rank on its host."""
+    return _get().ctx.local_rank
+
+
+def local_size() -> int:
+    """The number of processes on this host."""
+    return _get().ctx.local_world_size
+
+
+def cross_rank() -> int:
+    """This rank's position among the ranks with its local rank (its host's index, on equal hosts)."""
+    return _get().cross_rank
+
+
+def cross_size() -> int:
+    """The number of ranks with this rank's local rank (the number of hosts, on equal hosts)."""
+    return _get().cross_size
+
+
+def run(fn: Callable[[Context], T]) -> concurrent.futures.Future[T]:
+    """Queues a collective on the Horovod thread (see the module docstring); paratrain's errors come out of the
+    future as :class:`HorovodInternalError` (mismatched calls, lost peers), with paratrain's message."""
+    state = _get()
+
+    def call() -> T:
+        try:
+            return fn(state.ctx)
+        except (CollectiveMismatchError, TransportError) as exc:
+            raise HorovodInternalError(f"{type(exc).__name__}: {exc}") from exc
+
+    return state.pool.submit(call)

@@ -1,0 +1,444 @@
+"""Horovod's tensor collectives: allreduce, allgather, broadcast and their async, in-place and grouped forms,
+with Horovod's handles (``poll``/``synchronize``) and autograd through the collective.
+
+The update rules, in one place:
+
+* ``allreduce(t, op)``: every rank gets ``postscale * REDUCE_r(prescale * t_r)`` with REDUCE the sum (``Sum``),
+  the sum divided by ``size()`` (``Average``, the default, as Horovod's), the elementwise ``Min``, ``Max`` or
+  ``Product`` (the product in rank order), or ``Adasum`` (:func:`adasum_tree`: pairwise adaptive sums in a
+  binary tree; floating tensors; gathered from every rank, N times a ring's bytes). Integer tensors are scaled
+  as Horovod scales them (the product with the factor, truncated toward zero); an integer ``Average`` divides
+  exactly, truncating toward zero.
+* ``allgather(t)``: the ranks' tensors concatenated on the first dimension in rank order (first dimensions may
+  differ); ``broadcast(t, root_rank)``: ``root_rank``'s tensor everywhere.
+* Gradients (the differentiable forms): allreduce's is the same allreduce of the gradient; allgather's is this
+  rank's slice of the summed gradient; broadcast's is the summed gradient on the root, zero elsewhere.
+
+Each call is one of paratrain's collectives (the shared-memory path on one host, ring or tree across hosts), run
+in call order on the Horovod thread (:func:`paratrain.horovod.basics.run`). ``name`` is accepted and kept for
+the timeline; ranks match collectives by order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from paratrain.horovod.basics import Adasum, Average, Max, Min, Product, Sum, rank, run, size
+from paratrain.horovod.compression import Compression, Compressor
+from paratrain.runtime.context import Context
+
+__all__ = [
+    "adasum_pair",
+    "adasum_tree",
+    "allgather",
+    "allgather_async",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_async",
+    "poll",
+    "reducescatter",
+    "synchronize",
+]
+
+_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max"}
+
+
+@dataclass
+class _Pending:
+    future: concurrent.futures.Future[torch.Tensor]
+    out: torch.Tensor | None  # the in-place forms' tensor, written at synchronize
+    name: str | None
+
+
+_handles: dict[int, _Pending] = {}
+_ids = itertools.count(1)
+_handles_lock = threading.Lock()
+
+
+def _op(op: int | None, average: bool | None) -> int:
+    """Horovod's op from ``op`` or the deprecated ``average`` (never both)."""
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if op is None:
+        return Average if average is None or average else Sum
+    if op not in (*_OPS, Product, Adasum):
+        raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Adasum, Min, Max or Product")
+    return op
+
+
+def _scale(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """``factor * t``; integers as Horovod scales them (truncated toward zero)."""
+    if factor == 1.0:
+        return t
+    if t.is_floating_point() or t.is_complex():
+        return t * factor
+    return (t.double() * factor).trunc().to(t.dtype)
+
+
+def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Adasum of two tensors (Maleki et al.): ``(1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b``, the dot product
+    and norms in float64; a side whose squared norm is below 1e-8 keeps coefficient 1 (as Horovod guards it).
+    Orthogonal tensors add up; equal ones give themselves."""
+    a64, b64 = a.double().flatten(), b.double().flatten()
+    dot, aa, bb = float(a64 @ b64), float(a64 @ a64), float(b64 @ b64)
+    ca = 1.0 - dot / (2 * aa) if aa >= 1e-8 else 1.0
+    cb = 1.0 - dot / (2 * bb) if bb >= 1e-8 else 1.0
+    return (ca * a64 + cb * b64).reshape(a.shape).to(a.dtype)
+
+
+def adasum_tree(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The ranks' tensors combined pairwise in a binary tree: (0, 1), (2, 3), ... then their results, the
+    order of Horovod's vector-halving distance-doubling; an unpaired tensor moves up a level unchanged."""
+    level = list(parts)
+    while len(level) > 1:
+        level = [
+            adasum_pair(level[i], level[i + 1]) if i + 1 < len(level) else level[i] for i in range(0, len(level), 2)
+        ]
+    return level[0]
+
+
+def _reduce(ctx: Context, t: torch.Tensor, op: int, prescale: float, postscale: float) -> torch.Tensor:
+    x = _scale(t.detach().contiguous(), prescale)
+    if op == Adasum:
+        if not x.is_floating_point():
+            raise ValueError(f"Adasum combines floating-point tensors, got {x.dtype}")
+        out = adasum_tree(list(torch.as_tensor(ctx.allgather(x.reshape(1, *x.shape)))))
+    elif op == Product:
+        out = torch.as_tensor(ctx.allgather(x.reshape(1, *x.shape))).prod(dim=0).to(x.dtype)
+    else:
+        out = torch.as_tensor(ctx.allreduce(x, _OPS[op]))
+    if op == Average:
+        n = ctx.world_size
+        out = out / n if out.is_floating_point() or out.is_complex() else torch.div(out, n, rounding_mode="trunc")
+    return _scale(out, postscale)
+
+
+def _register(future: concurrent.futures.Future[torch.Tensor], out: torch.Tensor | None, name: str | None) -> int:
+    with _handles_lock:
+        handle = next(_ids)
+        _handles[handle] = _Pending(future, out, name)
+    return handle
+
+
+def poll(handle: int) -> bool:
+    """Whether the async operation ``handle`` finished (never blocks)."""
+    with _handles_lock:
+        pending = _handles.get(handle)
+    if pending is None:
+        raise ValueError(f"handle {handle} was not created or has been cleared")
+    return pending.future.done()
+
+
+def synchronize(handle: int) -> torch.Tensor:
+    """Waits for ``handle`` and returns its result (for the in-place forms, the tensor passed in, now holding it).
+
+    Raises:
+        HorovodInternalError: the collective failed on every rank (mismatched calls, a lost peer).
+    """
+    with _handles_lock:
+        pending = _handles.pop(handle, None)
+    if pending is None:
+        raise ValueError(f"handle {handle} was not created or has been cleared")
+    result = pending.future.result()
+    if pending.out is None:
+        return result
+    with torch.no_grad():
+        pending.out.copy_(result)
+    return pending.out
+
+
+def allreduce_async(  # noqa: PLR0917 (Horovod's positional signature)
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = None,
+) -> int:
+    """Starts an allreduce of ``tensor`` (see the module docstring); the input is not modified. Returns a handle
+    for :func:`poll` and :func:`synchronize`."""
+    _whole_job(process_set)
+    o = _op(op, average)
+    t = tensor.detach().clone()  # the caller may change its tensor before the collective runs
+    return _register(run(lambda ctx: _reduce(ctx, t, o, prescale_factor, postscale_factor)), None, name)
+
+
+def allreduce_async_(  # noqa: PLR0917 (Horovod's positional signature)
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = None,
+) -> int:
+    """Like :func:`allreduce_async`; :func:`synchronize` writes the result into ``tensor``."""
+    _whole_job(process_set)
+    o = _op(op, average)
+    t = tensor.detach().clone()
+    return _register(run(lambda ctx: _reduce(ctx, t, o, prescale_factor, postscale_factor)), tensor, name)
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(  # noqa: PLR0917 (autograd passes apply's arguments positionally)
+        ctx: Any, tensor: torch.Tensor, op: int, name: str | None, pre: float, post: float
+    ) -> torch.Tensor:
+        ctx.op, ctx.pre, ctx.post = op, pre, post
+        return synchronize(allreduce_async(tensor, None, name, op, pre, post))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        return allreduce(grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post), None, None, None, None
+
+
+def allreduce(  # noqa: PLR0917 (Horovod's positional signature)
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = None,
+) -> torch.Tensor:
+    """The reduced tensor (Average by default, see the module docstring); differentiable. ``compression``
+    (``Compression.fp16``) casts floating tensors to 16 bits on the wire and back."""
+    _whole_job(process_set)
+    o = _op(op, average)
+    compressed, state = compression.compress(tensor)
+    out = _Allreduce.apply(  # type: ignore[no-untyped-call]
+        compressed, o, name, prescale_factor, postscale_factor
+    )
+    return compression.decompress(out, state)
+
+
+def allreduce_(  # noqa: PLR0917 (Horovod's positional signature)
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = None,
+) -> torch.Tensor:
+    """In place: ``tensor`` holds the result, and is returned."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce_async(  # noqa: PLR0917 (Horovod's positional signature)
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = None,
+) -> list[int]:
+    """One handle per tensor, the group reduced together (in order, on the Horovod thread)."""
+    return [
+        allreduce_async(
+            t, average, None if name is None else f"{name}.{i}", op, prescale_factor, postscale_factor, process_set
+        )
+        for i, t in enumerate(tensors)
+    ]
+
+
+def grouped_allreduce(  # noqa: PLR0917 (Horovod's positional signature)
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = None,
+) -> list[torch.Tensor]:
+    """:func:`allreduce` of each tensor, differentiable, in order."""
+    return [
+        allreduce(
+            t,
+            average,
+            None if name is None else f"{name}.{i}",
+            compression,
+            op,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+        )
+        for i, t in enumerate(tensors)
+    ]
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: object = None) -> int:
+    """Starts an allgather (first dimensions may differ); returns a handle."""
+    _whole_job(process_set)
+    if tensor.dim() == 0:
+        raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on the first)")
+    t = tensor.detach().clone()
+    return _register(run(lambda ctx: torch.as_tensor(ctx.allgather(t.contiguous()))), None, name)
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+        ctx.dim = tensor.shape[0]
+        return synchronize(allgather_async(tensor, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        summed = allreduce(grad, op=Sum)
+        dims = allgather(torch.tensor([ctx.dim], dtype=torch.int64))
+        offset = int(dims[: rank()].sum())
+        return summed.narrow(0, offset, ctx.dim), None
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: object = None) -> torch.Tensor:
+    """Every rank's tensor concatenated on the first dimension in rank order; differentiable."""
+    _whole_job(process_set)
+    out: torch.Tensor = _Allgather.apply(  # type: ignore[no-untyped-call]
+        tensor, name
+    )
+    return out
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = None) -> int:
+    """Starts a broadcast of ``root_rank``'s tensor; the input is not modified. Returns a handle."""
+    _whole_job(process_set)
+    t = tensor.detach().clone().contiguous()
+    return _register(run(lambda ctx: torch.as_tensor(ctx.broadcast(t, root_rank))), None, name)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = None) -> int:
+    """Like :func:`broadcast_async`; :func:`synchronize` writes the result into ``tensor``."""
+    _whole_job(process_set)
+    t = tensor.detach().clone().contiguous()
+    return _register(run(lambda ctx: torch.as_tensor(ctx.broadcast(t, root_rank))), tensor, name)
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
+        ctx.root = root_rank
+        return synchronize(broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        summed = allreduce(grad, op=Sum)
+        return (summed if rank() == ctx.root else torch.zeros_like(summed)), None, None
+
+
+def broadcast(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = None
+) -> torch.Tensor:
+    """``root_rank``'s tensor on every rank; differentiable."""
+    _whole_job(process_set)
+    out: torch.Tensor = _Broadcast.apply(  # type: ignore[no-untyped-call]
+        tensor, root_rank, name
+    )
+    return out
+
+
+def broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = None
+) -> torch.Tensor:
+    """In place: ``tensor`` takes ``root_rank``'s value, and is returned."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def barrier(process_set: object = None) -> None:
+    """Blocks until every rank called it (after this rank's earlier collectives)."""
+    _whole_job(process_set)
+    run(lambda ctx: ctx.barrier()).result()
+
+
+def _whole_job(process_set: object) -> None:
+    if process_set is not None:
+        raise ValueError("paratrain.horovod runs on the whole job: process_set= is not supported")
+
+
+def reducescatter(  # noqa: PLR0917 (Horovod's positional signature)
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: int = Average,
+    process_set: object = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """This rank's part of the reduced tensor, split on the first dimension as Horovod splits it (the first
+    ``len % size`` ranks get one row more); ``op`` is Average (Horovod's default here) or Sum."""
+    _whole_job(process_set)
+    if op not in (Average, Sum):
+        raise ValueError("reducescatter supports op=hvd.Average or hvd.Sum")
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension (it splits the first)")
+    compressed, state = compression.compress(tensor)
+    t = _scale(compressed.detach().contiguous(), prescale_factor)
+
+    def call(ctx: Context) -> torch.Tensor:
+        out = torch.as_tensor(ctx.reduce_scatter(t, "sum"))
+        if op == Average:
+            n = ctx.world_size
+            out = out / n if out.is_floating_point() else torch.div(out, n, rounding_mode="trunc")
+        return _scale(out, postscale_factor)
+
+    return compression.decompress(synchronize(_register(run(call), None, name)), state)
+
+
+def alltoall(
+    tensor: torch.Tensor, splits: torch.Tensor | None = None, name: str | None = None, process_set: object = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sends ``splits[q]`` consecutive rows of ``tensor`` to rank q (equal parts if ``splits`` is None) and
+    returns the rows received, in rank order; with ``splits``, also how many rows came from each rank (as
+    Horovod returns them). Moves every rank's whole tensor to every rank (an allgather): correct for any splits,
+    N times the bytes of a direct exchange.
+
+    Raises:
+        ValueError: ``splits`` of the wrong length, negative, or not summing to the first dimension; no splits
+            and a first dimension the ranks do not divide.
+    """
+    _whole_job(process_set)
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    n = size()
+    given = splits is not None
+    if splits is None:
+        if tensor.shape[0] % n:
+            raise ValueError(f"the first dimension {tensor.shape[0]} is not divisible by the {n} ranks; pass splits")
+        splits = torch.full((n,), tensor.shape[0] // n, dtype=torch.int64)
+    splits = torch.as_tensor(splits, dtype=torch.int64).reshape(-1)
+    if len(splits) != n or bool((splits < 0).any()) or int(splits.sum()) != tensor.shape[0]:
+        raise ValueError(f"splits must be {n} non-negative counts summing to {tensor.shape[0]}, got {splits.tolist()}")
+    t = tensor.detach().clone().contiguous()
+    me = rank()
+
+    def call(ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        table = torch.as_tensor(ctx.allgather(splits.reshape(1, -1)))  # table[q][p]: rows q sends p
+        everything = torch.as_tensor(ctx.allgather(t))
+        starts = torch.cumsum(table.sum(dim=1), 0) - table.sum(dim=1)  # where rank q's tensor begins
+        parts = []
+        for q in range(ctx.world_size):
+            offset = int(starts[q]) + int(table[q, :me].sum())
+            parts.append(everything[offset : offset + int(table[q, me])])
+        return torch.cat(parts), table[:, me].clone()
+
+    out, received = run(call).result()
+    return (out, received) if given else out
