@@ -27,6 +27,7 @@ from __future__ import annotations
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES, Bucket, ParamInfo, plan_buckets
 from paratrain.torch.broadcast import broadcast_parameters
 from paratrain.torch.data import Shard, ShardSampler, shard, shard_indices
+from paratrain.torch.ddp import DistributedDataParallel, DistributedSampler
 from paratrain.torch.optimizer import DistributedOptimizer
 from paratrain.torch.strategies import STRATEGIES, StrategySpec, parse_strategy
 
@@ -34,7 +35,9 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "STRATEGIES",
     "Bucket",
+    "DistributedDataParallel",
     "DistributedOptimizer",
+    "DistributedSampler",
     "ParamInfo",
     "Shard",
     "ShardSampler",
