@@ -4,8 +4,8 @@
 The same names, signatures and defaults as Horovod's (``allreduce`` averages by default), and Horovod's error
 type, :class:`HorovodInternalError`, for mismatched calls and lost peers. What is here so far: the process API
 (:mod:`.basics`), the tensor collectives with handles and autograd (:mod:`.ops`), compression (:mod:`.compression`),
-the broadcast helpers (:mod:`.functions`, :mod:`.objects`) and the DistributedOptimizer (:mod:`.optimizer`). Not
-yet: join, SyncBatchNorm, the timeline (issue 17).
+the broadcast helpers (:mod:`.functions`, :mod:`.objects`) and the DistributedOptimizer (:mod:`.optimizer`). Also
+``SyncBatchNorm`` (:mod:`.sync_batch_norm`). Not yet: join, the timeline (issue 17).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from paratrain.horovod.ops import (
     synchronize,
 )
 from paratrain.horovod.optimizer import DistributedOptimizer
+from paratrain.horovod.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Adasum",
@@ -62,6 +63,7 @@ __all__ = [
     "Min",
     "Product",
     "Sum",
+    "SyncBatchNorm",
     "allgather",
     "allgather_async",
     "allgather_object",

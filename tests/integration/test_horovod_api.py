@@ -314,6 +314,33 @@ def adasum_reference():
 
 
 agree("adasum", distributed(op=hvd.Adasum), adasum_reference(), 1e-12)
+
+
+def near(name, got, want, tol):
+    """This rank's values against the one-process ones (they differ between ranks)."""
+    err = float((got - want).abs().max())
+    assert err <= tol, f"{name}: {err} from the one-process run"
+    print(f"rank {r}: {name} max difference {err:.2e}", flush=True)
+torch.manual_seed(3)
+full = torch.randn(4 * n, 3, 5) * 2 + 1  # every rank builds the whole batch and takes its quarter-rows
+mine = full[4 * r : 4 * r + 4].clone().requires_grad_(True)
+whole = full.clone().requires_grad_(True)
+sync, plain = hvd.SyncBatchNorm(3, momentum=0.3), torch.nn.BatchNorm1d(3, momentum=0.3)
+with torch.no_grad():
+    for bn in (sync, plain):
+        bn.weight.copy_(torch.tensor([1.0, 2.0, -1.0]))
+        bn.bias.copy_(torch.tensor([0.0, 0.5, 1.0]))
+weights = torch.arange(4 * n * 15, dtype=torch.float64).reshape(4 * n, 3, 5).sin()  # a loss that mixes rows
+(sync(mine) * weights[4 * r : 4 * r + 4]).sum().backward()
+(plain(whole) * weights).sum().backward()
+near("sync batch norm input gradient", mine.grad.flatten(), whole.grad[4 * r : 4 * r + 4].flatten(), 1e-12)
+weight_grad = hvd.allreduce(sync.weight.grad, op=hvd.Sum)
+agree("sync batch norm weight gradient", weight_grad, plain.weight.grad, 1e-12)
+agree("sync batch norm running statistics", torch.cat([sync.running_mean, sync.running_var]),
+      torch.cat([plain.running_mean, plain.running_var]), 1e-12)
+sync.eval(), plain.eval()
+evaluated = plain(whole)[4 * r : 4 * r + 4].detach().flatten()
+near("sync batch norm in evaluation", sync(mine).detach().flatten(), evaluated, 1e-12)
 try:
     hvd.DistributedOptimizer(torch.optim.SGD(model().parameters(), lr=0.1), named_parameters=[("a", torch.zeros(1))])
     raise SystemExit("unnamed parameters were accepted")
@@ -346,7 +373,9 @@ def test_the_horovod_api_on_real_processes(tmp_path: Path, ranks: int) -> None:
 def test_distributed_optimizer_equals_one_process_with_the_same_total_batch(tmp_path: Path, ranks: int) -> None:
     """Horovod's DistributedOptimizer on digits (float64, SGD with momentum): averaged, predivided, summed,
     accumulated over 2 backward passes, synchronized by hand, and fp16-compressed reductions give the one-process
-    model of the same total batch (to 1e-12; fp16 to 1e-2), the same on every rank."""
+    model of the same total batch (to 1e-12; fp16 to 1e-2), the same on every rank; Adasum equals its
+    one-process replay; SyncBatchNorm over the ranks' rows equals BatchNorm over the whole batch (outputs,
+    gradients, running statistics)."""
     script = tmp_path / "hvd_optimizer.py"
     script.write_text(OPTIMIZER_JOB)
     out = subprocess.run(
