@@ -36,11 +36,19 @@ __all__ = [
     "context",
     "cross_rank",
     "cross_size",
+    "cuda_built",
+    "gloo_built",
+    "gloo_enabled",
     "init",
     "is_initialized",
     "local_rank",
     "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
     "rank",
+    "rocm_built",
     "run",
     "shutdown",
     "size",
@@ -149,6 +157,46 @@ def cross_rank() -> int:
 def cross_size() -> int:
     """The number of ranks with this rank's local rank (the number of hosts, on equal hosts)."""
     return _get().cross_size
+
+
+def mpi_built() -> bool:
+    """False: paratrain moves data over its own transports (ZeroMQ, shared memory), not MPI."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    """False (see :func:`mpi_built`)."""
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """False (see :func:`mpi_built`)."""
+    return False
+
+
+def gloo_built() -> bool:
+    """False: not Gloo either (see :func:`mpi_built`)."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False (see :func:`gloo_built`)."""
+    return False
+
+
+def nccl_built() -> bool:
+    """False: CPU tensors only, no NCCL."""
+    return False
+
+
+def cuda_built() -> bool:
+    """False: CPU tensors only."""
+    return False
+
+
+def rocm_built() -> bool:
+    """False: CPU tensors only."""
+    return False
 
 
 def run(fn: Callable[[Context], T]) -> concurrent.futures.Future[T]:
