@@ -48,8 +48,8 @@ class _Normalize:
 
 class _MNIST(torch.utils.data.Dataset[tuple[Any, int]]):
     """Fashion-MNIST's training (60000) or test (10000) images with their labels, in torchvision's MNIST form:
-    ``MNIST(root, train=True, download=False, transform=None, target_transform=None)``; ``root`` and
-    ``download`` are ignored (nothing is downloaded; the data comes from Debian's package)."""
+    ``MNIST(root, train=True, download=False, transform=None, target_transform=None)``. Nothing is downloaded:
+    the IDX files come from ``root`` if it holds them, else from Debian's package."""
 
     def __init__(
         self,
@@ -59,9 +59,12 @@ class _MNIST(torch.utils.data.Dataset[tuple[Any, int]]):
         transform: Callable[[Any], Any] | None = None,
         target_transform: Callable[[int], Any] | None = None,
     ) -> None:
+        from pathlib import Path
+
         from paratrain.train.data import load_dataset
 
-        data = load_dataset("fashion-mnist")
+        here = root is not None and any(Path(root).glob("train-images-idx3-ubyte*"))
+        data = load_dataset("fashion-mnist", data_dir=str(root) if here else None)
         images = data.x_train if train else data.x_test
         labels = data.y_train if train else data.y_test
         self.images = np.asarray(images).reshape(len(images), 28, 28)

@@ -83,3 +83,21 @@ def test_recorder_and_merge(tmp_path: Path) -> None:
     assert len(spans) == 4 and {e["pid"] for e in spans} == {0, 1}
     assert any(e["ph"] == "M" and e["args"]["name"] == "rank 1" for e in timeline["traceEvents"])
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_bundled_stand_in_for_torchvisions_mnist(tmp_path: Path) -> None:
+    """``datasets.MNIST`` and ``transforms`` as an MNIST script uses them: 28 x 28 bytes back from the IDX files,
+    ToTensor to [0, 1] with a channel, Normalize, the labels, train and test splits."""
+    from paratrain.examples.bundled_vision import datasets, transforms
+
+    _fake_fashion(tmp_path, gz=False)
+    pipeline = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,), (0.25,))])
+    train = datasets.MNIST(str(tmp_path), train=True, download=True, transform=pipeline)
+    test = datasets.MNIST(str(tmp_path), train=False)
+    assert (len(train), len(test)) == (12, 5)
+    image, label = train[3]
+    raw = read_idx(tmp_path / "train-images-idx3-ubyte")[3]
+    assert image.shape == (1, 28, 28) and isinstance(label, int)
+    assert np.allclose(image.numpy()[0], (raw / 255.0 - 0.5) / 0.25, atol=1e-6)
+    assert label == int(read_idx(tmp_path / "train-labels-idx1-ubyte")[3])
+    assert np.array_equal(test[4][0], read_idx(tmp_path / "t10k-images-idx3-ubyte")[4])
