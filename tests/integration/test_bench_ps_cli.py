@@ -145,12 +145,13 @@ def test_a_job_past_its_deadline_is_reported_and_stopped(tmp_path: Path) -> None
 def test_the_last_guard_kills_what_the_bench_started() -> None:
     # A job that ignores every polite signal and outlives the deadline: the launch library's deadline kills its
     # process group (the bench no longer walks /proc itself). Run in a fresh interpreter, so that the supervisor
-    # owns the main thread and its signal handlers, as in `paratrain bench ps`.
+    # owns the main thread and its signal handlers, as in `paratrain bench ps`. The deadline leaves the child 2 s
+    # to start and ignore SIGTERM: with 0.3 s a loaded machine killed it before it got there (a flaky test).
     script = (
         "import os\n"
         "from paratrain.launch.run import run_commands\n"
         "code = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(30)'\n"
-        "outcome = run_commands([(['python3', '-c', code], dict(os.environ))], deadline_s=0.3, grace_s=0.3)\n"
+        "outcome = run_commands([(['python3', '-c', code], dict(os.environ))], deadline_s=2.0, grace_s=0.3)\n"
         "print(outcome.timed_out, outcome.exit_code)\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=False)
