@@ -35,6 +35,8 @@ Variables (all optional unless a launcher set them):
                                 servers (primary-backup); a job survives R - 1 server deaths (default 1)
 ``PARATRAIN_RUN_ID``            identifies the job (names of ipc endpoints and shared memory)
 ``PARATRAIN_RUN_DIR``           directory for the job's outputs (metrics, plots, timeline)
+``PARATRAIN_TIMELINE``          write a Horovod-style Chrome-trace timeline of this process's communication to
+                                this file (rank r > 0: ``NAME.rank{r}.json``; :mod:`paratrain.timeline`)
 ``PARATRAIN_SCRATCH_DIR``       the launcher's scratch directory for this job (removed when the job ends)
 ``PARATRAIN_LOG_LEVEL``         logging level of the ``paratrain`` logger (``WARNING``)
 ``PARATRAIN_MAX_RESTARTS``      set by ``paratrain launch --max-restarts R``: a failed rank is restarted (up to R
@@ -264,6 +266,7 @@ class Settings:
             more survive server deaths at the cost of a server-to-server hop per push.
         run_id: identifier of the job, used to name ipc endpoints and shared memory.
         run_dir: directory for outputs, or None.
+        timeline: the file of the communication timeline (``PARATRAIN_TIMELINE``), or None.
         scratch_dir: the launcher's per-job scratch directory, or None when not under ``paratrain launch``.
         launched_by: ``paratrain``, ``torchrun``, ``slurm`` or ``none`` (a single process started by hand).
         max_restarts: restarts the launcher may still make in this job (``paratrain launch --max-restarts``);
@@ -304,6 +307,7 @@ class Settings:
     ps_replicas: int = 1
     run_id: str = "default"
     run_dir: str | None = None
+    timeline: str | None = None
     scratch_dir: str | None = None
     launched_by: str = "none"
     max_restarts: int = 0
@@ -483,6 +487,7 @@ class Settings:
             or env.get("SLURM_JOB_ID")
             or "default",
             run_dir=env.get("PARATRAIN_RUN_DIR") or None,
+            timeline=env.get("PARATRAIN_TIMELINE") or None,
             scratch_dir=env.get("PARATRAIN_SCRATCH_DIR") or None,
             launched_by=launched_by,
             max_restarts=_get_int(env, "PARATRAIN_MAX_RESTARTS", 0),

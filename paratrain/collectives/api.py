@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ from paratrain.transport.base import Handle, Transport
 
 if TYPE_CHECKING:
     from paratrain.collectives.shm import ShmAllreduce
+    from paratrain.timeline import Timeline
 
 __all__ = [
     "AUTO_BROADCAST_TREE_MAX_BYTES",
@@ -227,6 +229,8 @@ class Collectives:
         self.choose_allreduce: Callable[[int, int], str] = default_allreduce_choice
         self.choose_broadcast: Callable[[int, int], str] = default_broadcast_choice
         self._shm: ShmAllreduce | None = None
+        #: where calls are recorded (``PARATRAIN_TIMELINE``; :mod:`paratrain.timeline`), or None
+        self.timeline: Timeline | None = None
         #: bytes this rank handed to allreduce calls (whatever path carried them: sockets or shared memory)
         self.allreduce_bytes = 0
         if hosts is not None and HostLayout(hosts).is_hierarchical:
@@ -265,20 +269,42 @@ class Collectives:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {choices}")
         return algorithm
 
-    def _run(self, body: Callable[[int], T]) -> T:
-        """Takes the call's tag and runs ``body(tag)`` in the calling thread."""
+    def _run(self, body: Callable[[int], T], label: str = "collective", x: object = None) -> T:
+        """Takes the call's tag and runs ``body(tag)`` in the calling thread (recorded on the timeline as
+        ``label``, with ``x``'s bytes)."""
         with self._order:
             tag = self._next_tag()
         # calls complete in call order: a blocking call waits for the async calls issued before it (algorithms
         # outside the tag scheme, like shared memory, rely on every rank running calls in one order)
         self._worker.drain(self.timeout)
-        return body(tag)
+        timeline = self.timeline
+        if timeline is None:
+            return body(tag)
+        start = time.time()
+        try:
+            return body(tag)
+        finally:
+            timeline.span(label, label.upper(), start, time.time(), bytes=_nbytes(x))
 
-    def _submit(self, body: Callable[[int], T]) -> Handle[T]:
-        """Takes the call's tag and queues ``body(tag)`` on the worker; tags and queue order agree."""
+    def _submit(self, body: Callable[[int], T], label: str = "collective", x: object = None) -> Handle[T]:
+        """Takes the call's tag and queues ``body(tag)`` on the worker; tags and queue order agree. On the
+        timeline: ``QUEUE`` until the worker starts it, then ``label``."""
+        timeline = self.timeline
+        queued, nbytes = time.time(), _nbytes(x) if timeline is not None else 0
+
+        def timed(tag: int) -> T:
+            if timeline is None:
+                return body(tag)
+            start = time.time()
+            timeline.span(label, "QUEUE", queued, start)
+            try:
+                return body(tag)
+            finally:
+                timeline.span(label, label.upper(), start, time.time(), bytes=nbytes)
+
         with self._order:
             tag = self._next_tag()
-            return self._worker.submit(lambda: body(tag))
+            return self._worker.submit(lambda: timed(tag))
 
     def _exchange(self, tag: int, timeout: float | None, label: str) -> Exchange:
         return Exchange(self.transport, tag=tag, timeout=self.timeout if timeout is None else timeout, label=label)
@@ -395,7 +421,7 @@ class Collectives:
             >>> run_ranks(3, lambda ctx: ctx.allreduce(np.full(2, ctx.rank), op="max").tolist())
             [[2, 2], [2, 2], [2, 2]]
         """
-        result: A = self._run(self._allreduce(x, op, algorithm, timeout, mode="copy"))
+        result: A = self._run(self._allreduce(x, op, algorithm, timeout, mode="copy"), "allreduce", x)
         return result
 
     def allreduce_(self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
@@ -415,7 +441,7 @@ class Collectives:
             >>> run_ranks(2, fn)
             [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
         """
-        result: A = self._run(self._allreduce(x, op, algorithm, timeout, mode="in_place"))
+        result: A = self._run(self._allreduce(x, op, algorithm, timeout, mode="in_place"), "allreduce", x)
         return result
 
     def allreduce_async(
@@ -435,7 +461,7 @@ class Collectives:
             >>> run_ranks(2, fn)[0]
             [[0.0, 0.0], [2.0, 2.0], [4.0, 4.0]]
         """
-        return self._submit(self._allreduce(x, op, algorithm, timeout, mode="snapshot"))
+        return self._submit(self._allreduce(x, op, algorithm, timeout, mode="snapshot"), "allreduce", x)
 
     # -- broadcast
 
@@ -457,7 +483,9 @@ class Collectives:
             >>> run_ranks(3, lambda ctx: ctx.broadcast(np.array([ctx.rank]), root=2).tolist())
             [[2], [2], [2]]
         """
-        result: A = self._run(self._checked(lambda: self._prepare_broadcast(x, root, algorithm, timeout), timeout))
+        result: A = self._run(
+            self._checked(lambda: self._prepare_broadcast(x, root, algorithm, timeout), timeout), "broadcast", x
+        )
         return result
 
     def _prepare_broadcast(self, x: Any, root: int, algorithm: str, timeout: float | None) -> Callable[[int], Any]:
@@ -495,7 +523,7 @@ class Collectives:
             >>> run_ranks(2, lambda ctx: ctx.allgather(np.arange(ctx.rank + 1)).tolist())
             [[0, 0, 1], [0, 0, 1]]
         """
-        result: A = self._run(self._checked(lambda: self._prepare_allgather(x, timeout), timeout))
+        result: A = self._run(self._checked(lambda: self._prepare_allgather(x, timeout), timeout), "allgather", x)
         return result
 
     def allgather_async(self, x: A, *, timeout: float | None = None) -> Handle[A]:
@@ -511,7 +539,9 @@ class Collectives:
             >>> run_ranks(2, lambda ctx: ctx.allgather_async(np.full(ctx.rank + 1, ctx.rank)).wait().tolist())
             [[0, 1, 1], [0, 1, 1]]
         """
-        return self._submit(self._checked(lambda: self._prepare_allgather(x, timeout, copy=True), timeout, "snapshot"))
+        return self._submit(
+            self._checked(lambda: self._prepare_allgather(x, timeout, copy=True), timeout, "snapshot"), "allgather", x
+        )
 
     def _prepare_allgather(self, x: Any, timeout: float | None, *, copy: bool = False) -> Callable[[int], Any]:
         view, dtype_name = _as_array(x)
@@ -556,7 +586,9 @@ class Collectives:
             >>> run_ranks(2, lambda ctx: ctx.reduce_scatter(np.arange(5)).tolist())
             [[0, 2, 4], [6, 8]]
         """
-        result: A = self._run(self._checked(lambda: self._prepare_reduce_scatter(x, op, timeout), timeout))
+        result: A = self._run(
+            self._checked(lambda: self._prepare_reduce_scatter(x, op, timeout), timeout), "reduce_scatter", x
+        )
         return result
 
     def _prepare_reduce_scatter(self, x: Any, op: str, timeout: float | None) -> Callable[[int], Any]:
@@ -612,3 +644,12 @@ class Collectives:
         self.allreduce_algorithms["shm"] = AllreduceAlgorithm(self._shm, agreement=False)
         self.choose_allreduce = lambda nbytes, world_size: "shm"
         return True
+
+
+def _nbytes(x: object) -> int:
+    """Bytes of an array or tensor (0 for anything else), for the timeline."""
+    if isinstance(x, np.ndarray):
+        return int(x.nbytes)
+    if is_torch_tensor(x):
+        return int(x.numel() * x.element_size())  # type: ignore[attr-defined]
+    return 0

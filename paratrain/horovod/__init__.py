@@ -5,7 +5,8 @@ The same names, signatures and defaults as Horovod's (``allreduce`` averages by 
 type, :class:`HorovodInternalError`, for mismatched calls and lost peers. What is here so far: the process API
 (:mod:`.basics`), the tensor collectives with handles and autograd (:mod:`.ops`), compression (:mod:`.compression`),
 the broadcast helpers (:mod:`.functions`, :mod:`.objects`) and the DistributedOptimizer (:mod:`.optimizer`). Also
-``SyncBatchNorm`` (:mod:`.sync_batch_norm`). Not yet: join, the timeline (issue 17).
+``SyncBatchNorm`` (:mod:`.sync_batch_norm`). Every collective goes through :mod:`.engine`: requests matched by
+name across ranks, tensor fusion, ``join``, and the timeline (``PARATRAIN_TIMELINE=file.json``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from paratrain.horovod.ops import (
     broadcast_async_,
     grouped_allreduce,
     grouped_allreduce_async,
+    join,
     poll,
     reducescatter,
     synchronize,
@@ -97,6 +99,7 @@ __all__ = [
     "grouped_allreduce_async",
     "init",
     "is_initialized",
+    "join",
     "local_rank",
     "local_size",
     "mpi_built",

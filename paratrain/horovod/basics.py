@@ -6,24 +6,29 @@ or adopts the context a script already made. Horovod's *cross* communicator hold
 rank's local rank (one per host when hosts run equally many ranks): ``cross_rank`` is this rank's position among
 them and ``cross_size`` their number, computed at ``init`` from every rank's local rank.
 
-Every collective of :mod:`paratrain.horovod` runs on one thread per process, in call order, so that async calls
-(Horovod's handles) and blocking ones never interleave on the wire: the ranks match their collectives by order,
-which is what Horovod's names amount to when every rank issues the same calls in the same order.
+Every collective of :mod:`paratrain.horovod` is a request to this process's :class:`~.engine.Engine`, which
+matches requests across ranks by name (unnamed ones by call order), fuses small allreduces, runs ``join`` and
+records the timeline (``PARATRAIN_TIMELINE``), on a process group of its own: the script's own paratrain calls
+on the context never meet the engine's messages.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
-from paratrain.errors import CollectiveMismatchError, NotInitializedError, TransportError
+from paratrain.errors import NotInitializedError
+from paratrain.horovod.engine import Engine, Request, fusion_bytes_from_env
 from paratrain.runtime.context import Context, current
 from paratrain.runtime.context import init as _join
+from paratrain.runtime.group import Group
+from paratrain.timeline import timeline_for
 
 __all__ = [
     "Adasum",
@@ -52,6 +57,7 @@ __all__ = [
     "run",
     "shutdown",
     "size",
+    "submit",
 ]
 
 T = TypeVar("T")
@@ -71,7 +77,8 @@ class _State:
     owns: bool  # init made the context, so shutdown closes it
     cross_rank: int
     cross_size: int
-    pool: concurrent.futures.ThreadPoolExecutor
+    group: Group
+    engine: Engine
 
 
 _lock = threading.Lock()
@@ -97,8 +104,16 @@ def init(comm: object = None, process_sets: object = None) -> None:
             ctx, owns = _join(), True
         locals_ = np.asarray(ctx.allgather(np.array([ctx.local_rank], dtype=np.int64)))
         peers = np.flatnonzero(locals_ == ctx.local_rank)
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-horovod")
-        _state = _State(ctx, owns, int(np.searchsorted(peers, ctx.rank)), len(peers), pool)
+        group = ctx.new_group(range(ctx.world_size))
+        assert group is not None  # every rank is a member
+        group.collectives.timeline = None  # the engine records its own phases, per tensor
+        engine = Engine(
+            group,
+            timeline=timeline_for(ctx.settings.timeline, ctx.rank),
+            fusion_bytes=fusion_bytes_from_env(os.environ),
+            error=_internal,
+        )
+        _state = _State(ctx, owns, int(np.searchsorted(peers, ctx.rank)), len(peers), group, engine)
 
 
 def is_initialized() -> bool:
@@ -113,7 +128,10 @@ def shutdown() -> None:
         state, _state = _state, None
     if state is None:
         return
-    state.pool.shutdown(wait=True)
+    state.engine.close(state.ctx.settings.timeout)
+    state.group.close()
+    if state.engine.timeline is not None:
+        state.engine.timeline.flush()
     if state.owns and not state.ctx.closed:
         state.ctx.shutdown()
 
@@ -199,15 +217,28 @@ def rocm_built() -> bool:
     return False
 
 
-def run(fn: Callable[[Context], T]) -> concurrent.futures.Future[T]:
-    """Queues a collective on the Horovod thread (see the module docstring); paratrain's errors come out of the
-    future as :class:`HorovodInternalError` (mismatched calls, lost peers), with paratrain's message."""
-    state = _get()
+def _internal(exc: BaseException) -> BaseException:
+    """Horovod's error for a failed collective: mismatched calls (found by the engine or the collectives) and
+    lost peers, with paratrain's message."""
+    if isinstance(exc, HorovodInternalError):
+        return exc
+    if type(exc) is RuntimeError:
+        return HorovodInternalError(str(exc))
+    return HorovodInternalError(f"{type(exc).__name__}: {exc}")
 
-    def call() -> T:
-        try:
-            return fn(state.ctx)
-        except (CollectiveMismatchError, TransportError) as exc:
-            raise HorovodInternalError(f"{type(exc).__name__}: {exc}") from exc
 
-    return state.pool.submit(call)
+def submit(request: Request) -> concurrent.futures.Future[Any]:
+    """Hands ``request`` to the engine (see the module docstring)."""
+    return _get().engine.submit(request)
+
+
+def name(kind: str, given: str | None) -> str:
+    """``given``, or the next automatic name of ``kind`` (``allreduce.noname.3``), the same on every rank that
+    calls alike."""
+    return _get().engine.name(kind, given)
+
+
+def run(fn: Callable[[Group], T], name_: str | None = None) -> concurrent.futures.Future[T]:
+    """Runs ``fn(group)`` (collective calls on the engine's group) as one request, matched by ``name_`` or by
+    call order; paratrain's errors come out of the future as :class:`HorovodInternalError`."""
+    return submit(Request(name("call", name_), "call", run=fn))

@@ -14,9 +14,10 @@ The update rules, in one place:
 * Gradients (the differentiable forms): allreduce's is the same allreduce of the gradient; allgather's is this
   rank's slice of the summed gradient; broadcast's is the summed gradient on the root, zero elsewhere.
 
-Each call is one of paratrain's collectives (the shared-memory path on one host, ring or tree across hosts), run
-in call order on the Horovod thread (:func:`paratrain.horovod.basics.run`). ``name`` is accepted and kept for
-the timeline; ranks match collectives by order.
+Each call is a request to the Horovod engine (:mod:`paratrain.horovod.engine`), which matches the ranks'
+requests by ``name`` (unnamed ones by call order, as Horovod's), fuses small allreduces into one of paratrain's
+collectives (the shared-memory path on one host, ring or tree across hosts), supports :func:`join` and records
+the timeline (``PARATRAIN_TIMELINE``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ from typing import Any
 
 import torch
 
-from paratrain.horovod.basics import Adasum, Average, Max, Min, Product, Sum, rank, run, size
+from paratrain.horovod.adasum import adasum_pair, adasum_tree
+from paratrain.horovod.basics import Adasum, Average, Max, Min, Product, Sum, rank, size, submit
+from paratrain.horovod.basics import name as _auto_name
 from paratrain.horovod.compression import Compression, Compressor
-from paratrain.runtime.context import Context
+from paratrain.horovod.engine import Request, average_divide, scale
+from paratrain.runtime.group import Group
 
 __all__ = [
     "adasum_pair",
@@ -51,6 +55,7 @@ __all__ = [
     "broadcast_async_",
     "grouped_allreduce",
     "grouped_allreduce_async",
+    "join",
     "poll",
     "reducescatter",
     "synchronize",
@@ -82,51 +87,13 @@ def _op(op: int | None, average: bool | None) -> int:
     return op
 
 
-def _scale(t: torch.Tensor, factor: float) -> torch.Tensor:
-    """``factor * t``; integers as Horovod scales them (truncated toward zero)."""
-    if factor == 1.0:
-        return t
-    if t.is_floating_point() or t.is_complex():
-        return t * factor
-    return (t.double() * factor).trunc().to(t.dtype)
-
-
-def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Adasum of two tensors (Maleki et al.): ``(1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b``, the dot product
-    and norms in float64; a side whose squared norm is below 1e-8 keeps coefficient 1 (as Horovod guards it).
-    Orthogonal tensors add up; equal ones give themselves."""
-    a64, b64 = a.double().flatten(), b.double().flatten()
-    dot, aa, bb = float(a64 @ b64), float(a64 @ a64), float(b64 @ b64)
-    ca = 1.0 - dot / (2 * aa) if aa >= 1e-8 else 1.0
-    cb = 1.0 - dot / (2 * bb) if bb >= 1e-8 else 1.0
-    return (ca * a64 + cb * b64).reshape(a.shape).to(a.dtype)
-
-
-def adasum_tree(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The ranks' tensors combined pairwise in a binary tree: (0, 1), (2, 3), ... then their results, the
-    order of Horovod's vector-halving distance-doubling; an unpaired tensor moves up a level unchanged."""
-    level = list(parts)
-    while len(level) > 1:
-        level = [
-            adasum_pair(level[i], level[i + 1]) if i + 1 < len(level) else level[i] for i in range(0, len(level), 2)
-        ]
-    return level[0]
-
-
-def _reduce(ctx: Context, t: torch.Tensor, op: int, prescale: float, postscale: float) -> torch.Tensor:
-    x = _scale(t.detach().contiguous(), prescale)
-    if op == Adasum:
-        if not x.is_floating_point():
-            raise ValueError(f"Adasum combines floating-point tensors, got {x.dtype}")
-        out = adasum_tree(list(torch.as_tensor(ctx.allgather(x.reshape(1, *x.shape)))))
-    elif op == Product:
-        out = torch.as_tensor(ctx.allgather(x.reshape(1, *x.shape))).prod(dim=0).to(x.dtype)
-    else:
-        out = torch.as_tensor(ctx.allreduce(x, _OPS[op]))
-    if op == Average:
-        n = ctx.world_size
-        out = out / n if out.is_floating_point() or out.is_complex() else torch.div(out, n, rounding_mode="trunc")
-    return _scale(out, postscale)
+def _allreduce_request(
+    tensor: torch.Tensor, name: str | None, op: int, prescale: float, postscale: float
+) -> concurrent.futures.Future[torch.Tensor]:
+    if op == Adasum and not tensor.is_floating_point():
+        raise ValueError(f"Adasum combines floating-point tensors, got {tensor.dtype}")
+    t = tensor.detach().clone()  # the caller may change its tensor before the collective runs
+    return submit(Request(_auto_name("allreduce", name), "allreduce", t, op, 0, prescale, postscale))
 
 
 def _register(future: concurrent.futures.Future[torch.Tensor], out: torch.Tensor | None, name: str | None) -> int:
@@ -175,9 +142,8 @@ def allreduce_async(  # noqa: PLR0917 (Horovod's positional signature)
     """Starts an allreduce of ``tensor`` (see the module docstring); the input is not modified. Returns a handle
     for :func:`poll` and :func:`synchronize`."""
     _whole_job(process_set)
-    o = _op(op, average)
-    t = tensor.detach().clone()  # the caller may change its tensor before the collective runs
-    return _register(run(lambda ctx: _reduce(ctx, t, o, prescale_factor, postscale_factor)), None, name)
+    future = _allreduce_request(tensor, name, _op(op, average), prescale_factor, postscale_factor)
+    return _register(future, None, name)
 
 
 def allreduce_async_(  # noqa: PLR0917 (Horovod's positional signature)
@@ -191,9 +157,8 @@ def allreduce_async_(  # noqa: PLR0917 (Horovod's positional signature)
 ) -> int:
     """Like :func:`allreduce_async`; :func:`synchronize` writes the result into ``tensor``."""
     _whole_job(process_set)
-    o = _op(op, average)
-    t = tensor.detach().clone()
-    return _register(run(lambda ctx: _reduce(ctx, t, o, prescale_factor, postscale_factor)), tensor, name)
+    future = _allreduce_request(tensor, name, _op(op, average), prescale_factor, postscale_factor)
+    return _register(future, tensor, name)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -292,8 +257,9 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     _whole_job(process_set)
     if tensor.dim() == 0:
         raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on the first)")
-    t = tensor.detach().clone()
-    return _register(run(lambda ctx: torch.as_tensor(ctx.allgather(t.contiguous()))), None, name)
+    t = tensor.detach().clone().contiguous()
+    request = Request(_auto_name("allgather", name), "allgather", t, run=lambda g: torch.as_tensor(g.allgather(t)))
+    return _register(submit(request), None, name)
 
 
 class _Allgather(torch.autograd.Function):
@@ -321,16 +287,23 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: object
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = None) -> int:
     """Starts a broadcast of ``root_rank``'s tensor; the input is not modified. Returns a handle."""
-    _whole_job(process_set)
-    t = tensor.detach().clone().contiguous()
-    return _register(run(lambda ctx: torch.as_tensor(ctx.broadcast(t, root_rank))), None, name)
+    return _register(_broadcast_request(tensor, root_rank, name, process_set), None, name)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = None) -> int:
     """Like :func:`broadcast_async`; :func:`synchronize` writes the result into ``tensor``."""
+    return _register(_broadcast_request(tensor, root_rank, name, process_set), tensor, name)
+
+
+def _broadcast_request(
+    tensor: torch.Tensor, root_rank: int, name: str | None, process_set: object
+) -> concurrent.futures.Future[torch.Tensor]:
     _whole_job(process_set)
+    if type(root_rank) is not int or not 0 <= root_rank < size():
+        raise ValueError(f"root_rank {root_rank!r} outside 0..{size() - 1}")
     t = tensor.detach().clone().contiguous()
-    return _register(run(lambda ctx: torch.as_tensor(ctx.broadcast(t, root_rank))), tensor, name)
+    run = lambda g: torch.as_tensor(g.broadcast(t, root_rank))  # noqa: E731
+    return submit(Request(_auto_name("broadcast", name), "broadcast", t, root=root_rank, run=run))
 
 
 class _Broadcast(torch.autograd.Function):
@@ -366,7 +339,22 @@ def broadcast_(
 def barrier(process_set: object = None) -> None:
     """Blocks until every rank called it (after this rank's earlier collectives)."""
     _whole_job(process_set)
-    run(lambda ctx: ctx.barrier()).result()
+    submit(Request(_auto_name("barrier", None), "barrier", run=lambda g: g.barrier())).result()
+
+
+def join(device: int = -1) -> int:
+    """This rank has no more data: until every rank has joined, it takes part in the others' allreduces with
+    a neutral tensor (zeros for Sum, Average and Adasum, as Horovod's; see :mod:`paratrain.horovod.engine`), so
+    that ranks with fewer batches need not stop the job. Blocks until every rank joined; returns the rank that
+    joined last. ``device`` (Horovod's device for its zero tensors) must be -1: CPU.
+
+    Raises:
+        HorovodInternalError: a rank that has not joined asked for an allgather, broadcast, reducescatter,
+            alltoall or barrier meanwhile (only allreduce works with joined ranks, as in Horovod).
+    """
+    if device != -1:
+        raise ValueError(f"join(device={device}): paratrain.horovod runs on CPU tensors (device=-1)")
+    return int(submit(Request(_auto_name("join", None), "join")).result())
 
 
 def _whole_job(process_set: object) -> None:
@@ -391,16 +379,18 @@ def reducescatter(  # noqa: PLR0917 (Horovod's positional signature)
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension (it splits the first)")
     compressed, state = compression.compress(tensor)
-    t = _scale(compressed.detach().contiguous(), prescale_factor)
+    t = compressed.detach().clone().contiguous()
 
-    def call(ctx: Context) -> torch.Tensor:
-        out = torch.as_tensor(ctx.reduce_scatter(t, "sum"))
+    def call(g: Group) -> torch.Tensor:
+        out = torch.as_tensor(g.reduce_scatter(scale(t, prescale_factor), "sum"))
         if op == Average:
-            n = ctx.world_size
-            out = out / n if out.is_floating_point() else torch.div(out, n, rounding_mode="trunc")
-        return _scale(out, postscale_factor)
+            out = average_divide(out, g.world_size)
+        return scale(out, postscale_factor)
 
-    return compression.decompress(synchronize(_register(run(call), None, name)), state)
+    request = Request(
+        _auto_name("reducescatter", name), "reducescatter", t, op, 0, prescale_factor, postscale_factor, call
+    )
+    return compression.decompress(synchronize(_register(submit(request), None, name)), state)
 
 
 def alltoall(
@@ -430,15 +420,15 @@ def alltoall(
     t = tensor.detach().clone().contiguous()
     me = rank()
 
-    def call(ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
-        table = torch.as_tensor(ctx.allgather(splits.reshape(1, -1)))  # table[q][p]: rows q sends p
-        everything = torch.as_tensor(ctx.allgather(t))
+    def call(g: Group) -> tuple[torch.Tensor, torch.Tensor]:
+        table = torch.as_tensor(g.allgather(splits.reshape(1, -1)))  # table[q][p]: rows q sends p
+        everything = torch.as_tensor(g.allgather(t))
         starts = torch.cumsum(table.sum(dim=1), 0) - table.sum(dim=1)  # where rank q's tensor begins
         parts = []
-        for q in range(ctx.world_size):
+        for q in range(g.world_size):
             offset = int(starts[q]) + int(table[q, :me].sum())
             parts.append(everything[offset : offset + int(table[q, me])])
         return torch.cat(parts), table[:, me].clone()
 
-    out, received = run(call).result()
+    out, received = submit(Request(_auto_name("alltoall", name), "alltoall", t, run=call)).result()
     return (out, received) if given else out

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 from paratrain.collectives.api import Collectives, network_allreduce_choice
 from paratrain.collectives.barrier import barrier as _barrier
 from paratrain.errors import NotInitializedError
+from paratrain.timeline import timeline_for
 from paratrain.transport.base import Handle, Transport
 
 if TYPE_CHECKING:
@@ -181,6 +182,7 @@ class Group(CollectiveMethods):
         collectives = Collectives(
             transport=self.transport, next_tag=self.next_tag, timeout=self._settings.timeout, hosts=hosts
         )
+        collectives.timeline = timeline_for(self._settings.timeline, self._settings.rank)
         one_host = hosts is not None and len(set(hosts)) == 1
         if one_host and faults is None:
             collectives.enable_shared_memory(self._settings.run_id)  # shared memory would bypass emulated links

@@ -25,6 +25,7 @@ LAYERS = {
     "_current": 0,
     "plan": 0,
     "strategy": 0,
+    "timeline": 0,  # the Chrome-trace writer that the collectives and the Horovod API record into
     "fusion": 0,  # pure: which gradients share a bucket, when a bucket starts (the torch front end and sim use it)
     "transport": 1,
     "launch": 1,
