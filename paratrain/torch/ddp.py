@@ -8,18 +8,29 @@ starts from its hook while backward still runs (paratrain's collectives run in c
 thread; hooks fire in the same order on every rank for the same model), and a callback at the end of backward
 waits for them. Parameters and buffers start from rank 0's (broadcast at construction), and with
 ``broadcast_buffers`` (DDP's default) rank 0's buffers are broadcast before every forward, as DDP does.
+
+Any paratrain strategy instead of DDP's rule: ``DistributedDataParallel(model, strategy="ssp:2",
+optimizer=opt)`` (or ``"bsp"``, ``"asp"``, ``"gossip:ring"``, ``"poseidon"``, or ``"allreduce"`` in fused
+buckets; ``compression=`` and the other options of :class:`~paratrain.torch.DistributedOptimizer` as
+keywords). The gradients then travel as that strategy sends them, and the script's own ``opt.step()`` becomes
+the strategy's step (the optimizer's ``step`` is rebound on the instance, so the loop stays DDP's: backward,
+``opt.step()``, ``opt.zero_grad()``). Each strategy's update rule is documented with
+:class:`~paratrain.torch.DistributedOptimizer`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data.distributed import DistributedSampler as _TorchSampler
 
+from paratrain.errors import ConfigError
 from paratrain.runtime.context import Context, current
+from paratrain.torch.optimizer import DistributedOptimizer
 from paratrain.transport.base import Handle
 
 __all__ = ["DistributedDataParallel", "DistributedSampler"]
@@ -52,11 +63,25 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
 
 class DistributedDataParallel(torch.nn.Module):
     """``module`` replicated on every rank, its gradients averaged over the job in backward (see the module
-    docstring). The arguments of torch's wrapper that concern devices, process groups and its bucketing are
-    accepted for compatibility; ``context`` is the paratrain job (default: the current one).
+    docstring). The arguments of torch's wrapper that concern devices and process groups are accepted for
+    compatibility; ``context`` is the paratrain job (default: the current one).
+
+    Args:
+        strategy: DDP's rule (``"allreduce"``, the default, without ``optimizer``) or any paratrain strategy,
+            which then needs ``optimizer``.
+        optimizer: the script's torch optimizer: its ``step()`` becomes the strategy's (see the module
+            docstring). With ``strategy="allreduce"`` it sends the gradients in fused buckets of
+            ``bucket_cap_mb`` (DDP's 25 MB by default) instead of one message per parameter.
+        options: more keywords of :class:`~paratrain.torch.DistributedOptimizer` (``compression``,
+            ``topology``, ``staleness_lr``, ``overlap``...).
 
     Attributes:
         module: the wrapped model (``ddp.module``, as DDP's).
+        distributed_optimizer: the :class:`~paratrain.torch.DistributedOptimizer` behind ``optimizer``, or
+            None under DDP's rule.
+
+    Raises:
+        ConfigError: a strategy other than ``"allreduce"`` without ``optimizer``, or ``options`` without it.
     """
 
     def __init__(  # noqa: PLR0917 (DDP's positional signature)
@@ -71,8 +96,16 @@ class DistributedDataParallel(torch.nn.Module):
         find_unused_parameters: bool = False,
         *,
         context: Context | None = None,
+        strategy: str = "allreduce",
+        optimizer: torch.optim.Optimizer | None = None,
+        **options: Any,
     ) -> None:
         super().__init__()
+        if optimizer is None and (strategy != "allreduce" or options):
+            raise ConfigError(
+                f"strategy {strategy!r}{' with ' + ', '.join(options) if options else ''} needs the optimizer: "
+                "DistributedDataParallel(model, strategy=..., optimizer=opt), then call opt.step() as before"
+            )
         if process_group is not None:
             raise ValueError(
                 "paratrain's DistributedDataParallel runs on the whole job: process_group= is not supported"
@@ -88,6 +121,16 @@ class DistributedDataParallel(torch.nn.Module):
             for t in [*module.parameters(), *module.buffers()]:
                 t.copy_(torch.as_tensor(self._ctx.broadcast(t.detach().contiguous(), 0)))
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self.distributed_optimizer: DistributedOptimizer | None = None
+        if optimizer is not None:
+            if bucket_cap_mb is not None:
+                options.setdefault("bucket_bytes", int(bucket_cap_mb * 2**20))
+            self.distributed_optimizer = DistributedOptimizer(
+                optimizer, model=module, strategy=strategy, context=self._ctx, **options
+            )
+            _rebind_step(optimizer, self.distributed_optimizer)
+            self._hooks = []
+            return
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._ready)  # type: ignore[no-untyped-call]
             for p in self._params
@@ -104,6 +147,10 @@ class DistributedDataParallel(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally; the next one outside reduces them."""
+        if self.distributed_optimizer is not None:
+            with self.distributed_optimizer.no_sync():
+                yield
+            return
         previous, self._sync = self._sync, False
         try:
             yield
@@ -136,3 +183,23 @@ class DistributedDataParallel(torch.nn.Module):
             else:
                 p.grad.copy_(reduced)
         self._pending.clear()
+
+
+def _rebind_step(optimizer: torch.optim.Optimizer, distributed: DistributedOptimizer) -> None:
+    """Makes ``optimizer.step()`` run ``distributed.step()``, whose strategy calls the optimizer's own step
+    (that call, made from inside, reaches the original). A bound method, as torch's LR schedulers expect when
+    they wrap ``step``."""
+    original: Callable[..., Any] = optimizer.step
+    inside = False
+
+    def step(self: torch.optim.Optimizer, closure: Callable[[], float] | None = None) -> float | None:
+        nonlocal inside
+        if inside:
+            return original() if closure is None else original(closure)  # type: ignore[no-any-return]
+        inside = True
+        try:
+            return distributed.step(closure)
+        finally:
+            inside = False
+
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]

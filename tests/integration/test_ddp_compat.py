@@ -28,7 +28,7 @@ if sys.argv[1] == "torch":
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-else:
+else:  # "paratrain", or "paratrain:STRATEGY"
     import paratrain as pt
     from paratrain.torch import DistributedDataParallel as DDP
     from paratrain.torch import DistributedSampler
@@ -42,9 +42,12 @@ data = torch.utils.data.TensorDataset(torch.tensor(digits.data[:600] / 16.0, dty
                                       torch.tensor(digits.target[:600]))
 sampler = DistributedSampler(data, shuffle=True, seed=7)
 loader = torch.utils.data.DataLoader(data, batch_size=20, sampler=sampler)
-model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 10)))
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+if ":" in sys.argv[1]:  # a paratrain strategy on the wrapper
+    model = DDP(net, strategy=sys.argv[1].split(":", 1)[1], optimizer=opt)
+else:
+    model = DDP(net)
 for epoch in range(2):
     sampler.set_epoch(epoch)
     for step, (x, y) in enumerate(loader):
@@ -61,50 +64,45 @@ if rank == 0:
 """
 
 
-def test_a_ddp_script_reaches_ddps_parameters_exactly_with_paratrains_wrapper(tmp_path: Path) -> None:
-    script = tmp_path / "ddp_script.py"
+def _run(args: list[str]) -> None:
+    out = subprocess.run(
+        args, capture_output=True, text=True, timeout=140, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def anchor(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    """The script under torchrun with torch's DDP over Gloo: its final parameters."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    script = tmp / "ddp_script.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    anchor = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(script),
-            "torch",
-            str(tmp_path / "torch.npy"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=140,
-        check=False,
-        env=env,
-    )
-    assert anchor.returncode == 0, anchor.stdout + anchor.stderr
-    ours = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "paratrain.cli.main",
-            "launch",
-            "-n",
-            "2",
-            "--",
-            "python",
-            str(script),
-            "paratrain",
-            str(tmp_path / "paratrain.npy"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=140,
-        check=False,
-        env=env,
-    )
-    assert ours.returncode == 0, ours.stdout + ours.stderr
-    want, got = np.load(tmp_path / "torch.npy"), np.load(tmp_path / "paratrain.npy")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    _run([*torchrun, str(script), "torch", str(tmp / "torch.npy")])
+    return script, np.load(tmp / "torch.npy")
+
+
+def test_a_ddp_script_reaches_ddps_parameters_exactly_with_paratrains_wrapper(
+    anchor: tuple[Path, np.ndarray], tmp_path: Path
+) -> None:
+    script, want = anchor
+    launch = [sys.executable, "-m", "paratrain.cli.main", "launch", "-n", "2", "--"]
+    _run([*launch, "python", str(script), "paratrain", str(tmp_path / "paratrain.npy")])
+    got = np.load(tmp_path / "paratrain.npy")
     assert got.shape == want.shape and got.size > 2000
     assert np.array_equal(got, want), f"max difference {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize(("strategy", "servers", "tol"), [("allreduce", 0, 0.0), ("bsp", 1, 1e-5)])
+def test_paratrain_strategies_on_the_wrapper_reach_ddps_parameters(
+    anchor: tuple[Path, np.ndarray], tmp_path: Path, strategy: str, servers: int, tol: float
+) -> None:
+    """The same script with ``DistributedDataParallel(net, strategy=..., optimizer=opt)``: allreduce in fused
+    buckets equals DDP to the bit (2 ranks: halving is exact), BSP through a parameter server (which runs SGD
+    with momentum itself) to float32 rounding."""
+    script, want = anchor
+    launch = [sys.executable, "-m", "paratrain.cli.main", "launch", "-n", "2", "--servers", str(servers), "--"]
+    _run([*launch, "python", str(script), f"paratrain:{strategy}", str(tmp_path / "ours.npy")])
+    got = np.load(tmp_path / "ours.npy")
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= tol, f"max difference {np.abs(got - want).max()}"
