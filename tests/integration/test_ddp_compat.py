@@ -106,3 +106,20 @@ def test_paratrain_strategies_on_the_wrapper_reach_ddps_parameters(
     got = np.load(tmp_path / "ours.npy")
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= tol, f"max difference {np.abs(got - want).max()}"
+
+
+def test_the_readme_ddp_example_ends_with_torchs_parameters_on_both_backends() -> None:
+    """``paratrain.examples.ddp_digits`` (README's side-by-side commands), one epoch: the checksum of the final
+    parameters under torchrun with torch's DDP and under paratrain launch with paratrain's is the same."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = [
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+        [sys.executable, "-m", "paratrain.cli.main", "launch", "-n", "2", "--", "python"],
+    ]
+    sums = []
+    for backend, prefix in zip(["torch", "paratrain"], runs, strict=True):
+        args = [*prefix, "-m", "paratrain.examples.ddp_digits", "--epochs", "1", "--backend", backend]
+        out = subprocess.run(args, capture_output=True, text=True, timeout=140, check=False, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        sums.append(next(line.split()[-1] for line in out.stdout.splitlines() if "sha256" in line))
+    assert sums[0] == sums[1]
