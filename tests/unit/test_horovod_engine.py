@@ -169,3 +169,27 @@ def test_the_timeline_shows_each_tensors_negotiation_queue_and_communication(tmp
         top, comm = spans["ALLREDUCE"], spans["COMMUNICATE"]
         assert top["ts"] <= comm["ts"] and comm["ts"] + comm["dur"] <= top["ts"] + top["dur"] + 1
         assert comm["args"]["bytes"] == 4 * sum(k + 1 for k in range(12))  # the fusion buffer
+
+
+def test_a_lost_peer_fails_pending_and_later_requests_instead_of_hanging() -> None:
+    def fn(ctx: Context) -> str:
+        engine = _engine(ctx)
+        assert torch.equal(
+            engine.submit(Request("a", "allreduce", torch.ones(2), SUM)).result(30), torch.full((2,), 2.0)
+        )
+        if ctx.rank == 1:
+            ctx.abort()  # this rank dies
+            return "gone"
+        try:
+            engine.submit(Request("b", "allreduce", torch.ones(2), SUM)).result(30)
+            return "no error"
+        except RuntimeError as exc:
+            first = str(exc)
+        try:
+            engine.submit(Request("c", "allreduce", torch.ones(2), SUM))
+            return "accepted after the failure"
+        except RuntimeError as exc:
+            return f"{first} | {exc}"
+
+    first, later = run_ranks(2, fn)[0].split(" | ")
+    assert "rank 1" in first and "crashed" in first and later == first, (first, later)
