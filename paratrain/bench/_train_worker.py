@@ -1,9 +1,18 @@
 """One process of ``paratrain bench train``: times training steps of the MLP or LeNet-5.
 
-Modes: ``single`` (one process, no communication: the ceiling), ``paratrain`` (under ``paratrain launch``,
-``DistributedOptimizer(strategy="allreduce")``), ``ddp`` (``torch.nn.parallel.DistributedDataParallel`` over
-Gloo; ``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the benchmark). Inputs are random 28x28 images with random
-labels (a fixed seed): the speed of a step does not depend on the pixel values, and no dataset is needed.
+Modes: ``single`` (one process, no communication), ``concurrent`` (one of several such processes started
+together, ``PARATRAIN_BENCH_RANK``/``PARATRAIN_BENCH_WORLD`` set by the benchmark: the same cores doing the same
+arithmetic with no communication at all, the limit of data parallelism), ``paratrain`` (under ``paratrain
+launch``, ``DistributedOptimizer(strategy="allreduce")``), ``ddp`` (``torch.nn.parallel.DistributedDataParallel``
+over Gloo; ``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the benchmark) and ``horovod`` (Horovod's
+``DistributedOptimizer`` under ``horovodrun``, where Horovod is installed). Inputs are random 28x28 images with
+random labels (a fixed seed): the speed of a step does not depend on the pixel values, and no dataset is needed.
+
+Each step is timed in three parts on the training thread: forward and backward (``compute_s``; with DDP and
+Horovod this includes the communication they start from their hooks and, for DDP, wait for inside backward),
+waiting for the gradients to arrive (``wait_s``: paratrain's and Horovod's ``synchronize()``), and the optimizer
+update (``apply_s``). For paratrain, the shared-memory collectives' own accounting (copy in, reduce, copy out,
+waiting for peers; :class:`~paratrain.collectives.shm.ShmGroup` ``phases``) comes with it.
 Writes ``{mode}-rank{r}.json`` into ``--out``.
 """
 
@@ -11,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import time
@@ -21,7 +31,7 @@ from typing import Any
 def main(argv: list[str] | None = None) -> int:
     """Builds the model, runs warm-up then timed steps, writes the timing."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mode", choices=["single", "paratrain", "ddp"], required=True)
+    parser.add_argument("--mode", choices=["single", "concurrent", "paratrain", "ddp", "horovod"], required=True)
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
@@ -40,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     optimizer: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     rank, world = 0, 1
     barrier: Any = None
-    if args.mode == "paratrain":
+    sync: Any = None
+    if args.mode == "concurrent":
+        rank, world = int(os.environ["PARATRAIN_BENCH_RANK"]), int(os.environ["PARATRAIN_BENCH_WORLD"])
+        barrier = lambda: _file_barrier(Path(args.out), rank, world)  # noqa: E731
+    elif args.mode == "paratrain":
         import paratrain as pt
         import paratrain.torch as ptt
 
@@ -48,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         rank, world = ctx.rank, ctx.world_size
         ptt.broadcast_parameters(model)
         optimizer = ptt.DistributedOptimizer(optimizer, model=model, strategy="allreduce")
-        barrier = ctx.barrier
+        barrier, sync = ctx.barrier, optimizer.synchronize
     elif args.mode == "ddp":
         import torch.distributed as dist
 
@@ -57,23 +71,47 @@ def main(argv: list[str] | None = None) -> int:
         model = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         barrier = dist.barrier
+    elif args.mode == "horovod":
+        hvd: Any = importlib.import_module("horovod.torch")  # optional: an anchor where it is installed
+        hvd.init()
+        rank, world = hvd.rank(), hvd.size()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        barrier, sync = hvd.barrier, optimizer.synchronize
     gen = torch.Generator().manual_seed(rank)
     xs = torch.rand(8, args.batch_size, 1, 28, 28, generator=gen)
     ys = torch.randint(0, 10, (8, args.batch_size), generator=gen)
+    parts = {"compute_s": 0.0, "wait_s": 0.0, "apply_s": 0.0}
 
     def step(i: int) -> None:
+        t0 = time.perf_counter()
         optimizer.zero_grad()
         functional.cross_entropy(model(xs[i % 8]), ys[i % 8]).backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
+        t1 = time.perf_counter()
+        if sync is not None:
+            sync()
+        t2 = time.perf_counter()
+        if sync is not None and args.mode == "horovod":
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            optimizer.step()
+        t3 = time.perf_counter()
+        parts["compute_s"] += t1 - t0
+        parts["wait_s"] += t2 - t1
+        parts["apply_s"] += t3 - t2
 
     for i in range(args.warmup):
         step(i)
     if barrier is not None:
         barrier()
+    phases0 = _shm_phases(args.mode)
+    parts = dict.fromkeys(parts, 0.0)
     start = time.perf_counter()
     for i in range(args.steps):
         step(i)
     elapsed = time.perf_counter() - start
+    phases = {k: v - phases0.get(k, 0.0) for k, v in _shm_phases(args.mode).items()}
     result = {
         "mode": args.mode,
         "rank": rank,
@@ -82,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "batch_size": args.batch_size,
         "samples_per_sec": args.steps * args.batch_size / elapsed,
+        **parts,
+        "shm_phases_s": phases,
     }
     Path(args.out, f"{args.mode}-rank{rank}.json").write_text(json.dumps(result))
     if args.mode == "paratrain":
@@ -95,7 +135,31 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+    elif args.mode == "horovod":
+        importlib.import_module("horovod.torch").shutdown()
     return 0
+
+
+def _file_barrier(out: Path, rank: int, world: int, timeout: float = 120.0) -> None:
+    """Starts the concurrent processes' timed steps together: each writes a marker and waits for all of them
+    (polling every millisecond; these processes share nothing else, by design)."""
+    (out / f"concurrent-ready{rank}").touch()
+    deadline = time.monotonic() + timeout
+    while not all((out / f"concurrent-ready{r}").exists() for r in range(world)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other concurrent processes did not start within {timeout:.0f} s")
+        time.sleep(0.001)
+
+
+def _shm_phases(mode: str) -> dict[str, float]:
+    """The shared-memory collectives' accounting of this process so far (paratrain only; empty otherwise)."""
+    if mode != "paratrain":
+        return {}
+    import paratrain as pt
+
+    shm = pt.runtime.context.current().world.collectives._shm
+    group = None if shm is None else shm.group
+    return {} if group is None else dict(group.phases)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,27 @@
-"""``paratrain bench train``: samples/s of paratrain's data parallelism next to DDP and one process.
+"""``paratrain bench train``: data-parallel efficiency of paratrain next to DDP, Horovod and one process.
 
 In one command, on this machine, one engine after the other (so they never share the CPUs), repeated and
-interleaved: ``single`` (one process, no communication — what parallelism must beat), ``paratrain``
-(``DistributedOptimizer(strategy="allreduce")`` under ``paratrain launch``) and ``ddp`` (torch
-``DistributedDataParallel`` over Gloo). Throughput = every worker's samples / the slowest worker's time.
-Every engine's processes run through the launch library under one deadline (``--timeout``), their output
-discarded (the workers write their numbers to JSON); see :mod:`.harness`.
+interleaved: ``single`` (one process, no communication), ``concurrent`` (as many one-thread processes as workers,
+training at the same time with no communication at all: the same cores doing the same arithmetic, the physical
+limit of data parallelism here), ``paratrain`` (``DistributedOptimizer(strategy="allreduce")`` under
+``paratrain launch``), ``ddp`` (torch ``DistributedDataParallel`` over Gloo) and ``horovod`` (Horovod's
+``DistributedOptimizer`` under ``horovodrun --gloo``, where Horovod is installed; see benchmarks/horovod for how
+it builds against this torch). Workers run one thread each.
+
+Throughput = every worker's samples / the slowest worker's time; for ``concurrent``, the sum of the processes'
+own rates. **Data-parallel efficiency** = an engine's throughput / ``concurrent``'s. Each worker also reports
+where its steps went (:mod:`._train_worker`): forward and backward, waiting for gradients, the update, and for
+paratrain the shared-memory allreduce's copy in, reduce, copy out and waiting. Every engine's processes run
+through the launch library under one deadline (``--timeout``), their output discarded (the workers write their
+numbers to JSON); see :mod:`.harness`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -58,9 +68,29 @@ def _worker(options: TrainBenchOptions, mode: str, out: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _results(out: str, mode: str, world: int) -> list[dict[str, Any]]:
+    return [json.loads(Path(out, f"{mode}-rank{r}.json").read_text()) for r in range(world)]
+
+
 def _throughput(out: str, mode: str, world: int) -> float:
-    results = [json.loads(Path(out, f"{mode}-rank{r}.json").read_text()) for r in range(world)]
+    results = _results(out, mode, world)
+    if mode == "concurrent":  # independent processes: each at its own rate
+        return float(sum(r["steps"] * r["batch_size"] / r["seconds"] for r in results))
     return float(sum(r["steps"] * r["batch_size"] for r in results) / max(r["seconds"] for r in results))
+
+
+def _breakdown(out: str, mode: str, world: int) -> dict[str, float]:
+    """Milliseconds per step, averaged over the workers: compute, wait, apply, and the shm phases."""
+    results = _results(out, mode, world)
+    steps = results[0]["steps"]
+    keys = ["compute_s", "wait_s", "apply_s"]
+    parts = {k.removesuffix("_s"): 1e3 * statistics.mean(r[k] for r in results) / steps for k in keys}
+    phases = [r.get("shm_phases_s") or {} for r in results]
+    for name in ("copy_in", "reduce", "copy_out", "wait"):
+        if all(name in p for p in phases):
+            parts[f"allreduce_{name}"] = 1e3 * statistics.mean(p[name] for p in phases) / steps
+    parts["step"] = 1e3 * statistics.mean(r["seconds"] for r in results) / steps
+    return parts
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -94,6 +124,14 @@ def _run_single_one_thread(options: TrainBenchOptions, out: str) -> float:
     return _run_single(options, out, 1)
 
 
+def _run_concurrent(options: TrainBenchOptions, out: str) -> float:
+    n = options.workers
+    argv = [sys.executable, *_worker(options, "concurrent", out)]
+    bench = {"PARATRAIN_BENCH_WORLD": str(n)}
+    _run_commands(options, [(argv, _env(1) | bench | {"PARATRAIN_BENCH_RANK": str(r)}) for r in range(n)])
+    return _throughput(out, "concurrent", n)
+
+
 def _run_paratrain(options: TrainBenchOptions, out: str) -> float:
     cmd = ["python", *_worker(options, "paratrain", out)]
     _check(
@@ -113,38 +151,73 @@ def _run_ddp(options: TrainBenchOptions, out: str) -> float:
     return _throughput(out, "ddp", options.workers)
 
 
+def horovod_available() -> str | None:
+    """None when Horovod's PyTorch API and ``horovodrun`` are installed here, else why not."""
+    if importlib.util.find_spec("horovod") is None:
+        return "horovod is not installed (benchmarks/horovod/build.sh builds it against this torch)"
+    if shutil.which("horovodrun") is None and not Path(sys.executable).with_name("horovodrun").exists():
+        return "horovodrun is not on PATH"
+    return None
+
+
+def _run_horovod(options: TrainBenchOptions, out: str) -> float:
+    n = options.workers
+    runner = shutil.which("horovodrun") or str(Path(sys.executable).with_name("horovodrun"))
+    argv = [runner, "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable, *_worker(options, "horovod", out)]
+    _run_commands(options, [(argv, _env(1) | {"HOROVOD_CPU_OPERATIONS": "gloo"})])
+    return _throughput(out, "horovod", n)
+
+
+_WORLDS = {"single": 0, "single_1thread": 0}  # engines whose breakdown is not reported
+
+
 def run_train_bench(options: TrainBenchOptions, *, out: TextIO | None = None) -> dict[str, Any]:
-    """Measures every engine ``repeat`` times (interleaved) and returns medians and ratios."""
+    """Measures every engine ``repeat`` times (interleaved) and returns medians, efficiencies and breakdowns."""
     stream = out or sys.stdout
-    runs: dict[str, list[float]] = {"single": [], "single_1thread": [], "paratrain": [], "ddp": []}
-    failures: list[str] = []
-    engines = {
+    engines: dict[str, Callable[[TrainBenchOptions, str], float]] = {
         "single": _run_single_all_cores,
         "single_1thread": _run_single_one_thread,
+        "concurrent": _run_concurrent,
         "paratrain": _run_paratrain,
         "ddp": _run_ddp,
     }
+    horovod_missing = horovod_available()
+    if horovod_missing is None:
+        engines["horovod"] = _run_horovod
+    else:
+        print(f"  horovod: not measured: {horovod_missing}", file=stream, flush=True)
+    runs: dict[str, list[float]] = {name: [] for name in engines}
+    breakdowns: dict[str, list[dict[str, float]]] = {name: [] for name in engines if name not in _WORLDS}
+    failures: list[str] = []
     for round_ in range(options.repeat):
         for name, fn in engines.items():
             with tempfile.TemporaryDirectory(prefix="paratrain-bench-train-") as tmp:
                 try:
                     rate = fn(options, tmp)
+                    if name in breakdowns:
+                        breakdowns[name].append(_breakdown(tmp, name, options.workers))
                 except (RuntimeError, OSError, ValueError) as exc:
                     failures.append(f"round {round_ + 1} {name}: {type(exc).__name__}: {exc}")
-                    print(f"  round {round_ + 1}/{options.repeat} {name:<10} FAILED ({exc})", file=stream, flush=True)
+                    print(f"  round {round_ + 1}/{options.repeat} {name:<14} FAILED ({exc})", file=stream, flush=True)
                     continue
             runs[name].append(rate)
-            print(f"  round {round_ + 1}/{options.repeat} {name:<10} {rate:10,.0f} samples/s", file=stream, flush=True)
-    # paratrain and the one-process anchor must succeed; an anchor from another project (DDP) may fail
-    # (a Gloo run was seen to hang here): it is then reported as missing, with why, instead of sinking the run
-    missing = [name for name in ("single", "single_1thread", "paratrain") if not runs[name]]
+            print(f"  round {round_ + 1}/{options.repeat} {name:<14} {rate:10,.0f} samples/s", file=stream, flush=True)
+    # paratrain and the no-communication anchors must succeed; an anchor from another project (DDP, Horovod)
+    # may fail (a Gloo run was seen to hang here): it is then reported as missing, with why
+    missing = [name for name in ("single", "single_1thread", "concurrent", "paratrain") if not runs[name]]
     if missing:
         raise RuntimeError(f"no successful run of {', '.join(missing)}: " + "; ".join(failures))
     medians: dict[str, float | None] = {
         name: statistics.median(values) if values else None for name, values in runs.items()
     }
     best_single = max(statistics.median(runs["single"]), statistics.median(runs["single_1thread"]))
+    limit = statistics.median(runs["concurrent"])
     paratrain, ddp = statistics.median(runs["paratrain"]), medians["ddp"]
+    efficiency = {
+        name: (rate / limit if rate is not None else None)
+        for name, rate in medians.items()
+        if name in ("paratrain", "ddp", "horovod")
+    }
     return {
         "model": options.model,
         "workers": options.workers,
@@ -153,35 +226,61 @@ def run_train_bench(options: TrainBenchOptions, *, out: TextIO | None = None) ->
         "samples_per_sec": medians,
         "runs": runs,
         "best_single_samples_per_sec": best_single,
+        "data_parallel_efficiency": efficiency,
+        "efficiency_spread": {
+            name: [min(runs[name]) / limit, max(runs[name]) / limit] for name in efficiency if runs[name]
+        },
+        "breakdown_ms_per_step": {
+            name: {key: statistics.median(b[key] for b in rows) for key in rows[0]}
+            for name, rows in breakdowns.items()
+            if rows
+        },
         "paratrain_vs_single": paratrain / best_single,
         "paratrain_vs_ddp": paratrain / ddp if ddp else None,
         "ddp_vs_single": ddp / best_single if ddp else None,
+        "horovod": horovod_missing or "measured",
         "cpu_count": os.cpu_count(),
         "failures": failures,
     }
 
 
 def render(report: dict[str, Any]) -> str:
-    """The comparison as a table."""
+    """The comparison as a table: samples/s, efficiency, and where each engine's step goes."""
     rates = report["samples_per_sec"]
     lines = [
         f"{report['model']}, batch {report['batch_size_per_worker']} per worker, {report['workers']} workers, "
         f"{report['steps']} timed steps, median of {len(report['runs']['single'])} runs",
-        f"{'engine':<34} {'samples/s':>10} {'vs best one process':>20}",
+        f"{'engine':<40} {'samples/s':>10} {'efficiency':>11} {'vs best one process':>20}",
     ]
     labels = {
         "single": f"one process, {report['cpu_count']} threads",
         "single_1thread": "one process, 1 thread",
+        "concurrent": f"{report['workers']} processes, no communication",
         "paratrain": "paratrain allreduce",
         "ddp": "torch DDP (Gloo)",
+        "horovod": "Horovod (Gloo)",
     }
     best = report["best_single_samples_per_sec"]
-    for name in ("single", "single_1thread", "paratrain", "ddp"):
+    efficiency = report["data_parallel_efficiency"]
+    for name, label in labels.items():
+        if name not in rates:
+            continue
         rate = rates[name]
+        eff = efficiency.get(name)
+        eff_text = f"{eff:11.2f}" if eff is not None else ("       1.00" if name == "concurrent" else " " * 11)
         if rate is None:
-            lines.append(f"{labels[name]:<34} {'failed':>10} {'(see failures)':>20}")
+            lines.append(f"{label:<40} {'failed':>10} {'':>11} {'(see failures)':>20}")
         else:
-            lines.append(f"{labels[name]:<34} {rate:10,.0f} {rate / best:19.2f}x")
+            lines.append(f"{label:<40} {rate:10,.0f} {eff_text} {rate / best:19.2f}x")
+    if report["horovod"] != "measured":
+        lines.append(f"Horovod: not measured ({report['horovod']})")
+    lines.append("")
+    lines.append("ms per step (median of rounds, mean of workers)")
+    keys = ["step", "compute", "wait", "apply", "allreduce_copy_in", "allreduce_reduce", "allreduce_copy_out",
+            "allreduce_wait"]  # fmt: skip
+    lines.append(f"{'engine':<16}" + "".join(f"{k.replace('allreduce_', 'ar.'):>12}" for k in keys))
+    for name, parts in report["breakdown_ms_per_step"].items():
+        lines.append(f"{name:<16}" + "".join(f"{parts[k]:12.3f}" if k in parts else f"{'':>12}" for k in keys))
     ratio = report["paratrain_vs_ddp"]
     lines.append(f"paratrain / DDP: {ratio:.2f}x" if ratio is not None else "paratrain / DDP: no DDP run succeeded")
     lines.extend(f"failed: {failure}" for failure in report["failures"])

@@ -229,6 +229,10 @@ class ShmGroup:
         self._plans: OrderedDict[tuple[np.dtype[Any], int], _Plan] = OrderedDict()
         self._reducers: dict[tuple[str, str], Reducer] = {}
         self._descs: dict[tuple[Any, ...], bytes] = {}  # signature (or its key) -> encoded descriptor
+        #: seconds this rank's allreduces spent copying into the segment, reducing (its part, published),
+        #: copying results out and waiting for peers, and how many calls: where an allreduce's time goes
+        #: (``paratrain bench train`` reports it)
+        self.phases: dict[str, float] = {"copy_in": 0.0, "reduce": 0.0, "copy_out": 0.0, "wait": 0.0, "calls": 0}
 
     # -- construction ------------------------------------------------------------------------------------------
 
@@ -460,7 +464,8 @@ class ShmGroup:
     # -- the algorithms ----------------------------------------------------------------------------------------
 
     def _allreduce_small(self, flat: _Array, red: Reducer, desc: bytes, deadline: float) -> None:
-        seg = self.segment
+        seg, clock, phases = self.segment, time.perf_counter, self.phases
+        t0 = clock()
         k = self._k
         pos = k & 1
         plan = self._plan(flat.dtype, flat.size)
@@ -468,13 +473,20 @@ class ShmGroup:
         np.copyto(slots[self.index], flat)
         seg.describe(pos, desc)
         seg.signal(2 * k + 1)
+        t1 = clock()
         seg.wait_all(2 * k + 1, deadline)
+        t2 = clock()
         self._check_descriptors(k, desc)
         self._k = k + 1
         red.combine(slots[0], slots[1], flat)  # in rank order on every rank: bitwise equal results
         for q in range(2, self.size):
             red.combine(flat, slots[q], flat)
         red.finish(flat, self.size)
+        t3 = clock()
+        phases["copy_in"] += t1 - t0
+        phases["wait"] += t2 - t1
+        phases["reduce"] += t3 - t2
+        phases["calls"] += 1
 
     def _allreduce_blocks(self, flat: _Array, red: Reducer, desc: bytes, deadline: float) -> None:
         seg = self.segment
@@ -484,13 +496,18 @@ class ShmGroup:
         starts = range(0, total, per_block)
         k0 = self._k
         last = len(starts) - 1
+        clock, phases = time.perf_counter, self.phases
+        t = clock()
         self._copy_in(flat, 0, min(per_block, total), k0, desc)
+        copy_in, wait, reduce, copy_out = clock() - t, 0.0, 0.0, 0.0
         for i, start in enumerate(starts):
             k = k0 + i
             n = min(per_block, total - start)
             plan = self._plan(flat.dtype, n)
             pos = k & 1
+            t0 = clock()
             seg.wait_all(2 * k + 1, deadline)
+            t1 = clock()
             if i == 0:
                 self._check_descriptors(k, desc)
             lo, hi = plan.bounds[me]
@@ -499,13 +516,26 @@ class ShmGroup:
                 self._reduce_part(mine, plan.peer_mine[pos], red)
                 np.copyto(plan.own[pos], mine)
             seg.signal(2 * k + 2)
+            t2 = clock()
             if i < last:
                 nxt = start + per_block
                 self._copy_in(flat, nxt, min(per_block, total - nxt), k + 1, None)
+            t3 = clock()
             seg.wait_all(2 * k + 2, deadline)
+            t4 = clock()
             for src, qlo, qhi in plan.peer_own[pos]:
                 np.copyto(flat[start + qlo : start + qhi], src)
+            t5 = clock()
+            wait += (t1 - t0) + (t4 - t3)
+            reduce += t2 - t1
+            copy_in += t3 - t2
+            copy_out += t5 - t4
         self._k = k0 + last + 1
+        phases["copy_in"] += copy_in
+        phases["wait"] += wait
+        phases["reduce"] += reduce
+        phases["copy_out"] += copy_out
+        phases["calls"] += 1
 
     def _copy_in(self, flat: _Array, start: int, n: int, k: int, desc: bytes | None) -> None:
         """``in(k)``: copies the parts of block ``k`` that peers reduce into my slot (and the call's descriptor, for
