@@ -463,6 +463,27 @@ class Collectives:
         """
         return self._submit(self._allreduce(x, op, algorithm, timeout, mode="snapshot"), "allreduce", x)
 
+    def allreduce_async_(
+        self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None
+    ) -> Handle[A]:
+        """Starts :meth:`allreduce_` (in place) on the background thread; ``handle.wait()`` returns ``x``, which
+        then holds the result.
+
+        Unlike :meth:`allreduce_async`, nothing is copied: ``x`` must not be read or written until ``wait()``
+        returns (a fusion buffer that its owner leaves alone meanwhile saves two copies of its size per call).
+        Queued calls run one at a time in call order; errors are raised by ``wait()``.
+
+        Example:
+            >>> import numpy as np
+            >>> from paratrain.testing import run_ranks
+            >>> def fn(ctx):
+            ...     x = np.full(2, float(ctx.rank + 1))
+            ...     return ctx.allreduce_async_(x).wait() is x and x.tolist()
+            >>> run_ranks(2, fn)
+            [[3.0, 3.0], [3.0, 3.0]]
+        """
+        return self._submit(self._allreduce(x, op, algorithm, timeout, mode="in_place"), "allreduce", x)
+
     # -- broadcast
 
     def broadcast(self, x: A, root: int = 0, *, algorithm: str = "auto", timeout: float | None = None) -> A:

@@ -69,6 +69,13 @@ class CollectiveMethods:
         """Starts an allreduce over the members in the background; ``.wait()`` gives the result."""
         return self.collectives.allreduce_async(x, op, algorithm, timeout=timeout)
 
+    def allreduce_async_(
+        self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None
+    ) -> Handle[A]:
+        """Starts an in-place allreduce over the members in the background; leave ``x`` alone until ``.wait()``
+        (which returns ``x``)."""
+        return self.collectives.allreduce_async_(x, op, algorithm, timeout=timeout)
+
     def broadcast(self, x: A, root: int = 0, *, algorithm: str = "auto", timeout: float | None = None) -> A:
         """A new array/tensor holding group rank ``root``'s ``x``. Blocks."""
         return self.collectives.broadcast(x, root, algorithm=algorithm, timeout=timeout)

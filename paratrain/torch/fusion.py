@@ -95,7 +95,8 @@ class FusedBucket:
 
     def give(self, reduced: torch.Tensor) -> None:
         """Writes the reduced buffer back into the gradients; a parameter no rank had a gradient for stays None."""
-        self.buffer.copy_(reduced)
+        if reduced.data_ptr() != self.buffer.data_ptr():  # an in-place allreduce left it in the buffer already
+            self.buffer.copy_(reduced)
         used = self.flags.tolist() if self.flags.numel() else [1.0] * len(self.params)
         for j, param in enumerate(self.params):
             if used[j] == 0.0:

@@ -96,8 +96,10 @@ class AllreduceStrategy(Strategy):
         self._handles: list[Handle[Any] | None] = [None] * len(self.buckets)
 
     def launch(self, k: int) -> None:
-        """Starts the mean allreduce of bucket ``k`` (the buffer is snapshot by the call; returns at once)."""
-        self._handles[k] = self._context.allreduce_async(self.buckets[k].buffer, op="mean")
+        """Starts the mean allreduce of bucket ``k`` in its buffer (nothing copied; nobody touches the buffer
+        until :meth:`finish`: the bucket's gradients are complete, and a second backward before ``step()``
+        raises); returns at once."""
+        self._handles[k] = self._context.allreduce_async_(self.buckets[k].buffer, op="mean")
 
     def finish(self) -> None:
         """Waits for every bucket, in order, and writes the means into ``param.grad``."""
