@@ -229,6 +229,7 @@ class Collectives:
         self.choose_allreduce: Callable[[int, int], str] = default_allreduce_choice
         self.choose_broadcast: Callable[[int, int], str] = default_broadcast_choice
         self._shm: ShmAllreduce | None = None
+        self._reducers: dict[tuple[str, str], Reducer] = {}
         #: where calls are recorded (``PARATRAIN_TIMELINE``; :mod:`paratrain.timeline`), or None
         self.timeline: Timeline | None = None
         #: bytes this rank handed to allreduce calls (whatever path carried them: sockets or shared memory)
@@ -355,7 +356,9 @@ class Collectives:
         self, x: Any, op: str, algorithm: str, timeout: float | None, mode: str
     ) -> Callable[[int], Any]:
         view, dtype_name = _as_array(x)
-        reducer = Reducer(op, dtype_name)
+        reducer = self._reducers.get((op, dtype_name))
+        if reducer is None:  # built once per (op, dtype): its checks cost microseconds per call otherwise
+            reducer = self._reducers[(op, dtype_name)] = Reducer(op, dtype_name)
         name = self._resolve(algorithm, self.allreduce_algorithms, self.choose_allreduce, view.nbytes)
         impl = self.allreduce_algorithms[name]
         if mode == "in_place" and isinstance(x, np.ndarray) and not x.flags.writeable:
