@@ -6,7 +6,9 @@ Engines, run one after the other so they never compete for cores:
 * ``paratrain-shm``: the shared-memory path (:class:`~paratrain.collectives.shm.ShmGroup`) directly, in the same
   processes: the fast path without the API's per-call agreement;
 * ``gloo``: ``torch.distributed.all_reduce`` with the Gloo backend, N processes started here;
-* ``mpi``: ``comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)`` through mpi4py under ``mpirun``.
+* ``mpi``: ``comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)`` through mpi4py under ``mpirun``;
+* ``horovod``: ``hvd.allreduce_(t, op=hvd.Sum)`` under ``horovodrun --gloo`` (Horovod's CPU path: its background
+  loop negotiates, fuses and reduces with Gloo), where Horovod is installed (``benchmarks/horovod/build.sh``).
 
 Every engine reduces float32 buffers with sum and runs the same loop (:mod:`paratrain.bench._timing`): a
 verified allreduce, warm-up, a barrier, then ``iters`` calls back to back. Definitions (nccl-tests):
@@ -52,6 +54,7 @@ __all__ = [
     "BenchOptions",
     "combine_runs",
     "gloo_unavailable",
+    "horovod_unavailable",
     "mpi_unavailable",
     "render_table",
     "run_bench",
@@ -61,7 +64,7 @@ __all__ = [
 #: The sizes measured when ``--sizes`` is not given.
 DEFAULT_SIZES = "4KiB,1MiB,16MiB,64MiB"
 #: The reference implementations ``--compare`` may name.
-ANCHORS = ("gloo", "mpi")
+ANCHORS = ("gloo", "mpi", "horovod")
 #: What ``--algorithm`` accepts (``shm`` is registered into the API if it does not know it yet).
 ALGORITHMS = ("auto", "ring", "tree", "shm")
 
@@ -146,6 +149,31 @@ def mpi_unavailable() -> str | None:
     return None
 
 
+def horovod_unavailable() -> str | None:
+    """None when Horovod's PyTorch API and ``horovodrun`` are installed, else why the column is skipped."""
+    if importlib.util.find_spec("horovod") is None:
+        return "horovod is not installed (bash benchmarks/horovod/build.sh builds it against this torch) — skipped"
+    if _horovodrun() is None:
+        return "horovodrun is not on PATH — Horovod column skipped"
+    return None
+
+
+def _horovodrun() -> str | None:
+    beside = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    return shutil.which("horovodrun") or (beside if os.path.exists(beside) else None)
+
+
+def _run_horovod(options: BenchOptions, out_dir: str) -> dict[str, EngineRun]:
+    why = horovod_unavailable()
+    if why is not None:
+        return {"horovod": EngineRun("skipped", why)}
+    n = options.nproc
+    runner = _horovodrun() or "horovodrun"
+    argv = [runner, "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable, "-m"]
+    argv += ["paratrain.bench._horovod_worker", *harness.worker_args(options, out_dir)]
+    return _run_anchor("horovod", [(argv, _child_env(options) | {"HOROVOD_CPU_OPERATIONS": "gloo"})], options, out_dir)
+
+
 def _run_anchor(
     engine: str, commands: Sequence[tuple[list[str], dict[str, str]]], options: BenchOptions, out_dir: str
 ) -> dict[str, EngineRun]:
@@ -200,6 +228,7 @@ def _steps(options: BenchOptions) -> list[Step]:
     anchors = {
         "gloo": (f"gloo: torch.distributed all_reduce, {options.nproc} processes", _run_gloo),
         "mpi": (f"mpi: mpirun -np {options.nproc}, comm.Allreduce", _run_mpi),
+        "horovod": (f"horovod: horovodrun -np {options.nproc} --gloo, hvd.allreduce_", _run_horovod),
     }
     for name in options.compare:  # in the order the user gave
         describe, run = anchors[name]

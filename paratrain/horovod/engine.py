@@ -254,7 +254,9 @@ class Engine:
             with self._cond:
                 if idle:
                     # nothing was ready: wait for a request of ours, or a while (the others may be submitting)
-                    self._cond.wait_for(lambda: bool(self._queue) or self._closing, min(_MAX_BACKOFF, 1e-4 * 2**idle))
+                    self._cond.wait_for(
+                        lambda: bool(self._queue) or self._closing, min(_MAX_BACKOFF, 1e-4 * 2 ** min(idle, 10))
+                    )
                 self._cond.wait_for(lambda: bool(self._queue) or bool(self._pending) or self._closing)
                 for request in self._queue:
                     self._pending[request.name] = request
@@ -346,8 +348,8 @@ class Engine:
         last = max(self._joined_at, key=lambda r: (self._joined_at[r], r))
         self._joined_at.clear()
         for request in [r for r in self._pending.values() if r.kind == "join"]:
-            self._done(request)
             self._record_negotiation(request, time.time())
+            self._done(request)
             request.future.set_result(last)
         return True
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.bench.allreduce import mpi_unavailable, summarize
+from paratrain.bench.allreduce import horovod_unavailable, mpi_unavailable, summarize
 from paratrain.bench.harness import parse_size, parse_sizes
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,6 +69,8 @@ def test_end_to_end_table_and_json(tmp_path: Path) -> None:
         anchors.append("gloo")
     if mpi_unavailable() is None:
         anchors.append("mpi")
+    if horovod_unavailable() is None:  # built here with benchmarks/horovod/build.sh; CI has no Horovod
+        anchors.append("horovod")
     out = tmp_path / "bench.json"
     marker = secrets.token_hex(6)
     result = _bench(
@@ -91,6 +93,15 @@ def test_end_to_end_table_and_json(tmp_path: Path) -> None:
             assert set(row["ratios"]) == set(anchors)
     assert all(info["status"] == "ok" for info in report["engines"].values()), report["engines"]
     assert _processes_with(marker) == []
+
+
+@pytest.mark.skipif(horovod_unavailable() is None, reason="Horovod is installed here: it runs above")
+def test_a_missing_horovod_is_a_skipped_column_that_says_how_to_build_it(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = _bench("--np", "2", "--sizes", "4KiB", "--iters", "3", "--compare", "horovod", "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    engines = json.loads(out.read_text())["engines"]
+    assert engines["horovod"]["status"] == "skipped" and "build.sh" in engines["horovod"]["detail"]
 
 
 @pytest.mark.parametrize("sizes", ["4XB", "3", "0", "-4KiB", "1.5MiB", ",", "8GiB"])
