@@ -159,7 +159,7 @@ def _shm_phases(mode: str) -> dict[str, float]:
 
     shm = pt.runtime.context.current().world.collectives._shm
     group = None if shm is None else shm.group
-    return {} if group is None else dict(group.phases)
+    return {} if group is None else dict(getattr(group, "phases", {}))
 
 
 if __name__ == "__main__":
