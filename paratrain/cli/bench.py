@@ -82,7 +82,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a.add_argument("--np", dest="nproc", type=int, default=2, help="ranks (processes) per engine (default 2)")
     a.add_argument("--sizes", type=_sizes, default=None, help="comma-separated sizes (default 4KiB,1MiB,16MiB,64MiB)")
     a.add_argument(
-        "--compare", type=_compare, default=None, help="anchors to run: gloo,mpi,horovod (default; each skipped where not installed), a subset, or none"
+        "--compare",
+        type=_compare,
+        default=None,
+        help="anchors: gloo,mpi,horovod (default; each skipped where not installed), a subset, or none",
     )
     a.add_argument("--iters", type=int, default=None, help="timed calls per size (default: 500 small .. 10 large)")
     a.add_argument("--warmup", type=int, default=5, help="untimed calls per size before timing (default 5)")
