@@ -58,6 +58,7 @@ __all__ = [
     "shutdown",
     "size",
     "submit",
+    "wait",
 ]
 
 T = TypeVar("T")
@@ -227,9 +228,15 @@ def _internal(exc: BaseException) -> BaseException:
     return HorovodInternalError(f"{type(exc).__name__}: {exc}")
 
 
-def submit(request: Request) -> concurrent.futures.Future[Any]:
-    """Hands ``request`` to the engine (see the module docstring)."""
-    return _get().engine.submit(request)
+def submit(request: Request, *, wake: bool = True) -> concurrent.futures.Future[Any]:
+    """Hands ``request`` to the engine (see the module docstring); ``wake=False`` when the caller waits at once."""
+    return _get().engine.submit(request, wake=wake)
+
+
+def wait(future: concurrent.futures.Future[T]) -> T:
+    """``future``'s result, running the engine's cycles on this thread while it waits (no thread hand-off)."""
+    result: T = _get().engine.wait(future)
+    return result
 
 
 def name(kind: str, given: str | None) -> str:

@@ -23,16 +23,17 @@ the timeline (``PARATRAIN_TIMELINE``).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from paratrain.horovod.adasum import adasum_pair, adasum_tree
-from paratrain.horovod.basics import Adasum, Average, Max, Min, Product, Sum, rank, size, submit
+from paratrain.horovod.basics import Adasum, Average, Max, Min, Product, Sum, rank, size, submit, wait
 from paratrain.horovod.basics import name as _auto_name
 from paratrain.horovod.compression import Compression, Compressor
 from paratrain.horovod.engine import Request, average_divide, scale
@@ -87,13 +88,32 @@ def _op(op: int | None, average: bool | None) -> int:
     return op
 
 
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def _blocking() -> Iterator[None]:
+    """Marks the requests submitted inside as waited for at once: the caller runs their cycle itself (see
+    :meth:`~paratrain.horovod.engine.Engine.wait`), so the engine thread is not woken for them."""
+    previous = getattr(_local, "blocking", False)
+    _local.blocking = True
+    try:
+        yield
+    finally:
+        _local.blocking = previous
+
+
+def _wake() -> bool:
+    return not getattr(_local, "blocking", False)
+
+
 def _allreduce_request(
     tensor: torch.Tensor, name: str | None, op: int, prescale: float, postscale: float
 ) -> concurrent.futures.Future[torch.Tensor]:
     if op == Adasum and not tensor.is_floating_point():
         raise ValueError(f"Adasum combines floating-point tensors, got {tensor.dtype}")
     t = tensor.detach().clone()  # the caller may change its tensor before the collective runs
-    return submit(Request(_auto_name("allreduce", name), "allreduce", t, op, 0, prescale, postscale))
+    return submit(Request(_auto_name("allreduce", name), "allreduce", t, op, 0, prescale, postscale), wake=_wake())
 
 
 def _register(future: concurrent.futures.Future[torch.Tensor], out: torch.Tensor | None, name: str | None) -> int:
@@ -122,7 +142,7 @@ def synchronize(handle: int) -> torch.Tensor:
         pending = _handles.pop(handle, None)
     if pending is None:
         raise ValueError(f"handle {handle} was not created or has been cleared")
-    result = pending.future.result()
+    result = wait(pending.future)
     if pending.out is None:
         return result
     with torch.no_grad():
@@ -167,7 +187,9 @@ class _Allreduce(torch.autograd.Function):
         ctx: Any, tensor: torch.Tensor, op: int, name: str | None, pre: float, post: float
     ) -> torch.Tensor:
         ctx.op, ctx.pre, ctx.post = op, pre, post
-        return synchronize(allreduce_async(tensor, None, name, op, pre, post))
+        with _blocking():
+            handle = allreduce_async(tensor, None, name, op, pre, post)
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
@@ -205,7 +227,9 @@ def allreduce_(  # noqa: PLR0917 (Horovod's positional signature)
     process_set: object = None,
 ) -> torch.Tensor:
     """In place: ``tensor`` holds the result, and is returned."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    with _blocking():
+        handle = allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return synchronize(handle)
 
 
 def grouped_allreduce_async(  # noqa: PLR0917 (Horovod's positional signature)
@@ -259,14 +283,16 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
         raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on the first)")
     t = tensor.detach().clone().contiguous()
     request = Request(_auto_name("allgather", name), "allgather", t, run=lambda g: torch.as_tensor(g.allgather(t)))
-    return _register(submit(request), None, name)
+    return _register(submit(request, wake=_wake()), None, name)
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
         ctx.dim = tensor.shape[0]
-        return synchronize(allgather_async(tensor, name))
+        with _blocking():
+            handle = allgather_async(tensor, name)
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -303,14 +329,16 @@ def _broadcast_request(
         raise ValueError(f"root_rank {root_rank!r} outside 0..{size() - 1}")
     t = tensor.detach().clone().contiguous()
     run = lambda g: torch.as_tensor(g.broadcast(t, root_rank))  # noqa: E731
-    return submit(Request(_auto_name("broadcast", name), "broadcast", t, root=root_rank, run=run))
+    return submit(Request(_auto_name("broadcast", name), "broadcast", t, root=root_rank, run=run), wake=_wake())
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
         ctx.root = root_rank
-        return synchronize(broadcast_async(tensor, root_rank, name))
+        with _blocking():
+            handle = broadcast_async(tensor, root_rank, name)
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -333,13 +361,15 @@ def broadcast_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = None
 ) -> torch.Tensor:
     """In place: ``tensor`` takes ``root_rank``'s value, and is returned."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    with _blocking():
+        handle = broadcast_async_(tensor, root_rank, name, process_set)
+    return synchronize(handle)
 
 
 def barrier(process_set: object = None) -> None:
     """Blocks until every rank called it (after this rank's earlier collectives)."""
     _whole_job(process_set)
-    submit(Request(_auto_name("barrier", None), "barrier", run=lambda g: g.barrier())).result()
+    wait(submit(Request(_auto_name("barrier", None), "barrier", run=lambda g: g.barrier()), wake=False))
 
 
 def join(device: int = -1) -> int:
@@ -354,7 +384,7 @@ def join(device: int = -1) -> int:
     """
     if device != -1:
         raise ValueError(f"join(device={device}): paratrain.horovod runs on CPU tensors (device=-1)")
-    return int(submit(Request(_auto_name("join", None), "join")).result())
+    return int(wait(submit(Request(_auto_name("join", None), "join"), wake=False)))
 
 
 def _whole_job(process_set: object) -> None:
@@ -390,7 +420,7 @@ def reducescatter(  # noqa: PLR0917 (Horovod's positional signature)
     request = Request(
         _auto_name("reducescatter", name), "reducescatter", t, op, 0, prescale_factor, postscale_factor, call
     )
-    return compression.decompress(synchronize(_register(submit(request), None, name)), state)
+    return compression.decompress(synchronize(_register(submit(request, wake=False), None, name)), state)
 
 
 def alltoall(
@@ -430,5 +460,5 @@ def alltoall(
             parts.append(everything[offset : offset + int(table[q, me])])
         return torch.cat(parts), table[:, me].clone()
 
-    out, received = submit(Request(_auto_name("alltoall", name), "alltoall", t, run=call)).result()
+    out, received = wait(submit(Request(_auto_name("alltoall", name), "alltoall", t, run=call), wake=False))
     return (out, received) if given else out
