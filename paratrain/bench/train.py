@@ -168,7 +168,7 @@ def _run_horovod(options: TrainBenchOptions, out: str) -> float:
     return _throughput(out, "horovod", n)
 
 
-_WORLDS = {"single": 0, "single_1thread": 0}  # engines whose breakdown is not reported
+_NO_BREAKDOWN = frozenset({"single", "single_1thread"})  # one process: nothing to break down
 
 
 def run_train_bench(options: TrainBenchOptions, *, out: TextIO | None = None) -> dict[str, Any]:
@@ -187,7 +187,7 @@ def run_train_bench(options: TrainBenchOptions, *, out: TextIO | None = None) ->
     else:
         print(f"  horovod: not measured: {horovod_missing}", file=stream, flush=True)
     runs: dict[str, list[float]] = {name: [] for name in engines}
-    breakdowns: dict[str, list[dict[str, float]]] = {name: [] for name in engines if name not in _WORLDS}
+    breakdowns: dict[str, list[dict[str, float]]] = {name: [] for name in engines if name not in _NO_BREAKDOWN}
     failures: list[str] = []
     for round_ in range(options.repeat):
         for name, fn in engines.items():

@@ -26,7 +26,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,13 @@ def _blocking() -> Iterator[None]:
 
 def _wake() -> bool:
     return not getattr(_local, "blocking", False)
+
+
+def _now(start: Callable[..., int], *args: Any) -> torch.Tensor:
+    """``synchronize(start(*args))``, the request marked as waited for at once (:func:`_blocking`)."""
+    with _blocking():
+        handle = start(*args)
+    return synchronize(handle)
 
 
 def _allreduce_request(
@@ -187,9 +194,7 @@ class _Allreduce(torch.autograd.Function):
         ctx: Any, tensor: torch.Tensor, op: int, name: str | None, pre: float, post: float
     ) -> torch.Tensor:
         ctx.op, ctx.pre, ctx.post = op, pre, post
-        with _blocking():
-            handle = allreduce_async(tensor, None, name, op, pre, post)
-        return synchronize(handle)
+        return _now(allreduce_async, tensor, None, name, op, pre, post)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
@@ -227,9 +232,7 @@ def allreduce_(  # noqa: PLR0917 (Horovod's positional signature)
     process_set: object = None,
 ) -> torch.Tensor:
     """In place: ``tensor`` holds the result, and is returned."""
-    with _blocking():
-        handle = allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
-    return synchronize(handle)
+    return _now(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_async(  # noqa: PLR0917 (Horovod's positional signature)
@@ -290,9 +293,7 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
         ctx.dim = tensor.shape[0]
-        with _blocking():
-            handle = allgather_async(tensor, name)
-        return synchronize(handle)
+        return _now(allgather_async, tensor, name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -336,9 +337,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
         ctx.root = root_rank
-        with _blocking():
-            handle = broadcast_async(tensor, root_rank, name)
-        return synchronize(handle)
+        return _now(broadcast_async, tensor, root_rank, name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -361,9 +360,7 @@ def broadcast_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = None
 ) -> torch.Tensor:
     """In place: ``tensor`` takes ``root_rank``'s value, and is returned."""
-    with _blocking():
-        handle = broadcast_async_(tensor, root_rank, name, process_set)
-    return synchronize(handle)
+    return _now(broadcast_async_, tensor, root_rank, name, process_set)
 
 
 def barrier(process_set: object = None) -> None:

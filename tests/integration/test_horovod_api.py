@@ -351,10 +351,9 @@ hvd.shutdown()
 '''
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_the_horovod_api_on_real_processes(tmp_path: Path, ranks: int) -> None:
-    script = tmp_path / "hvd_job.py"
-    script.write_text(JOB)
+def _launch(script: Path, text: str, ranks: int) -> subprocess.CompletedProcess[str]:
+    """Writes ``text`` to ``script`` and runs it on ``ranks`` processes under ``paratrain launch``; must succeed."""
+    script.write_text(text)
     out = subprocess.run(
         [sys.executable, "-m", "paratrain.cli.main", "launch", "-n", str(ranks), str(script)],
         capture_output=True,
@@ -363,6 +362,12 @@ def test_the_horovod_api_on_real_processes(tmp_path: Path, ranks: int) -> None:
         check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_horovod_api_on_real_processes(tmp_path: Path, ranks: int) -> None:
+    out = _launch(tmp_path / "hvd_job.py", JOB, ranks)
     passed = [line for line in out.stdout.splitlines() if "checks passed" in line]
     assert len(passed) == ranks, out.stdout
     counts = {line.split(":")[-1].strip() for line in passed}
@@ -376,14 +381,5 @@ def test_distributed_optimizer_equals_one_process_with_the_same_total_batch(tmp_
     model of the same total batch (to 1e-12; fp16 to 1e-2), the same on every rank; Adasum equals its
     one-process replay; SyncBatchNorm over the ranks' rows equals BatchNorm over the whole batch (outputs,
     gradients, running statistics)."""
-    script = tmp_path / "hvd_optimizer.py"
-    script.write_text(OPTIMIZER_JOB)
-    out = subprocess.run(
-        [sys.executable, "-m", "paratrain.cli.main", "launch", "-n", str(ranks), str(script)],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = _launch(tmp_path / "hvd_optimizer.py", OPTIMIZER_JOB, ranks)
     assert out.stdout.count("optimizer checks passed") == ranks, out.stdout
