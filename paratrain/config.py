@@ -25,6 +25,8 @@ Variables (all optional unless a launcher set them):
 ``PARATRAIN_RDZV_TIMEOUT``      seconds to wait for all ranks at start-up (120)
 ``PARATRAIN_HEARTBEAT``         seconds between heartbeats (1.0)
 ``PARATRAIN_HEARTBEAT_TIMEOUT`` seconds of silence after which a peer is declared lost (30)
+``PARATRAIN_SHM_LANE_MB``       MiB of the shared-memory lane to each peer on this host that bulk messages go
+                                through instead of the ipc socket (64; 0: off)
 ``PARATRAIN_FAULTS``            wrap the transport in the fault injector, e.g. ``latency=2ms,bandwidth=100Mbit``
 ``PARATRAIN_ROLE``              ``worker`` (default) or ``server`` (set by ``paratrain launch --servers``)
 ``PARATRAIN_NUM_SERVERS``       set by ``paratrain launch --servers S``: S parameter servers *besides* the
@@ -257,6 +259,7 @@ class Settings:
         heartbeat: seconds between heartbeats. Smaller detects silent deaths sooner at the cost of traffic.
         heartbeat_timeout: seconds of silence before a peer is declared lost. Crashed processes are usually
             detected at once from their closed connection; this covers hung hosts and cut networks.
+        lane_mb: MiB of the shared-memory lane to each same-host peer (:mod:`paratrain.transport.lane`); 0: off.
         faults: fault-injection spec for the transport (see :mod:`paratrain.transport.faults`), or None.
         role: ``worker`` or ``server``.
         num_servers: parameter-server processes in the job. Ranks ``0..world_size - num_servers - 1`` are
@@ -301,6 +304,7 @@ class Settings:
     rdzv_timeout: float = 120.0
     heartbeat: float = 1.0
     heartbeat_timeout: float = 30.0
+    lane_mb: int = 64
     faults: str | None = None
     role: str = "worker"
     num_servers: int = 0
@@ -323,6 +327,8 @@ class Settings:
             raise ConfigError(f"world size must be at least 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside 0..{self.world_size - 1} (world size {self.world_size})")
+        if not 0 <= self.lane_mb <= 1 << 16:
+            raise ConfigError(f"PARATRAIN_SHM_LANE_MB={self.lane_mb} must be 0 (off) .. 65536 MiB")
         if self.local_world_size < 1 or not 0 <= self.local_rank < self.local_world_size:
             raise ConfigError(
                 f"local rank {self.local_rank} is outside 0..{self.local_world_size - 1} "
@@ -478,6 +484,7 @@ class Settings:
             rdzv_timeout=_get_float(env, "PARATRAIN_RDZV_TIMEOUT", 120.0),
             heartbeat=heartbeat,
             heartbeat_timeout=_get_float(env, "PARATRAIN_HEARTBEAT_TIMEOUT", max(30.0, 3 * heartbeat)),
+            lane_mb=_get_int(env, "PARATRAIN_SHM_LANE_MB", 64),
             faults=env.get("PARATRAIN_FAULTS") or None,
             role=role,
             num_servers=num_servers,

@@ -3,7 +3,7 @@
 Each worker makes a :class:`~paratrain.ps.KVStore`, initialises one float32 key per size (the store cuts it
 into chunks over the servers), checks one push/clock/pull round against the exact sum (a wrong result must
 never be reported as a time), warms up, passes a barrier of the workers, then times ``iters`` iterations of
-``push(key, grad)`` + ``clock()`` + ``pull(key)``, one by one and all together, with the time of each phase.
+``push(key, grad)`` + ``clock()`` + ``pull(key, out=buf)``, one by one and all together, with the time of each phase.
 It writes ``ps-rank{r}.json`` into ``--out``. The loop itself (:func:`time_iterations`) is shared with the
 ceiling engine (:mod:`._ps_ceiling_worker`), so that the two differ only by what one iteration does.
 """
@@ -65,6 +65,7 @@ def _measure_size(ctx: Any, kv: Any, nbytes: int, *, iters: int, warmup: int, co
     workers = ctx.world_size
     kv.init(key, np.zeros(nbytes // 4, dtype=np.float32))
     grad = np.full(nbytes // 4, ctx.rank + 1, dtype=np.float32)
+    buf = np.empty(nbytes // 4, dtype=np.float32)  # reused, as a training loop reuses its parameters
     pending: list[Any] = []
     pulled: list[Any] = [None]
 
@@ -72,7 +73,7 @@ def _measure_size(ctx: Any, kv: Any, nbytes: int, *, iters: int, warmup: int, co
         pending.append(kv.push(key, grad))
 
     def pull() -> None:
-        pulled[0] = kv.pull(key)
+        pulled[0] = kv.pull(key, out=buf)
         for handle in pending:  # long done (the pull was answered after them); surfaces a rejected push
             handle.wait(kv.timeout)
         pending.clear()

@@ -6,7 +6,7 @@ Two engines run one after the other (never at the same time, so they never share
 * ``ps``: a real job, ``paratrain launch -n W --servers S``. Every worker makes a :class:`~paratrain.ps.KVStore`
   with the chosen consistency, initialises one float32 key of each size (the store cuts it into 1 MiB chunks
   dealt over the servers), checks one round, then times ``iters`` iterations of ``push(key, grad)`` +
-  ``clock()`` + ``pull(key)`` (:mod:`._ps_worker`).
+  ``clock()`` + ``pull(key, out=buf)`` (:mod:`._ps_worker`).
 * ``ceiling``: the same bytes over the same path without a parameter server: ``paratrain launch -n W+S``, the
   first W ranks send each chunk of the same plan to the rank that would serve it and receive it back; the other
   S ranks echo every chunk as soon as it arrives, zero-copy (:mod:`._ps_ceiling_worker`). Same transport
@@ -35,8 +35,10 @@ server loop is not ours to instrument). The shared harness is in :mod:`.harness`
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
+import os
 import statistics
 import sys
 import time
@@ -46,7 +48,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from paratrain.bench import harness, stats, tables
+from paratrain.bench import harness, netns, stats, tables
 from paratrain.bench._timing import format_bytes
 from paratrain.bench.harness import EngineRun, SizedOptions, Step
 from paratrain.bench.machine import MachineSample, OthersMeter, machine_report
@@ -101,12 +103,15 @@ class PSBenchOptions(SizedOptions):
         consistency: ``bsp``, ``asp`` or ``ssp:S`` (see :func:`parse_consistency`).
         replicas: servers holding each chunk (``paratrain launch --replicas``): with 2 every push is also
             forwarded to a backup and acknowledged after it; compare ``--replicas 2`` with 1 for its cost.
+        hosts: 1: every process on this host (ipc and shared memory between them); 2: the workers on one
+            emulated host and the servers (echo ranks) on another (:mod:`.netns`), TCP between them.
     """
 
     workers: int
     servers: int
     consistency: str = "bsp"
     replicas: int = 1
+    hosts: int = 1
 
     def __post_init__(self) -> None:
         harness.require_at_least_one(self, "workers")
@@ -117,15 +122,36 @@ class PSBenchOptions(SizedOptions):
         parse_consistency(self.consistency)
         if not 1 <= self.replicas <= self.servers:
             raise ValueError(f"--replicas must be 1..{self.servers} (the servers), got {self.replicas}")
+        if self.hosts not in (1, 2):
+            raise ValueError(f"--hosts must be 1 or 2, got {self.hosts}")
+        if self.hosts == 2 and self.replicas != 1:
+            raise ValueError("--hosts 2 runs without replicas (its jobs start ranks themselves, not the launcher)")
         SizedOptions.__post_init__(self)
 
 
 # -- running the jobs ----------------------------------------------------------------------------------------------
 
 
-def _run_engine(engine: str, options: PSBenchOptions, out_dir: str) -> dict[str, EngineRun]:
-    """Runs one engine's job under ``paratrain launch`` and collects what its workers wrote."""
+def _run_engine(
+    engine: str, options: PSBenchOptions, hosts: netns.TwoHosts | None, out_dir: str
+) -> dict[str, EngineRun]:
+    """Runs one engine's job (under ``paratrain launch``, or placed on two emulated hosts) and collects what its
+    workers wrote."""
     args = [*harness.worker_args(options, out_dir), "--servers", str(options.servers)]
+    if hosts is not None:  # workers on host 0, servers or echo ranks on host 1
+        module = "paratrain.bench._ps_worker" if engine == "ps" else "paratrain.bench._ps_ceiling_worker"
+        extra = ["--consistency", options.consistency] if engine == "ps" else []
+        placement = [0] * options.workers + [1] * options.servers
+        env = dict(os.environ, PARATRAIN_TIMEOUT=str(options.timeout))
+        commands = netns.placed_commands(
+            hosts,
+            ["python", "-m", module, *args, *extra],
+            placement,
+            servers=options.servers if engine == "ps" else 0,
+            env=env,
+        )
+        problem = harness.run_job(commands, timeout=options.timeout, deadline_s=options.deadline_s())
+        return harness.judge({engine: harness.collect(out_dir, engine, options.workers, who="worker")}, problem)
     if engine == "ps":
         cmd = ["python", "-m", "paratrain.bench._ps_worker", *args, "--consistency", options.consistency]
         nproc, servers = options.workers, options.servers
@@ -330,18 +356,31 @@ def run_bench(options: PSBenchOptions, *, out: TextIO | None = None) -> tuple[di
         "ceiling": f"{_plural(options.workers, 'worker')} + {_plural(options.servers, 'echo rank')}, transport "
         "send/recv only",
     }
-    steps = [
-        Step((engine,), f"{engine}: {describe[engine]}, sizes {sizes}", functools.partial(_run_engine, engine, options))
-        for engine in ENGINES
-    ]
-    rounds = harness.run_rounds(
-        steps,
-        repeat=options.repeat,
-        summarize=lambda label, payloads: summarize(label, payloads, options.workers),
-        say=say,
-        tmp_prefix="paratrain-bench-ps-",
-    )
+    with contextlib.ExitStack() as stack:
+        hosts = stack.enter_context(netns.two_hosts()) if options.hosts == 2 else None
+        if hosts is not None:
+            say(
+                f"two emulated hosts: workers in {hosts.namespaces[0]} ({hosts.addresses[0]}), servers and echo ranks "
+                f"in {hosts.namespaces[1]} ({hosts.addresses[1]}), TCP over a veth pair"
+            )
+        steps = [
+            Step(
+                (engine,),
+                f"{engine}: {describe[engine]}, sizes {sizes}",
+                functools.partial(_run_engine, engine, options, hosts),
+            )
+            for engine in ENGINES
+        ]
+        rounds = harness.run_rounds(
+            steps,
+            repeat=options.repeat,
+            summarize=lambda label, payloads: summarize(label, payloads, options.workers),
+            say=say,
+            tmp_prefix="paratrain-bench-ps-",
+        )
     busy_during = others.fraction()
+    for entry in memcpy:  # once more after the jobs: the faster of the two is the ceiling (a busy start skews one)
+        entry["gbps"] = max(entry["gbps"], memcpy_gbps(entry["bytes"]))
     rows = [row for engine in ENGINES if engine in rounds.rows for row in combine_runs(rounds.rows[engine])]
     _add_ratios(rows, {m["bytes"]: m["gbps"] for m in memcpy})
     report: dict[str, Any] = {
@@ -356,7 +395,10 @@ def run_bench(options: PSBenchOptions, *, out: TextIO | None = None) -> tuple[di
         "warmup": options.warmup,
         "repeat": options.repeat,
         "chunk_bytes": DEFAULT_CHUNK_BYTES,
-        "transport": "ZeroMQ (ipc inside one host)",
+        "hosts": options.hosts,
+        "transport": "ZeroMQ: ipc headers and shared-memory lanes inside one host"
+        if options.hosts == 1
+        else "ZeroMQ over TCP between two emulated hosts (network namespaces, veth)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_report(before, {"others_busy_during": busy_during}),
         "definitions": {
@@ -369,7 +411,8 @@ def run_bench(options: PSBenchOptions, *, out: TextIO | None = None) -> tuple[di
             "ceiling": "W workers send every chunk of the same plan to S echo ranks and receive it back, plain "
             "transport isend/irecv, same ZeroMQ transport and process count; no PS logic",
             "pct_of_ceiling": "100 * ps aggregate_gbps / ceiling aggregate_gbps",
-            "memcpy": "np.copyto of `bytes` in one process, median, 1e9 B/s copied",
+            "memcpy": "np.copyto of `bytes` in one process, median, 1e9 B/s copied; measured before and after the "
+            "jobs, the faster kept",
             "pct_of_memcpy": "100 * ps worker_gbps / memcpy gbps (the bound of a shared-memory PS)",
         },
         "engines": rounds.engines,

@@ -161,10 +161,12 @@ _PS_EPILOG = """\
 Two jobs run one after the other, never at the same time (with --repeat R, R times each, interleaved):
   ps       'paratrain launch -n W --servers S': every worker makes a KVStore with --consistency, inits one
            float32 key per size (cut into 1 MiB chunks over the servers), checks one round, warms up, passes a
-           barrier, then times ITERS iterations of push(key, grad) + clock() + pull(key);
+           barrier, then times ITERS iterations of push(key, grad) + clock() + pull(key, out=buf);
   ceiling  'paratrain launch -n W+S' with no parameter server: W ranks send the same chunks to S echo ranks and
-           receive them back with plain transport send/recv (same ZeroMQ ipc path, same process count);
-and, in this process, np.copyto of each size (memcpy: the bound of a shared-memory parameter server).
+           receive them back with plain transport send/recv (same transport: on one host ipc headers with the
+           data in shared-memory lanes; with --hosts 2 TCP between the emulated hosts; same process count);
+and, in this process before and after the jobs (the faster kept), np.copyto of each size (memcpy: the bound
+of a shared-memory parameter server).
 
 columns (every worker pushes `size` bytes and pulls `size` bytes per iteration):
   p50, p90     median / 90th percentile over iterations of the slowest worker's time for the iteration
@@ -234,6 +236,14 @@ def _add_ps_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser
         default="bsp",
         help="bsp (default), asp, or ssp:S with staleness bound S (pulls wait for the slowest worker under bsp)",
     )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1 (default): every process on this host; 2: workers and servers on two emulated hosts (network "
+        "namespaces joined by a veth pair, TCP between them; needs root)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds each job may run (default 300)")
     p.add_argument("--json", metavar="FILE", default=None, help="write every number to FILE as JSON")
     p.set_defaults(func=_ps)
@@ -249,6 +259,7 @@ def _ps(args: argparse.Namespace) -> int:
             sizes=tuple(args.size or [16 << 20]),
             replicas=args.replicas,
             consistency=args.consistency,
+            hosts=args.hosts,
             iters=args.iters,
             warmup=args.warmup,
             repeat=args.repeat,
@@ -257,7 +268,11 @@ def _ps(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"paratrain bench ps: error: {exc}", file=sys.stderr)
         return 2
-    report, code = run_bench(options)
+    try:
+        report, code = run_bench(options)
+    except RuntimeError as exc:  # --hosts 2: the emulated hosts could not be made (not root, no iproute2...)
+        print(f"paratrain bench ps: error: {exc}", file=sys.stderr)
+        return 2
     return _report("ps", render_table(report), report, args.json, code)
 
 

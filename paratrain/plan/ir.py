@@ -11,8 +11,9 @@ One format for every schedule in paratrain, so that three users read the same ob
 A plan is a tuple of :class:`Action` per rank. Actions are *issued* in order by one thread per rank; an action
 starts once the actions named in its ``deps`` are complete:
 
-* ``send``: starts sending ``data`` (a :class:`Slice` of a buffer or the frame of an earlier receive) to
-  ``peer``; complete when the buffer may be written again. Does not block the issuing thread.
+* ``send``: starts sending ``data`` (a :class:`Slice` of a buffer, several of them as one message's arrays
+  (:class:`Parts`), or the frame of an earlier receive) to ``peer``; complete when the buffer may be written
+  again. Does not block the issuing thread.
 * ``recv``: posts a receive from ``peer``; complete when the message has arrived. Does not block either: the
   first action that depends on it waits.
 * ``reduce``: ``out = data (op) other``, elementwise; ``copy``: ``out = data``; ``finish``: turns a sum in
@@ -43,6 +44,7 @@ __all__ = [
     "Kind",
     "Message",
     "Operand",
+    "Parts",
     "Plan",
     "PlanBuilder",
     "PlanError",
@@ -83,12 +85,22 @@ class Slice:
 
 @dataclass(frozen=True, slots=True)
 class Received:
-    """The frame received by action number ``action`` of the same rank's plan (read-only)."""
+    """The frame received by action number ``action`` of the same rank's plan (read-only); ``index``: which of
+    its arrays, for a message that carries several (:class:`Parts`)."""
 
     action: int
+    index: int = 0
 
 
-Operand = Slice | Received
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """Several slices sent as the arrays of one message, in order (a parameter server's batch of chunks: one
+    message instead of one per chunk, :mod:`paratrain.ps.protocol`)."""
+
+    parts: tuple[Slice, ...]
+
+
+Operand = Slice | Received | Parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +307,7 @@ class PlanBuilder:
                 hit = [e for e in entries[lo:hi] if writes.start < e[1]]  # and e[0] < writes.stop, by hi
                 for entry in hit:
                     deps.add(entry[2])
-                    del self._reading[entry[2]]
+                    self._reading.pop(entry[2], None)  # (a send of Parts has an entry per part)
                 if hit:
                     entries[lo:hi] = [e for e in entries[lo:hi] if e not in hit]
         return tuple(sorted(deps))
@@ -368,6 +380,9 @@ class PlanBuilder:
         )
         if kind == "send" and isinstance(data, Slice):
             self._reads(index, data)
+        elif kind == "send" and isinstance(data, Parts):
+            for part in data.parts:
+                self._reads(index, part)
         return index
 
     def compute(self, label: str, *, seconds: float = 0.0, deps: Sequence[int] = ()) -> int:

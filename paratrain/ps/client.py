@@ -35,7 +35,7 @@ import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -45,12 +45,13 @@ from paratrain._arrays import as_numpy_view, dtype_from_name
 from paratrain._current import current_context
 from paratrain.config import Settings
 from paratrain.errors import CommTimeoutError, ConfigError, PeerLostError
-from paratrain.plan.ir import Action, Slice
+from paratrain.plan.ir import Action, Parts, Received, Slice
 from paratrain.ps.consistency import Policy
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
 from paratrain.ps.plans import clock_actions, pull_actions, push_actions
-from paratrain.ps.protocol import REQUEST_TAG, PSRequestError, reply_tag
+from paratrain.ps.protocol import MAX_BATCH, REQUEST_TAG, PSRequestError, pack, reply_tag, unpack
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks, split_rows
+from paratrain.ps.shared import ValueReader, value_prefix
 from paratrain.transport.base import Handle, Transport
 from paratrain.transport.wire import Message
 
@@ -89,24 +90,49 @@ class _Key:
     shape: tuple[int, ...]
     dtype_name: str
     chunks: list[Chunk]
-    push: tuple[Action, ...] = ()  # this worker's side of a push and a pull (paratrain.ps.plans), per chunk
+    push: tuple[Action, ...] = ()  # this worker's side of a push and a pull (paratrain.ps.plans), per batch
     pull: tuple[Action, ...] = ()
+    at_row: dict[int, Chunk] = field(default_factory=dict)  # each chunk by its first row (how plan slices name it)
 
     @property
     def storage(self) -> np.dtype[Any]:
         return dtype_from_name(self.dtype_name)
 
 
-def _slice(action: Action) -> slice:
-    """The rows an action of a PS plan reads (a send) or writes (a copy)."""
-    region = action.data if action.kind == "send" else action.out
-    assert isinstance(region, Slice)
-    return slice(region.start, region.stop)
+def _parts(action: Action) -> tuple[Slice, ...]:
+    """The rows of each chunk a send of a PS plan carries (one, or a batch's)."""
+    if isinstance(action.data, Parts):
+        return action.data.parts
+    assert isinstance(action.data, Slice)
+    return (action.data,)
 
 
 def _rows(arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """``arr`` as rows along axis 0 (a 0-d array is one row of one element)."""
     return arr.reshape(1) if arr.ndim == 0 else arr
+
+
+def _split_batch(batch: Handle[Message], *, parts: list[Handle[Message]], worker: int) -> None:
+    """Completes each request's handle with its own reply from a batch's answer (:mod:`.protocol`)."""
+    error = batch.exception()
+    if error is None:
+        msg = batch.wait(0)
+        if msg.meta.get("error") is not None:  # the batch itself was refused: so is each request in it
+            for part in parts:
+                part.set_result(msg)
+            return
+        try:
+            replies = unpack(msg, "replies")
+            if len(replies) != len(parts):
+                raise ValueError(f"{len(replies)} replies to {len(parts)} requests")
+        except ValueError as exc:
+            error = PSRequestError(f"worker {worker}: server rank {msg.src} answered a batch malformedly: {exc}")
+        else:
+            for part, reply in zip(parts, replies, strict=True):
+                part.set_result(reply)
+            return
+    for part in parts:
+        part.set_error(error)
 
 
 class KVStore:
@@ -219,7 +245,12 @@ class KVStore:
         self._versions: dict[str | int, list[int | None]] = {}
         self._keys: dict[str | int, _Key] = {}
         # key -> (slowest clock when fetched, the received chunks, their versions): the chunks are the read-only
-        # frames the transport already holds, so caching costs no copy; a hit assembles a fresh array from them
+        # arrays the transport already holds, so caching costs no copy; a hit assembles a fresh array from them.
+        # A pull that read values in place from a same-host server (.shared) caches nothing: it received nothing,
+        # and a copy would cost as much as the next pull
+        self._values = ValueReader()  # the value files of same-host servers, read in place (.shared)
+        # servers whose values this worker may read in place (they share its host): pulls ask for a reference
+        self._local = {s for s in self._servers if ctx.transport.memory_prefix(s) is not None}
         self._cache: dict[str | int, tuple[int, list[npt.NDArray[Any]], list[int | None]]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -249,6 +280,22 @@ class KVStore:
             self._transport.cancel_recv(handle)
             raise
         return handle, server
+
+    def _request_many(
+        self, server: int, items: Sequence[tuple[dict[str, Any], Sequence[Any]]]
+    ) -> list[tuple[Handle[Message], int]]:
+        """Requests to one server, one batch of the plan: one message each way (:mod:`.protocol` says why); a
+        handle per request, completed with its own reply."""
+        if len(items) == 1:
+            return [self._request(server, *items[0])]
+        assert len(items) <= MAX_BATCH  # the plan cuts batches (paratrain.ps.plans.batches)
+        with self._lock:
+            ids = [next(self._ids) for _ in items]
+        ops, arrays = pack([({**meta, "id": i}, arrs) for (meta, arrs), i in zip(items, ids, strict=True)])
+        batch, _ = self._request(server, {"op": "batch", "ops": ops}, arrays)
+        parts: list[Handle[Message]] = [Handle() for _ in items]
+        batch.add_done_callback(functools.partial(_split_batch, parts=parts, worker=self.rank))
+        return [(part, server) for part in parts]
 
     def _seq(self, chunk: Chunk) -> int:
         """A new push sequence number for a push to ``chunk``, counted for every replica of the chunk: each of them
@@ -348,7 +395,8 @@ class KVStore:
         try:
             msg = self._await(handle)
         except CommTimeoutError:
-            if self._transport.cancel_recv(handle):
+            # (a request of a batch has no receive of its own to cancel: it is not done either)
+            if self._transport.cancel_recv(handle) or not handle.done():
                 raise CommTimeoutError(
                     f"worker {self.rank}: no answer to {what} from server rank {server} within {self.timeout:g}s; "
                     "under BSP/SSP a pull waits for the slowest worker: is one stuck, or is the timeout too short?"
@@ -523,6 +571,7 @@ class KVStore:
             chunks,
             push=push_actions(chunks, row_bytes, self._servers),
             pull=pull_actions(chunks, row_bytes, self._servers),
+            at_row={c.row_start: c for c in chunks},
         )
         self._versions[key] = [None] * len(chunks)
         self._cache.pop(key, None)
@@ -539,9 +588,7 @@ class KVStore:
         rows = _rows(arr)
         self._cache.pop(key, None)
         versions = self._versions[key]
-        # the plan's sends, in chunk order; each request posts its reply's receive first (the plan's recv)
-        sends = [a for a in info.push if a.kind == "send"]
-        if self.replicas > 1:
+        if self.replicas > 1:  # chunk by chunk, each to its owner now (failover), outside the plan's batches
             pending = [
                 (
                     self._send_failover(
@@ -554,72 +601,124 @@ class KVStore:
                             "seq": self._seq(c),
                             "wclock": self._clock,
                         },
-                        [rows[_slice(a)]],
+                        [rows[c.row_start : c.row_stop]],
                     ),
-                    a.peer,
+                    self._servers[c.server],
                 )
-                for a, c in zip(sends, info.chunks, strict=True)
+                for c in info.chunks
             ]
             handle = self._all(pending, f"push to key {key!r}")
             self._unacked.append((self._next_seq - len(pending), handle))
             return handle
-        pending = [
-            self._request(
-                a.peer,
-                {"op": "push", "key": key, "chunk": c.index, "version": versions[c.index]},
-                [rows[_slice(a)]],
-            )
-            for a, c in zip(sends, info.chunks, strict=True)
-        ]
+        # the plan's sends, one message per batch (each chunk in it a request of its own); each request posts its
+        # reply's receive first (the plan's recv)
+        pending = []
+        for a in (a for a in info.push if a.kind == "send"):
+            batch = [info.at_row[part.start] for part in _parts(a)]
+            items = [
+                (
+                    {"op": "push", "key": key, "chunk": c.index, "version": versions[c.index]},
+                    [rows[c.row_start : c.row_stop]],
+                )
+                for c in batch
+            ]
+            pending += self._request_many(a.peer, items)
         return self._all(pending, f"push to key {key!r}")
 
-    def pull(self, key: str | int) -> npt.NDArray[Any]:
-        """The value of ``key`` as the consistency model allows at this worker's clock (a new array). Blocks."""
+    def pull(self, key: str | int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
+        """The value of ``key`` as the consistency model allows at this worker's clock. Blocks.
+
+        Returns a new array, or ``out`` filled in: a C-contiguous writeable numpy array of the key's shape and
+        dtype, reused from pull to pull (as MXNet's ``pull(key, out=...)``), which saves allocating and
+        first-touching the memory every time (for a 16 MiB key that costs about as much as copying it).
+        """
         self._calls += 1
         info = self._key(key)
+        if out is not None and not (
+            isinstance(out, np.ndarray)
+            and out.shape == info.shape
+            and out.dtype == info.storage
+            and out.flags.c_contiguous
+            and out.flags.writeable
+        ):
+            raise ValueError(
+                f"out= for key {key!r} must be a writeable C-contiguous numpy array of shape {info.shape} and "
+                f"dtype {info.storage}, got {type(out).__name__} {getattr(out, 'shape', '')} "
+                f"{getattr(out, 'dtype', '')}"
+            )
         if self._use_cache and key in self._cache:
             cached_done, parts, cached_versions = self._cache[key]
             if self.policy.cache_fresh(cached_done, self._clock):
                 self._versions[key] = list(cached_versions)
-                hit = np.empty(info.shape, dtype=info.storage)
+                hit = np.empty(info.shape, dtype=info.storage) if out is None else out
                 hit_rows = _rows(hit)
                 for chunk, part in zip(info.chunks, parts, strict=True):
                     hit_rows[chunk.row_start : chunk.row_stop] = part
                 return hit
         required = self.policy.required_done(self._clock)
-        out = np.empty(info.shape, dtype=info.storage)
+        if out is None:
+            out = np.empty(info.shape, dtype=info.storage)
         rows = _rows(out)
-        sends = [a for a in info.pull if a.kind == "send"]
-        copies = [a for a in info.pull if a.kind == "copy"]
         what = f"pull of key {key!r}"
-        pending = [
-            (
-                c,
-                *(
-                    self._request(a.peer, {"op": "pull", "key": key, "chunk": c.index, "required": required})
-                    if self.replicas == 1
-                    else (
-                        self._send_failover(c, {"op": "pull", "key": key, "chunk": c.index, "required": required}),
-                        -1,
-                    )
-                ),
-            )
-            for a, c in zip(sends, info.chunks, strict=True)
-        ]
+        ref = bool(self._local)  # a server off this host ignores it
+        asked = {"op": "pull", "key": key, "required": required, "ref": ref}
+        pending: list[tuple[Chunk, Handle[Message], int]] = []
+        if self.replicas == 1:
+            # the plan: a receive, then its request; the copies out of each reply say which chunks it carries
+            carried: dict[int, list[Chunk]] = {}
+            for a in info.pull:
+                if a.kind == "copy":
+                    assert isinstance(a.data, Received) and a.out is not None
+                    carried.setdefault(a.data.action, []).append(info.at_row[a.out.start])
+            for i, a in enumerate(info.pull):
+                if a.kind == "send":
+                    batch = carried[i - 1]
+                    items = [({**asked, "chunk": c.index}, ()) for c in batch]
+                    pending += [
+                        (c, *answer) for c, answer in zip(batch, self._request_many(a.peer, items), strict=True)
+                    ]
+        else:
+            pending = [(c, self._send_failover(c, {**asked, "chunk": c.index}), -1) for c in info.chunks]
         done = None
-        parts = []
         versions = self._versions[key]
-        for (chunk, handle, server), copy in zip(pending, copies, strict=True):
+        received: dict[int, npt.NDArray[Any]] | None = {}  # chunk index -> its array, what the cache may keep
+        for chunk, handle, server in pending:
             msg = self._wait(handle, server, what)
-            rows[_slice(copy)] = msg.arrays[0]
-            parts.append(msg.arrays[0])
+            target = rows[chunk.row_start : chunk.row_stop]
+            if "ref" in msg.meta:
+                received = None  # read in place: nothing received to keep, and a copy costs as much as a new pull
+                if not self._read_in_place(msg, target):
+                    meta = {"op": "pull", "key": key, "chunk": chunk.index, "required": required, "ref": False}
+                    msg = self._ask(chunk, meta, (), what)  # it changed while copied: the data itself, this once
+                    target[...] = msg.arrays[0]
+            else:
+                target[...] = msg.arrays[0]
+                if received is not None:
+                    received[chunk.index] = msg.arrays[0]
             chunk_done = int(msg.meta.get("done", 0))
             done = chunk_done if done is None else min(done, chunk_done)
             version = msg.meta.get("version")
             versions[chunk.index] = version if isinstance(version, int) else None
-        if self._use_cache and self.policy.kind != "asp":
-            self._cache[key] = (done or 0, parts, list(versions))
+        if self._use_cache and self.policy.kind != "asp" and received is not None:
+            self._cache[key] = (done or 0, [received[c.index] for c in info.chunks], list(versions))
         return out
+
+    def _read_in_place(self, msg: Message, target: npt.NDArray[Any]) -> bool:
+        """Copies a value that a same-host server answered with a reference to (:mod:`.shared`) into
+        ``target``; False when it changed during the copy (then the caller asks for the data).
+
+        Raises:
+            PSRequestError: the reference does not fit this server or chunk (a server of another version?).
+        """
+        prefix = self._transport.memory_prefix(msg.src)
+        try:
+            if prefix is None:
+                raise ValueError(f"server rank {msg.src} is not on this host")
+            return self._values.read(msg.meta["ref"], value_prefix(prefix, msg.src), msg.meta.get("seq"), target)
+        except (ValueError, OSError) as exc:
+            raise PSRequestError(
+                f"worker {self.rank}: server rank {msg.src} answered a pull unreadably: {exc}"
+            ) from None
 
     def pull_replicas(self, key: str | int) -> list[npt.NDArray[Any]]:
         """Every replica's copy of ``key`` (the i-th: each chunk as its i-th live replica holds it), read as
@@ -793,6 +892,7 @@ class KVStore:
             except PeerLostError as exc:
                 self._lost(exc, server)
         self._closed = True
+        self._values.close()
         for handle, server in pending:
             try:
                 self._wait(handle, server, "leave")

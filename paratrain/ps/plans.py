@@ -1,63 +1,84 @@
-"""A parameter-server round as a plan: every request and reply of one push and one pull, by chunk.
+"""A parameter-server round as a plan: every request and reply of one push and one pull, by server.
 
 Pure. A key is cut into row chunks, each held by one server (:mod:`paratrain.ps.sharding`). A worker's push
-sends every chunk's rows to its server and gets an acknowledgement; a pull sends a request per chunk and gets
-the rows back. :func:`push_actions` and :func:`pull_actions` are one worker's side in the plan IR
-(:mod:`paratrain.plan.ir`), which :class:`~paratrain.ps.client.KVStore` iterates; :func:`round_plan` adds
-every server's side, so the cost model can replay a whole round (which servers are hot, what a pull costs).
+sends the rows of the chunks each server holds to that server in one message (up to :data:`MAX_BATCH` chunks:
+a *batch*, :mod:`paratrain.ps.protocol` says why) and gets one acknowledgement; a pull sends one request per
+batch and gets the rows back in one reply, whose arrays are then copied into place. :func:`push_actions` and
+:func:`pull_actions` are one worker's side in the plan IR (:mod:`paratrain.plan.ir`), which
+:class:`~paratrain.ps.client.KVStore` iterates; :func:`round_plan` adds every server's side, so the cost model
+can replay a whole round (which servers are hot, what a pull costs). A batch of one chunk is a plain request.
 
 Tags are symbolic: requests use offset 0 (the servers' request tag), replies offset 1 (in the runtime each
-request has a reply tag of its own). Rows are addressed as ``Slice("rows", row_start, row_stop)``.
+request has a reply tag of its own). Rows are addressed as ``Slice("rows", row_start, row_stop)``; a batch's
+rows as :class:`~paratrain.plan.ir.Parts`, and the arrays of its reply as ``Received(recv, index)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from paratrain.plan.ir import Action, Plan, PlanBuilder, Received, Slice
+from paratrain.plan.ir import Action, Parts, Plan, PlanBuilder, Received, Slice
 from paratrain.ps.sharding import Chunk
 
-__all__ = ["REPLY", "REQUEST", "clock_actions", "pull_actions", "push_actions", "round_plan"]
+__all__ = ["MAX_BATCH", "REPLY", "REQUEST", "batches", "clock_actions", "pull_actions", "push_actions", "round_plan"]
 
 #: Tag offsets of requests and replies in these plans.
 REQUEST, REPLY = 0, 1
+#: Chunks in one batch at most (its header stays far below the wire's 64 KiB).
+MAX_BATCH = 256
+
+
+def batches(chunks: Sequence[Chunk]) -> list[list[Chunk]]:
+    """The chunks in the messages a worker sends: each server's, in chunk order, cut into runs of at most
+    :data:`MAX_BATCH`; servers in the order their first chunk comes.
+
+    Example:
+        >>> cs = [Chunk(0, 0, 1, server=1), Chunk(1, 1, 2, server=0), Chunk(2, 2, 3, server=1)]
+        >>> [[c.index for c in batch] for batch in batches(cs)]
+        [[0, 2], [1]]
+    """
+    by_server: dict[int, list[Chunk]] = {}
+    for c in chunks:
+        by_server.setdefault(c.server, []).append(c)
+    return [mine[i : i + MAX_BATCH] for mine in by_server.values() for i in range(0, len(mine), MAX_BATCH)]
+
+
+def _rows(batch: Sequence[Chunk]) -> Slice | Parts:
+    slices = tuple(Slice("rows", c.row_start, c.row_stop) for c in batch)
+    return slices[0] if len(slices) == 1 else Parts(slices)
 
 
 def push_actions(chunks: Sequence[Chunk], row_bytes: int, servers: Sequence[int]) -> tuple[Action, ...]:
-    """A worker's push: for every chunk, the acknowledgement's receive is posted, then the rows are sent to
-    ``servers[chunk.server]`` (a transport rank). Nothing waits: the push's handle completes with the replies.
+    """A worker's push: for every batch, the acknowledgement's receive is posted, then the rows are sent to
+    ``servers[server]`` (a transport rank). Nothing waits: the push's handle completes with the replies.
 
     Example:
-        >>> chunks = [Chunk(0, 0, 2, server=1), Chunk(1, 2, 3, server=0)]
+        >>> chunks = [Chunk(0, 0, 2, server=1), Chunk(1, 2, 3, server=0), Chunk(2, 3, 4, server=1)]
         >>> [(a.kind, a.peer, a.nbytes) for a in push_actions(chunks, 8, [4, 5])]
-        [('recv', 5, 0), ('send', 5, 16), ('recv', 4, 0), ('send', 4, 8)]
+        [('recv', 5, 0), ('send', 5, 24), ('recv', 4, 0), ('send', 4, 8)]
     """
     b = PlanBuilder()
-    for c in chunks:
-        server = servers[c.server]
+    for batch in batches(chunks):
+        server = servers[batch[0].server]
+        rows = sum(c.num_rows for c in batch)
         b.message("recv", server, nbytes=0, tag=REPLY)
-        b.message(
-            "send",
-            server,
-            nbytes=c.num_rows * row_bytes,
-            items=c.num_rows,
-            tag=REQUEST,
-            data=Slice("rows", c.row_start, c.row_stop),
-        )
+        b.message("send", server, nbytes=rows * row_bytes, items=rows, tag=REQUEST, data=_rows(batch))
     return b.actions
 
 
 def pull_actions(chunks: Sequence[Chunk], row_bytes: int, servers: Sequence[int]) -> tuple[Action, ...]:
-    """A worker's pull: for every chunk, the reply's receive (the rows) is posted and an empty request sent;
-    then the rows are copied into place as each reply arrives."""
+    """A worker's pull: for every batch, the reply's receive (the rows) is posted and an empty request sent;
+    then each chunk's rows are copied into place from its array of the reply."""
     b = PlanBuilder()
     posted = []
-    for c in chunks:
-        server = servers[c.server]
-        posted.append(b.message("recv", server, nbytes=c.num_rows * row_bytes, items=c.num_rows, tag=REPLY))
+    for batch in batches(chunks):
+        server = servers[batch[0].server]
+        rows = sum(c.num_rows for c in batch)
+        posted.append((batch, b.message("recv", server, nbytes=rows * row_bytes, items=rows, tag=REPLY)))
         b.message("send", server, nbytes=0, tag=REQUEST)
-    for c, handle in zip(chunks, posted, strict=True):
-        b.copy(Received(handle), Slice("rows", c.row_start, c.row_stop), itemsize=row_bytes)
+    for batch, handle in posted:
+        for i, c in enumerate(batch):
+            b.copy(Received(handle, i), Slice("rows", c.row_start, c.row_stop), itemsize=row_bytes)
     return b.actions
 
 
@@ -86,11 +107,11 @@ def round_plan(chunks: Sequence[Chunk], row_bytes: int, *, num_workers: int, num
     ]
     for s in range(num_servers):
         b = PlanBuilder()
-        mine = [c for c in chunks if c.server == s]
+        mine = [batch for batch in batches(chunks) if batch[0].server == s]
         for phase in ("push", "pull"):
             for w in range(num_workers):
-                for c in mine:
-                    nbytes = c.num_rows * row_bytes
+                for batch in mine:
+                    nbytes = sum(c.num_rows for c in batch) * row_bytes
                     request = b.message("recv", w, nbytes=nbytes if phase == "push" else 0, tag=REQUEST)
                     b.message("send", w, nbytes=0 if phase == "push" else nbytes, tag=REPLY, deps=[request])
         ranks.append(b.actions)

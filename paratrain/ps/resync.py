@@ -53,6 +53,7 @@ from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedErr
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
 from paratrain.ps.protocol import REQUEST_TAG, reply_tag
 from paratrain.ps.rounds import Mode, RoundSum, mode_of
+from paratrain.ps.shared import SharedValue
 from paratrain.transport.base import ANY_SOURCE, Handle, Transport
 from paratrain.transport.wire import Message
 
@@ -86,6 +87,7 @@ class StoredChunk:
     version: int = 0  # rounds applied so far (clock mode: every clock < version is applied)
     sends: list[Handle[None]] = field(default_factory=list)  # replies still reading `value`
     replicas: tuple[int, ...] = ()  # transport ranks of the servers holding this chunk, owner first (replication)
+    shared: SharedValue | None = None  # `value` lives there, for same-host workers to read in place (.shared)
 
 
 # -- the snapshot of one chunk ------------------------------------------------------------------------------------

@@ -59,9 +59,10 @@ from paratrain.collectives.ops import bf16_to_f32
 from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
 from paratrain.ps.consistency import min_done, required_met
 from paratrain.ps.optim import make_optimizer
-from paratrain.ps.protocol import REQUEST_TAG, reply_tag
+from paratrain.ps.protocol import REQUEST_TAG, pack, reply_tag, unpack
 from paratrain.ps.resync import CaughtUp, StoredChunk, catch_up, chunk_message
 from paratrain.ps.rounds import RoundSum, commit_ready, mode_of, preview, round_of_push, staleness_weight
+from paratrain.ps.shared import SHARED_MIN_BYTES, SharedValue, value_prefix
 from paratrain.transport.base import ANY_SOURCE, Transport
 from paratrain.transport.wire import Message
 
@@ -91,6 +92,16 @@ class _Forward:
 
 
 @dataclass
+class _Batch:
+    """A worker's batch request (:mod:`.protocol`): its replies as they come, sent together with the last."""
+
+    worker: int
+    request_id: int
+    replies: list[tuple[dict[str, Any], list[Any], StoredChunk | None]]
+    left: int
+
+
+@dataclass
 class ServerStats:
     """What a server did (for logs and benchmarks)."""
 
@@ -108,6 +119,8 @@ class ServerStats:
     servers_lost: list[int] = field(default_factory=list)  # other servers seen dead (their chunks fail over)
     snapshots_sent: int = 0  # copies sent to restarted servers (:mod:`.resync`)
     catch_up_s: float | None = None  # restarted: seconds from the first worker's fence to the last snapshot
+    pulls_in_place: int = 0  # pulls answered with a reference: the same-host worker copied the value (.shared)
+    batches: int = 0  # batch requests (each several requests in one message: .protocol)
 
 
 class ParameterServer:
@@ -169,6 +182,8 @@ class ParameterServer:
         self._incarnations: dict[int, int] = transport.incarnations()
         self._snapshots: list[tuple[int, int, list[tuple[int, int]]]] = []
         self._rejoin = rejoin
+        # (worker, request id) of a request that came in a batch -> the batch and its place in it
+        self._batched: dict[tuple[int, int], tuple[_Batch, int]] = {}
 
     # -- the loop ------------------------------------------------------------------------------------------
 
@@ -192,7 +207,28 @@ class ParameterServer:
                 self._release()
             self._check_lost()
         self._flush_sends()
+        self._unshare()
         return self.stats
+
+    def _share(self, chunk: StoredChunk) -> None:
+        """Moves a large dense value into shared memory when a worker shares this host (:mod:`.shared`)."""
+        if chunk.shared is not None or chunk.value.nbytes < SHARED_MIN_BYTES:
+            return
+        t = self.transport
+        prefix = next((p for w in range(self.num_workers) if (p := t.memory_prefix(w)) is not None), None)
+        if prefix is None:
+            return
+        try:
+            chunk.shared = SharedValue(value_prefix(prefix, t.rank), chunk.value)
+        except OSError as exc:
+            log.warning("server %d: a value stays private (%s); pulls of it carry the data", t.rank, exc)
+            return
+        chunk.value = chunk.shared.value
+
+    def _unshare(self) -> None:
+        for chunk in self._chunks.values():
+            if chunk.shared is not None:
+                chunk.shared.unlink()
 
     def _receive(self, msg: Message) -> None:
         """Handles a request, or holds it back behind a clock of its worker not counted yet (in order, as if that
@@ -239,6 +275,8 @@ class ParameterServer:
         """Drops what replication kept of ``worker`` (it left, joined again or died)."""
         self._applied.pop(worker, None)
         self._queued.pop(worker, None)
+        for pending in [b for b in self._batched if b[0] == worker]:
+            del self._batched[pending]
         for held in [h for h in self._held if h[0] == worker]:
             del self._held[held]
 
@@ -283,6 +321,14 @@ class ParameterServer:
         **fields: Any,
     ) -> None:
         meta = {"done": self._min_done, **fields}
+        batched = self._batched.pop((worker, request_id), None)
+        if batched is not None:
+            batch, index = batched
+            batch.replies[index] = (meta, list(arrays), chunk)
+            batch.left -= 1
+            if batch.left == 0:
+                self._answer_batch(batch)
+            return
         try:
             handle = self.transport.isend(worker, reply_tag(request_id), arrays, meta)
         except (PeerLostError, TransportClosedError) as exc:
@@ -292,8 +338,46 @@ class ParameterServer:
         if chunk is not None and not handle.done():
             chunk.sends.append(handle)
 
+    def _op_batch(self, msg: Message) -> None:
+        """Several requests of one worker in one message (:mod:`.protocol`): each handled as if it came alone,
+        in order; their replies leave together, in one message, when the last is ready."""
+        try:
+            requests = unpack(msg, "ops")
+        except ValueError as exc:
+            raise _RejectedError(f"malformed batch: {exc}") from None
+        ids = [r.meta.get("id") for r in requests]
+        if any(r.meta.get("op") == "batch" for r in requests) or not all(type(i) is int for i in ids):
+            raise _RejectedError("a batch holds requests with integer ids, and no batch")
+        numbers = [int(i) for i in ids if type(i) is int]
+        if len(set(numbers)) != len(ids) or any((msg.src, i) in self._batched for i in numbers):
+            raise _RejectedError("a batch reuses a request id")
+        self.stats.batches += 1
+        batch = _Batch(msg.src, msg.meta["id"], [({}, [], None)] * len(requests), len(requests))
+        for index, request_id in enumerate(numbers):
+            self._batched[(msg.src, request_id)] = (batch, index)
+        for request in requests:
+            self._receive(request)
+
+    def _answer_batch(self, batch: _Batch) -> None:
+        metas, arrays = pack([(meta, arrs) for meta, arrs, _ in batch.replies])
+        try:
+            handle = self.transport.isend(
+                batch.worker, reply_tag(batch.request_id), arrays, {"done": self._min_done, "replies": metas}
+            )
+        except (PeerLostError, TransportClosedError) as exc:
+            log.warning("server %d: cannot answer rank %d: %s", self.transport.rank, batch.worker, exc)
+            return
+        self.stats.bytes_out += sum(int(getattr(a, "nbytes", 0)) for a in arrays)
+        if not handle.done():
+            for _, _, chunk in batch.replies:
+                if chunk is not None:
+                    chunk.sends.append(handle)
+
     def _quiesce(self, chunk: StoredChunk) -> None:
-        """Waits until no reply still reads ``chunk.value`` (sent zero-copy) before it is modified."""
+        """Waits until no reply still reads ``chunk.value`` (sent zero-copy) before it is modified, and tells
+        same-host workers that may be copying it in place (:mod:`.shared`). Every change of a value calls it."""
+        if chunk.shared is not None:
+            chunk.shared.changing()
         for handle in chunk.sends:
             try:
                 handle.wait(self.timeout)
@@ -466,6 +550,8 @@ class ParameterServer:
     def _install(self, caught: CaughtUp) -> None:
         """Takes what the donors sent at the workers' fences, then lets the fenced workers go on."""
         self._chunks = caught.chunks
+        for chunk in self._chunks.values():
+            self._share(chunk)
         self.done.update(caught.done)
         self.live = set(caught.live)
         self._min_done = caught.min_done
@@ -603,6 +689,7 @@ class ParameterServer:
             eager=bool(meta.get("eager", False)),
             replicas=tuple(replicas),
         )
+        self._share(self._chunks[(key, index)])
         self._replicated = self._replicated or len(replicas) > 1
         self._reply(msg.src, meta["id"])
         for worker, waiting in self._waiting_inits.pop((key, index), []):
@@ -802,6 +889,10 @@ class ParameterServer:
                 chunk.view = preview(chunk.optimizer, chunk.value, chunk.state, chunk.pending)
             view = chunk.view  # a fresh array, never modified afterwards: sent without waiting
             self._reply(msg.src, msg.meta["id"], [view if rows is None else view[rows]], version=chunk.version)
+        elif rows is None and chunk.shared is not None and msg.meta.get("ref") is True:
+            # the worker copies it out itself (.shared): the sequence number says which value it must find
+            self.stats.pulls_in_place += 1
+            self._reply(msg.src, msg.meta["id"], ref=chunk.shared.name, seq=chunk.shared.seq, version=chunk.version)
         elif rows is None:
             self._reply(msg.src, msg.meta["id"], [chunk.value], chunk=chunk, version=chunk.version)
         else:

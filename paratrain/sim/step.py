@@ -61,7 +61,7 @@ from paratrain.collectives.shm import plan_args as shm_plan_args
 from paratrain.errors import ConfigError
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
 from paratrain.plan.ir import Action, Plan
-from paratrain.ps.plans import REPLY, REQUEST, clock_actions, pull_actions, push_actions
+from paratrain.ps.plans import REPLY, REQUEST, batches, clock_actions, pull_actions, push_actions
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks
 from paratrain.sim.machine import LayerCost, ModelProfile
 
@@ -310,20 +310,22 @@ def _ps_ranks(job: StepJob) -> list[_Rank]:
         server = _Rank()
         pushed: dict[tuple[int, int], list[int]] = {}
         # each worker's messages on a lane of its own, in the order that worker sends them
-        per_worker_pulls: list[list[tuple[int, Chunk]]] = []
+        per_worker_pulls: list[list[tuple[int, list[Chunk]]]] = []
+        mine = [[batch for batch in batches(chunks[k]) if batch[0].server == j] for k in range(len(buckets))]
         for wk in range(w):
             lane = 1 + wk
             for k in range(len(buckets)):
-                for c in chunks[k]:
-                    if c.server != j:
-                        continue
-                    nbytes = c.num_rows * job.itemsize
-                    got = server.add(Action("recv", peer=wk, nbytes=nbytes, items=c.num_rows, tag=REQUEST, lane=lane))
-                    add = server.add(Action("reduce", nbytes=nbytes, items=c.num_rows, deps=(got,), lane=lane))
+                for batch in mine[k]:  # one message per batch, each chunk added as it is handled
+                    rows = sum(c.num_rows for c in batch)
+                    nbytes = rows * job.itemsize
+                    got = server.add(Action("recv", peer=wk, nbytes=nbytes, items=rows, tag=REQUEST, lane=lane))
+                    for c in batch:
+                        size = c.num_rows * job.itemsize
+                        add = server.add(Action("reduce", nbytes=size, items=c.num_rows, deps=(got,), lane=lane))
+                        pushed.setdefault((k, c.index), []).append(add)
                     server.add(Action("send", peer=wk, nbytes=0, tag=REPLY, deps=(got,), lane=lane))
-                    pushed.setdefault((k, c.index), []).append(add)
             server.add(Action("recv", peer=wk, nbytes=0, tag=REQUEST, lane=lane, label="clock"))
-            per_worker_pulls.append([(k, c) for k in range(len(buckets)) for c in chunks[k] if c.server == j])
+            per_worker_pulls.append([(k, batch) for k in range(len(buckets)) for batch in mine[k]])
         # a chunk is updated once every worker pushed it (the server's round is per chunk), so the replies to
         # pulls of chunks that are complete leave while later chunks still arrive
         updated: dict[tuple[int, int], int] = {}
@@ -341,28 +343,33 @@ def _ps_ranks(job: StepJob) -> list[_Rank]:
                 )
         for wk in range(w):
             lane = 1 + wk
-            for k, c in per_worker_pulls[wk]:
+            for k, batch in per_worker_pulls[wk]:
                 request = server.add(Action("recv", peer=wk, nbytes=0, tag=REQUEST, lane=lane))
-                if job.strategy in ("asp", "ssp"):  # at once: a preview of the open round, this worker's push in it
-                    ready = server.add(
-                        Action(
-                            "compute",
-                            seconds=job.model.optimizer_s * c.num_rows / total,
-                            label=f"preview bucket {k} chunk {c.index}",
-                            deps=(request, pushed[(k, c.index)][wk]),
-                            lane=lane,
+                ready: list[int] = []
+                for c in batch:
+                    if job.strategy in ("asp", "ssp"):  # at once: a preview of the open round, this worker's push in it
+                        ready.append(
+                            server.add(
+                                Action(
+                                    "compute",
+                                    seconds=job.model.optimizer_s * c.num_rows / total,
+                                    label=f"preview bucket {k} chunk {c.index}",
+                                    deps=(request, pushed[(k, c.index)][wk]),
+                                    lane=lane,
+                                )
+                            )
                         )
-                    )
-                else:
-                    ready = updated[(k, c.index)]
+                    else:
+                        ready.append(updated[(k, c.index)])
+                rows = sum(c.num_rows for c in batch)
                 server.add(
                     Action(
                         "send",
                         peer=wk,
-                        nbytes=c.num_rows * job.itemsize,
-                        items=c.num_rows,
+                        nbytes=rows * job.itemsize,
+                        items=rows,
                         tag=REPLY,
-                        deps=(request, ready),
+                        deps=(request, *ready),
                         lane=lane,
                     )
                 )

@@ -259,6 +259,7 @@ class ParameterServerStrategy(Strategy):
             cache=False,
         )
         self._handles: list[Handle[None] | None] = [None] * len(self.buckets)
+        self._pulled: dict[str, npt.NDArray[Any]] = {}
         try:
             for key, bucket in zip(self._keys, self.buckets, strict=True):
                 self.kv.init(key, bucket.read_params())
@@ -269,7 +270,9 @@ class ParameterServerStrategy(Strategy):
 
     def _pull(self) -> None:
         for key, bucket in zip(self._keys, self.buckets, strict=True):
-            flat = torch.from_numpy(self.kv.pull(key))
+            # the previous pull's array is reused (write_params copied it out): no allocation per step
+            self._pulled[key] = pulled = self.kv.pull(key, out=self._pulled.get(key))
+            flat = torch.from_numpy(pulled)
             if flat.dtype != bucket.buffer.dtype:  # bfloat16 travels as its 16-bit pattern
                 flat = flat.view(bucket.buffer.dtype)
             bucket.write_params(flat)

@@ -102,12 +102,15 @@ class Handle(Generic[T]):
 
 class TransportStats:
     """Counters a transport keeps: messages and bytes sent/received, malformed messages dropped, connections
-    refused (a handshake without the job's secret: see :mod:`paratrain.transport.auth`)."""
+    refused (a handshake without the job's secret: see :mod:`paratrain.transport.auth`), messages sent through a
+    shared-memory lane and those that found it full (:mod:`paratrain.transport.lane`)."""
 
     __slots__ = (
         "bytes_received",
         "bytes_sent",
         "dropped_malformed",
+        "lane_full",
+        "lane_messages",
         "messages_received",
         "messages_sent",
         "refused_connections",
@@ -120,6 +123,8 @@ class TransportStats:
         self.bytes_received = 0
         self.dropped_malformed = 0
         self.refused_connections = 0
+        self.lane_messages = 0
+        self.lane_full = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict (for metrics files)."""
@@ -244,6 +249,13 @@ class Transport(abc.ABC):
         peer again, even if it never noticed the loss (:mod:`paratrain.ps.server`).
         """
         return {}
+
+    def memory_prefix(self, peer: int) -> str | None:
+        """The prefix of ``/dev/shm`` file names under which this rank and ``peer`` may offer each other memory to
+        map (both on one host, with shared-memory lanes on: :mod:`paratrain.transport.lane`); None otherwise,
+        the default. A parameter server lets such workers read its values in place (:mod:`paratrain.ps.shared`).
+        """
+        return None
 
     def __enter__(self) -> Transport:
         return self

@@ -246,6 +246,7 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
         resilient=settings.resilient,
         secret=secret,
         quick_failover=settings.ps_replicas > 1,
+        lane_bytes=settings.lane_mb << 20,
     )
     server: RendezvousServer | None = None
     try:

@@ -4,7 +4,9 @@ A message is ``[header, buf_0, ..., buf_k]``. The header frame is ``MAGIC`` (4 b
 msgpack array ``[src, tag, meta, descriptors]`` where ``meta`` is a map of small scalars chosen by the
 algorithm and each descriptor is ``[dtype_name, shape]`` of one buffer. Data frames are the raw bytes of
 C-contiguous arrays, so a sender hands its arrays' memory to the socket without copying, and a receiver wraps
-the received frames in numpy arrays without copying.
+the received frames in numpy arrays without copying. Between processes of one host a message's arrays may
+instead lie in a shared-memory lane (:mod:`paratrain.transport.lane`): then the header is the only frame and a
+fifth element, ``[lane name, record offset]``, says where they are.
 
 Everything a peer sends is untrusted. :func:`decode` checks magic, version, types, dtype names, shapes and that
 each frame's length equals what its descriptor implies, and raises :class:`~paratrain.errors.MessageError`
@@ -14,7 +16,7 @@ otherwise; it never executes anything from the peer (msgpack with ext types refu
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_header",
+    "prepare",
 ]
 
 MAGIC = b"PTRN"
@@ -75,9 +78,15 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise MessageError(f"msgpack extension type {code} is not allowed in a paratrain header")
 
 
-def encode_header(src: int, tag: int, meta: Mapping[str, Any], descriptors: Sequence[list[Any]]) -> bytes:
-    """The header frame for a message (see the module docstring)."""
-    body = msgpack.packb([src, tag, dict(meta), list(descriptors)], use_bin_type=True)
+def encode_header(
+    src: int, tag: int, meta: Mapping[str, Any], descriptors: Sequence[list[Any]], lane: list[Any] | None = None
+) -> bytes:
+    """The header frame for a message (see the module docstring); ``lane``: where its arrays lie instead of
+    frames (``[lane name, record offset]``, see :mod:`paratrain.transport.lane`)."""
+    fields = [src, tag, dict(meta), list(descriptors)]
+    if lane is not None:
+        fields.append(lane)
+    body = msgpack.packb(fields, use_bin_type=True)
     if len(body) + _PREFIX > MAX_HEADER_BYTES:
         raise ValueError(
             f"message header is {len(body)} bytes, over the {MAX_HEADER_BYTES}-byte limit; "
@@ -98,6 +107,21 @@ def encode(
         TypeError: an array of an unsupported type or dtype.
         ValueError: too many arrays or an oversized header.
     """
+    views, descriptors = prepare(arrays)
+    header = encode_header(src, tag, meta or {}, descriptors)
+    frames: list[bytes | memoryview] = [header]
+    for view in views:
+        frames.append(memoryview(view.reshape(-1).view(np.uint8).data) if view.size else b"")
+    return frames, views
+
+
+def prepare(arrays: Sequence[Any]) -> tuple[list[npt.NDArray[Any]], list[list[Any]]]:
+    """C-contiguous numpy views of ``arrays`` and their descriptors (``[dtype name, shape]``).
+
+    Raises:
+        TypeError: an array of an unsupported type or dtype.
+        ValueError: too many arrays.
+    """
     if len(arrays) > MAX_FRAMES:
         raise ValueError(f"a message carries at most {MAX_FRAMES} arrays, got {len(arrays)}; fuse them")
     views: list[npt.NDArray[Any]] = []
@@ -106,11 +130,11 @@ def encode(
         view, name = as_numpy_view(a)
         views.append(view)
         descriptors.append([name, list(view.shape)])
-    header = encode_header(src, tag, meta or {}, descriptors)
-    frames: list[bytes | memoryview] = [header]
-    for view in views:
-        frames.append(memoryview(view.reshape(-1).view(np.uint8).data) if view.size else b"")
-    return frames, views
+    return views, descriptors
+
+
+#: Resolves a lane header: ``(src, lane field, [(storage dtype, shape, nbytes)])`` to the arrays.
+LaneResolver = Callable[[int, Any, list[tuple[np.dtype[Any], list[int], int]]], list[npt.NDArray[Any]]]
 
 
 def _check_meta(meta: Any, depth: int = 0) -> None:
@@ -132,10 +156,12 @@ def _check_meta(meta: Any, depth: int = 0) -> None:
         raise MessageError(f"message meta holds a value of type {type(meta).__name__}")
 
 
-def decode(frames: Sequence[bytes | memoryview | Any]) -> Message:
+def decode(frames: Sequence[bytes | memoryview | Any], lanes: LaneResolver | None = None) -> Message:
     """Validates and decodes received frames into a :class:`Message` without copying the data.
 
     Frames may be ``bytes``, ``memoryview`` or any object exposing the buffer protocol (e.g. ``zmq.Frame``).
+    A header with a lane field (its arrays lie in a shared-memory lane, not in frames) is accepted only with
+    ``lanes``, which maps the lane and wraps the arrays (and raises ``MessageError`` for bad offsets).
 
     Raises:
         MessageError: for anything malformed; the message must then be dropped.
@@ -170,9 +196,12 @@ def decode(frames: Sequence[bytes | memoryview | Any]) -> Message:
         raise
     except Exception as exc:  # msgpack raises a zoo of types for garbage; all mean "malformed"
         raise MessageError(f"undecodable header: {type(exc).__name__}: {exc}") from None
-    if not (isinstance(body, list) and len(body) == 4):
+    if not (isinstance(body, list) and len(body) in (4, 5)):
         raise MessageError("header is not [src, tag, meta, descriptors]")
-    src, tag, meta, descriptors = body
+    src, tag, meta, descriptors = body[:4]
+    lane = body[4] if len(body) == 5 else None
+    if lane is not None and lanes is None:
+        raise MessageError("a shared-memory lane message reached a transport without lanes")
     if type(src) is not int or type(tag) is not int:
         raise MessageError("header src and tag must be integers")
     if not (-(1 << 62) < tag < (1 << 62)) or not 0 <= src < (1 << 31):
@@ -182,10 +211,12 @@ def decode(frames: Sequence[bytes | memoryview | Any]) -> Message:
     _check_meta(meta)
     if not isinstance(descriptors, list):
         raise MessageError("header descriptors is not a list")
-    if len(descriptors) != len(frames) - 1:
-        raise MessageError(f"header announces {len(descriptors)} buffers but {len(frames) - 1} frames arrived")
+    n_frames = 0 if lane is not None else len(descriptors)
+    if len(frames) - 1 != n_frames:
+        raise MessageError(f"header announces {n_frames} buffers but {len(frames) - 1} frames arrived")
     arrays: list[npt.NDArray[Any]] = []
     names: list[str] = []
+    specs: list[tuple[np.dtype[Any], list[int], int]] = []
     for i, desc in enumerate(descriptors):
         if not (isinstance(desc, list) and len(desc) == 2):
             raise MessageError(f"descriptor {i} is not [dtype, shape]")
@@ -200,6 +231,10 @@ def decode(frames: Sequence[bytes | memoryview | Any]) -> Message:
         if math.prod(d for d in shape if d) * storage.itemsize >= 1 << 62:
             raise MessageError(f"descriptor {i} shape {shape!r} describes an impossibly large array")
         expected = math.prod(shape) * storage.itemsize
+        names.append(name)
+        if lane is not None:
+            specs.append((storage, shape, expected))
+            continue
         try:
             buf = memoryview(frames[i + 1])
         except TypeError:
@@ -215,5 +250,7 @@ def decode(frames: Sequence[bytes | memoryview | Any]) -> Message:
         else:
             arr = np.frombuffer(buf.cast("B"), dtype=storage).reshape(shape)
         arrays.append(arr)
-        names.append(name)
+    if lane is not None:
+        assert lanes is not None
+        arrays = lanes(src, lane, specs)
     return Message(src=src, tag=tag, meta=meta, arrays=tuple(arrays), dtypes=tuple(names))

@@ -3,7 +3,10 @@
 Each rank binds one PULL socket (on TCP, and on an abstract ipc name on Linux) and connects one PUSH socket to
 every peer, choosing ipc when both share a host id. Sends run in the caller's thread under a per-peer lock;
 arrays above :data:`COPY_THRESHOLD` bytes are handed to ZeroMQ without copying and the call (or the handle)
-completes when ZeroMQ is done with them. A receiver thread drains the PULL socket, validates every message
+completes when ZeroMQ is done with them. Inside a host, messages of at least
+:data:`~paratrain.transport.lane.LANE_THRESHOLD` bytes carry their arrays through a shared-memory lane instead
+(copied once into memory the receiver maps; the socket carries the header; ``lane_bytes`` per peer, 0: off),
+and their send completes at once. A receiver thread drains the PULL socket, validates every message
 (malformed ones are logged and dropped: a peer cannot crash us), and hands them to the matching engine.
 
 Failure detection, because a hang is the worst failure:
@@ -52,13 +55,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import zmq
 
 from paratrain.errors import CommTimeoutError, MessageError, PeerLostError, TransportClosedError
 from paratrain.transport.auth import REFUSAL_EVENTS, Guard, JobKeys, refusal_reason
 from paratrain.transport.base import ANY_SOURCE, ANY_TAG, Handle, Transport
+from paratrain.transport.lane import LANE_THRESHOLD, LaneReader, LaneWriter, lanes_supported, safe_run_id
 from paratrain.transport.matching import Mailbox
-from paratrain.transport.wire import Message, decode, encode
+from paratrain.transport.wire import Message, decode, encode, encode_header, prepare
 
 __all__ = ["COPY_THRESHOLD", "TAG_CONTROL", "ZmqTransport"]
 
@@ -114,6 +120,14 @@ class _SendHandle(Handle[None]):
         return super().wait(0)
 
 
+class _LaneError(MessageError):
+    """A lane message from ``src`` that cannot be read (bad name, offset or record)."""
+
+    def __init__(self, src: int, why: str) -> None:
+        super().__init__(why)
+        self.src = src
+
+
 class ZmqTransport(Transport):
     """Point-to-point messaging over ZeroMQ. Thread-safe.
 
@@ -158,8 +172,13 @@ class ZmqTransport(Transport):
         resilient: bool = False,
         secret: bytes | None = None,
         quick_failover: bool = False,
+        lane_bytes: int = 64 << 20,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, timeout=timeout)
+        self._run_id = run_id
+        self._lane_bytes = lane_bytes if lanes_supported() else 0
+        self._lane_writers: dict[int, LaneWriter | None] = {}  # None: creating it failed, use the socket
+        self._lane_readers: dict[int, LaneReader] = {}  # the receiver thread's
         self.resilient = resilient
         self._grace = _RESILIENT_GRACE if resilient or quick_failover else _DISCONNECT_GRACE
         self.host_id = host_id
@@ -342,11 +361,12 @@ class ZmqTransport(Transport):
             raise ValueError(f"tag {TAG_CONTROL} is reserved for the transport")
         if self._closed:
             raise TransportClosedError(f"rank {self.rank}: transport closed; cannot send")
-        frames, views = encode(self.rank, tag, arrays, meta)
+        views, descriptors = prepare(arrays)
         nbytes = sum(v.nbytes for v in views)
         self.stats.messages_sent += 1
         self.stats.bytes_sent += nbytes
         if dst == self.rank:
+            frames, _ = encode(self.rank, tag, views, meta)
             self._box.deliver(decode([bytes(f) for f in frames]))
             return Handle.completed(None)
         error = self._lost_error(dst)
@@ -357,12 +377,57 @@ class ZmqTransport(Transport):
         big = nbytes >= COPY_THRESHOLD
         with self._push_locks[dst]:
             sock = self._push[dst]
+            if nbytes >= LANE_THRESHOLD and self._lane_bytes:
+                writer = self._lane_writer(dst)
+                offset = writer.put(views) if writer is not None else None
+                if writer is not None and offset is not None:
+                    sock.send(encode_header(self.rank, tag, meta or {}, descriptors, [writer.name, offset]))
+                    self.stats.lane_messages += 1
+                    return Handle.completed(None)
+                if writer is not None:
+                    self.stats.lane_full += 1
+            frames, _ = encode(self.rank, tag, views, meta)
             if not big:
                 sock.send_multipart(frames, copy=True)
                 return Handle.completed(None)
             tracker = sock.send_multipart(frames, copy=False, track=True)
         assert tracker is not None  # track=True always returns one
         return _SendHandle(tracker, self, dst)
+
+    def memory_prefix(self, peer: int) -> str | None:
+        """``paratrain-<run>-``, when ``peer`` shares this host and lanes are on (see :class:`Transport`)."""
+        info = self._peer_info.get(peer, {})
+        if not (self._lane_bytes and info.get("host") == self.host_id and info.get("ipc") and self._endpoints["ipc"]):
+            return None
+        return f"paratrain-{safe_run_id(self._run_id)}-"
+
+    def _lane_writer(self, dst: int) -> LaneWriter | None:
+        """The lane to ``dst`` (created at the first bulk message), or None: not on this host, or it failed."""
+        if dst in self._lane_writers:
+            return self._lane_writers[dst]
+        writer = None
+        if self.memory_prefix(dst) is not None:
+            try:
+                writer = LaneWriter(run_id=self._run_id, src=self.rank, dst=dst, capacity=self._lane_bytes)
+            except OSError as exc:
+                log.warning("rank %d: no shared-memory lane to rank %d (%s); using its socket", self.rank, dst, exc)
+        self._lane_writers[dst] = writer
+        return writer
+
+    def _resolve_lane(
+        self, src: int, lane: Any, specs: list[tuple[np.dtype[Any], list[int], int]]
+    ) -> list[npt.NDArray[Any]]:
+        """The arrays of a message from ``src`` that lie in its lane (the receiver thread's wire callback)."""
+        if not (isinstance(lane, list) and len(lane) == 2 and isinstance(lane[0], str) and type(lane[1]) is int):
+            raise _LaneError(src, f"lane field {lane!r} is not [name, offset]")
+        reader = self._lane_readers.get(src)
+        try:
+            if reader is None or reader.name != lane[0]:
+                reader = LaneReader(run_id=self._run_id, src=src, dst=self.rank, name=lane[0])
+                self._lane_readers[src] = reader  # a restarted sender's new lane replaces its predecessor's
+            return reader.arrays(lane[1], specs)
+        except MessageError as exc:
+            raise _LaneError(src, str(exc)) from None
 
     # -- receiving -------------------------------------------------------------------------------------
 
@@ -414,9 +479,15 @@ class ZmqTransport(Transport):
 
     def _handle_frames(self, frames: list[zmq.Frame]) -> None:
         try:
-            msg = decode(frames)
+            msg = decode(frames, self._resolve_lane)
             if not 0 <= msg.src < self.world_size or msg.src == self.rank:
                 raise MessageError(f"sender rank {msg.src} is not a peer of rank {self.rank}")
+        except _LaneError as exc:
+            # a message this rank cannot read is one its sender waits on: fail that peer rather than hang
+            self.stats.dropped_malformed += 1
+            if 0 <= exc.src < self.world_size and exc.src != self.rank:
+                self._declare_lost(exc.src, f"sent data through shared memory that this rank cannot read: {exc}")
+            return
         except MessageError as exc:
             self.stats.dropped_malformed += 1
             log.error("rank %d dropped a malformed message: %s", self.rank, exc)
@@ -472,6 +543,9 @@ class ZmqTransport(Transport):
         sock, monitor = self._open_push(fresh)
         with self._push_locks[peer]:
             old, self._push[peer] = self._push[peer], sock
+            writer = self._lane_writers.pop(peer, None)  # the old process's records are never released
+        if writer is not None:
+            writer.close()
         old.close(linger=0)
         old_monitor = self._monitors.pop(peer, None)
         if old_monitor is not None:
@@ -621,3 +695,8 @@ class ZmqTransport(Transport):
         self._wake_rx.close(linger=0)
         self._wake_tx.close(linger=0)
         self._ctx.term()
+        for writer in self._lane_writers.values():
+            if writer is not None:
+                writer.close()
+        self._lane_writers.clear()
+        self._lane_readers.clear()

@@ -29,6 +29,7 @@ TOP_KEYS = {
     "warmup",
     "repeat",
     "chunk_bytes",
+    "hosts",
     "transport",
     "date",
     "machine",
@@ -112,6 +113,33 @@ def test_end_to_end_table_and_json(tmp_path: Path) -> None:
     assert _processes_with(marker) == []
 
 
+def _emulated_hosts() -> set[str]:
+    listing = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listing.splitlines() if line.startswith("ptb")}
+
+
+def test_two_emulated_hosts_put_workers_and_servers_apart(tmp_path: Path) -> None:
+    from paratrain.bench import netns
+
+    why = netns.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    before = _emulated_hosts()
+    out = tmp_path / "ps.json"
+    result = _bench(
+        "--workers", "1", "--servers", "1", "--size", "256KiB", "--iters", "2", "--warmup", "0", "--hosts", "2",
+        "--json", str(out),
+    )  # fmt: skip
+    if result.returncode == 2 and "cannot emulate two hosts" in result.stderr:
+        pytest.skip(result.stderr.strip())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "two emulated hosts" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["hosts"] == 2 and "TCP" in report["transport"]
+    assert report["engines"] == {"ps": {"status": "ok", "detail": ""}, "ceiling": {"status": "ok", "detail": ""}}
+    assert _emulated_hosts() <= before  # the namespaces went with the bench
+
+
 def test_two_servers_and_ssp_split_the_key(tmp_path: Path) -> None:
     out = tmp_path / "ps.json"
     result = _bench(
@@ -172,6 +200,8 @@ def test_the_last_guard_kills_what_the_bench_started() -> None:
         (["--consistency", "ssp"], "ssp:S"),
         (["--consistency", "eventual"], "bad consistency"),
         (["--timeout", "-1"], "--timeout must be positive"),
+        (["--hosts", "3"], "invalid choice"),
+        (["--hosts", "2", "--servers", "2", "--replicas", "2"], "runs without replicas"),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(args: list[str], message: str) -> None:
