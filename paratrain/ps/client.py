@@ -20,7 +20,7 @@ still never counts a clock before it holds that clock's pushes. (Tested under BS
 bitwise the unreplicated one even when every clock overtakes the forwarded pushes, and SSP(2) across a server
 kill; under ASP an integer audit across a server kill, each push waited for, counts every push once.)
 
-One module (about 800 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
+One module (about 900 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
 pulls, the sequence numbers that deduplicate retried pushes, the failover to the next live replica and the fence
 of a restarted one share the same pending-request bookkeeping and read together.
 """

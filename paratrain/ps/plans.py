@@ -1,12 +1,13 @@
 """A parameter-server round as a plan: every request and reply of one push and one pull, by server.
 
-Pure. A key is cut into row chunks, each held by one server (:mod:`paratrain.ps.sharding`). A worker's push
-sends the rows of the chunks each server holds to that server in one message (up to :data:`MAX_BATCH` chunks:
-a *batch*, :mod:`paratrain.ps.protocol` says why) and gets one acknowledgement; a pull sends one request per
-batch and gets the rows back in one reply, whose arrays are then copied into place. :func:`push_actions` and
-:func:`pull_actions` are one worker's side in the plan IR (:mod:`paratrain.plan.ir`), which
-:class:`~paratrain.ps.client.KVStore` iterates; :func:`round_plan` adds every server's side, so the cost model
-can replay a whole round (which servers are hot, what a pull costs). A batch of one chunk is a plain request.
+Pure. A key is cut into row chunks, each held by one server (:mod:`paratrain.ps.sharding`). A worker's push sends
+the rows of the chunks each server holds to that server in one message (up to :data:`MAX_BATCH` chunks and
+:data:`BATCH_BYTES` bytes: a *batch*, :mod:`paratrain.ps.protocol` says why) and gets one acknowledgement; a pull
+sends one request per batch and gets the rows back in one reply, whose arrays are then copied into place.
+:func:`push_actions` and :func:`pull_actions` are one worker's side in the plan IR (:mod:`paratrain.plan.ir`),
+which :class:`~paratrain.ps.client.KVStore` iterates; :func:`round_plan` adds every server's side, so the cost
+model can replay a whole round (which servers are hot, what a pull costs). A batch of one chunk is a plain
+request.
 
 Tags are symbolic: requests use offset 0 (the servers' request tag), replies offset 1 (in the runtime each
 request has a reply tag of its own). Rows are addressed as ``Slice("rows", row_start, row_stop)``; a batch's
@@ -20,27 +21,48 @@ from collections.abc import Sequence
 from paratrain.plan.ir import Action, Parts, Plan, PlanBuilder, Received, Slice
 from paratrain.ps.sharding import Chunk
 
-__all__ = ["MAX_BATCH", "REPLY", "REQUEST", "batches", "clock_actions", "pull_actions", "push_actions", "round_plan"]
+__all__ = [
+    "BATCH_BYTES",
+    "MAX_BATCH",
+    "REPLY",
+    "REQUEST",
+    "batches",
+    "clock_actions",
+    "pull_actions",
+    "push_actions",
+    "round_plan",
+]
 
 #: Tag offsets of requests and replies in these plans.
 REQUEST, REPLY = 0, 1
 #: Chunks in one batch at most (its header stays far below the wire's 64 KiB).
 MAX_BATCH = 256
+#: Bytes in one batch at most (a chunk larger than this goes alone): a batch is one message, which inside a host
+#: must fit the shared-memory lane (64 MiB) several times over, and several smaller messages let the server add
+#: one while the worker still copies the next.
+BATCH_BYTES = 4 << 20
 
 
-def batches(chunks: Sequence[Chunk]) -> list[list[Chunk]]:
+def batches(chunks: Sequence[Chunk], row_bytes: int) -> list[list[Chunk]]:
     """The chunks in the messages a worker sends: each server's, in chunk order, cut into runs of at most
-    :data:`MAX_BATCH`; servers in the order their first chunk comes.
+    :data:`MAX_BATCH` chunks and :data:`BATCH_BYTES` bytes; servers in the order their first chunk comes.
 
     Example:
         >>> cs = [Chunk(0, 0, 1, server=1), Chunk(1, 1, 2, server=0), Chunk(2, 2, 3, server=1)]
-        >>> [[c.index for c in batch] for batch in batches(cs)]
+        >>> [[c.index for c in batch] for batch in batches(cs, 8)]
         [[0, 2], [1]]
+        >>> [[c.index for c in batch] for batch in batches(cs, 3 << 20)]  # 3 MiB chunks: one per batch
+        [[0], [2], [1]]
     """
-    by_server: dict[int, list[Chunk]] = {}
+    by_server: dict[int, list[list[Chunk]]] = {}
     for c in chunks:
-        by_server.setdefault(c.server, []).append(c)
-    return [mine[i : i + MAX_BATCH] for mine in by_server.values() for i in range(0, len(mine), MAX_BATCH)]
+        runs = by_server.setdefault(c.server, [[]])
+        run = runs[-1]
+        size = sum(x.num_rows for x in run) * row_bytes
+        if run and (len(run) == MAX_BATCH or size + c.num_rows * row_bytes > BATCH_BYTES):
+            runs.append(run := [])
+        run.append(c)
+    return [run for runs in by_server.values() for run in runs]
 
 
 def _rows(batch: Sequence[Chunk]) -> Slice | Parts:
@@ -58,7 +80,7 @@ def push_actions(chunks: Sequence[Chunk], row_bytes: int, servers: Sequence[int]
         [('recv', 5, 0), ('send', 5, 24), ('recv', 4, 0), ('send', 4, 8)]
     """
     b = PlanBuilder()
-    for batch in batches(chunks):
+    for batch in batches(chunks, row_bytes):
         server = servers[batch[0].server]
         rows = sum(c.num_rows for c in batch)
         b.message("recv", server, nbytes=0, tag=REPLY)
@@ -71,7 +93,7 @@ def pull_actions(chunks: Sequence[Chunk], row_bytes: int, servers: Sequence[int]
     then each chunk's rows are copied into place from its array of the reply."""
     b = PlanBuilder()
     posted = []
-    for batch in batches(chunks):
+    for batch in batches(chunks, row_bytes):
         server = servers[batch[0].server]
         rows = sum(c.num_rows for c in batch)
         posted.append((batch, b.message("recv", server, nbytes=rows * row_bytes, items=rows, tag=REPLY)))
@@ -107,7 +129,7 @@ def round_plan(chunks: Sequence[Chunk], row_bytes: int, *, num_workers: int, num
     ]
     for s in range(num_servers):
         b = PlanBuilder()
-        mine = [batch for batch in batches(chunks) if batch[0].server == s]
+        mine = [batch for batch in batches(chunks, row_bytes) if batch[0].server == s]
         for phase in ("push", "pull"):
             for w in range(num_workers):
                 for batch in mine:

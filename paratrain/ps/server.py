@@ -36,9 +36,10 @@ Robustness: a malformed or invalid request is answered with an error and the loo
 process dies (its connection drops, or heartbeats stop) is removed from the clock bookkeeping and logged, so
 the others are not blocked forever; the loop ends when no live worker is left.
 
-One module (about 800 lines) because the server loop, its clock bookkeeping, the primary-backup forwarding and
-the donor's side of a restarted replica's catch-up share one request dispatch and one table of chunks; the pure
-rules live in rounds.py, consistency.py and sharding.py, the restarted side and the snapshot format in resync.py.
+One module (about 900 lines) because the server loop, its clock bookkeeping, the primary-backup forwarding, the
+batches and the donor's side of a restarted replica's catch-up share one request dispatch and one table of
+chunks; the pure rules live in rounds.py, consistency.py and sharding.py, the restarted side and the snapshot
+format in resync.py, the values that same-host workers read in place in shared.py.
 """
 
 from __future__ import annotations

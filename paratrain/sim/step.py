@@ -311,7 +311,9 @@ def _ps_ranks(job: StepJob) -> list[_Rank]:
         pushed: dict[tuple[int, int], list[int]] = {}
         # each worker's messages on a lane of its own, in the order that worker sends them
         per_worker_pulls: list[list[tuple[int, list[Chunk]]]] = []
-        mine = [[batch for batch in batches(chunks[k]) if batch[0].server == j] for k in range(len(buckets))]
+        mine = [
+            [batch for batch in batches(chunks[k], job.itemsize) if batch[0].server == j] for k in range(len(buckets))
+        ]
         for wk in range(w):
             lane = 1 + wk
             for k in range(len(buckets)):
