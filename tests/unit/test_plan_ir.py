@@ -153,6 +153,8 @@ def test_ps_and_gossip_rounds_are_plans_the_cost_model_replays() -> None:
     assert sum(ps.bytes_sent()[3:]) == 3 * 40_000
     alpha, beta = 1e-4, 1e-8
     assert simulate(ps, alpha=alpha, beta=beta).time >= 2 * alpha + 40_000 * beta
+    # a worker's chunks for one server travel as one batch: 2 requests (one per server) and 2 replies per call
+    assert [len(ps.sends(w)) for w in range(3)] == [4, 4, 4]
     ring, _ = resolve_mixing("ring", 6)
     gossip = gossip_plan(ring, 1000)
     gossip.validate()
@@ -167,3 +169,26 @@ def test_a_shared_memory_wait_ends_alpha_after_the_last_signal() -> None:
     assert costs.done[1] == (0.0, 1.5)  # the fast rank waits for the slow one's copy (1 s) and the hand-off
     with pytest.raises(PlanError, match="never signalled"):
         Plan("lonely", ((Action("wait", tag=3),), ())).validate()
+
+
+def test_ps_batches_are_cut_by_count_and_by_bytes_and_keep_chunk_order() -> None:
+    from paratrain.plan.ir import Parts, Received
+    from paratrain.ps.plans import BATCH_BYTES, MAX_BATCH, batches, pull_actions, push_actions
+    from paratrain.ps.sharding import Chunk
+
+    tiny = [Chunk(i, i, i + 1, server=i % 2) for i in range(2 * MAX_BATCH + 20)]
+    cut = batches(tiny, 8)
+    assert [len(b) for b in cut] == [MAX_BATCH, 10, MAX_BATCH, 10]
+    assert [c.index for b in cut for c in b] == [*range(0, len(tiny), 2), *range(1, len(tiny), 2)]
+    row = 1 << 20  # 1 MiB rows: a batch holds BATCH_BYTES of them, a larger chunk goes alone
+    big = [Chunk(0, 0, 3, server=0), Chunk(1, 3, 5, server=0), Chunk(2, 5, 11, server=0), Chunk(3, 11, 12, server=0)]
+    assert 4 * row == BATCH_BYTES
+    assert [[c.index for c in b] for b in batches(big, row)] == [[0], [1], [2], [3]]
+    assert [[c.index for c in b] for b in batches(big[:2], row // 2)] == [[0, 1]]
+    # the plans send one message per batch, its parts in chunk order, and copy each reply array into its rows
+    push = push_actions(big[:2], row // 2, [7])
+    assert [(a.kind, a.nbytes) for a in push] == [("recv", 0), ("send", 5 * row // 2)]
+    assert isinstance(push[1].data, Parts) and [p.start for p in push[1].data.parts] == [0, 3]
+    pull = pull_actions(big[:2], row // 2, [7])
+    assert [a.kind for a in pull] == ["recv", "send", "copy", "copy"]
+    assert [(a.data, a.out.start if a.out else None) for a in pull[2:]] == [(Received(0, 0), 0), (Received(0, 1), 3)]
