@@ -77,14 +77,10 @@ def test_a_synchronous_step_waits_for_the_expected_slowest_worker() -> None:
     model = _widemlp()
     late = ModelProfile(model.model, 64, model.layers, optimizer_s=0.01, concurrency=4, straggle_s=0.125)
     for strategy in ("allreduce", "bsp"):
-        on_time = predict(base, model, workers=4, strategy=strategy, bandwidth=125e6).step_s
-        assert predict(base, late, workers=4, strategy=strategy, bandwidth=125e6).step_s == pytest.approx(
+        on_time = predict(base, model, workers=4, strategy=strategy, bandwidth=12.5e6).step_s
+        assert predict(base, late, workers=4, strategy=strategy, bandwidth=12.5e6).step_s == pytest.approx(
             on_time + 0.125, rel=1e-3
         )
-    # where the servers' link is the bottleneck (4 workers' 23 MB each through one server at 100 Mbit/s), the late
-    # worker's pushes queue behind the others' anyway: the step still waits for it, but not for all of its delay
-    on_time = predict(base, model, workers=4, strategy="bsp", bandwidth=12.5e6).step_s
-    assert on_time < predict(base, late, workers=4, strategy="bsp", bandwidth=12.5e6).step_s <= on_time + 0.125
     assert predict(base, late, workers=1).step_s == pytest.approx(predict(base, model, workers=1).step_s)
 
 
@@ -186,13 +182,9 @@ def test_ssp_sits_between_asp_and_bsp_and_ssp0_is_bsp() -> None:
         predict(profile, model, strategy="asp", **net).step_s
     )
     # a persistent straggler: ASP's fast workers run free, SSP(1)'s at most one step ahead, BSP's in lockstep
-    # (3x slower: at 4x SSP(1) is held back to the straggler's pace as BSP is, and predicted within 0.1 % of it)
-    slow = {**net, "slowdown": [1.0, 3.0, 1.0, 1.0]}
+    slow = {**net, "slowdown": [1.0, 4.0, 1.0, 1.0]}
     asp, ssp, bsp = (predict(profile, model, strategy=s, **slow).step_s for s in ("asp", "ssp:1", "bsp"))
     assert asp < ssp < bsp
-    slower = {**net, "slowdown": [1.0, 4.0, 1.0, 1.0]}
-    ssp, bsp = (predict(profile, model, strategy=s, **slower).step_s for s in ("ssp:1", "bsp"))
-    assert ssp == pytest.approx(bsp, rel=2e-2)
 
 
 def test_plan_searches_what_the_search_knows_by_default() -> None:
