@@ -30,9 +30,9 @@ def main() -> None:
     ctx = pt.init()
     if os.environ.get("SLEEP"):
         time.sleep(float(os.environ["SLEEP"]))
-    n = int(os.environ.get("N", 4 << 20))
+    n = int(os.environ.get("N", str(4 << 20)))
     group = None
-    for _ in range(int(os.environ.get("ROUNDS", 2))):
+    for _ in range(int(os.environ.get("ROUNDS", "2"))):
         for what in os.environ.get("ORDER", "api,raw").split(","):
             buf = np.empty(n, dtype=np.float32)
             buf.fill(ctx.rank + 1)
