@@ -119,7 +119,7 @@ def allreduce(x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float 
 
 def allreduce_(x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> A:
     """Like :func:`allreduce`, in place: writes the result into ``x`` and returns ``x``. Blocks."""
-    return current().allreduce_(x, op, algorithm, timeout=timeout)
+    return current().collectives.allreduce_(x, op, algorithm, timeout=timeout)
 
 
 def allreduce_async(x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None) -> Handle[A]:

@@ -42,12 +42,13 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from paratrain._arrays import as_numpy_view, is_torch_tensor
+from paratrain._arrays import dtype_name as wire_dtype_name
 from paratrain.collectives.background import BackgroundWorker
 from paratrain.collectives.hierarchical import HostLayout, hierarchical_allreduce
 from paratrain.collectives.ops import Reducer
@@ -73,7 +74,7 @@ from paratrain.errors import CollectiveMismatchError, ParatrainError
 from paratrain.transport.base import Handle, Transport
 
 if TYPE_CHECKING:
-    from paratrain.collectives.shm import ShmAllreduce
+    from paratrain.collectives.shm import ShmAllreduce, ShmGroup
     from paratrain.timeline import Timeline
 
 __all__ = [
@@ -118,6 +119,22 @@ class AllreduceAlgorithm:
     data_in_agreement: bool = False
     agreement: bool = True
 
+
+@dataclass(frozen=True, slots=True)
+class _ShmCall:
+    """An in-place allreduce of one op, algorithm, dtype and shape on the shared-memory path, worked out once
+    (:meth:`Collectives._shm_allreduce_`); valid while ``choose`` is still the policy and ``impl`` still
+    registered under ``name``."""
+
+    choose: Callable[[int, int], str]
+    name: str
+    impl: AllreduceAlgorithm
+    reducer: Reducer
+    desc: bytes
+
+
+#: How many shapes' fast paths a :class:`Collectives` keeps (a model's buckets are a handful).
+_SHM_CALLS = 64
 
 #: A broadcast algorithm: ``impl(exchange, dst, root=..., source=...)`` copies the root's flat ``source``
 #: into every rank's flat ``dst``.
@@ -230,6 +247,7 @@ class Collectives:
         self.choose_broadcast: Callable[[int, int], str] = default_broadcast_choice
         self._shm: ShmAllreduce | None = None
         self._reducers: dict[tuple[str, str], Reducer] = {}
+        self._shm_calls: dict[tuple[Any, ...], _ShmCall] = {}  # (op, algorithm, dtype, shape) -> its fast path
         #: where calls are recorded (``PARATRAIN_TIMELINE``; :mod:`paratrain.timeline`), or None
         self.timeline: Timeline | None = None
         #: bytes this rank handed to allreduce calls (whatever path carried them: sockets or shared memory)
@@ -444,8 +462,67 @@ class Collectives:
             >>> run_ranks(2, fn)
             [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
         """
+        if (
+            self._shm is not None
+            and type(x) is np.ndarray
+            and self._shm_allreduce_(cast(Any, x), op, algorithm, timeout)
+        ):
+            return x
         result: A = self._run(self._allreduce(x, op, algorithm, timeout, mode="in_place"), "allreduce", x)
         return result
+
+    def _shm_allreduce_(self, x: npt.NDArray[Any], op: str, algorithm: str, timeout: float | None) -> bool:
+        """:meth:`allreduce_` of a numpy array on the shared-memory path, with what stays the same between calls
+        of one op, algorithm, dtype and shape worked out at the first (:class:`_ShmCall`): a small allreduce's
+        checks, lookups and bookkeeping cost more than its synchronisation otherwise. False (nothing done) when
+        the call does not qualify: the full path then runs it (and raises its errors, with every rank told).
+
+        The call still takes its tag and waits for the queued async calls, as the full path does, so ranks on
+        either path stay in step; the descriptor the ranks compare is the full path's, byte for byte.
+        """
+        group = self._shm.group if self._shm is not None else None
+        flags = x.flags
+        if group is None or self.timeline is not None or not (flags.c_contiguous and flags.writeable):
+            return False
+        key = (op, algorithm, x.dtype, x.shape)
+        call = self._shm_calls.get(key)
+        if (
+            call is None
+            or call.choose is not self.choose_allreduce
+            or self.allreduce_algorithms.get(call.name) is not call.impl
+        ):
+            call = self._plan_shm_call(key, x, group)
+            if call is None:
+                return False
+        with self._order:
+            self._next_tag()
+        self._worker.drain(self.timeout)
+        self.allreduce_bytes += x.nbytes
+        group.allreduce_described_(
+            x.reshape(-1), call.reducer, call.desc, timeout=self.timeout if timeout is None else timeout
+        )
+        return True
+
+    def _plan_shm_call(self, key: tuple[Any, ...], x: npt.NDArray[Any], group: ShmGroup) -> _ShmCall | None:
+        """The :class:`_ShmCall` of ``key`` (``(op, algorithm, dtype, shape)``), or None if the call is invalid or
+        ``auto`` (or the caller) picks another algorithm."""
+        op, algorithm = key[0], key[1]
+        try:
+            name = wire_dtype_name(x.dtype)
+            reducer = self._reducers.get((op, name))
+            if reducer is None:
+                reducer = self._reducers[(op, name)] = Reducer(op, name)
+            resolved = self._resolve(algorithm, self.allreduce_algorithms, self.choose_allreduce, x.nbytes)
+        except (ValueError, TypeError):
+            return None
+        impl = self.allreduce_algorithms[resolved]
+        if impl.run is not self._shm:
+            return None
+        desc = group.describe(Signature("allreduce", op, name, x.shape, algorithm, resolved))
+        if len(self._shm_calls) >= _SHM_CALLS:
+            self._shm_calls.clear()
+        call = self._shm_calls[key] = _ShmCall(self.choose_allreduce, resolved, impl, reducer, desc)
+        return call
 
     def allreduce_async(
         self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None

@@ -388,14 +388,32 @@ class ShmGroup:
                     desc = self._descriptor(signature, name, flat.size)
             except (ValueError, TypeError) as exc:
                 self._reject(exc, deadline)
-            if not self.segment.mapped:
-                return
-            if flat.size == 0:
-                self._agree(desc, deadline)
-            elif flat.nbytes <= self.small_bytes:
-                self._allreduce_small(flat, red, desc, deadline)
-            else:
-                self._allreduce_blocks(flat, red, desc, deadline)
+            self._allreduce(flat, red, desc, deadline)
+
+    def allreduce_described_(self, flat: _Array, red: Reducer, desc: bytes, *, timeout: float) -> None:
+        """:meth:`allreduce_` for a caller that has done its checks itself: ``flat`` is a 1-d, C-contiguous,
+        writeable array of the dtype ``red`` reduces, and ``desc`` is :meth:`describe` of the call's signature.
+
+        The collectives API's per-shape fast path (:meth:`Collectives.allreduce_
+        <paratrain.collectives.api.Collectives.allreduce_>`): a small allreduce takes ~9 µs here, and the checks
+        and lookups it skips cost a few more. Raises as :meth:`allreduce_`.
+        """
+        with self._call:
+            self._allreduce(flat, red, desc, self._deadline(timeout))
+
+    def describe(self, signature: Signature) -> bytes:
+        """``signature`` as the group's agreement step compares it (encoded once, then cached)."""
+        return self._descriptor(signature)
+
+    def _allreduce(self, flat: _Array, red: Reducer, desc: bytes, deadline: float) -> None:
+        if not self.segment.mapped:
+            return
+        if flat.size == 0:
+            self._agree(desc, deadline)
+        elif flat.nbytes <= self.small_bytes:
+            self._allreduce_small(flat, red, desc, deadline)
+        else:
+            self._allreduce_blocks(flat, red, desc, deadline)
 
     def broadcast_(
         self, arr: _Array, root: int, *, timeout: float | None = None, signature: Signature | None = None
@@ -470,7 +488,7 @@ class ShmGroup:
         pos = k & 1
         plan = self._plan(flat.dtype, flat.size)
         slots = plan.whole[pos]
-        np.copyto(slots[self.index], flat)
+        slots[self.index][...] = flat  # not np.copyto: its dispatch costs ~0.2 µs, a few % of a small call
         seg.describe(pos, desc)
         seg.signal(2 * k + 1)
         t1 = clock()

@@ -179,6 +179,8 @@ class Group(CollectiveMethods):
         network on one host, ``auto`` picks by the alpha-beta model of its links.
         """
         self._check_open()
+        if self._collectives is not None:  # set once: no lock on the path of every collective call
+            return self._collectives
         with self._lock:
             if self._collectives is None:
                 self._collectives = self._make_collectives()

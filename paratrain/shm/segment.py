@@ -204,6 +204,7 @@ class Segment:
         self._line = [(HEADER + q * LINE) // 8 for q in range(self.size)]
         d0 = descriptors_offset(self.size)
         self._desc_at = [(d0 + 2 * q * desc, d0 + (2 * q + 1) * desc) for q in range(self.size)]
+        self._described: list[bytes | None] = [None, None]  # what this rank last wrote at each position
         self._me = self._line[self.index]
         self._sleep_words = [self._line[q] + CONTROL_SLEEP for q in range(self.size)]
         # Every member wrote its pid before creation finished. Peers in this very process are threads: a spinning
@@ -343,8 +344,11 @@ class Segment:
 
     def describe(self, pos: int, desc: bytes) -> None:
         """Writes this rank's descriptor of position ``pos`` (before the counter store that publishes it)."""
+        if self._described[pos] is desc:  # still there: only this rank writes it (a call's repeats share one object)
+            return
         at = self._desc_at[self.index][pos]
         self._seg[at : at + len(desc)] = desc
+        self._described[pos] = desc
 
     def descriptor(self, q: int, pos: int, nbytes: int) -> bytes:
         """The first ``nbytes`` of member ``q``'s descriptor of position ``pos``."""

@@ -473,6 +473,82 @@ def test_api_on_one_host_creates_the_group_in_whichever_collective_comes_first()
         assert result == ([0, 2, 4, 6], [0, 1, 1, 2, 2, 2], [3.0] * 3)
 
 
+def _shm_calls(c: Collectives) -> int:
+    """How many allreduces the API's shared-memory group ran (private state: which path a call took)."""
+    assert c._shm is not None and c._shm.group is not None
+    return int(c._shm.group.phases["calls"])
+
+
+def test_api_fast_path_for_in_place_arrays_matches_the_full_path() -> None:
+    # allreduce_ of a contiguous numpy array on the shared-memory path skips the API's per-call checks after its
+    # first call of a shape; a rank whose array does not qualify (not contiguous) takes the full path in the same
+    # call. Both compare the same descriptor, reduce in rank order (bitwise equal results) and keep tags in step.
+    def rank_fn(ctx: Context) -> dict[str, Any]:
+        c = ctx.collectives
+        rng = np.random.default_rng(ctx.rank)
+        out: dict[str, Any] = {}
+        c.allreduce_(np.ones(4))  # creates the group (full path)
+        values = rng.standard_normal((3, 5)).astype(np.float32)
+        for i in range(3):  # the first call works the shape out, the next ones use it
+            if ctx.rank == 1:
+                x = np.empty((5, 3), np.float32).T  # not contiguous: the full path, through a copy
+                x[...] = values
+            else:
+                x = values.copy()
+            assert c.allreduce_(x, op="sum") is x
+            out[f"sum{i}"] = x.tobytes()
+        out["worked out"] = (ctx.rank, sorted(key[3] for key in c._shm_calls))  # private: which ranks took it
+        before = _shm_calls(c)
+        m = np.full((2, 3), ctx.rank + 1, np.int64)
+        c.allreduce_(m, op="max")
+        out["max"] = m.tolist()
+        out["shm calls"] = _shm_calls(c) - before
+        out["tree broadcast after"] = c.broadcast(np.arange(3) + ctx.rank, root=1, algorithm="tree").tolist()
+        c.choose_allreduce = lambda nbytes, world: "ring"  # a new policy: the worked-out calls no longer apply
+        before = _shm_calls(c)
+        r = np.full(4, ctx.rank + 1.0)
+        c.allreduce_(r)
+        out["ring"] = (r.tolist(), _shm_calls(c) - before)
+        return out
+
+    per_rank = run_ranks(2, rank_fn, transport="zmq", timeout=60)
+    assert [r.pop("worked out") for r in per_rank] == [(0, [(3, 5)]), (1, [])]
+    assert per_rank[0] == per_rank[1]
+    result = per_rank[0]
+    values = [np.random.default_rng(r).standard_normal((3, 5)).astype(np.float32) for r in (0, 1)]
+    for i in range(3):
+        assert result[f"sum{i}"] == (values[0] + values[1]).tobytes()
+    assert result["max"] == [[2, 2, 2], [2, 2, 2]]
+    assert result["shm calls"] == 1
+    assert result["tree broadcast after"] == [1, 2, 3]
+    assert result["ring"] == ([3.0] * 4, 0)
+
+
+def test_api_fast_path_reports_mismatches_and_stays_usable() -> None:
+    def rank_fn(ctx: Context) -> list[str]:
+        c = ctx.collectives
+        c.allreduce_(np.ones(4))
+        messages = []
+        for shape in [(4, 2), (4, 2)]:  # a known shape on both ranks, then rank 1's differs
+            c.allreduce_(np.ones(shape, np.float32))
+        for bad in ((2, 4), (8,)):
+            try:
+                c.allreduce_(np.ones(bad if ctx.rank == 1 else (4, 2), np.float32))
+            except CollectiveMismatchError as exc:
+                messages.append(str(exc))
+        x = np.full((4, 2), ctx.rank + 1.0, np.float32)
+        c.allreduce_(x)
+        messages.append(str(x.ravel().tolist()))
+        return messages
+
+    per_rank = run_ranks(2, rank_fn, transport="zmq", timeout=60)
+    assert per_rank[0] == per_rank[1]
+    first, second, after = per_rank[0]
+    assert "rank 0 has shape (4, 2) float32 but rank 1 has (2, 4) float32" in first
+    assert "rank 0 has shape (4, 2) float32 but rank 1 has (8,) float32" in second
+    assert after == str([3.0] * 8)
+
+
 def test_absent_peer_times_out_and_breaks_the_group() -> None:
     gave_up = threading.Event()
 
