@@ -12,8 +12,8 @@ Example:
     >>> pt.shutdown()
 
 Subpackages load on first use, so ``import paratrain`` stays light (no torch): ``pt.torch.DistributedOptimizer``
-imports :mod:`paratrain.torch` (and torch) the first time it is touched; likewise ``pt.gossip``, ``pt.train``,
-``pt.collectives``, ``pt.transport``, ``pt.config`` and ``pt.testing``.
+imports :mod:`paratrain.torch` (and torch) the first time it is touched; likewise ``pt.ps``, ``pt.gossip``,
+``pt.train``, ``pt.collectives``, ``pt.transport``, ``pt.config`` and ``pt.testing``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from paratrain import errors, ps
+from paratrain import errors
 from paratrain.runtime.context import Context, current, init, shutdown
 from paratrain.transport.base import Handle
 
@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # for type checkers: at run time these load on first use, thr
     from paratrain import collectives as collectives
     from paratrain import config as config
     from paratrain import gossip as gossip
+    from paratrain import ps as ps
     from paratrain import testing as testing
     from paratrain import torch as torch
     from paratrain import train as train
@@ -61,7 +62,7 @@ __version__ = "0.1.0"
 A = TypeVar("A")
 
 # subpackages that ``pt.NAME`` imports on first use (not in __all__: ``from paratrain import *`` stays torch-free)
-_LAZY = frozenset({"collectives", "config", "gossip", "testing", "torch", "train", "transport"})
+_LAZY = frozenset({"collectives", "config", "gossip", "ps", "testing", "torch", "train", "transport"})
 
 
 def __getattr__(name: str) -> Any:

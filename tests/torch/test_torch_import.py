@@ -27,6 +27,8 @@ def test_pt_torch_loads_on_first_use() -> None:
     code = (
         "import sys, paratrain as pt\n"
         "assert 'torch' not in sys.modules and 'paratrain.torch' not in sys.modules\n"
+        "assert 'paratrain.ps' not in sys.modules, 'import paratrain loaded the parameter server'\n"
+        "assert pt.ps.KVStore.__module__ == 'paratrain.ps.client'\n"
         "assert 'torch' in dir(pt)\n"
         "opt = pt.torch.DistributedOptimizer\n"
         "assert opt.__module__ == 'paratrain.torch.optimizer' and 'torch' in sys.modules\n"
