@@ -4,7 +4,7 @@ The segment itself (its creation, the per-rank counters, waiting, liveness and t
 :class:`paratrain.shm.segment.Segment`; this module is the collective protocol on it: what the counters count,
 who may write which slot and descriptor at which step, and the collectives that move data.
 
-Why one module of this size (about 800 lines, under 500 of them code): the agreement step, the two allreduce
+Why one module of this size (about 860 lines, under 500 of them code): the agreement step, the two allreduce
 paths and broadcast all read and write the same slots under one numbering of blocks (who may write which slot
 at which counter value, and why no barrier is needed between calls); splitting them would spread one memory
 protocol over files that must change together. Everything that is not this protocol lives elsewhere: the
