@@ -375,9 +375,7 @@ class Collectives:
         self, x: Any, op: str, algorithm: str, timeout: float | None, mode: str
     ) -> Callable[[int], Any]:
         view, dtype_name = _as_array(x)
-        reducer = self._reducers.get((op, dtype_name))
-        if reducer is None:  # built once per (op, dtype): its checks cost microseconds per call otherwise
-            reducer = self._reducers[(op, dtype_name)] = Reducer(op, dtype_name)
+        reducer = self._reducer(op, dtype_name)
         name = self._resolve(algorithm, self.allreduce_algorithms, self.choose_allreduce, view.nbytes)
         impl = self.allreduce_algorithms[name]
         if mode == "in_place" and isinstance(x, np.ndarray) and not x.flags.writeable:
@@ -504,15 +502,20 @@ class Collectives:
         )
         return True
 
+    def _reducer(self, op: str, dtype_name: str) -> Reducer:
+        """The reducer of ``(op, dtype_name)``, built once: its checks cost microseconds per call otherwise."""
+        reducer = self._reducers.get((op, dtype_name))
+        if reducer is None:
+            reducer = self._reducers[(op, dtype_name)] = Reducer(op, dtype_name)
+        return reducer
+
     def _plan_shm_call(self, key: tuple[Any, ...], x: npt.NDArray[Any], group: ShmGroup) -> _ShmCall | None:
         """The :class:`_ShmCall` of ``key`` (``(op, algorithm, dtype, shape)``), or None if the call is invalid or
         ``auto`` (or the caller) picks another algorithm."""
         op, algorithm = key[0], key[1]
         try:
             name = wire_dtype_name(x.dtype)
-            reducer = self._reducers.get((op, name))
-            if reducer is None:
-                reducer = self._reducers[(op, name)] = Reducer(op, name)
+            reducer = self._reducer(op, name)
             resolved = self._resolve(algorithm, self.allreduce_algorithms, self.choose_allreduce, x.nbytes)
         except (ValueError, TypeError):
             return None
