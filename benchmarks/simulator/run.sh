@@ -61,4 +61,33 @@ $P bench scaling --check --machine "$HERE/machine.json" --size 4MB --bandwidth 1
 # 6. one training step of N workers (widemlp, ring allreduce), and how long simulating it takes
 $P bench scaling --step widemlp --machine "$HERE/machine.json" --workers 4,16,64,256,1024 --bandwidth 10Gbit \
     --latency 10us --json "$HERE/scaling-step.json"
+# 7. (issue 18, final code, a re-created machine) a fresh profile and every table again from it
+M=$HERE/machine-final.json
+$P profile --model mlp --model lenet --model widemlp --dataset fashion-mnist --workers 4 --out "$M"
+$P bench simulator --machine "$M" --models mlp,lenet --networks 1Gbit,100Mbit --strategies allreduce,bsp --steps 8 \
+    --repeat 1 --out "$OUT/final" --json "$HERE/validation-final.json"
+$P bench simulator --machine "$M" --models widemlp --networks 1Gbit,100Mbit --strategies allreduce,bsp --steps 8 \
+    --repeat 2 --out "$OUT/final-wide" --json "$HERE/validation-final-wide-measured.json"
+$P bench simulator --machine "$M" --models mlp,widemlp --networks 1Gbit,100Mbit --strategies poseidon:allreduce,sfb \
+    --steps 8 --repeat 2 --out "$OUT/final-hybrid" --json "$HERE/validation-final-hybrid-measured.json"
+$P bench simulator --machine "$M" --models mlp,lenet,widemlp --networks 1Gbit,100Mbit \
+    --strategies asp,allreduce+fp16,gossip:ring --steps 8 --repeat 2 --out "$OUT/final-more" \
+    --json "$HERE/validation-final-more-measured.json"
+$P bench simulator --machine "$M" --models mlp,lenet,widemlp --networks 1Gbit,100Mbit \
+    --strategies pipeline:gpipe,pipeline:1f1b --steps 8 --repeat 2 --out "$OUT/final-pipeline" \
+    --json "$HERE/validation-final-pipeline-measured.json"
+$P bench simulator --machine "$M" --measured "$HERE/validation-final.json" \
+    --measured "$HERE/validation-final-wide-measured.json" --measured "$HERE/validation-final-hybrid-measured.json" \
+    --measured "$HERE/validation-final-more-measured.json" --measured "$HERE/validation-final-pipeline-measured.json" \
+    --json "$HERE/validation-final-all.json"
+$P plan --machine "$M" --model widemlp --workers 4 --bandwidth 100Mbit --run --confirm 1 --steps 8 \
+    --json "$HERE/plan-widemlp-100m-final.json"
+$P bench simulator --machine "$M" --models widemlp --networks 1Gbit --steps 8 --repeat 2 \
+    --bucket-grid 256KiB,1MiB,4MiB,16MiB,64MiB --out "$OUT/final-buckets" --json "$HERE/buckets-final.json"
+$P bench scaling --check --machine "$M" --size 4MB --bandwidth 1Gbit --latency 0 --workers 2,3,4 --repeat 3 \
+    --json "$HERE/scaling-check-final.json"
+$P bench scaling --step widemlp --machine "$M" --workers 4,16,64,256,1024 --bandwidth 10Gbit --latency 10us \
+    --json "$HERE/scaling-step-final.json"
+$P bench simulator --machine "$M" --models mlp,lenet,widemlp --networks 1Gbit,100Mbit --strategies ssp:2 --steps 8 \
+    --repeat 1 --out "$OUT/final-ssp" --json "$HERE/validation-final-ssp-measured.json"
 echo "results in $OUT"

@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         }
         Path(args.out, "ddp.json").write_text(json.dumps(record, indent=2))
     dist.destroy_process_group()
-    return 0
+    # As in _train_worker: torch 2.13's Gloo sometimes hangs the interpreter's exit after destroy_process_group, and
+    # the anchor would then wait out its timeout for a run whose result is written. Leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

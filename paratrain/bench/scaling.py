@@ -22,6 +22,7 @@ them) replayed on this machine's profile, which is how far the figure can be tru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -29,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paratrain.collectives.lower import allreduce_parts, allreduce_plan
 from paratrain.gossip.plan import round_actions
@@ -37,7 +38,10 @@ from paratrain.plan.ir import Plan
 from paratrain.ps.plans import round_plan
 from paratrain.ps.sharding import plan_chunks
 from paratrain.sim.engine import Network, replay
-from paratrain.sim.machine import LinkCost, MachineProfile
+from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
+
+if TYPE_CHECKING:
+    from paratrain.sim.predict import Prediction
 
 __all__ = [
     "SCHEMES",
@@ -47,6 +51,7 @@ __all__ = [
     "render_scaling",
     "ring_gossip_plan",
     "run_scaling",
+    "training_step",
 ]
 
 SCHEMES = ("ring", "tree", "central", "ps:N/8", "gossip")
@@ -145,6 +150,23 @@ def plot_scaling(report: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def training_step(profile: MachineProfile, model: ModelProfile, n: int, link: LinkCost) -> Prediction:
+    """One training step of ``model`` (ring allreduce) by ``n`` workers on the described cluster: one rank per host,
+    each with ``link``'s latency and bandwidth over this machine's transport, and each rank computing at the
+    profiled speed.
+
+    The profile's core sharing (:meth:`~paratrain.sim.machine.ModelProfile.cores`: how this machine's processes
+    shared its cores while profiling) is left out: it describes the profiling host, not N hosts of one rank each.
+    Kept, it had the full replay (N <= :data:`~paratrain.sim.predict.SYMMETRIC_FROM`) share one host's cores among
+    all N ranks, 16 ranks per core's worth at N = 64, while the replay from rank 0 alone above that (which shares
+    nothing) did not: the step came out slower at 64 workers than at 256.
+    """
+    from paratrain.sim.predict import predict
+
+    alone = dataclasses.replace(model, alone_s=0.0)
+    return predict(profile, alone, workers=n, bandwidth=1.0 / link.beta, latency=link.alpha, algorithm="ring")
 
 
 #: The algorithms ``--check`` measures (the ones the runtime runs over the transport for any N).

@@ -213,8 +213,8 @@ def _step_scaling(args: argparse.Namespace, link: Any) -> int:
     """``bench scaling --step MODEL``: a training step at every N, its simulated time and the simulation's."""
     import time
 
+    from paratrain.bench.scaling import training_step
     from paratrain.sim.machine import MachineProfile
-    from paratrain.sim.predict import predict
 
     profile = MachineProfile.load(args.machine)
     model = next((m for m in profile.models.values() if m.model == args.step), None)
@@ -225,7 +225,7 @@ def _step_scaling(args: argparse.Namespace, link: Any) -> int:
     rows = []
     for n in args.workers:
         t0 = time.perf_counter()
-        p = predict(profile, model, workers=n, bandwidth=1.0 / link.beta, latency=link.alpha, algorithm="ring")
+        p = training_step(profile, model, n, link)
         rows.append({"workers": n, "step_s": p.step_s, "simulated_in_s": time.perf_counter() - t0})
     lines = ["| N | simulated step | time to simulate it |", "|---:|---:|---:|"]
     lines += [f"| {r['workers']} | {r['step_s']:.3f} s | {r['simulated_in_s']:.3f} s |" for r in rows]

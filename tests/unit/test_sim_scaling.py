@@ -39,3 +39,24 @@ def test_report_and_table() -> None:
     assert table.splitlines()[0].startswith("| N | ring | tree |") and "| 4 |" in table
     with pytest.raises(ValueError, match="unknown scheme"):
         exchange_time("star", 4, NBYTES, LINK)
+
+
+def test_a_training_step_on_the_described_cluster_shares_no_cores_at_any_n() -> None:
+    """One rank per host: the profiling host's core sharing must not slow the full replay (N <= 64) below the
+    rank-0 replay above it (it did: 64 workers took longer than 256 with a profile that measured a step alone)."""
+    from paratrain.bench.scaling import training_step
+    from paratrain.sim.machine import LayerCost, MachineProfile, ModelProfile
+
+    layers = (
+        LayerCost("fc1", 2e-3, 4e-3, ("fc1.weight",), (1 << 18,)),
+        LayerCost("fc2", 1e-3, 2e-3, ("fc2.weight",), (1 << 16,)),
+    )
+    shared = ModelProfile("m", 64, layers, optimizer_s=1e-3, concurrency=4, alone_s=4e-3)
+    assert shared.cores() is not None  # the profile says 4 processes shared the cores
+    profile = MachineProfile("box", {"ipc": LinkCost(1e-4, 1e-9), "injected@4": LinkCost(2e-4, 2e-9)})
+    link = LinkCost(alpha=1e-5, beta=1 / 1.25e9)
+    steps = {n: training_step(profile, shared, n, link).step_s for n in (4, 16, 64, 65, 256)}
+    assert list(steps.values()) == sorted(steps.values())  # more workers, never a shorter step
+    assert steps[64] <= steps[65] <= steps[64] * 1.1  # the full replay and the rank-0 replay meet at the switch
+    unshared = ModelProfile("m", 64, layers, optimizer_s=1e-3, concurrency=4)
+    assert steps[16] == training_step(profile, unshared, 16, link).step_s
