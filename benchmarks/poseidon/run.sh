@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The commands behind benchmarks/poseidon/README.md, in the order they were run (one after the other: each one
 # uses both cores). Results go to $OUT (default: a new temp dir). The DDP anchor throttled by tc needs root.
+# The README's final-code section (issue 18) ran these commands again, except 3c, from 2026-11-26 23:41 UTC (widemlp's
+# 4-epoch run with top-k and DGC in one command); its JSON files are the *-final.json ones here.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$(mktemp -d /tmp/paratrain-poseidon-XXXXXX)}
