@@ -96,9 +96,9 @@ def _ceiling(args: argparse.Namespace) -> None:
             t.send(1, 2)
         if i:  # the first is a warm-up
             times.append(time.perf_counter() - begun)
-    # The sender's round trip, the data out and an empty answer back: the receiver's clock would start when it
-    # leaves the barrier, possibly after the sender has already written the message (the shared-memory lane copies
-    # on the sender's side), and then it saw a 192 MiB transfer take 6 ms.
+    # The sender's round trip, the data out and an empty answer back: the receiver's clock starts when it leaves the
+    # barrier, possibly after the sender has already written the message (a shared-memory lane's copy is the
+    # sender's), so it could leave out part of the transfer.
     if ctx.rank == 1:
         record = {"bytes": data.nbytes, "seconds": statistics.median(times), "min": min(times), "max": max(times)}
         Path(args.out, f"ceiling-{args.size}.json").write_text(json.dumps(record))
