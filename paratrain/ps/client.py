@@ -9,18 +9,19 @@ old, update from the network"); pushes always go to the servers, so caching neve
 
 With ``replicas=R`` every chunk lives on R servers (primary-backup, Li et al. OSDI'14; the server side is in
 :mod:`.server`): a request goes to the chunk's first live replica, and a push is acknowledged only when every live
-replica applied it. A request whose server dies is sent again to the next live replica (the push with the same
-sequence number, so the servers apply it once). A server that died and was restarted is brought up to date by a
-*fence* this worker takes part in the first time it sees the server back (:mod:`.resync`): it waits for its pushes'
-acknowledgements and for the server's answer, then counts the server as a live replica again, the last to own
-its chunks. :meth:`KVStore.clock` does not wait for its pushes'
-acknowledgements (that was a server-to-server round trip on every clock): it tells each server how many of this
-clock's pushes that server replicates, and a server counts the clock only once it holds that many, so a backup
-still never counts a clock before it holds that clock's pushes. (Tested under BSP, where the replicated run is
-bitwise the unreplicated one even when every clock overtakes the forwarded pushes, and SSP(2) across a server
-kill; under ASP an integer audit across a server kill, each push waited for, counts every push once.)
+replica applied it. Requests to one owner travel in batches, cut as the unreplicated plan cuts a server's (with
+every primary alive, the same messages). A batch whose server dies is sent again, each request to its chunk's next
+live replica (a push with the same sequence number, so the servers apply it once). A server that died and was
+restarted is brought up to date by a *fence* this worker takes part in the first time it sees the server back
+(:mod:`.resync`): it waits for its pushes' acknowledgements and for the server's answer, then counts the server as a
+live replica again, the last to own its chunks. :meth:`KVStore.clock` does not wait for its pushes' acknowledgements
+(that was a server-to-server round trip on every clock): it tells each server how many of this clock's pushes that
+server replicates, and a server counts the clock only once it holds that many, so a backup still never counts a
+clock before it holds that clock's pushes. (Tested under BSP, where the replicated run is bitwise the unreplicated
+one even when every clock overtakes the forwarded pushes, and SSP(2) across a server kill; under ASP an integer
+audit across a server kill, each push waited for, counts every push once.)
 
-One module (about 900 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
+One module (about 940 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
 pulls, the sequence numbers that deduplicate retried pushes, the failover to the next live replica and the fence
 of a restarted one share the same pending-request bookkeeping and read together.
 """
@@ -28,6 +29,7 @@ of a restarted one share the same pending-request bookkeeping and read together.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -48,7 +50,7 @@ from paratrain.errors import CommTimeoutError, ConfigError, PeerLostError
 from paratrain.plan.ir import Action, Parts, Received, Slice
 from paratrain.ps.consistency import Policy
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
-from paratrain.ps.plans import clock_actions, pull_actions, push_actions
+from paratrain.ps.plans import batches, clock_actions, pull_actions, push_actions
 from paratrain.ps.protocol import MAX_BATCH, REQUEST_TAG, PSRequestError, pack, reply_tag, unpack
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks, split_rows
 from paratrain.ps.shared import ValueReader, value_prefix
@@ -93,6 +95,7 @@ class _Key:
     push: tuple[Action, ...] = ()  # this worker's side of a push and a pull (paratrain.ps.plans), per batch
     pull: tuple[Action, ...] = ()
     at_row: dict[int, Chunk] = field(default_factory=dict)  # each chunk by its first row (how plan slices name it)
+    row_bytes: int = 0  # bytes of one row (how batches are cut)
 
     @property
     def storage(self) -> np.dtype[Any]:
@@ -112,9 +115,17 @@ def _rows(arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return arr.reshape(1) if arr.ndim == 0 else arr
 
 
+#: A request sent with failover: its chunk, meta and arrays, and the handle its answer completes.
+_Entry = tuple[Chunk, dict[str, Any], Sequence[Any], Handle[Message]]
+
+
 def _split_batch(batch: Handle[Message], *, parts: list[Handle[Message]], worker: int) -> None:
-    """Completes each request's handle with its own reply from a batch's answer (:mod:`.protocol`)."""
+    """Completes each request's handle with its own reply from a batch's answer (:mod:`.protocol`); a batch of
+    one request is that request (its answer is the reply)."""
     error = batch.exception()
+    if error is None and len(parts) == 1:
+        parts[0].set_result(batch.wait(0))
+        return
     if error is None:
         msg = batch.wait(0)
         if msg.meta.get("error") is not None:  # the batch itself was refused: so is each request in it
@@ -281,18 +292,24 @@ class KVStore:
             raise
         return handle, server
 
-    def _request_many(
-        self, server: int, items: Sequence[tuple[dict[str, Any], Sequence[Any]]]
-    ) -> list[tuple[Handle[Message], int]]:
-        """Requests to one server, one batch of the plan: one message each way (:mod:`.protocol` says why); a
-        handle per request, completed with its own reply."""
+    def _request_batch(self, server: int, items: Sequence[tuple[dict[str, Any], Sequence[Any]]]) -> Handle[Message]:
+        """Requests to one server in one message each way (:mod:`.protocol` says why): the handle of the batch's
+        answer (of the request itself when there is one), for :func:`_split_batch`."""
         if len(items) == 1:
-            return [self._request(server, *items[0])]
+            return self._request(server, *items[0])[0]
         assert len(items) <= MAX_BATCH  # the plan cuts batches (paratrain.ps.plans.batches)
         with self._lock:
             ids = [next(self._ids) for _ in items]
         ops, arrays = pack([({**meta, "id": i}, arrs) for (meta, arrs), i in zip(items, ids, strict=True)])
-        batch, _ = self._request(server, {"op": "batch", "ops": ops}, arrays)
+        return self._request(server, {"op": "batch", "ops": ops}, arrays)[0]
+
+    def _request_many(
+        self, server: int, items: Sequence[tuple[dict[str, Any], Sequence[Any]]]
+    ) -> list[tuple[Handle[Message], int]]:
+        """Requests to one server, one batch of the plan; a handle per request, completed with its own reply."""
+        batch = self._request_batch(server, items)
+        if len(items) == 1:
+            return [(batch, server)]
         parts: list[Handle[Message]] = [Handle() for _ in items]
         batch.add_done_callback(functools.partial(_split_batch, parts=parts, worker=self.rank))
         return [(part, server) for part in parts]
@@ -340,46 +357,56 @@ class KVStore:
         self._dead.add(server)
         self.failovers += 1
 
-    def _send_failover(self, chunk: Chunk, meta: dict[str, Any], arrays: Sequence[Any] = ()) -> Handle[Message]:
-        """Sends a request to the chunk's owner; if that server dies before answering, to the next replica.
+    def _send_failover(
+        self, items: Sequence[tuple[Chunk, dict[str, Any], Sequence[Any]]], row_bytes: int
+    ) -> list[Handle[Message]]:
+        """Sends each request ``(chunk, meta, arrays)`` to its chunk's owner now, the requests to one owner batched
+        as the plan batches a server's chunks (:func:`~paratrain.ps.plans.batches`: with every primary alive, the
+        same messages as unreplicated). A batch whose server dies before answering is sent again, its requests
+        regrouped by their chunks' next live replicas.
 
-        Non-blocking: the handle completes with the answer (or the error of the last replica)."""
-        result: Handle[Message] = Handle()
+        Non-blocking: a handle per request, completed with its answer (or the error of its last replica)."""
+        entries: list[_Entry] = [(chunk, meta, arrays, Handle()) for chunk, meta, arrays in items]
+        self._dispatch(entries, row_bytes)
+        return [entry[3] for entry in entries]
 
-        def attempt() -> None:
-            while True:
-                try:
-                    server = self._owner(chunk)
-                except PeerLostError as exc:
-                    result.set_error(exc)
-                    return
-                try:
-                    handle, _ = self._request(server, meta, arrays)
-                except PeerLostError as exc:
-                    try:
-                        self._lost(exc, server)
-                    except PeerLostError:
-                        result.set_error(exc)
-                        return
-                    continue
-                except BaseException as exc:
-                    result.set_error(exc)
-                    return
-                handle.add_done_callback(functools.partial(answered, server=server))
-                return
+    def _dispatch(self, entries: Sequence[_Entry], row_bytes: int) -> None:
+        """Sends ``entries`` in batches, one or more per owner (see :meth:`_send_failover`)."""
+        owned: list[Chunk] = []
+        by_index: dict[int, _Entry] = {}
+        for entry in entries:
+            try:
+                owner = self._owner(entry[0])
+            except PeerLostError as exc:
+                entry[3].set_error(exc)
+                continue
+            owned.append(dataclasses.replace(entry[0], server=self._servers.index(owner)))
+            by_index[entry[0].index] = entry
+        for batch in batches(owned, row_bytes):
+            self._send_batch(self._servers[batch[0].server], [by_index[c.index] for c in batch], row_bytes)
 
-        def answered(h: Handle[Message], server: int) -> None:
-            exc = h.exception()
-            if isinstance(exc, PeerLostError) and self.replicas > 1 and not self._closed:
-                self._lost(exc, server)
-                attempt()
-            elif exc is not None:
-                result.set_error(exc)
-            else:
-                result.set_result(h.wait(0))
+    def _send_batch(self, server: int, entries: list[_Entry], row_bytes: int) -> None:
+        try:
+            handle = self._request_batch(server, [(meta, arrays) for _, meta, arrays, _ in entries])
+        except PeerLostError as exc:
+            self._lost(exc, server)
+            self._dispatch(entries, row_bytes)
+            return
+        except BaseException as exc:
+            for entry in entries:
+                entry[3].set_error(exc)
+            return
+        handle.add_done_callback(
+            functools.partial(self._batch_answered, server=server, entries=entries, row_bytes=row_bytes)
+        )
 
-        attempt()
-        return result
+    def _batch_answered(self, handle: Handle[Message], *, server: int, entries: list[_Entry], row_bytes: int) -> None:
+        exc = handle.exception()
+        if isinstance(exc, PeerLostError) and not self._closed:
+            self._lost(exc, server)
+            self._dispatch(entries, row_bytes)
+        else:
+            _split_batch(handle, parts=[entry[3] for entry in entries], worker=self.rank)
 
     def _ask(self, chunk: Chunk, meta: dict[str, Any], arrays: Sequence[Any], what: str) -> Message:
         """A blocking request to the chunk's owner, sent again to the next replica if that server dies."""
@@ -572,6 +599,7 @@ class KVStore:
             push=push_actions(chunks, row_bytes, self._servers),
             pull=pull_actions(chunks, row_bytes, self._servers),
             at_row={c.row_start: c for c in chunks},
+            row_bytes=row_bytes,
         )
         self._versions[key] = [None] * len(chunks)
         self._cache.pop(key, None)
@@ -588,27 +616,25 @@ class KVStore:
         rows = _rows(arr)
         self._cache.pop(key, None)
         versions = self._versions[key]
-        if self.replicas > 1:  # chunk by chunk, each to its owner now (failover), outside the plan's batches
-            pending = [
+        if self.replicas > 1:  # each chunk to its owner now, batched per owner (failover)
+            requests = [
                 (
-                    self._send_failover(
-                        c,
-                        {
-                            "op": "push",
-                            "key": key,
-                            "chunk": c.index,
-                            "version": versions[c.index],
-                            "seq": self._seq(c),
-                            "wclock": self._clock,
-                        },
-                        [rows[c.row_start : c.row_stop]],
-                    ),
-                    self._servers[c.server],
+                    c,
+                    {
+                        "op": "push",
+                        "key": key,
+                        "chunk": c.index,
+                        "version": versions[c.index],
+                        "seq": self._seq(c),
+                        "wclock": self._clock,
+                    },
+                    [rows[c.row_start : c.row_stop]],
                 )
                 for c in info.chunks
             ]
-            handle = self._all(pending, f"push to key {key!r}")
-            self._unacked.append((self._next_seq - len(pending), handle))
+            answers = self._send_failover(requests, info.row_bytes)
+            handle = self._all([(h, -1) for h in answers], f"push to key {key!r}")
+            self._unacked.append((self._next_seq - len(requests), handle))
             return handle
         # the plan's sends, one message per batch (each chunk in it a request of its own); each request posts its
         # reply's receive first (the plan's recv)
@@ -678,7 +704,8 @@ class KVStore:
                         (c, *answer) for c, answer in zip(batch, self._request_many(a.peer, items), strict=True)
                     ]
         else:
-            pending = [(c, self._send_failover(c, {**asked, "chunk": c.index}), -1) for c in info.chunks]
+            answers = self._send_failover([(c, {**asked, "chunk": c.index}, ()) for c in info.chunks], info.row_bytes)
+            pending = [(c, h, -1) for c, h in zip(info.chunks, answers, strict=True)]
         done = None
         versions = self._versions[key]
         received: dict[int, npt.NDArray[Any]] | None = {}  # chunk index -> its array, what the cache may keep
@@ -755,20 +782,17 @@ class KVStore:
         for c, positions, local in split_rows(info.chunks, ids):
             meta = {"op": "push", "key": key, "chunk": c.index, "rows": True, "version": self._versions[key][c.index]}
             parts.append((c, meta, [local.astype(np.int64), vals[positions]]))
-        return self._push_parts(parts, f"push_rows to key {key!r}")
+        return self._push_parts(parts, info.row_bytes, f"push_rows to key {key!r}")
 
-    def _push_parts(self, parts: list[tuple[Chunk, dict[str, Any], list[Any]]], what: str) -> Handle[None]:
+    def _push_parts(
+        self, parts: list[tuple[Chunk, dict[str, Any], list[Any]]], row_bytes: int, what: str
+    ) -> Handle[None]:
         """Sends row pushes (chunk, meta, arrays), to the chunk's server or, replicated, with failover."""
-        pending = []
-        for c, meta, arrays in parts:
-            if self.replicas == 1:
-                pending.append(self._request(self._servers[c.server], meta, arrays))
-            else:
-                sequenced = {**meta, "seq": self._seq(c), "wclock": self._clock}
-                pending.append((self._send_failover(c, sequenced, arrays), -1))
-        handle = self._all(pending, what)
-        if self.replicas > 1:
-            self._unacked.append((self._next_seq - len(pending), handle))
+        if self.replicas == 1:
+            return self._all([self._request(self._servers[c.server], meta, arrays) for c, meta, arrays in parts], what)
+        items = [(c, {**meta, "seq": self._seq(c), "wclock": self._clock}, arrays) for c, meta, arrays in parts]
+        handle = self._all([(h, -1) for h in self._send_failover(items, row_bytes)], what)
+        self._unacked.append((self._next_seq - len(items), handle))
         return handle
 
     def push_sparse(self, key: str | int, indices: Any, values: Any) -> Handle[None]:
@@ -800,7 +824,7 @@ class KVStore:
             version = self._versions[key][c.index]
             meta = {"op": "push", "key": key, "chunk": c.index, "rows": True, "densify": True, "version": version}
             parts.append((c, meta, [ids[inside] - c.row_start, vals[inside]]))
-        return self._push_parts(parts, f"push_sparse to key {key!r}")
+        return self._push_parts(parts, info.row_bytes, f"push_sparse to key {key!r}")
 
     def pull_rows(self, key: str | int, row_ids: Any) -> npt.NDArray[Any]:
         """Rows ``row_ids`` of ``key`` (shape ``(len(row_ids), *key.shape[1:])``), as the model allows. Blocks."""
@@ -812,13 +836,21 @@ class KVStore:
         out = np.empty((ids.size, *info.shape[1:]), dtype=info.storage)
         required = self.policy.required_done(self._clock)
         pending = []
-        for c, positions, local in split_rows(info.chunks, ids):
-            meta = {"op": "pull", "key": key, "chunk": c.index, "rows": True, "required": required}
-            arrays = [local.astype(np.int64)]
-            if self.replicas == 1:
-                pending.append((c.index, positions, *self._request(self._servers[c.server], meta, arrays)))
-            else:
-                pending.append((c.index, positions, self._send_failover(c, meta, arrays), -1))
+        split = split_rows(info.chunks, ids)
+        requests = [
+            (
+                c,
+                {"op": "pull", "key": key, "chunk": c.index, "rows": True, "required": required},
+                [local.astype(np.int64)],
+            )
+            for c, _, local in split
+        ]
+        if self.replicas == 1:
+            answers = [self._request(self._servers[c.server], meta, arrays) for c, meta, arrays in requests]
+        else:
+            answers = [(h, -1) for h in self._send_failover(requests, info.row_bytes)]
+        for (c, positions, _), (handle, server) in zip(split, answers, strict=True):
+            pending.append((c.index, positions, handle, server))
         versions = self._versions[key]
         for index, positions, handle, server in pending:
             msg = self._wait(handle, server, f"pull_rows of key {key!r}")

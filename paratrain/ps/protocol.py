@@ -12,6 +12,11 @@ requests' arrays one after the other (``n`` of them each), and the server answer
 round of thread wake-ups in both processes (a few hundred microseconds on a small VM), far more than a
 chunk's bookkeeping, so 16 chunks in 16 messages spent more time waking threads than moving bytes; each
 request inside keeps its own id, meta and reply, so the server handles them exactly as if sent alone.
+
+Replication batches the same way: the pushes of one worker's batch that a server forwards to a backup go in one
+``replicate_batch`` message (``{"ops": [replicate meta + "n", ...]}``, packed as above), and the backup
+acknowledges them in one ``replicated`` message, ``{"ids": [...], "errors": [str or None, ...]}`` (a single
+forward: ``replicate`` and ``{"id": n, "error": ...}``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from paratrain.errors import ParatrainError
 from paratrain.ps.plans import MAX_BATCH
 from paratrain.transport.wire import Message
 
-__all__ = ["MAX_BATCH", "OPS", "REQUEST_TAG", "PSRequestError", "pack", "reply_tag", "unpack"]
+__all__ = ["MAX_BATCH", "OPS", "REQUEST_TAG", "PSRequestError", "forward_ids", "pack", "reply_tag", "unpack"]
 
 #: Tag of every request to a server. Below the collectives' range, far from user tags (>= 0).
 REQUEST_TAG = -(1 << 56)
@@ -31,6 +36,20 @@ _REPLY_BASE = -(1 << 57)
 
 #: Request operations a server understands.
 OPS = ("init", "push", "pull", "clock", "wait_clock", "join", "leave", "batch")
+
+
+def forward_ids(meta: Mapping[str, Any]) -> list[int]:
+    """The ids of the forwards a ``replicate`` or ``replicate_batch`` message carries (what its sender waits to
+    see acknowledged), as far as they can be read: a receiver that cannot apply them answers each with an error.
+
+    Example:
+        >>> forward_ids({"op": "replicate_batch", "ops": [{"id": 3}, {"id": -1}, "junk", {"id": 4}]})
+        [3, 4]
+    """
+    entries = meta.get("ops") if meta.get("op") == "replicate_batch" else [meta]
+    if not isinstance(entries, list):
+        return []
+    return [e["id"] for e in entries if isinstance(e, dict) and type(e.get("id")) is int and e["id"] >= 0]
 
 
 def reply_tag(request_id: int) -> int:

@@ -51,7 +51,7 @@ import numpy.typing as npt
 from paratrain._arrays import DTYPE_NAMES
 from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
-from paratrain.ps.protocol import REQUEST_TAG, reply_tag
+from paratrain.ps.protocol import REQUEST_TAG, forward_ids, reply_tag
 from paratrain.ps.rounds import Mode, RoundSum, mode_of
 from paratrain.ps.shared import SharedValue
 from paratrain.transport.base import ANY_SOURCE, Handle, Transport
@@ -291,8 +291,10 @@ def catch_up(transport: Transport, *, num_workers: int, timeout: float, poll: fl
             continue
         op, request_id = msg.meta.get("op"), msg.meta.get("id")
         if msg.src in servers:
-            if op == "replicate" and type(request_id) is int:
-                _answer(t, msg.src, {"op": "replicated", "id": request_id, "error": "backup is catching up"})
+            forwards = forward_ids(msg.meta)
+            if forwards:
+                errors = ["backup is catching up"] * len(forwards)
+                _answer(t, msg.src, {"op": "replicated", "id": -1, "ids": forwards, "errors": errors})
             continue
         if op == "fence" and type(request_id) is int and type(msg.meta.get("clock")) is int:
             held = msg.meta.get("held")

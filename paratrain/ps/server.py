@@ -13,19 +13,20 @@ optimizer step on the mean gradient of a round, in every consistency model (:mod
 why): under BSP and SSP a round is a clock, applied when every live worker has completed it; under ASP a round
 is every N pushes as they arrive, N the live workers.
 
-Replication (``KVStore(replicas=R)``, Li et al. OSDI'14's primary-backup scheme): every chunk has a replica list
-of server ranks, given at ``init``; the first live one owns it. The owner applies a worker's push, forwards it
+Replication (``KVStore(replicas=R)``, Li et al. OSDI'14's primary-backup scheme): every chunk has a replica list of
+server ranks, given at ``init``; the first live one owns it. The owner applies a worker's push, forwards it
 (``replicate``, with the round it joined) to the other live replicas, and acknowledges the worker only when every
 one of them acknowledged (``replicated``), so an acknowledged update survives the loss of any R - 1 servers. The
 loop never blocks on a backup: pushes awaiting acknowledgements are kept in ``_forwards`` and answered as they
-arrive, or at once when a backup is lost. Pushes carry a per-worker sequence number; a server applies each
-(worker, sequence) once, so a push the worker retries on a backup after its owner died (and which the owner may
-or may not have forwarded before dying) is never applied twice nor lost. A worker sends its clock without waiting
-for acknowledgements, with the number of that clock's pushes this server must hold (``expect``: those whose chunk
-it replicates, direct or forwarded, counted per (worker, clock) as they are applied): until it holds them the
-clock and everything its worker sends after it wait in ``_queued`` (except a push of that clock sent again after
-its owner died, which the clock may be waiting for). So every replica counts clock k of a worker with exactly
-that worker's clock-k pushes, and takes the same optimizer steps on the same sums as the others.
+arrive, or at once when a backup is lost. The pushes of one worker's batch go on to each backup in one message, and
+come back acknowledged in one (:mod:`.protocol`). Pushes carry a per-worker sequence number; a server applies each
+(worker, sequence) once, so a push the worker retries on a backup after its owner died (and which the owner may or
+may not have forwarded before dying) is never applied twice nor lost. A worker sends its clock without waiting for
+acknowledgements, with the number of that clock's pushes this server must hold (``expect``: those whose chunk it
+replicates, direct or forwarded, counted per (worker, clock) as they are applied): until it holds them the clock and
+everything its worker sends after it wait in ``_queued`` (except a push of that clock sent again after its owner
+died, or a batch of them, which the clock may be waiting for). So every replica counts clock k of a worker with
+exactly that worker's clock-k pushes, and takes the same optimizer steps on the same sums as the others.
 
 A dead replicated server can be restarted (``paratrain launch --max-restarts``): the new process catches up from
 the other replicas of its chunks before it serves, at a fence every worker takes part in (:mod:`.resync`; here
@@ -36,7 +37,7 @@ Robustness: a malformed or invalid request is answered with an error and the loo
 process dies (its connection drops, or heartbeats stop) is removed from the clock bookkeeping and logged, so
 the others are not blocked forever; the loop ends when no live worker is left.
 
-One module (about 900 lines) because the server loop, its clock bookkeeping, the primary-backup forwarding, the
+One module (about 1000 lines) because the server loop, its clock bookkeeping, the primary-backup forwarding, the
 batches and the donor's side of a restarted replica's catch-up share one request dispatch and one table of
 chunks; the pure rules live in rounds.py, consistency.py and sharding.py, the restarted side and the snapshot
 format in resync.py, the values that same-host workers read in place in shared.py.
@@ -44,7 +45,6 @@ format in resync.py, the values that same-host workers read in place in shared.p
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -60,7 +60,7 @@ from paratrain.collectives.ops import bf16_to_f32
 from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
 from paratrain.ps.consistency import min_done, required_met
 from paratrain.ps.optim import make_optimizer
-from paratrain.ps.protocol import REQUEST_TAG, pack, reply_tag, unpack
+from paratrain.ps.protocol import REQUEST_TAG, forward_ids, pack, reply_tag, unpack
 from paratrain.ps.resync import CaughtUp, StoredChunk, catch_up, chunk_message
 from paratrain.ps.rounds import RoundSum, commit_ready, mode_of, preview, round_of_push, staleness_weight
 from paratrain.ps.shared import SHARED_MIN_BYTES, SharedValue, value_prefix
@@ -75,7 +75,15 @@ log = logging.getLogger("paratrain.ps.server")
 #: Operations one server sends another (replication, and a restarted one catching up), from server ranks only.
 #: (wire dtype, key dtype) pairs a push may widen: gradients compressed to 16 bits for the wire
 _WIDENED = frozenset((w, k) for w in ("float16", "bfloat16") for k in ("float32", "float64"))
-_SERVER_OPS = ("replicate", "replicated", "members", "snapshot")
+_SERVER_OPS = ("replicate", "replicate_batch", "replicated", "members", "snapshot")
+
+
+def _pushed_before(meta: Any, clock: int) -> bool:
+    """Whether ``meta`` is a push its worker made before clock ``clock`` (a retried push, once that clock came)."""
+    if not isinstance(meta, Mapping) or meta.get("op") != "push":
+        return False
+    wclock = meta.get("wclock")
+    return isinstance(wclock, int) and wclock < clock
 
 
 class _RejectedError(Exception):
@@ -114,6 +122,7 @@ class ServerStats:
     bytes_out: int = 0
     workers_lost: list[int] = field(default_factory=list)  # crashed or killed (not those that shut down cleanly)
     forwarded: int = 0  # pushes sent on to backups
+    forward_messages: int = 0  # messages that carried them (a worker's batch forwards its pushes together)
     replicated: int = 0  # pushes received from another replica and applied here
     duplicates: int = 0  # pushes (or forwards) already applied here, acknowledged without applying again
     clocks_held: int = 0  # worker clocks that arrived before pushes of theirs forwarded by another replica
@@ -185,6 +194,8 @@ class ParameterServer:
         self._rejoin = rejoin
         # (worker, request id) of a request that came in a batch -> the batch and its place in it
         self._batched: dict[tuple[int, int], tuple[_Batch, int]] = {}
+        # while a worker's batch is handled: the forwards to each backup, sent together when it is done
+        self._outbox: dict[int, list[tuple[dict[str, Any], Sequence[Any]]]] | None = None
 
     # -- the loop ------------------------------------------------------------------------------------------
 
@@ -237,9 +248,12 @@ class ParameterServer:
         server died, and the held-back clock may be waiting for it."""
         queue = self._queued.get(msg.src)
         if queue is not None:
-            wclock, until = msg.meta.get("wclock"), queue[0].meta.get("clock")
+            until = queue[0].meta.get("clock")
+            requests = msg.meta.get("ops") if msg.meta.get("op") == "batch" else [msg.meta]
             retry = (
-                msg.meta.get("op") == "push" and isinstance(wclock, int) and isinstance(until, int) and wclock < until
+                isinstance(until, int)
+                and isinstance(requests, list)
+                and all(_pushed_before(r, until) for r in requests)
             )
             if not retry:
                 queue.append(msg)
@@ -304,11 +318,10 @@ class ParameterServer:
         log.error("server %d rejected %r from rank %d: %s", self.transport.rank, msg.meta.get("op"), msg.src, why)
         if not isinstance(request_id, int):
             return
-        if msg.meta.get("op") == "replicate" and msg.src >= self.num_workers:
-            with contextlib.suppress(PeerLostError, TransportClosedError):
-                self.transport.isend(
-                    msg.src, REQUEST_TAG, (), {"op": "replicated", "id": request_id, "error": f"backup {why}"}
-                )
+        if msg.meta.get("op") in ("replicate", "replicate_batch") and msg.src >= self.num_workers:
+            ids = forward_ids(msg.meta)
+            if ids:
+                self._acknowledge(msg.src, ids, [f"backup {why}"] * len(ids))
             return
         self._reply(msg.src, request_id, error=f"server {self.transport.rank}: {why}")
 
@@ -356,8 +369,13 @@ class ParameterServer:
         batch = _Batch(msg.src, msg.meta["id"], [({}, [], None)] * len(requests), len(requests))
         for index, request_id in enumerate(numbers):
             self._batched[(msg.src, request_id)] = (batch, index)
-        for request in requests:
-            self._receive(request)
+        outer, self._outbox = self._outbox, self._outbox if self._outbox is not None else {}
+        try:
+            for request in requests:
+                self._receive(request)
+        finally:
+            if outer is None:
+                self._flush_forwards()
 
     def _answer_batch(self, batch: _Batch) -> None:
         metas, arrays = pack([(meta, arrs) for meta, arrs, _ in batch.replies])
@@ -809,6 +827,11 @@ class ParameterServer:
         for server in chunk.replicas:
             if server == me or server in self._servers_lost:
                 continue
+            if self._outbox is not None:  # inside a worker's batch: sent with the batch's other forwards
+                self._outbox.setdefault(server, []).append((meta, arrays))
+                sent.add(server)
+                self.stats.forwarded += 1
+                continue
             try:
                 self.transport.isend(server, REQUEST_TAG, arrays, meta)
             except (PeerLostError, TransportClosedError) as exc:
@@ -816,13 +839,83 @@ class ParameterServer:
                 continue
             sent.add(server)
             self.stats.forwarded += 1
+            self.stats.forward_messages += 1
         return sent
 
+    def _flush_forwards(self) -> None:
+        """Sends the forwards a worker's batch collected, one message per backup (:mod:`.protocol`). A backup
+        that cannot be reached is not waited for (as when a forward alone cannot be sent)."""
+        outbox, self._outbox = self._outbox or {}, None
+        for server, items in outbox.items():
+            if len(items) == 1:
+                meta, arrays = items[0]
+            else:
+                metas, arrays = pack(items)
+                meta = {"op": "replicate_batch", "id": -1, "ops": metas}
+            try:
+                self.transport.isend(server, REQUEST_TAG, arrays, meta)
+                self.stats.forward_messages += 1
+            except (PeerLostError, TransportClosedError) as exc:
+                log.warning("server %d: cannot forward to server %d: %s", self.transport.rank, server, exc)
+                for forward_id in (m["id"] for m, _ in items):
+                    forward = self._forwards.get(forward_id)
+                    if forward is not None:
+                        forward.waiting.discard(server)
+                        if not forward.waiting:
+                            del self._forwards[forward_id]
+                            self._answer_forward(forward)
+
     def _op_replicate(self, msg: Message) -> None:
-        """A push another replica applied: apply it here in the same round, then acknowledge it to that server.
+        """A push another replica applied: apply it here in the same round, then acknowledge it to that server."""
+        if self._replicate(msg):
+            self._acknowledge(msg.src, [msg.meta["id"]], [None])
+
+    def _op_replicate_batch(self, msg: Message) -> None:
+        """The forwards of one worker's batch (:mod:`.protocol`): each applied as if it came alone, in order, and
+        acknowledged together in one message (a rejected one with its error)."""
+        try:
+            forwards = unpack(msg, "ops")
+        except ValueError as exc:
+            raise _RejectedError(f"malformed replicate batch: {exc}") from None
+        ids: list[int] = []
+        errors: list[str | None] = []
+        for forward in forwards:
+            try:
+                if forward.meta.get("op") != "replicate" or type(forward.meta.get("id")) is not int:
+                    raise _RejectedError("a replicate batch holds replicate requests with integer ids")
+                if not self._replicate(forward):
+                    continue
+                error = None
+            except _RejectedError as exc:
+                error = str(exc)
+            except Exception as exc:  # as _handle: a bug must not take the server down
+                log.exception("server %d: a forward from server %d failed", self.transport.rank, msg.src)
+                error = f"server error: {type(exc).__name__}: {exc}"
+            if error is not None:
+                self.stats.rejected += 1
+                log.error("server %d rejected a forward from server %d: %s", self.transport.rank, msg.src, error)
+            ids.extend(forward_ids(forward.meta))
+            errors.extend([None if error is None else f"backup {error}"] * len(forward_ids(forward.meta)))
+        if ids:
+            self._acknowledge(msg.src, ids, errors)
+
+    def _acknowledge(self, server: int, ids: list[int], errors: list[str | None]) -> None:
+        """Tells ``server`` that its forwards ``ids`` are applied here (or why not, per id)."""
+        meta: dict[str, Any] = (
+            {"op": "replicated", "id": ids[0], "error": errors[0]}
+            if len(ids) == 1
+            else {"op": "replicated", "id": -1, "ids": ids, "errors": errors}
+        )
+        try:
+            self.transport.isend(server, REQUEST_TAG, (), meta)
+        except (PeerLostError, TransportClosedError) as exc:
+            log.warning("server %d: cannot acknowledge to server %d: %s", self.transport.rank, server, exc)
+
+    def _replicate(self, msg: Message) -> bool:
+        """Applies forward ``msg`` here in the round it joined at its owner; whether to acknowledge it.
 
         It counts towards its worker's clock here (``wclock``) even when it carries nothing to apply (``skip``: its
-        owner rejected it), so that the clock is not held back for it forever."""
+        owner rejected it, and nobody waits for an acknowledgement), so that the clock is not held back for it."""
         meta = msg.meta
         worker, round_id = meta.get("worker"), meta.get("round")
         if not isinstance(worker, int) or worker not in self.done:
@@ -830,7 +923,7 @@ class ParameterServer:
         chunk = self._chunk(meta)
         new = self._consume(worker, meta.get("seq"), meta.get("wclock"))
         if meta.get("skip"):
-            return
+            return False
         if not isinstance(round_id, int):
             raise _RejectedError("replicate without a valid round")
         rows, data = self._push_data(chunk, msg)
@@ -844,23 +937,25 @@ class ParameterServer:
                 meta.get("version"),
                 densify=bool(meta.get("densify")),
             )
-        try:
-            self.transport.isend(msg.src, REQUEST_TAG, (), {"op": "replicated", "id": meta["id"]})
-        except (PeerLostError, TransportClosedError) as exc:
-            log.warning("server %d: cannot acknowledge to server %d: %s", self.transport.rank, msg.src, exc)
+        return True
 
     def _op_replicated(self, msg: Message) -> None:
-        """A backup has a forwarded push: answer its worker once every backup has it."""
-        forward = self._forwards.get(msg.meta["id"])
-        if forward is None:
-            return
-        forward.waiting.discard(msg.src)
-        error = msg.meta.get("error")
-        if isinstance(error, str):
-            forward.error = f"server {msg.src}: {error}"
-        if not forward.waiting:
-            del self._forwards[msg.meta["id"]]
-            self._answer_forward(forward)
+        """A backup has forwarded pushes (one, or a batch's): answer each worker once every backup has its push."""
+        ids, errors = msg.meta.get("ids"), msg.meta.get("errors")
+        if not isinstance(ids, list):
+            ids, errors = [msg.meta["id"]], [msg.meta.get("error")]
+        if not isinstance(errors, list) or len(errors) != len(ids):
+            errors = [None] * len(ids)
+        for forward_id, error in zip(ids, errors, strict=True):
+            forward = self._forwards.get(forward_id) if type(forward_id) is int else None
+            if forward is None:
+                continue
+            forward.waiting.discard(msg.src)
+            if isinstance(error, str):
+                forward.error = f"server {msg.src}: {error}"
+            if not forward.waiting:
+                del self._forwards[forward_id]
+                self._answer_forward(forward)
 
     def _answer_forward(self, forward: _Forward) -> None:
         if forward.error is None:
