@@ -14,7 +14,9 @@
    it goes through the shared-memory segment for every call and algorithm (microseconds), and the shared-memory
    allreduce folds it into its first synchronisation,
 4. runs the chosen algorithm on flat views of the data, writing into a fresh result (or in place for
-   ``allreduce_``), and returns the result as the caller's type: numpy in, numpy out; torch in, torch out.
+   ``allreduce_``), and returns the result as the caller's type: numpy in, numpy out; torch in, torch out. A
+   device (CUDA) tensor is staged: copied to pinned host memory when the call takes it, and the result copied
+   back to its device, finished when the call (or the async handle's ``wait``) returns (:mod:`paratrain.device`).
 
 Algorithms are looked up by name in per-instance registries (``allreduce_algorithms``,
 ``broadcast_algorithms``); ``algorithm="auto"`` asks a replaceable policy (``choose_allreduce``,
@@ -71,6 +73,7 @@ from paratrain.collectives.ring import (
 )
 from paratrain.collectives.signature import INVALID, Signature, mismatch_error
 from paratrain.collectives.tree import Exchange, agree, direct_allreduce, tree_allreduce, tree_broadcast
+from paratrain.device import on_device, to_device, to_host
 from paratrain.errors import CollectiveMismatchError, ParatrainError
 from paratrain.transport.base import Handle, Transport
 
@@ -169,15 +172,15 @@ def _socket_agree(ex: Exchange, sig: Signature, payload: npt.NDArray[Any] | None
 
 
 def _as_array(x: Any) -> tuple[npt.NDArray[Any], str]:
+    """The host view a collective works on: ``x``'s own memory where it can be, a staged host copy of a device
+    (CUDA) tensor (:mod:`paratrain.device`)."""
     if not (isinstance(x, np.ndarray) or is_torch_tensor(x)):
-        raise TypeError(f"collectives take numpy arrays or torch CPU tensors, not {type(x).__name__}")
-    return as_numpy_view(x)
+        raise TypeError(f"collectives take numpy arrays or torch tensors, not {type(x).__name__}")
+    return as_numpy_view(to_host(x) if on_device(x) else x)
 
 
-def _wrap(like: Any, arr: npt.NDArray[Any], dtype_name: str) -> Any:
-    """``arr`` as the caller's type: a torch tensor (sharing memory) for torch input, else the array itself."""
-    if not is_torch_tensor(like):
-        return arr
+def _host_tensor(arr: npt.NDArray[Any], dtype_name: str) -> Any:
+    """``arr`` as a CPU torch tensor sharing its memory (bfloat16 travels as its 16-bit pattern)."""
     import torch
 
     if dtype_name == "bfloat16":
@@ -185,18 +188,27 @@ def _wrap(like: Any, arr: npt.NDArray[Any], dtype_name: str) -> Any:
     return torch.from_numpy(arr)
 
 
+def _wrap(like: Any, arr: npt.NDArray[Any], dtype_name: str) -> Any:
+    """``arr`` as the caller's type: a torch tensor (sharing memory; on the caller's device for a device tensor)
+    for torch input, else the array itself."""
+    if not is_torch_tensor(like):
+        return arr
+    tensor = _host_tensor(arr, dtype_name)
+    return to_device(tensor, like) if on_device(like) else tensor
+
+
 def _shares_memory(x: Any, view: npt.NDArray[Any]) -> bool:
-    """True if ``view`` (from :func:`as_numpy_view`) is ``x``'s own memory rather than a contiguous copy."""
+    """True if ``view`` (from :func:`_as_array`) is ``x``'s own memory rather than a contiguous or host copy."""
     if isinstance(x, np.ndarray):
         return bool(x.flags.c_contiguous)
-    return bool(x.is_contiguous())
+    return not on_device(x) and bool(x.is_contiguous())
 
 
 def _write_back(x: Any, result: npt.NDArray[Any], dtype_name: str) -> None:
     if isinstance(x, np.ndarray):
         x[...] = result.reshape(x.shape)
     else:
-        x.detach().copy_(_wrap(x, result, dtype_name).reshape(x.shape))
+        x.detach().copy_(_host_tensor(result, dtype_name).reshape(x.shape))  # (to a device: a blocking copy)
 
 
 # -- the user-facing class ------------------------------------------------------------------------------------
@@ -419,7 +431,7 @@ class Collectives:
         Blocks until done; ``x`` is only read. Every rank receives identical bits.
 
         Args:
-            x: a numpy array or torch CPU tensor, any shape (0-d and empty included), same shape and dtype on
+            x: a numpy array or torch tensor, any shape (0-d and empty included), same shape and dtype on
                 every rank.
             op: ``"sum"``, ``"mean"`` (floor division for integer dtypes), ``"max"`` or ``"min"``; see
                 :mod:`paratrain.collectives.ops`.
@@ -577,7 +589,7 @@ class Collectives:
         done.
 
         Args:
-            x: numpy array or torch CPU tensor.
+            x: numpy array or torch tensor.
             root: the rank whose data is sent.
             algorithm: ``"auto"``, ``"tree"`` (binomial, for small arrays) or ``"chain"`` (pipelined, for large).
             timeout: seconds the call may take.

@@ -1,0 +1,11 @@
+"""Tensors that live on an accelerator (CUDA): how their bytes reach the host and the results come back.
+
+Imports nothing heavy: torch is imported by :mod:`.staging` only when a device tensor is already in hand, so the
+communication core still starts without torch.
+"""
+
+from __future__ import annotations
+
+from paratrain.device.staging import on_device, to_device, to_host
+
+__all__ = ["on_device", "to_device", "to_host"]
