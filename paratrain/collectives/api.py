@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from paratrain._arrays import as_numpy_view, is_torch_tensor
 from paratrain._arrays import dtype_name as wire_dtype_name
+from paratrain._arrays import is_torch_tensor
 from paratrain.collectives.background import BackgroundWorker
 from paratrain.collectives.hierarchical import HostLayout, hierarchical_allreduce
 from paratrain.collectives.ops import Reducer
@@ -73,7 +73,7 @@ from paratrain.collectives.ring import (
 )
 from paratrain.collectives.signature import INVALID, Signature, mismatch_error
 from paratrain.collectives.tree import Exchange, agree, direct_allreduce, tree_allreduce, tree_broadcast
-from paratrain.device import on_device, to_device, to_host
+from paratrain.device import host_view, on_device, to_device
 from paratrain.errors import CollectiveMismatchError, ParatrainError
 from paratrain.transport.base import Handle, Transport
 
@@ -176,7 +176,7 @@ def _as_array(x: Any) -> tuple[npt.NDArray[Any], str]:
     (CUDA) tensor (:mod:`paratrain.device`)."""
     if not (isinstance(x, np.ndarray) or is_torch_tensor(x)):
         raise TypeError(f"collectives take numpy arrays or torch tensors, not {type(x).__name__}")
-    return as_numpy_view(to_host(x) if on_device(x) else x)
+    return host_view(x)
 
 
 def _host_tensor(arr: npt.NDArray[Any], dtype_name: str) -> Any:

@@ -6,6 +6,6 @@ communication core still starts without torch.
 
 from __future__ import annotations
 
-from paratrain.device.staging import on_device, to_device, to_host
+from paratrain.device.staging import host_view, on_device, to_device, to_host
 
-__all__ = ["on_device", "to_device", "to_host"]
+__all__ = ["host_view", "on_device", "to_device", "to_host"]

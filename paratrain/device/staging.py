@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from paratrain._arrays import is_torch_tensor
+import numpy.typing as npt
 
-__all__ = ["on_device", "to_device", "to_host"]
+from paratrain._arrays import as_numpy_view, is_torch_tensor
+
+__all__ = ["host_view", "on_device", "to_device", "to_host"]
 
 
 def on_device(x: object) -> bool:
@@ -49,6 +51,18 @@ def to_host(x: Any) -> Any:
     copied.record(stream)
     copied.synchronize()
     return host
+
+
+def host_view(x: Any) -> tuple[npt.NDArray[Any], str]:
+    """:func:`~paratrain._arrays.as_numpy_view` of ``x``, a device tensor staged to host memory first (a copy, as a
+    non-contiguous input's is): what a transport sends, a parameter server receives, a reduction reads.
+
+    Example:
+        >>> import numpy as np
+        >>> host_view(np.arange(3))[1]
+        'int64'
+    """
+    return as_numpy_view(to_host(x) if on_device(x) else x)
 
 
 def to_device(host: Any, like: Any) -> Any:

@@ -43,9 +43,10 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from paratrain._arrays import as_numpy_view, dtype_from_name
+from paratrain._arrays import dtype_from_name, is_torch_tensor
 from paratrain._current import current_context
 from paratrain.config import Settings
+from paratrain.device import host_view
 from paratrain.errors import CommTimeoutError, ConfigError, PeerLostError
 from paratrain.plan.ir import Action, Parts, Received, Slice
 from paratrain.ps.consistency import Policy
@@ -556,7 +557,7 @@ class KVStore:
         self._calls += 1
         if not isinstance(key, (str, int)) or isinstance(key, bool):
             raise TypeError(f"keys are str or int, not {type(key).__name__}")
-        arr, dtype_name = as_numpy_view(array)
+        arr, dtype_name = host_view(array)
         shape = tuple(int(d) for d in arr.shape)
         chunks = plan_chunks(
             key, shape, arr.itemsize, self.num_servers, chunk_bytes=self._chunk_bytes, replicas=self.replicas
@@ -611,7 +612,7 @@ class KVStore:
         """
         self._calls += 1
         info = self._key(key)
-        arr, dtype_name = as_numpy_view(array)
+        arr, dtype_name = host_view(array)
         self._check(key, info, arr, dtype_name, None)
         rows = _rows(arr)
         self._cache.pop(key, None)
@@ -772,8 +773,8 @@ class KVStore:
         """Adds ``values[i]`` to row ``row_ids[i]`` of ``key`` (embedding-style sparse update). Asynchronous."""
         self._calls += 1
         info = self._key(key)
-        ids = np.asarray(row_ids)
-        vals, dtype_name = as_numpy_view(values)
+        ids = host_view(row_ids)[0] if is_torch_tensor(row_ids) else np.asarray(row_ids)
+        vals, dtype_name = host_view(values)
         if ids.ndim != 1:
             raise ValueError(f"row_ids must be 1-D, got shape {ids.shape}")
         self._check(key, info, vals, dtype_name, ids.size)
@@ -810,8 +811,8 @@ class KVStore:
         info = self._key(key)
         if len(info.shape) != 1:
             raise ValueError(f"push_sparse needs a 1-D key; {key!r} is {info.shape}")
-        ids = np.asarray(indices).astype(np.int64, copy=False)
-        vals, dtype_name = as_numpy_view(values)
+        ids = (host_view(indices)[0] if is_torch_tensor(indices) else np.asarray(indices)).astype(np.int64, copy=False)
+        vals, dtype_name = host_view(values)
         if ids.ndim != 1 or vals.shape != ids.shape:
             raise ValueError(f"indices and values must be 1-D of one length, got {ids.shape} and {vals.shape}")
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= info.shape[0]):
@@ -830,7 +831,7 @@ class KVStore:
         """Rows ``row_ids`` of ``key`` (shape ``(len(row_ids), *key.shape[1:])``), as the model allows. Blocks."""
         self._calls += 1
         info = self._key(key)
-        ids = np.asarray(row_ids)
+        ids = host_view(row_ids)[0] if is_torch_tensor(row_ids) else np.asarray(row_ids)
         if ids.ndim != 1:
             raise ValueError(f"row_ids must be 1-D, got shape {ids.shape}")
         out = np.empty((ids.size, *info.shape[1:]), dtype=info.storage)

@@ -35,6 +35,7 @@ import numpy as np
 
 from paratrain._arrays import as_numpy_view, is_torch_tensor
 from paratrain.config import parse_duration
+from paratrain.device import on_device, to_host
 from paratrain.errors import ConfigError, TransportClosedError
 from paratrain.transport.base import ANY_SOURCE, ANY_TAG, Handle, Transport
 from paratrain.transport.wire import Message
@@ -281,6 +282,8 @@ class FaultyTransport(Transport):
 
 def _copy(a: Any) -> Any:
     """A private copy, since the message leaves after ``send`` returned and the caller may reuse ``a``."""
+    if on_device(a):
+        return to_host(a)  # a copy already, in host memory
     if is_torch_tensor(a):
         return a.detach().clone()
     return np.array(as_numpy_view(a)[0], copy=True)

@@ -24,7 +24,8 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from paratrain._arrays import DTYPE_NAMES, as_numpy_view, dtype_from_name
+from paratrain._arrays import DTYPE_NAMES, dtype_from_name
+from paratrain.device import host_view
 from paratrain.errors import MessageError
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_header",
+    "encode_prepared",
     "prepare",
 ]
 
@@ -108,11 +110,18 @@ def encode(
         ValueError: too many arrays or an oversized header.
     """
     views, descriptors = prepare(arrays)
-    header = encode_header(src, tag, meta or {}, descriptors)
-    frames: list[bytes | memoryview] = [header]
+    return encode_prepared(src, tag, meta, views, descriptors), views
+
+
+def encode_prepared(
+    src: int, tag: int, meta: Mapping[str, Any] | None, views: Sequence[npt.NDArray[Any]], descriptors: list[list[Any]]
+) -> list[bytes | memoryview]:
+    """The frames of :func:`encode` from what :func:`prepare` returned (the descriptors keep each array's wire
+    dtype name: a bfloat16 tensor's view is uint16, and preparing the views again would send it as uint16)."""
+    frames: list[bytes | memoryview] = [encode_header(src, tag, meta or {}, descriptors)]
     for view in views:
         frames.append(memoryview(view.reshape(-1).view(np.uint8).data) if view.size else b"")
-    return frames, views
+    return frames
 
 
 def prepare(arrays: Sequence[Any]) -> tuple[list[npt.NDArray[Any]], list[list[Any]]]:
@@ -127,7 +136,7 @@ def prepare(arrays: Sequence[Any]) -> tuple[list[npt.NDArray[Any]], list[list[An
     views: list[npt.NDArray[Any]] = []
     descriptors: list[list[Any]] = []
     for a in arrays:
-        view, name = as_numpy_view(a)
+        view, name = host_view(a)  # (a device tensor: staged to host memory)
         views.append(view)
         descriptors.append([name, list(view.shape)])
     return views, descriptors

@@ -64,7 +64,7 @@ from paratrain.transport.auth import REFUSAL_EVENTS, Guard, JobKeys, refusal_rea
 from paratrain.transport.base import ANY_SOURCE, ANY_TAG, Handle, Transport
 from paratrain.transport.lane import LANE_THRESHOLD, LaneReader, LaneWriter, lanes_supported, safe_run_id
 from paratrain.transport.matching import Mailbox
-from paratrain.transport.wire import Message, decode, encode, encode_header, prepare
+from paratrain.transport.wire import Message, decode, encode, encode_header, encode_prepared, prepare
 
 __all__ = ["COPY_THRESHOLD", "TAG_CONTROL", "ZmqTransport"]
 
@@ -366,7 +366,7 @@ class ZmqTransport(Transport):
         self.stats.messages_sent += 1
         self.stats.bytes_sent += nbytes
         if dst == self.rank:
-            frames, _ = encode(self.rank, tag, views, meta)
+            frames = encode_prepared(self.rank, tag, meta, views, descriptors)
             self._box.deliver(decode([bytes(f) for f in frames]))
             return Handle.completed(None)
         error = self._lost_error(dst)
@@ -386,7 +386,7 @@ class ZmqTransport(Transport):
                     return Handle.completed(None)
                 if writer is not None:
                     self.stats.lane_full += 1
-            frames, _ = encode(self.rank, tag, views, meta)
+            frames = encode_prepared(self.rank, tag, meta, views, descriptors)
             if not big:
                 sock.send_multipart(frames, copy=True)
                 return Handle.completed(None)

@@ -182,6 +182,27 @@ def test_torch_bfloat16_roundtrip() -> None:
     assert torch.equal(back, t)
 
 
+@pytest.mark.parametrize("size", [3, 1 << 16], ids=["socket", "lane"])
+@pytest.mark.parametrize("dst", [0, 1], ids=["to itself", "to a peer"])
+def test_zmq_keeps_the_bfloat16_name(size: int, dst: int) -> None:
+    """Regression: the ZeroMQ transport encoded the prepared views again, which are uint16 for a bfloat16 tensor,
+    so a bfloat16 message not sent through a lane arrived as uint16 (a parameter server then rejected a push
+    compressed to bf16 as "carries uint16")."""
+    torch = pytest.importorskip("torch")
+    from paratrain.transport.registry import local_job
+
+    job = local_job("zmq", 2, timeout=30.0)
+    try:
+        t = torch.linspace(-3, 3, size).to(torch.bfloat16)
+        job.transports[0].isend(dst, 5, [t, np.arange(2)]).wait(30)
+        msg = job.transports[dst].recv(0, 5, timeout=30)
+        assert msg.dtypes == ("bfloat16", "int64")
+        assert torch.equal(torch.from_numpy(msg.arrays[0].view(np.int16).copy()).view(torch.bfloat16), t)
+    finally:
+        for transport in job.transports:
+            transport.close()
+
+
 def test_decode_bfloat16_without_torch() -> None:
     bits = np.array([0x3F80, 0xC020], dtype=np.uint16)  # 1.0 and -2.5 in bfloat16
     msg = decode([encode_header(0, 0, {}, [["bfloat16", [2]]]), bits.tobytes()])
