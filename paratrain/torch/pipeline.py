@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from paratrain.device import on_device, to_host
 from paratrain.errors import ConfigError
 from paratrain.launch.kills import kill_point
 from paratrain.pipeline.schedules import (
@@ -66,8 +67,17 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Trace = Callable[[str, str, float, float], None]
 
 
+def _device_of(module: nn.Module) -> torch.device:
+    """Where ``module``'s parameters (or buffers) live; the CPU for a module with neither."""
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
 def _array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
-    return tensor.detach().contiguous().numpy()
+    """What a stage sends: the tensor's bytes in host memory (a device tensor staged there, :mod:`paratrain.device`)."""
+    t = tensor.detach()
+    return (to_host(t) if on_device(t) else t.contiguous()).numpy()
 
 
 class Pipe:
@@ -94,6 +104,9 @@ class Pipe:
         replicas: R pipelines side by side (N = R * K workers), each on its own mini-batch; the copies of a
             stage sum their gradients before each optimizer step.
         trace: called with every span of this stage's work (see the module's docstring).
+        device: where this stage computes, one device for all or one per stage (``["cuda:0", "cuda:1"]``, or
+            ``"cuda"`` for processes that each see one GPU); the stage's layers are moved there, and its inputs
+            (stage 0) and targets (the last stage). Default: where the stage's layers already are.
 
     Example:
         >>> from paratrain.testing import run_ranks
@@ -123,6 +136,7 @@ class Pipe:
         checkpoint: bool = False,
         replicas: int = 1,
         trace: Trace | None = None,
+        device: str | torch.device | Sequence[str | torch.device] | None = None,
     ) -> None:
         self.context = context if context is not None else current()
         modules = list(layers)
@@ -147,6 +161,15 @@ class Pipe:
         self.num_stages = stages
         first = sum(balance[: self.stage_index])
         self.module = nn.Sequential(*modules[first : first + balance[self.stage_index]])
+        if isinstance(device, Sequence) and not isinstance(device, str):
+            if len(device) != stages:
+                raise ConfigError(f"device= names {len(device)} devices for {stages} stages; give one per stage")
+            device = device[self.stage_index]
+        if device is not None:
+            self.module.to(device)
+        #: where this stage computes: ``device=`` (one, or one per stage), else where its layers' parameters are.
+        #: Activations and gradients arrive in host memory and are moved here; what it sends is staged to the host.
+        self.device = torch.device(device) if device is not None else _device_of(self.module)
         self.schedule: Schedule = _schedule(schedule, stages, microbatches)
         self.microbatches = microbatches
         params = list(self.module.parameters())
@@ -247,6 +270,11 @@ class Pipe:
         """This stage's steps of one mini-batch."""
         return self.schedule.stages[self.stage_index]
 
+    def _received(self, arr: np.ndarray[Any, Any]) -> torch.Tensor:
+        """A received activation or gradient (read-only host memory) as a tensor of its own on this stage's
+        device."""
+        return torch.from_numpy(arr.copy()).to(self.device)
+
     @torch.no_grad()
     def predict(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
         """The whole model's output on ``inputs`` (given on stage 0), returned on the last stage (None
@@ -262,7 +290,7 @@ class Pipe:
         m = self.microbatches
         base = self.group.reserve_tags(m)
         transport = self.group.transport
-        xs = list(torch.tensor_split(inputs, m)) if self.is_first and inputs is not None else []
+        xs = list(torch.tensor_split(inputs.to(self.device), m)) if self.is_first and inputs is not None else []
         outs: list[torch.Tensor] = []
         sends: list[Handle[None]] = []
         for mb in range(m):
@@ -270,7 +298,7 @@ class Pipe:
                 inp = xs[mb]
             else:
                 msg = transport.recv(self.stage_index - 1, base - mb, timeout=self._timeout)
-                inp = torch.from_numpy(msg.arrays[0].copy())
+                inp = self._received(msg.arrays[0])
             out = self.module(inp)
             if self.is_last:
                 outs.append(out)
@@ -301,8 +329,8 @@ class Pipe:
         if self.is_last and targets is None:
             raise ConfigError("the last stage needs the mini-batch's targets")
         m = self.microbatches
-        xs = list(torch.tensor_split(inputs, m)) if self.is_first and inputs is not None else []
-        ys = list(torch.tensor_split(targets, m)) if self.is_last and targets is not None else []
+        xs = list(torch.tensor_split(inputs.to(self.device), m)) if self.is_first and inputs is not None else []
+        ys = list(torch.tensor_split(targets.to(self.device), m)) if self.is_last and targets is not None else []
         base = self.group.reserve_tags(2 * m + 1)
         transport = self.group.transport
         sends: list[Handle[None]] = []
@@ -333,7 +361,7 @@ class Pipe:
                 else:
                     msg = transport.recv(self.stage_index - 1, base - activation_tag(mb), timeout=self._timeout)
                     # the input's gradient only where a stage before this one learns
-                    inp = torch.from_numpy(msg.arrays[0].copy()).requires_grad_(self.stage_index > self.gradient_from)
+                    inp = self._received(msg.arrays[0]).requires_grad_(self.stage_index > self.gradient_from)
                     if trace is not None:
                         t0 = _span(trace, f"wait activation {mb}", "waiting", t0)
                 params: dict[str, torch.Tensor] | None = None
@@ -393,7 +421,7 @@ class Pipe:
                 msg = transport.recv(self.stage_index + 1, base - gradient_tag(mb), timeout=self._timeout)
                 if trace is not None:
                     t0 = _span(trace, f"wait gradient {mb}", "waiting", t0)
-                torch.autograd.backward(out, torch.from_numpy(msg.arrays[0].copy()))
+                torch.autograd.backward(out, self._received(msg.arrays[0]))
             if params is not None:  # the stashed copy's gradient goes to the live parameters
                 for name, p in self.module.named_parameters():
                     grad = params[name].grad

@@ -59,8 +59,12 @@ def test_a_cuda_model_trains_as_on_the_cpu(strategy: str) -> None:
 
     def train(device: str) -> Any:
         def worker(ctx: Context) -> dict[str, Any]:
-            torch.manual_seed(0)
-            net = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).to(device)
+            net = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+            init = torch.Generator().manual_seed(0)  # (the global seed is shared by the thread ranks)
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.copy_(torch.randn(p.shape, generator=init) * 0.3)
+            net.to(device)
             sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
             opt = ptt.DistributedOptimizer(sgd, model=net, strategy=strategy, bucket_bytes=256, context=ctx)
             for k in range(steps):

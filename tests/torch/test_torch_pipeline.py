@@ -426,3 +426,27 @@ def test_a_first_stage_without_parameters_trains_as_one_process(schedule: str) -
     want = [(STEPS * len(plan.sends(s)), STEPS * sum(m.nbytes for m in plan.sends(s))) for s in range(3)]
     assert [sent for _, sent, _ in results] == want
     assert [m.nbytes for m in plan.sends(1) if m.dst == 0] == [0]  # no gradient back to stage 0: the step's end
+
+
+def test_device_per_stage_moves_the_layers_and_must_name_every_stage() -> None:
+    """``device=`` (one per stage) is where a stage computes; its inputs and targets follow (CPU here: the CUDA
+    twins are in tests/cuda)."""
+    x, y = _batch(0)
+
+    def stage(ctx: Context) -> tuple[str, float | None]:
+        with pytest.raises(ConfigError, match="names 3 devices for 2 stages"):
+            Pipe(_layers(), balance=_balance(2), microbatches=2, optimizer=_optimizer, context=ctx,
+                 loss_fn=nn.MSELoss(reduction="sum"), device=["cpu"] * 3)  # fmt: skip
+        pipe = Pipe(
+            _layers(),
+            balance=_balance(2),
+            microbatches=2,
+            optimizer=_optimizer,
+            loss_fn=nn.MSELoss(reduction="sum"),
+            context=ctx,
+            device=["cpu", torch.device("cpu")],
+        )
+        return str(pipe.device), pipe.step(x, y)
+
+    (d0, none), (d1, loss) = run_ranks(2, stage, timeout=60)
+    assert (d0, d1, none) == ("cpu", "cpu", None) and loss is not None and loss > 0
