@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -76,6 +76,13 @@ from paratrain.collectives.tree import Exchange, agree, direct_allreduce, tree_a
 from paratrain.device import host_view, on_device, to_device
 from paratrain.errors import CollectiveMismatchError, ParatrainError
 from paratrain.transport.base import Handle, Transport
+
+
+class SupportsSynchronize(Protocol):
+    """What ``allreduce_async_(ready=...)`` waits on (a ``torch.cuda.Event`` has it)."""
+
+    def synchronize(self) -> None: ...
+
 
 if TYPE_CHECKING:
     from paratrain.collectives.shm import ShmAllreduce, ShmGroup
@@ -560,7 +567,13 @@ class Collectives:
         return self._submit(self._allreduce(x, op, algorithm, timeout, mode="snapshot"), "allreduce", x)
 
     def allreduce_async_(
-        self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None
+        self,
+        x: A,
+        op: str = "sum",
+        algorithm: str = "auto",
+        *,
+        timeout: float | None = None,
+        ready: SupportsSynchronize | None = None,
     ) -> Handle[A]:
         """Starts :meth:`allreduce_` (in place) on the background thread; ``handle.wait()`` returns ``x``, which
         then holds the result.
@@ -568,6 +581,10 @@ class Collectives:
         Unlike :meth:`allreduce_async`, nothing is copied: ``x`` must not be read or written until ``wait()``
         returns (a fusion buffer that its owner leaves alone meanwhile saves two copies of its size per call).
         Queued calls run one at a time in call order; errors are raised by ``wait()``.
+
+        ``ready``: ``x``'s bytes are still on their way (a CUDA event recorded behind the device-to-host copies
+        that fill a pinned buffer): the background thread calls ``ready.synchronize()`` before it reads ``x``, so
+        the caller (a gradient hook) returns at once and the copies overlap the rest of its work.
 
         Example:
             >>> import numpy as np
@@ -578,7 +595,18 @@ class Collectives:
             >>> run_ranks(2, fn)
             [[3.0, 3.0], [3.0, 3.0]]
         """
-        return self._submit(self._allreduce(x, op, algorithm, timeout, mode="in_place"), "allreduce", x)
+        body = self._allreduce(x, op, algorithm, timeout, mode="in_place")
+        if ready is not None:
+            run = body
+
+            def body(tag: int) -> Any:
+                start = time.time()
+                ready.synchronize()
+                if self.timeline is not None:  # how long the communication waited for the device's copies
+                    self.timeline.span("allreduce", "WAIT_FOR_DEVICE_COPY", start, time.time())
+                return run(tag)
+
+        return self._submit(body, "allreduce", x)
 
     # -- broadcast
 

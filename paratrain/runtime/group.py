@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from paratrain.collectives.api import Collectives, network_allreduce_choice
+from paratrain.collectives.api import Collectives, SupportsSynchronize, network_allreduce_choice
 from paratrain.collectives.barrier import barrier as _barrier
 from paratrain.errors import NotInitializedError
 from paratrain.timeline import timeline_for
@@ -70,11 +70,18 @@ class CollectiveMethods:
         return self.collectives.allreduce_async(x, op, algorithm, timeout=timeout)
 
     def allreduce_async_(
-        self, x: A, op: str = "sum", algorithm: str = "auto", *, timeout: float | None = None
+        self,
+        x: A,
+        op: str = "sum",
+        algorithm: str = "auto",
+        *,
+        timeout: float | None = None,
+        ready: SupportsSynchronize | None = None,
     ) -> Handle[A]:
         """Starts an in-place allreduce over the members in the background; leave ``x`` alone until ``.wait()``
-        (which returns ``x``)."""
-        return self.collectives.allreduce_async_(x, op, algorithm, timeout=timeout)
+        (which returns ``x``). ``ready``: waited for on the background thread before ``x`` is read (a CUDA event
+        behind the copies that fill it; see :meth:`~paratrain.collectives.api.Collectives.allreduce_async_`)."""
+        return self.collectives.allreduce_async_(x, op, algorithm, timeout=timeout, ready=ready)
 
     def broadcast(self, x: A, root: int = 0, *, algorithm: str = "auto", timeout: float | None = None) -> A:
         """A new array/tensor holding group rank ``root``'s ``x``. Blocks."""

@@ -11,6 +11,14 @@ every gradient at once, with no per-parameter copies. ``zero_grad(set_to_none=Tr
 the views; the next gradient is then copied in once and the view is restored, so both settings are correct and
 ``set_to_none=False`` saves that copy. Parameters on other devices are copied to and from the CPU buffer.
 
+CUDA parameters (a bucket holds one device's: the plan groups by dtype and device) are *staged in the background*,
+Poseidon's GPU/CPU pipeline: the buffer is pinned host memory, and each gradient is copied into it from its hook
+on a stream of the bucket's own, which first waits for the stream that produced the gradient, so the hook returns
+at once and the copy overlaps the rest of backward; :meth:`FusedBucket.staged` is a CUDA event behind the step's
+copies, which the communication waits on before it reads the buffer (``allreduce_async_(ready=...)``), on its own
+thread. The results go back with asynchronous host-to-device copies on the caller's stream, ordered before the
+optimizer's kernels; the next step's host writes into the buffer first wait for those copies (an event).
+
 The *used* flags solve DDP's unused-parameter problem without a second message: a rank sets a parameter's flag
 to 1 when it has a gradient for it. After a ``mean`` allreduce a flag is 0 exactly when no rank had a gradient;
 such a parameter keeps ``grad = None`` (and the optimizer skips it, as it would in one process), while a
@@ -49,7 +57,12 @@ class FusedBucket:
         self.names = [names[i] for i in bucket.params]
         dtype = self.params[0].dtype
         extra = len(self.params) if flags else 0
-        self.buffer = torch.zeros(bucket.numel + extra, dtype=dtype)
+        devices = {p.device for p in self.params if p.device.type == "cuda"}
+        # CUDA: a pinned buffer and a stream of the bucket's own for the copies into it (see the module docstring)
+        self._stream = torch.cuda.Stream(next(iter(devices))) if devices else None  # type: ignore[no-untyped-call]
+        self._copied = False  # device-to-host copies queued on _stream this step, not yet in an event
+        self._given: torch.cuda.Event | None = None  # behind the last give()'s host-to-device copies
+        self.buffer = torch.zeros(bucket.numel + extra, dtype=dtype, pin_memory=bool(devices))
         self.grads = self.buffer[: bucket.numel]  # what a parameter server receives
         self.flags = self.buffer[bucket.numel :]
         self.views = [
@@ -70,6 +83,9 @@ class FusedBucket:
         """
         param = self.params[j]
         grad = param.grad
+        if self._given is not None:  # the last step's results may still be on their way out of the buffer
+            self._given.synchronize()
+            self._given = None
         self._taken[j] = True
         if self.flags.numel():
             self.flags[j] = 0 if grad is None else 1
@@ -83,9 +99,32 @@ class FusedBucket:
             )
         if self._is_view(j):
             return
+        if self._stream is not None and grad.is_cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(grad.device))  # after the kernels that made grad
+            with torch.cuda.stream(self._stream):
+                self.views[j].copy_(grad.reshape(self.views[j].shape), non_blocking=True)
+            grad.record_stream(self._stream)  # its memory is not reused before the copy is done
+            self._copied = True
+            return
         self.views[j].copy_(grad.reshape(self.views[j].shape))
         if self._on_cpu[j]:
             param.grad = self.views[j]  # from now on autograd accumulates into the buffer
+
+    def staged(self) -> torch.cuda.Event | None:
+        """A CUDA event behind the device-to-host copies :meth:`take` queued since the last call (None if it
+        queued none): the buffer holds this step's gradients once it completed."""
+        if not self._copied or self._stream is None:
+            return None
+        self._copied = False
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._stream)
+        return event
+
+    def wait_staged(self) -> None:
+        """Blocks until the buffer holds every gradient :meth:`take` queued (for strategies that read it at once)."""
+        event = self.staged()
+        if event is not None:
+            event.synchronize()
 
     def take_rest(self) -> None:
         """Takes every parameter not taken yet this step (those whose hook did not fire: unused, or no backward)."""
@@ -98,6 +137,7 @@ class FusedBucket:
         if reduced.data_ptr() != self.buffer.data_ptr():  # an in-place allreduce left it in the buffer already
             self.buffer.copy_(reduced)
         used = self.flags.tolist() if self.flags.numel() else [1.0] * len(self.params)
+        pinned = self._stream is not None  # then the copies to the device run asynchronously, on its stream
         for j, param in enumerate(self.params):
             if used[j] == 0.0:
                 continue  # no rank had a gradient: leave grad as it was (None on every rank)
@@ -105,9 +145,12 @@ class FusedBucket:
                 if not self._is_view(j):
                     param.grad = self.views[j]
             elif param.grad is None:
-                param.grad = self.views[j].to(param.device)
+                param.grad = self.views[j].to(param.device, non_blocking=pinned)
             else:
-                param.grad.copy_(self.views[j])
+                param.grad.copy_(self.views[j], non_blocking=pinned)
+        if pinned and self._stream is not None:
+            self._given = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._given.record(torch.cuda.current_stream(self._stream.device))
         self._taken = [False] * len(self.params)
 
     def reset(self) -> None:

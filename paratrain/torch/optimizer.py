@@ -369,7 +369,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._deferred.extend(launch)
                 return
             for b in launch:
-                self._strategy.launch(b)
+                self._launch(b)
+
+    def _launch(self, k: int) -> None:
+        """Starts bucket ``k``'s communication; a strategy that reads the buffer at once first has the bucket's
+        CUDA copies into it finished (:meth:`FusedBucket.wait_staged`)."""
+        bucket = self._buckets[k]
+        if bucket is not None and not self._strategy.waits_for_staging:
+            bucket.wait_staged()
+        self._strategy.launch(k)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -404,13 +412,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             deferred, self._deferred = self._deferred, []
             for k in deferred:
                 if not self._local:
-                    self._strategy.launch(k)
+                    self._launch(k)
             for k in self._order.rest():
                 if not self._local:
                     bucket = self._buckets[k]
                     if bucket is not None:
                         bucket.take_rest()
-                    self._strategy.launch(k)
+                    self._launch(k)
             try:
                 self._strategy.finish()
             finally:

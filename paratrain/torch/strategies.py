@@ -63,6 +63,10 @@ __all__ = [
 class Strategy(abc.ABC):
     """What the optimizer does with the buckets of a step (see the module docstring for the call order)."""
 
+    #: :meth:`launch` leaves the bucket's buffer unread on the caller's thread and has its communication wait for
+    #: the bucket's CUDA copies (:meth:`FusedBucket.staged`) itself; otherwise the optimizer waits for them first
+    waits_for_staging = False
+
     def __init__(self, buckets: Sequence[FusedBucket]) -> None:
         self.buckets = list(buckets)
 
@@ -90,6 +94,8 @@ class AllreduceStrategy(Strategy):
         buckets: the fusion buffers, in plan order.
     """
 
+    waits_for_staging = True
+
     def __init__(self, context: Context, buckets: Sequence[FusedBucket]) -> None:
         super().__init__(buckets)
         self._context = context
@@ -98,8 +104,10 @@ class AllreduceStrategy(Strategy):
     def launch(self, k: int) -> None:
         """Starts the mean allreduce of bucket ``k`` in its buffer (nothing copied; nobody touches the buffer
         until :meth:`finish`: the bucket's gradients are complete, and a second backward before ``step()``
-        raises); returns at once."""
-        self._handles[k] = self._context.allreduce_async_(self.buckets[k].buffer, op="mean")
+        raises); returns at once. A CUDA bucket's copies into the buffer may still run: the allreduce's thread
+        waits for them (``ready=``), not the hook."""
+        bucket = self.buckets[k]
+        self._handles[k] = self._context.allreduce_async_(bucket.buffer, op="mean", ready=bucket.staged())
 
     def finish(self) -> None:
         """Waits for every bucket, in order, and writes the means into ``param.grad``."""

@@ -560,3 +560,28 @@ def test_rank_that_never_calls_times_out() -> None:
 
     with pytest.raises(CommTimeoutError, match=r"allreduce .* not complete after 0.2s"):
         run_ranks(2, rank_fn)
+
+
+def test_allreduce_async_in_place_reads_x_only_once_ready_is_synchronized() -> None:
+    """``ready=`` (in the torch front end: a CUDA event behind the copies that fill a pinned buffer): the background
+    thread waits on it before it reads ``x``, so bytes that land in ``x`` after the call returned, before ``ready``
+    is released, are the ones reduced. Deterministic: the write happens before the release, the read after it."""
+
+    class Gate:
+        def __init__(self) -> None:
+            self.released = threading.Event()
+            self.waited = False
+
+        def synchronize(self) -> None:
+            self.waited = True
+            assert self.released.wait(30)
+
+    def fn(ctx: Context) -> tuple[list[float], bool]:
+        x = np.zeros(4)
+        gate = Gate()
+        handle = ctx.allreduce_async_(x, ready=gate)
+        x[:] = ctx.rank + 1  # the "copy" lands only now
+        gate.released.set()
+        return handle.wait(30).tolist(), gate.waited
+
+    assert run_ranks(2, fn) == [([3.0] * 4, True)] * 2
