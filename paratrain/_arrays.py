@@ -7,6 +7,7 @@ no numpy dtype: it travels as its raw 16-bit pattern with the dtype name ``"bflo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,10 +15,12 @@ import numpy.typing as npt
 
 __all__ = [
     "DTYPE_NAMES",
+    "WireArray",
     "as_numpy_view",
     "dtype_from_name",
     "dtype_name",
     "is_torch_tensor",
+    "wire_array",
 ]
 
 #: dtypes allowed on the wire. Object, string and structured dtypes never are: they could carry pointers.
@@ -80,6 +83,30 @@ def dtype_from_name(name: str) -> np.dtype[Any]:
     return _STORAGE_OF[name] if name in _STORAGE_OF else np.dtype(name)
 
 
+@dataclass(frozen=True)
+class WireArray:
+    """A numpy array to send under a wire dtype name that numpy lacks: ``bfloat16``, stored as its 16-bit
+    pattern (uint16). A received bfloat16 array is such a uint16 array with the name beside it; sending it on as
+    it is would call it uint16, so what forwards or slices one wraps it (the parameter server does).
+
+    Example:
+        >>> as_numpy_view(WireArray(np.zeros(2, dtype=np.uint16), "bfloat16"))[1]
+        'bfloat16'
+    """
+
+    array: npt.NDArray[Any]
+    name: str
+
+    def __post_init__(self) -> None:
+        if dtype_from_name(self.name) != self.array.dtype:
+            raise TypeError(f"a {self.name} array is stored as {dtype_from_name(self.name)}, not {self.array.dtype}")
+
+
+def wire_array(arr: npt.NDArray[Any], name: str) -> Any:
+    """``arr`` as it must be sent to arrive as dtype ``name``: itself, or a :class:`WireArray` for bfloat16."""
+    return WireArray(arr, name) if name == "bfloat16" else arr
+
+
 def as_numpy_view(x: Any) -> tuple[npt.NDArray[Any], str]:
     """A C-contiguous numpy array sharing ``x``'s memory where possible, and its wire dtype name.
 
@@ -92,6 +119,9 @@ def as_numpy_view(x: Any) -> tuple[npt.NDArray[Any], str]:
     if isinstance(x, np.ndarray):
         arr = x if x.flags.c_contiguous else np.ascontiguousarray(x)  # ascontiguousarray makes 0-d into 1-d
         return arr, dtype_name(arr.dtype)
+    if isinstance(x, WireArray):
+        arr = x.array if x.array.flags.c_contiguous else np.ascontiguousarray(x.array)
+        return arr, x.name
     if is_torch_tensor(x):
         if x.device.type != "cpu":
             raise TypeError(f"tensor on device {x.device} cannot be sent; move it to the CPU first (.cpu())")

@@ -38,15 +38,15 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, overload, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from paratrain._arrays import dtype_from_name, is_torch_tensor
+from paratrain._arrays import dtype_from_name, is_torch_tensor, wire_array
 from paratrain._current import current_context
 from paratrain.config import Settings
-from paratrain.device import host_view
+from paratrain.device import host_view, on_device
 from paratrain.errors import CommTimeoutError, ConfigError, PeerLostError
 from paratrain.plan.ir import Action, Parts, Received, Slice
 from paratrain.ps.consistency import Policy
@@ -61,6 +61,15 @@ from paratrain.transport.wire import Message
 __all__ = ["KVStore", "WorkerContext"]
 
 log = logging.getLogger("paratrain.ps.client")
+
+
+class _Tensor(Protocol):
+    """A torch tensor, as far as :meth:`KVStore.pull` into one is concerned (torch is not imported here)."""
+
+    def copy_(self, src: Any, non_blocking: bool = ...) -> Any: ...
+
+
+_TensorT = TypeVar("_TensorT", bound=_Tensor)
 
 #: Seconds between looks for a restarted server while a replicated worker waits for an answer.
 _REJOIN_POLL_S = 0.05
@@ -558,6 +567,11 @@ class KVStore:
         if not isinstance(key, (str, int)) or isinstance(key, bool):
             raise TypeError(f"keys are str or int, not {type(key).__name__}")
         arr, dtype_name = host_view(array)
+        if dtype_name == "bfloat16":
+            raise TypeError(
+                f"key {key!r}: bfloat16 keys are not supported (the servers add in the key's dtype): keep the key "
+                "float32 and push bfloat16 gradients, as compression='bf16' does"
+            )
         shape = tuple(int(d) for d in arr.shape)
         chunks = plan_chunks(
             key, shape, arr.itemsize, self.num_servers, chunk_bytes=self._chunk_bytes, replicas=self.replicas
@@ -629,7 +643,7 @@ class KVStore:
                         "seq": self._seq(c),
                         "wclock": self._clock,
                     },
-                    [rows[c.row_start : c.row_stop]],
+                    [wire_array(rows[c.row_start : c.row_stop], dtype_name)],
                 )
                 for c in info.chunks
             ]
@@ -645,20 +659,50 @@ class KVStore:
             items = [
                 (
                     {"op": "push", "key": key, "chunk": c.index, "version": versions[c.index]},
-                    [rows[c.row_start : c.row_stop]],
+                    [wire_array(rows[c.row_start : c.row_stop], dtype_name)],
                 )
                 for c in batch
             ]
             pending += self._request_many(a.peer, items)
         return self._all(pending, f"push to key {key!r}")
 
-    def pull(self, key: str | int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
+    @overload
+    def pull(self, key: str | int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]: ...
+
+    @overload
+    def pull(self, key: str | int, out: _TensorT) -> _TensorT: ...
+
+    def pull(self, key: str | int, out: Any = None) -> Any:
         """The value of ``key`` as the consistency model allows at this worker's clock. Blocks.
 
         Returns a new array, or ``out`` filled in: a C-contiguous writeable numpy array of the key's shape and
         dtype, reused from pull to pull (as MXNet's ``pull(key, out=...)``), which saves allocating and
-        first-touching the memory every time (for a 16 MiB key that costs about as much as copying it).
+        first-touching the memory every time (for a 16 MiB key that costs about as much as copying it); or a
+        torch tensor of the key's shape and dtype, on any device (a contiguous CPU tensor is filled in place; a
+        CUDA tensor through a host copy, finished when this returns).
         """
+        if is_torch_tensor(out):
+            return self._pull_tensor(key, out)
+        return self._pull(key, out)
+
+    def _pull_tensor(self, key: str | int, out: Any) -> Any:
+        info = self._key(key)
+        name = str(out.dtype).removeprefix("torch.")
+        if tuple(out.shape) != info.shape or name != info.dtype_name:
+            raise ValueError(
+                f"out= for key {key!r} must be of shape {info.shape} and dtype {info.dtype_name}, got "
+                f"{tuple(out.shape)} {name}"
+            )
+        if not on_device(out) and out.is_contiguous():
+            self._pull(key, out.detach().numpy())  # into the tensor's own memory
+            return out
+        import torch
+
+        with torch.no_grad():
+            out.copy_(torch.from_numpy(self._pull(key, None)))  # (keys are never bfloat16: numpy has their dtype)
+        return out
+
+    def _pull(self, key: str | int, out: npt.NDArray[Any] | None) -> npt.NDArray[Any]:
         self._calls += 1
         info = self._key(key)
         if out is not None and not (
@@ -782,7 +826,7 @@ class KVStore:
         parts = []
         for c, positions, local in split_rows(info.chunks, ids):
             meta = {"op": "push", "key": key, "chunk": c.index, "rows": True, "version": self._versions[key][c.index]}
-            parts.append((c, meta, [local.astype(np.int64), vals[positions]]))
+            parts.append((c, meta, [local.astype(np.int64), wire_array(vals[positions], dtype_name)]))
         return self._push_parts(parts, info.row_bytes, f"push_rows to key {key!r}")
 
     def _push_parts(
@@ -824,7 +868,7 @@ class KVStore:
             inside = (ids >= c.row_start) & (ids < c.row_stop)
             version = self._versions[key][c.index]
             meta = {"op": "push", "key": key, "chunk": c.index, "rows": True, "densify": True, "version": version}
-            parts.append((c, meta, [ids[inside] - c.row_start, vals[inside]]))
+            parts.append((c, meta, [ids[inside] - c.row_start, wire_array(vals[inside], dtype_name)]))
         return self._push_parts(parts, info.row_bytes, f"push_sparse to key {key!r}")
 
     def pull_rows(self, key: str | int, row_ids: Any) -> npt.NDArray[Any]:

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from paratrain._arrays import DTYPE_NAMES, dtype_from_name
+from paratrain._arrays import DTYPE_NAMES, dtype_from_name, wire_array
 from paratrain.collectives.ops import bf16_to_f32
 from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
 from paratrain.ps.consistency import min_done, required_met
@@ -662,6 +662,8 @@ class ParameterServer:
             raise _RejectedError("init without a valid key and chunk index")
         if dtype_name not in DTYPE_NAMES or not isinstance(shape, list) or not isinstance(key_shape, list):
             raise _RejectedError("init without a valid dtype and shape")
+        if dtype_name == "bfloat16":  # stored as its bit pattern, it cannot be added to: bf16 travels, keys do not
+            raise _RejectedError(f"init of key {key!r}: bfloat16 keys are not supported; keep the key float32")
         consistency = meta.get("consistency", "bsp")
         if consistency not in ("bsp", "ssp", "asp"):
             raise _RejectedError(f"init with an unknown consistency {consistency!r}")
@@ -799,7 +801,8 @@ class ParameterServer:
         waiting: set[int] = set()
         forward_id = self._forward_ids
         if replicated:
-            waiting = self._forward(chunk, msg, {"id": forward_id, "round": round_id}, msg.arrays)
+            arrays = [wire_array(a, name) for a, name in zip(msg.arrays, msg.dtypes, strict=True)]  # bfloat16 stays so
+            waiting = self._forward(chunk, msg, {"id": forward_id, "round": round_id}, arrays)
         if new:
             self._apply(chunk, rows, data, round_id, msg.meta.get("version"), densify=bool(msg.meta.get("densify")))
         if waiting:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from paratrain._arrays import as_numpy_view, is_torch_tensor
+from paratrain._arrays import as_numpy_view, is_torch_tensor, wire_array
 from paratrain.config import parse_duration
 from paratrain.device import on_device, to_host
 from paratrain.errors import ConfigError, TransportClosedError
@@ -286,4 +286,5 @@ def _copy(a: Any) -> Any:
         return to_host(a)  # a copy already, in host memory
     if is_torch_tensor(a):
         return a.detach().clone()
-    return np.array(as_numpy_view(a)[0], copy=True)
+    view, name = as_numpy_view(a)
+    return wire_array(np.array(view, copy=True), name)  # (a bfloat16 WireArray keeps its name)

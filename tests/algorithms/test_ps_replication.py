@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from paratrain import Context
+from paratrain._arrays import WireArray
 from paratrain.errors import ConfigError
 from paratrain.ps import KVStore
 from paratrain.ps.protocol import REQUEST_TAG, PSRequestError, pack
@@ -87,6 +88,27 @@ def test_replicated_sums_dense_and_rows() -> None:
             np.add.at(expected, [c, 19 - c, c], 2)
         np.testing.assert_array_equal(t, expected)
         assert agree == [True] * 4
+
+
+def test_bfloat16_pushes_reach_the_backups_as_bfloat16() -> None:
+    """A bfloat16 push (a gradient compressed for the wire) is forwarded under its name: the owner holds it as its
+    16-bit pattern (uint16), and forwarded as that it was rejected by the backup ("carries uint16")."""
+    one = np.full(40, 0x3F80, dtype=np.uint16)  # 1.0 in bfloat16
+
+    def worker(ctx: Context) -> tuple[np.ndarray, list[np.ndarray]]:
+        kv = KVStore(context=ctx, replicas=2, chunk_bytes=64)
+        kv.init("w", np.zeros(40, dtype=np.float32))
+        for _ in range(3):
+            kv.push("w", WireArray(one, "bfloat16")).wait(30)
+            kv.clock()
+        out, copies = kv.pull("w"), kv.pull_replicas("w")
+        kv.close()
+        return out, copies
+
+    for out, copies in run_ranks(2, worker, servers=2):
+        np.testing.assert_array_equal(out, np.full(40, 6.0, dtype=np.float32))
+        for copy in copies:
+            np.testing.assert_array_equal(copy, out)
 
 
 def test_replicas_outside_the_servers_is_an_error() -> None:

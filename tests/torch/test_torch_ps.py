@@ -6,6 +6,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,6 +14,7 @@ torch = pytest.importorskip("torch")
 import paratrain.torch as ptt  # noqa: E402
 from paratrain import Context  # noqa: E402
 from paratrain.errors import ConfigError  # noqa: E402
+from paratrain.ps import KVStore  # noqa: E402
 from paratrain.testing import run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_thread")]
@@ -180,3 +182,34 @@ def test_server_strategies_refuse_optimizers_the_servers_lack() -> None:
             )
 
     run_ranks(1, worker, servers=1)
+
+
+def test_pull_into_a_tensor_and_bfloat16_pushes() -> None:
+    """``kv.pull(key, out=tensor)``: a contiguous CPU tensor is filled in place, a strided one through a copy, a
+    wrong shape or dtype is an error (CUDA tensors: tests/cuda). bfloat16 pushes are added to a float32 key (they
+    arrived as uint16 and were rejected before); a bfloat16 key is refused (its bits cannot be added)."""
+
+    def worker(ctx: Context) -> list[Any]:
+        kv = KVStore(context=ctx)
+        kv.init("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+        with pytest.raises(TypeError, match="bfloat16 keys are not supported"):
+            kv.init("b", torch.zeros(2, dtype=torch.bfloat16))
+        kv.push("w", torch.full((2, 3), 0.5, dtype=torch.bfloat16)).wait(30)
+        kv.push_rows("w", [1], torch.ones(1, 3, dtype=torch.bfloat16)).wait(30)
+        kv.clock()
+        dense = torch.zeros(2, 3)
+        pointer = dense.data_ptr()
+        assert kv.pull("w", out=dense) is dense and dense.data_ptr() == pointer
+        strided = torch.zeros(3, 2).t()
+        kv.pull("w", out=strided)
+        with pytest.raises(ValueError, match="must be of shape"):
+            kv.pull("w", out=torch.zeros(3, 2))
+        with pytest.raises(ValueError, match="dtype float32"):
+            kv.pull("w", out=torch.zeros(2, 3, dtype=torch.float64))
+        kv.close()
+        return [dense, strided]
+
+    expected = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 1.0
+    expected[1] += 2.0
+    for dense, strided in run_ranks(2, worker, servers=1, timeout=30):
+        assert torch.equal(dense, expected) and torch.equal(strided, expected)
