@@ -38,7 +38,7 @@ def test_a_transport_sends_cuda_tensors_as_host_arrays(kind: str, faults: str | 
 
 
 def test_cuda_tensors_pushed_to_a_parameter_server_equal_cpu_pushes() -> None:
-    def worker(ctx: Context) -> tuple[Any, Any, Any]:
+    def worker(ctx: Context) -> tuple[Any, Any, Any, Any]:
         kv = KVStore(context=ctx)
         kv.init("w", torch.zeros(6, 4, dtype=torch.float64).cuda())
         kv.init("v", torch.zeros(10).cuda())
@@ -47,7 +47,9 @@ def test_cuda_tensors_pushed_to_a_parameter_server_equal_cpu_pushes() -> None:
         kv.push_sparse("v", torch.tensor([2, 7]).cuda(), torch.tensor([1.0, 3.0]).cuda()).wait(30)
         kv.clock()
         rows = kv.pull_rows("w", torch.tensor([4, 0]).cuda())
-        out = kv.pull("w"), kv.pull("v"), rows
+        on_device = torch.zeros(6, 4, dtype=torch.float64).cuda()
+        assert kv.pull("w", out=on_device) is on_device and on_device.device.type == "cuda"
+        out = kv.pull("w"), kv.pull("v"), rows, on_device.cpu().numpy()
         kv.close()
         return out
 
@@ -55,7 +57,8 @@ def test_cuda_tensors_pushed_to_a_parameter_server_equal_cpu_pushes() -> None:
     expected_w[[1, 4]] += 2.0
     expected_v = np.zeros(10, dtype=np.float32)
     expected_v[[2, 7]] = [2.0, 6.0]
-    for w, v, rows in run_ranks(2, worker, servers=1, timeout=60):
+    for w, v, rows, pulled_to_device in run_ranks(2, worker, servers=1, timeout=60):
         np.testing.assert_array_equal(w, expected_w)
+        np.testing.assert_array_equal(pulled_to_device, expected_w)
         np.testing.assert_array_equal(v, expected_v)
         np.testing.assert_array_equal(rows, expected_w[[4, 0]])
