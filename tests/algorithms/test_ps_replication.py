@@ -409,6 +409,23 @@ def test_a_push_its_owner_rejects_does_not_hold_back_the_clock_on_its_backup() -
     assert all(s is not None and s.rejected == 1 for s in stats)
 
 
+def _serve_until_leave(job: Any) -> tuple[ParameterServer, ServerStats]:
+    """Runs server B (rank 2) of ``job`` over the messages queued in its mailbox; a correct server returns at the
+    worker's ``leave``, one that keeps a request held back runs into the 20 s safety net (a failure)."""
+    server = ParameterServer(job.transports[2], num_workers=1, timeout=10.0, poll=0.05)
+    stop = threading.Event()
+    timer = threading.Timer(20.0, stop.set)
+    timer.start()
+    try:
+        stats = server.serve(stop)
+    finally:
+        timer.cancel()
+        for t in job.transports:
+            t.abort()
+    assert not stop.is_set(), "a request stayed held back"
+    return server, stats
+
+
 def test_a_push_sent_again_behind_a_later_held_back_clock_is_applied_when_an_earlier_clock_is_released() -> None:
     """Regression (the audit under SSP(2) hung about 1 run in 6): server B held back worker 0's clock 1, waiting
     for a push forwarded by owner A; A died, and the worker sent that push, and a push of its clock 1 (which clock 2
@@ -436,17 +453,7 @@ def test_a_push_sent_again_behind_a_later_held_back_clock_is_applied_when_an_ear
     push(0, seq=2, wclock=1)  # sent again to B after A died, before seq 0: held back behind clock 1
     push(0, seq=0, wclock=0)  # sent again to B: releases clock 1, then seq 2 must release clock 2
     send([], op="leave")
-    server = ParameterServer(job.transports[2], num_workers=1, timeout=10.0, poll=0.05)
-    stop = threading.Event()
-    timer = threading.Timer(20.0, stop.set)  # only a safety net: a correct server returns at the leave
-    timer.start()
-    try:
-        stats = server.serve(stop)
-    finally:
-        timer.cancel()
-        for t in job.transports:
-            t.abort()
-    assert not stop.is_set(), "a request stayed held back"
+    server, stats = _serve_until_leave(job)
     assert server.done[0] == 2 and stats.clocks_held == 2 and stats.pushes == 4
     np.testing.assert_array_equal(server._chunks[("k", 0)].value, np.full(8, 1 + 100))
     np.testing.assert_array_equal(server._chunks[("k", 1)].value, np.full(8, 10 + 1000))
@@ -475,17 +482,7 @@ def test_a_batch_of_pushes_sent_again_is_not_held_back_behind_the_clock_it_compl
     ops, arrays = pack([push(0, seq=0), push(2, seq=2)])
     send(arrays, op="batch", ops=ops)  # both sent again to B, in one batch, after A died
     send([], op="leave")
-    server = ParameterServer(job.transports[2], num_workers=1, timeout=10.0, poll=0.05)
-    stop = threading.Event()
-    timer = threading.Timer(20.0, stop.set)  # only a safety net: a correct server returns at the leave
-    timer.start()
-    try:
-        stats = server.serve(stop)
-    finally:
-        timer.cancel()
-        for t in job.transports:
-            t.abort()
-    assert not stop.is_set(), "a request stayed held back"
+    server, stats = _serve_until_leave(job)
     assert server.done[0] == 1 and stats.clocks_held == 1 and stats.pushes == 3 and stats.batches == 1
     for chunk in range(3):
         np.testing.assert_array_equal(server._chunks[("k", chunk)].value, np.full(8, 10**chunk))
