@@ -72,9 +72,9 @@ __all__ = ["ParameterServer", "ServerStats"]
 log = logging.getLogger("paratrain.ps.server")
 
 
-#: Operations one server sends another (replication, and a restarted one catching up), from server ranks only.
 #: (wire dtype, key dtype) pairs a push may widen: gradients compressed to 16 bits for the wire
 _WIDENED = frozenset((w, k) for w in ("float16", "bfloat16") for k in ("float32", "float64"))
+#: Operations one server sends another (replication, and a restarted one catching up), from server ranks only.
 _SERVER_OPS = ("replicate", "replicate_batch", "replicated", "members", "snapshot")
 
 
