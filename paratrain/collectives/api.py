@@ -28,7 +28,7 @@ same order (it decides the tags). Blocking calls run in the calling thread; ``*_
 order, on one background thread per :class:`Collectives` (:mod:`.background`). The ``auto`` policies live
 in :mod:`.policy` (re-exported here).
 
-Why one module of ~760 lines: :class:`Collectives` is one object whose every method follows the same four
+Why one module of ~800 lines: :class:`Collectives` is one object whose every method follows the same four
 steps above (``allreduce_`` on the shared-memory path, the hottest call, with them worked out once per shape);
 about a third of the module is the methods' docstrings with runnable examples. The policies,
 the background thread and the schedules already live elsewhere; splitting the methods from each other would

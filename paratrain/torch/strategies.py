@@ -1,6 +1,6 @@
 """How a step's fused gradients become new parameters: allreduce, a parameter server, or gossip (D-PSGD).
 
-One module for the three (about 530 lines) because they are one interface (launch, finish, apply) whose
+One module for the three (about 550 lines) because they are one interface (launch, finish, apply) whose
 implementations are read side by side; each is a thin adapter over its own algorithm package (collectives, ps,
 gossip). The hybrid and compressed strategies build on them in :mod:`.hybrid` and :mod:`.compressed`.
 
