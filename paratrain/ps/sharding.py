@@ -16,6 +16,9 @@ sparse row push or pull (embeddings) maps to the chunks that hold those rows wit
 Every worker and every server computes the same plan from the key, the shape, the dtype and the number of
 servers alone, so no directory service is needed and nothing has to be looked up at run time.
 
+One module (about 510 lines, half of it this explanation and doctests) because chunking, hashing and the placement
+that adding a server disturbs least are one pure rule that every worker and server must compute identically.
+
 **Placement.** A key's n chunks are where they would be had the servers joined one at a time: server 0 holds
 them all; server t, joining servers 0..t-1, takes ``q_t = floor(n / (t + 1) + u_t)`` of them (``u_t`` uniform in
 [0, 1), drawn from the key's hash), one at a time, each the chunk that weighs most for server t among the chunks of
