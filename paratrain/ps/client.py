@@ -9,19 +9,23 @@ old, update from the network"); pushes always go to the servers, so caching neve
 
 With ``replicas=R`` every chunk lives on R servers (primary-backup, Li et al. OSDI'14; the server side is in
 :mod:`.server`): a request goes to the chunk's first live replica, and a push is acknowledged only when every live
-replica applied it. Requests to one owner travel in batches, cut as the unreplicated plan cuts a server's (with
-every primary alive, the same messages). A batch whose server dies is sent again, each request to its chunk's next
-live replica (a push with the same sequence number, so the servers apply it once). A server that died and was
+replica has it (under BSP/SSP once its owner's state of the chunk after the push's round reached the others:
+replication after aggregation; waiting for a push before this worker's clock completes that round asks the owners
+to send their states at once, ``flush``). Requests to one owner travel in batches, cut as the unreplicated plan
+cuts a server's (with every primary alive, the same messages). A batch whose server dies is sent again, each
+request to its chunk's next live replica (a push with the same sequence number, so the servers apply it once). A
+server that died and was
 restarted is brought up to date by a *fence* this worker takes part in the first time it sees the server back
 (:mod:`.resync`): it waits for its pushes' acknowledgements and for the server's answer, then counts the server as a
 live replica again, the last to own its chunks. :meth:`KVStore.clock` does not wait for its pushes' acknowledgements
 (that was a server-to-server round trip on every clock): it tells each server how many of this clock's pushes that
-server replicates, and a server counts the clock only once it holds that many, so a backup still never counts a
-clock before it holds that clock's pushes. (Tested under BSP, where the replicated run is bitwise the unreplicated
+server replicates, and a server counts the clock only once it holds that many (under BSP/SSP a backup holds a push
+once its owner told it of it, its data following in the owner's state), so a server that takes over a chunk knows
+which pushes of which rounds it must still get. (Tested under BSP, where the replicated run is bitwise the unreplicated
 one even when every clock overtakes the forwarded pushes, and SSP(2) across a server kill; under ASP an integer
 audit across a server kill, each push waited for, counts every push once.)
 
-One module (about 980 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
+One module (about 1030 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
 pulls, the sequence numbers that deduplicate retried pushes, the failover to the next live replica and the fence
 of a restarted one share the same pending-request bookkeeping and read together.
 """
@@ -36,7 +40,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, overload, runtime_checkable
 
@@ -47,7 +51,7 @@ from paratrain._arrays import dtype_from_name, is_torch_tensor, wire_array
 from paratrain._current import current_context
 from paratrain.config import Settings
 from paratrain.device import host_view, on_device
-from paratrain.errors import CommTimeoutError, ConfigError, PeerLostError
+from paratrain.errors import CommTimeoutError, ConfigError, PeerLostError, TransportClosedError
 from paratrain.plan.ir import Action, Parts, Received, Slice
 from paratrain.ps.consistency import Policy
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
@@ -129,6 +133,22 @@ def _rows(arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
 _Entry = tuple[Chunk, dict[str, Any], Sequence[Any], Handle[Message]]
 
 
+class _PushHandle(Handle[None]):
+    """A replicated push's handle whose first wait before it is done calls ``flush`` (:meth:`KVStore._push_handle`)."""
+
+    __slots__ = ("_flush",)
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        super().__init__()
+        self._flush: Callable[[], None] | None = flush
+
+    def wait(self, timeout: float | None = None) -> None:
+        flush, self._flush = self._flush, None
+        if flush is not None and not self.done():
+            flush()
+        return super().wait(timeout)
+
+
 def _split_batch(batch: Handle[Message], *, parts: list[Handle[Message]], worker: int) -> None:
     """Completes each request's handle with its own reply from a batch's answer (:mod:`.protocol`); a batch of
     one request is that request (its answer is the reply)."""
@@ -179,10 +199,12 @@ class KVStore:
         join: announce this worker to the servers (needed only to come back after :meth:`close`).
         replicas: servers holding each chunk, ``1 <= R <= S``. With 2 or more, a push is acknowledged only
             once every replica has it and the job survives the death of R - 1 servers (requests fail over to
-            the next replica); the price is one more server-to-server hop per push (a server counts a clock
-            only once it holds the clock's pushes forwarded to it) and twice the bytes each server receives and
-            adds. Default: ``settings.ps_replicas`` (``PARATRAIN_PS_REPLICAS``,
-            set by ``paratrain launch --replicas``; 1 unless set).
+            the next replica). The price: under BSP/SSP each owner sends each chunk's state once per round to
+            the other replicas (the workers' pushes aggregated: a backup receives and copies one chunk per
+            round, not one push per worker), and a push is acknowledged a round trip after its round is
+            complete, so wait for pushes after :meth:`clock` (a wait before it works, at the cost of an extra
+            state); under ASP each push is forwarded. Default: ``settings.ps_replicas``
+            (``PARATRAIN_PS_REPLICAS``, set by ``paratrain launch --replicas``; 1 unless set).
 
     Example:
         >>> import numpy as np
@@ -512,9 +534,31 @@ class KVStore:
         return True
         log.info("worker %d: server rank %d caught up after its restart; it is a backup again", self.rank, server)
 
-    def _all(self, pending: list[tuple[Handle[Message], int]], what: str) -> Handle[None]:
-        """One handle for many replies: completes when all arrived, fails with the first error."""
-        result: Handle[None] = Handle()
+    def _push_handle(self) -> Handle[None]:
+        """The handle of a replicated push. Under BSP/SSP a push is acknowledged once a state of its chunk that
+        holds it reached every replica, which its owner sends when the push's round is complete: waiting for it
+        before this worker's clock completes that round would wait forever, so such a wait first asks the owners
+        to send their states now (``flush``)."""
+        if self.policy.kind == "asp":
+            return Handle()
+        clock = self._clock
+
+        def flush() -> None:
+            if self._clock != clock or self._closed:
+                return
+            for server in self._servers:
+                if self._live(server):
+                    with contextlib.suppress(PeerLostError, TransportClosedError):
+                        self._transport.isend(server, REQUEST_TAG, (), {"op": "flush", "id": -1})
+
+        return _PushHandle(flush)
+
+    def _all(
+        self, pending: list[tuple[Handle[Message], int]], what: str, result: Handle[None] | None = None
+    ) -> Handle[None]:
+        """One handle for many replies (``result``, or a new one): completes when all arrived, fails with the
+        first error."""
+        result = Handle() if result is None else result
         remaining = [len(pending)]
         lock = threading.Lock()
         if not pending:
@@ -622,7 +666,9 @@ class KVStore:
     def push(self, key: str | int, array: Any) -> Handle[None]:
         """Sends ``array`` to be added (or applied as a gradient) to ``key``. Asynchronous: ``.wait()`` for it.
 
-        Do not modify ``array`` until the handle is done (it is sent without copying).
+        Do not modify ``array`` until the handle is done (it is sent without copying, and sent again should its
+        server die). Replicated under BSP/SSP the handle completes once the push's round is complete and on every
+        replica: wait for it after :meth:`clock` (see ``replicas``).
         """
         self._calls += 1
         info = self._key(key)
@@ -648,7 +694,7 @@ class KVStore:
                 for c in info.chunks
             ]
             answers = self._send_failover(requests, info.row_bytes)
-            handle = self._all([(h, -1) for h in answers], f"push to key {key!r}")
+            handle = self._all([(h, -1) for h in answers], f"push to key {key!r}", self._push_handle())
             self._unacked.append((self._next_seq - len(requests), handle))
             return handle
         # the plan's sends, one message per batch (each chunk in it a request of its own); each request posts its
@@ -836,7 +882,7 @@ class KVStore:
         if self.replicas == 1:
             return self._all([self._request(self._servers[c.server], meta, arrays) for c, meta, arrays in parts], what)
         items = [(c, {**meta, "seq": self._seq(c), "wclock": self._clock}, arrays) for c, meta, arrays in parts]
-        handle = self._all([(h, -1) for h in self._send_failover(items, row_bytes)], what)
+        handle = self._all([(h, -1) for h in self._send_failover(items, row_bytes)], what, self._push_handle())
         self._unacked.append((self._next_seq - len(items), handle))
         return handle
 

@@ -13,10 +13,14 @@ round of thread wake-ups in both processes (a few hundred microseconds on a smal
 chunk's bookkeeping, so 16 chunks in 16 messages spent more time waking threads than moving bytes; each
 request inside keeps its own id, meta and reply, so the server handles them exactly as if sent alone.
 
-Replication batches the same way: the pushes of one worker's batch that a server forwards to a backup go in one
-``replicate_batch`` message (``{"ops": [replicate meta + "n", ...]}``, packed as above), and the backup
-acknowledges them in one ``replicated`` message, ``{"ids": [...], "errors": [str or None, ...]}`` (a single
-forward: ``replicate`` and ``{"id": n, "error": ...}``).
+Replication batches the same way: the pushes of one worker's batch that a server forwards to a backup (ASP), or
+tells it of (``notice``, no data: BSP/SSP), go in one ``replicate_batch`` message (``{"ops": [replicate or notice
+meta + "n", ...]}``, packed as above); the chunk states an owner sends once a round is complete (BSP/SSP) go in
+``replicate_states`` messages of up to :data:`~.plans.BATCH_BYTES` (``{"ops": [replicate_state meta + "n",
+...]}``, each entry a chunk as :func:`~.resync.chunk_message` writes it plus the ``pushes`` it holds). The backup
+acknowledges a message's forwards or states in one ``replicated`` message, ``{"ids": [...], "errors": [str or
+None, ...]}`` (a single forward: ``replicate`` and ``{"id": n, "error": ...}``); notices are not acknowledged. A
+worker waiting for a push before its clock sends ``flush`` (no answer): its owners send their states at once.
 """
 
 from __future__ import annotations
@@ -39,14 +43,15 @@ OPS = ("init", "push", "pull", "clock", "wait_clock", "join", "leave", "batch")
 
 
 def forward_ids(meta: Mapping[str, Any]) -> list[int]:
-    """The ids of the forwards a ``replicate`` or ``replicate_batch`` message carries (what its sender waits to
-    see acknowledged), as far as they can be read: a receiver that cannot apply them answers each with an error.
+    """The ids of the forwards a ``replicate``, ``replicate_batch`` or ``replicate_states`` message carries (what
+    its sender waits to see acknowledged), as far as they can be read: a receiver that cannot apply them answers
+    each with an error.
 
     Example:
         >>> forward_ids({"op": "replicate_batch", "ops": [{"id": 3}, {"id": -1}, "junk", {"id": 4}]})
         [3, 4]
     """
-    entries = meta.get("ops") if meta.get("op") == "replicate_batch" else [meta]
+    entries = meta.get("ops") if meta.get("op") in ("replicate_batch", "replicate_states") else [meta]
     if not isinstance(entries, list):
         return []
     return [e["id"] for e in entries if isinstance(e, dict) and type(e.get("id")) is int and e["id"] >= 0]

@@ -88,6 +88,13 @@ class StoredChunk:
     sends: list[Handle[None]] = field(default_factory=list)  # replies still reading `value`
     replicas: tuple[int, ...] = ()  # transport ranks of the servers holding this chunk, owner first (replication)
     shared: SharedValue | None = None  # `value` lives there, for same-host workers to read in place (.shared)
+    # replication after aggregation (BSP/SSP, the server's docstring): this server takes the workers' pushes (and
+    # sends its state to the other replicas); the pushes applied here and not yet in a state sent, as (worker,
+    # request id, sequence number, round, its worker's clock or -1); the pushes another replica applied and told
+    # this one of, whose data this one has not had yet, as (worker, sequence number) -> round
+    owned: bool = False
+    unsent: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    awaited: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 # -- the snapshot of one chunk ------------------------------------------------------------------------------------
@@ -131,8 +138,9 @@ def chunk_message(key: str | int, index: int, chunk: StoredChunk) -> tuple[dict[
     return meta, arrays
 
 
-def read_chunk(msg: Message, *, servers: range) -> tuple[tuple[str | int, int], StoredChunk]:
-    """The chunk a donor sent (:func:`chunk_message`), as a fresh copy this server owns.
+def read_chunk(msg: Message, *, servers: range, copy: bool = True) -> tuple[tuple[str | int, int], StoredChunk]:
+    """The chunk a donor sent (:func:`chunk_message`), as a fresh copy this server owns (with ``copy=False`` its
+    value and optimizer state are the message's own read-only arrays, for a caller that copies them into place).
 
     Raises:
         CatchUpError: the message does not describe a valid chunk.
@@ -159,13 +167,13 @@ def read_chunk(msg: Message, *, servers: range) -> tuple[tuple[str | int, int], 
     ):
         raise CatchUpError(f"malformed snapshot of a chunk from server {msg.src}")
     optimizer = make_optimizer(meta.get("optimizer"))
-    value = np.array(arrays[0], copy=True)
+    value = np.array(arrays[0], copy=True) if copy else np.asarray(arrays[0])
     cursor = 1
     state = {}
     for name in names:
         if cursor >= len(arrays):
             raise CatchUpError(f"snapshot of key {key!r} chunk {index} lacks optimizer state {name!r}")
-        state[name] = np.array(arrays[cursor], copy=True)
+        state[name] = np.array(arrays[cursor], copy=True) if copy else np.asarray(arrays[cursor])
         cursor += 1
     if optimizer is not None and sorted(optimizer.init_state(value)) != sorted(state):
         raise CatchUpError(f"snapshot of key {key!r} chunk {index}: state {sorted(state)} does not fit {optimizer}")

@@ -14,19 +14,33 @@ why): under BSP and SSP a round is a clock, applied when every live worker has c
 is every N pushes as they arrive, N the live workers.
 
 Replication (``KVStore(replicas=R)``, Li et al. OSDI'14's primary-backup scheme): every chunk has a replica list of
-server ranks, given at ``init``; the first live one owns it. The owner applies a worker's push, forwards it
-(``replicate``, with the round it joined) to the other live replicas, and acknowledges the worker only when every
-one of them acknowledged (``replicated``), so an acknowledged update survives the loss of any R - 1 servers. The
-loop never blocks on a backup: pushes awaiting acknowledgements are kept in ``_forwards`` and answered as they
-arrive, or at once when a backup is lost. The pushes of one worker's batch go on to each backup in one message, and
-come back acknowledged in one (:mod:`.protocol`). Pushes carry a per-worker sequence number; a server applies each
-(worker, sequence) once, so a push the worker retries on a backup after its owner died (and which the owner may or
-may not have forwarded before dying) is never applied twice nor lost. A worker sends its clock without waiting for
-acknowledgements, with the number of that clock's pushes this server must hold (``expect``: those whose chunk it
-replicates, direct or forwarded, counted per (worker, clock) as they are applied): until it holds them the clock and
-everything its worker sends after it wait in ``_queued`` (except a push of that clock sent again after its owner
-died, or a batch of them, which the clock may be waiting for). So every replica counts clock k of a worker with
-exactly that worker's clock-k pushes, and takes the same optimizer steps on the same sums as the others.
+server ranks, given at ``init``; the first live one owns it, and a push is acknowledged to its worker only when
+every live replica has it, so an acknowledged update survives the loss of any R - 1 servers. Two ways, by the
+chunk's rounds:
+
+* **BSP and SSP: replication after aggregation** (OSDI'14, section 4.3). The owner applies a worker's push and
+  tells the other live replicas of it at once, without its data (a ``notice``: worker, sequence number, clock,
+  round). When the push's round is complete (every live worker's clock counted, the round's step taken), the owner
+  sends each backup the chunk's *state* (value, optimizer state, open rounds, version: what a restarted replica's
+  catch-up carries, :mod:`.resync`) with the list of the pushes it holds; the backup installs it in place of its
+  own and acknowledges, and the owner answers those pushes. A backup receives and copies one chunk per round, not
+  one push per worker (with N workers, N times fewer bytes; on one host, a copy instead of a copy and an add per
+  push), and never steps a round itself, so the replicas cannot differ. A worker that waits for a push before its
+  clock completes the round sends ``flush``: the owner sends the states of that worker's pushes at once.
+* **ASP: every push forwarded** (``replicate``, with the round it joined) and acknowledged by each backup
+  (``replicated``) before the worker is answered: rounds of arrival have no point at which a state is complete.
+
+The loop never blocks on a backup: pushes awaiting acknowledgements are kept in ``_forwards`` and answered as they
+arrive, or at once when a backup is lost. A worker's batch of pushes goes on to each backup in one message (its
+notices, or its forwards), states in messages of up to :data:`~.plans.BATCH_BYTES`, acknowledgements in one message
+each (:mod:`.protocol`). Pushes carry a per-worker sequence number; a server applies each (worker, sequence) once, so
+a push the worker retries on a backup after its owner died is never applied twice nor lost. A worker sends its clock
+without waiting for acknowledgements, with the number of that clock's pushes this server must hold (``expect``:
+those whose chunk it replicates, direct, forwarded or noticed, counted per (worker, clock)): until it holds them the
+clock and everything its worker sends after it wait in ``_queued`` (except a push of that clock sent again after its
+owner died, or a batch of them, which the clock may be waiting for). So a backup that takes over a chunk knows which
+pushes its owner had (noticed ones, awaited until the worker sends them again; a pull waits for them) and in which
+round (the noticed one), and a push its owner never noticed holds back its worker's clock until it arrives.
 
 A dead replicated server can be restarted (``paratrain launch --max-restarts``): the new process catches up from
 the other replicas of its chunks before it serves, at a fence every worker takes part in (:mod:`.resync`; here
@@ -37,10 +51,11 @@ Robustness: a malformed or invalid request is answered with an error and the loo
 process dies (its connection drops, or heartbeats stop) is removed from the clock bookkeeping and logged, so
 the others are not blocked forever; the loop ends when no live worker is left.
 
-One module (about 1000 lines) because the server loop, its clock bookkeeping, the primary-backup forwarding, the
-batches and the donor's side of a restarted replica's catch-up share one request dispatch and one table of
-chunks; the pure rules live in rounds.py, consistency.py and sharding.py, the restarted side and the snapshot
-format in resync.py, the values that same-host workers read in place in shared.py.
+One module (about 1300 lines) because the server loop, its clock bookkeeping, both ways of replicating (states
+after aggregation, pushes forwarded), the batches and the donor's side of a restarted replica's catch-up share one
+request dispatch, one table of chunks and the per-worker sequence and clock bookkeeping that failover relies on;
+the pure rules live in rounds.py, consistency.py and sharding.py, the restarted side and the snapshot format in
+resync.py, the values that same-host workers read in place in shared.py.
 """
 
 from __future__ import annotations
@@ -60,8 +75,9 @@ from paratrain.collectives.ops import bf16_to_f32
 from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
 from paratrain.ps.consistency import min_done, required_met
 from paratrain.ps.optim import make_optimizer
+from paratrain.ps.plans import BATCH_BYTES, MAX_BATCH
 from paratrain.ps.protocol import REQUEST_TAG, forward_ids, pack, reply_tag, unpack
-from paratrain.ps.resync import CaughtUp, StoredChunk, catch_up, chunk_message
+from paratrain.ps.resync import CatchUpError, CaughtUp, StoredChunk, catch_up, chunk_message, read_chunk
 from paratrain.ps.rounds import RoundSum, commit_ready, mode_of, preview, round_of_push, staleness_weight
 from paratrain.ps.shared import SHARED_MIN_BYTES, SharedValue, value_prefix
 from paratrain.transport.base import ANY_SOURCE, Transport
@@ -75,7 +91,11 @@ log = logging.getLogger("paratrain.ps.server")
 #: (wire dtype, key dtype) pairs a push may widen: gradients compressed to 16 bits for the wire
 _WIDENED = frozenset((w, k) for w in ("float16", "bfloat16") for k in ("float32", "float64"))
 #: Operations one server sends another (replication, and a restarted one catching up), from server ranks only.
-_SERVER_OPS = ("replicate", "replicate_batch", "replicated", "members", "snapshot")
+_SERVER_OPS = ("replicate", "replicate_batch", "notice", "replicate_states", "replicated", "members", "snapshot")
+
+
+def _nbytes(arrays: Sequence[Any]) -> int:
+    return sum(int(getattr(a, "nbytes", 0)) for a in arrays)
 
 
 def _pushed_before(meta: Any, clock: int) -> bool:
@@ -92,10 +112,10 @@ class _RejectedError(Exception):
 
 @dataclass
 class _Forward:
-    """A push applied here whose worker is answered once every other live replica has it too."""
+    """Pushes applied here (one forwarded, or those a chunk's state carries) whose workers are answered once every
+    other live replica has them too."""
 
-    worker: int
-    request_id: int
+    answers: list[tuple[int, int]]  # (worker, request id) of each push
     waiting: set[int]  # server ranks that have not acknowledged yet
     error: str | None = None  # a backup rejected it (a bug: replicas hold the same chunks), told to the worker
 
@@ -121,9 +141,10 @@ class ServerStats:
     bytes_in: int = 0
     bytes_out: int = 0
     workers_lost: list[int] = field(default_factory=list)  # crashed or killed (not those that shut down cleanly)
-    forwarded: int = 0  # pushes sent on to backups
+    forwarded: int = 0  # pushes sent on to backups, or (BSP/SSP) made known to them, their data to follow in a state
     forward_messages: int = 0  # messages that carried them (a worker's batch forwards its pushes together)
-    replicated: int = 0  # pushes received from another replica and applied here
+    replicated: int = 0  # pushes received from another replica and applied here (or in a state installed here)
+    states_sent: int = 0  # chunk states sent to the other replicas (BSP/SSP: once per chunk and round)
     duplicates: int = 0  # pushes (or forwards) already applied here, acknowledged without applying again
     clocks_held: int = 0  # worker clocks that arrived before pushes of theirs forwarded by another replica
     servers_lost: list[int] = field(default_factory=list)  # other servers seen dead (their chunks fail over)
@@ -180,6 +201,8 @@ class ParameterServer:
         # replication: sequence numbers applied per worker, pushes awaiting backups, server ranks seen lost
         self._applied: dict[int, set[int]] = {}
         self._forwards: dict[int, _Forward] = {}
+        self._unsent: set[tuple[Any, int]] = set()  # chunks whose applied pushes are not yet in a state sent
+        self._flushing: set[int] = set()  # workers waiting for pushes before their clock (_op_flush)
         self._forward_ids = 0
         self._servers_lost: set[int] = set()
         # (worker, its clock) -> that clock's pushes held here; worker -> its requests held back behind a clock
@@ -294,6 +317,15 @@ class ParameterServer:
             del self._batched[pending]
         for held in [h for h in self._held if h[0] == worker]:
             del self._held[held]
+        self._drop_awaited(worker)
+        self._flushing.discard(worker)
+
+    def _drop_awaited(self, worker: int) -> None:
+        """Stops waiting for the data of ``worker``'s pushes (it left or died: it will not send them again)."""
+        for chunk in self._chunks.values():
+            if chunk.awaited:
+                for pending in [a for a in chunk.awaited if a[0] == worker]:
+                    del chunk.awaited[pending]
 
     def _handle(self, msg: Message) -> None:
         op = msg.meta.get("op")
@@ -318,7 +350,9 @@ class ParameterServer:
         log.error("server %d rejected %r from rank %d: %s", self.transport.rank, msg.meta.get("op"), msg.src, why)
         if not isinstance(request_id, int):
             return
-        if msg.meta.get("op") in ("replicate", "replicate_batch") and msg.src >= self.num_workers:
+        if msg.meta.get("op") in ("replicate", "replicate_batch", "replicate_states", "notice") and (
+            msg.src >= self.num_workers
+        ):
             ids = forward_ids(msg.meta)
             if ids:
                 self._acknowledge(msg.src, ids, [f"backup {why}"] * len(ids))
@@ -397,6 +431,10 @@ class ParameterServer:
         same-host workers that may be copying it in place (:mod:`.shared`). Every change of a value calls it."""
         if chunk.shared is not None:
             chunk.shared.changing()
+        self._settle(chunk)
+
+    def _settle(self, chunk: StoredChunk) -> None:
+        """Waits until no message still reads ``chunk``'s arrays (replies and states are sent zero-copy)."""
         for handle in chunk.sends:
             try:
                 handle.wait(self.timeout)
@@ -448,6 +486,7 @@ class ParameterServer:
             self._queued.pop(worker, None)  # its held-back requests die with it (its pushes are applied)
             for held in [h for h in self._held if h[0] == worker]:
                 del self._held[held]
+            self._drop_awaited(worker)
         if lost:
             self._advance()
         elif self._snapshots:
@@ -481,7 +520,7 @@ class ParameterServer:
             self._commit(chunk)
         still: list[tuple[int, Mapping[str, Any], Message]] = []
         for worker, meta, msg in self._waiting_pulls:
-            if worker in self.done and self._ready(meta):
+            if worker in self.done and self._ready(meta) and not self._awaits(meta):
                 self._answer_pull(msg)
             else:
                 still.append((worker, meta, msg))
@@ -492,6 +531,8 @@ class ParameterServer:
                 self._reply(worker, meta["id"])
             else:
                 self._waiting_clocks.append((worker, meta))
+        if self._unsent:  # after the pulls: their answers need not wait for the copies into the states
+            self._send_states()
         if self._snapshots:
             self._send_snapshots()
 
@@ -499,9 +540,15 @@ class ParameterServer:
         """Takes the step of every complete round of ``chunk``, oldest first (the rule of :mod:`.rounds`)."""
         if chunk.optimizer is None:
             return
+        limit = self._min_done
+        if len(chunk.replicas) > 1 and chunk.mode == "clock":
+            if not chunk.owned:
+                return  # a backup's rounds come stepped, in the owner's states
+            if chunk.awaited:  # (it took over) a round waits for the pushes the dead owner had
+                limit = min(limit, *chunk.awaited.values())
         for round_id in sorted(chunk.pending):
             open_round = chunk.pending[round_id]
-            if not commit_ready(chunk.mode, round_id, open_round.count, self._min_done, len(self.live)):
+            if not commit_ready(chunk.mode, round_id, open_round.count, limit, len(self.live)):
                 break
             del chunk.pending[round_id]
             chunk.view = None
@@ -510,7 +557,7 @@ class ParameterServer:
             if chunk.mode == "arrival":
                 chunk.version += 1
         if chunk.mode == "clock":
-            chunk.version = max(chunk.version, self._min_done)
+            chunk.version = max(chunk.version, limit)
 
     def _ready(self, meta: Mapping[str, Any]) -> bool:
         required = meta.get("required")
@@ -529,6 +576,7 @@ class ParameterServer:
             return
         if isinstance(clock, int):
             self._held.pop((msg.src, clock - 1), None)
+        self._flushing.discard(msg.src)
         self.done[msg.src] += 1
         acked = msg.meta.get("acked")  # every push numbered below it is acknowledged: it will not be retried
         applied = self._applied.get(msg.src)
@@ -746,9 +794,10 @@ class ParameterServer:
             )
         return rows, data
 
-    def _consume(self, worker: int, seq: Any, wclock: Any) -> bool:
+    def _consume(self, worker: int, seq: Any, wclock: Any, *, count: bool = True) -> bool:
         """Whether push ``seq`` of ``worker`` is new here (to apply), recording it and counting it as held for the
-        worker's clock ``wclock`` if so. A push without a sequence number (unreplicated) is always new."""
+        worker's clock ``wclock`` if so (unless ``count`` is False: a notice of it counted it already). A push
+        without a sequence number (unreplicated) is always new."""
         if not isinstance(seq, int):
             return True
         applied = self._applied.setdefault(worker, set())
@@ -756,7 +805,7 @@ class ParameterServer:
             self.stats.duplicates += 1
             return False
         applied.add(seq)
-        if isinstance(wclock, int):
+        if count and isinstance(wclock, int):
             self._held[(worker, wclock)] = self._held.get((worker, wclock), 0) + 1
         return True
 
@@ -779,6 +828,7 @@ class ParameterServer:
                 np.add.at(chunk.value, rows, data)
         else:
             weight = staleness_weight(round_id, read if isinstance(read, int) else None, aware=chunk.staleness_lr)
+            self._settle(chunk)  # a state in flight may still read the open rounds' sums
             chunk.pending.setdefault(round_id, RoundSum()).add(data, rows, weight, chunk.value, densify=densify)
             chunk.view = None
             self._commit(chunk)
@@ -786,6 +836,9 @@ class ParameterServer:
     def _op_push(self, msg: Message) -> None:
         chunk = self._chunk(msg.meta)
         seq = msg.meta.get("seq")
+        if isinstance(seq, int) and len(chunk.replicas) > 1 and chunk.mode == "clock":
+            self._push_aggregated(chunk, msg, seq)
+            return
         new = self._consume(msg.src, seq, msg.meta.get("wclock"))
         replicated = len(chunk.replicas) > 1 and isinstance(seq, int)
         try:
@@ -807,9 +860,225 @@ class ParameterServer:
             self._apply(chunk, rows, data, round_id, msg.meta.get("version"), densify=bool(msg.meta.get("densify")))
         if waiting:
             self._forward_ids += 1
-            self._forwards[forward_id] = _Forward(msg.src, msg.meta["id"], waiting)
+            self._forwards[forward_id] = _Forward([(msg.src, msg.meta["id"])], waiting)
         else:
             self._reply(msg.src, msg.meta["id"])
+
+    # -- replication after aggregation (BSP, SSP) ------------------------------------------------------------
+
+    def _push_aggregated(self, chunk: StoredChunk, msg: Message, seq: int) -> None:
+        """A worker's push to a replicated chunk under BSP/SSP: applied here, made known to the other replicas at
+        once (a ``notice``: no data), and answered once a state of the chunk that holds it reached them
+        (:meth:`_send_states`). A push another replica had applied and told this one of (it died before its
+        state came) joins the round it joined there."""
+        worker, ck = msg.src, (msg.meta["key"], msg.meta["chunk"])
+        wclock = msg.meta.get("wclock")
+        wclock = wclock if type(wclock) is int else -1
+        noticed = chunk.awaited.pop((worker, seq), None)
+        new = self._consume(worker, seq, msg.meta.get("wclock"), count=noticed is None)
+        try:
+            rows, data = self._push_data(chunk, msg)
+        except _RejectedError:
+            if new:  # the backups count it too (applying nothing), so no clock waits for it
+                self._forward(chunk, msg, {"op": "notice", "id": -1, "skip": True}, ())
+            raise
+        chunk.owned = True
+        me = self.transport.rank
+        alone = all(s == me or s in self._servers_lost for s in chunk.replicas)  # the last live replica
+        if not new:
+            # a state of the owner that died had it; it goes on in this one's next state (now), which tells a
+            # replica that the dead owner's state did not reach that it holds the push
+            if alone:
+                self._reply(worker, msg.meta["id"])
+            else:
+                chunk.unsent.append((worker, msg.meta["id"], seq, -1, wclock))
+                self._unsent.add(ck)
+                self._send_states(flush=worker)
+            return
+        self.stats.pushes += 1
+        round_id = noticed if noticed is not None else round_of_push(chunk.mode, self.done[worker], chunk.version)
+        self._forward(chunk, msg, {"op": "notice", "id": -1, "round": round_id}, ())
+        self._apply(chunk, rows, data, round_id, msg.meta.get("version"), densify=bool(msg.meta.get("densify")))
+        if alone:
+            self._reply(worker, msg.meta["id"])
+        else:
+            chunk.unsent.append((worker, msg.meta["id"], seq, round_id, wclock))
+            self._unsent.add(ck)
+        if noticed is not None and self._waiting_pulls:
+            self._advance()  # a pull (or a round) may have waited for this push's data
+        elif round_id < self._min_done or worker in self._flushing:
+            self._send_states(flush=worker)
+
+    def _send_states(self, flush: int | None = None) -> None:
+        """Sends the state of every chunk whose pushes of a complete round (or, with ``flush``, of that worker) are
+        not yet on the other replicas: to each other live replica, in messages of up to :data:`MAX_BATCH` chunks
+        and :data:`BATCH_BYTES` bytes (``replicate_states``), acknowledged in one message each. The workers of the
+        pushes a state holds are answered once every replica it went to acknowledged it."""
+        me = self.transport.rank
+        outbox: dict[int, list[tuple[dict[str, Any], list[Any]]]] = {}
+        for ck in list(self._unsent):
+            chunk = self._chunks.get(ck)
+            if chunk is None or not chunk.unsent:
+                self._unsent.discard(ck)
+                continue
+            if min(e[3] for e in chunk.unsent) >= self._min_done and all(e[0] != flush for e in chunk.unsent):
+                continue
+            entries, chunk.unsent = chunk.unsent, []
+            self._unsent.discard(ck)
+            targets = {s for s in chunk.replicas if s != me and s not in self._servers_lost}
+            forward = _Forward([(worker, request_id) for worker, request_id, *_ in entries], targets)
+            if not targets:
+                self._answer_forward(forward)
+                continue
+            forward_id = self._forward_ids
+            self._forward_ids += 1
+            self._forwards[forward_id] = forward
+            meta, arrays = chunk_message(ck[0], ck[1], chunk)
+            pushes = [[w, seq, wclock] for w, _, seq, _, wclock in entries]
+            meta.update(op="replicate_state", id=forward_id, pushes=pushes)
+            for server in targets:
+                outbox.setdefault(server, []).append((meta, arrays))
+        for server, items in outbox.items():
+            start = 0
+            while start < len(items):  # messages of up to MAX_BATCH states and BATCH_BYTES (at least one state)
+                stop, size = start + 1, _nbytes(items[start][1])
+                while stop < len(items) and stop - start < MAX_BATCH and size + _nbytes(items[stop][1]) <= BATCH_BYTES:
+                    size += _nbytes(items[stop][1])
+                    stop += 1
+                self._send_state_batch(server, items[start:stop])
+                start = stop
+
+    def _send_state_batch(self, server: int, items: list[tuple[dict[str, Any], list[Any]]]) -> None:
+        metas, arrays = pack(items)
+        ids = [int(meta["id"]) for meta, _ in items]
+        try:
+            handle = self.transport.isend(
+                server, REQUEST_TAG, arrays, {"op": "replicate_states", "id": -1, "ops": metas}
+            )
+        except (PeerLostError, TransportClosedError) as exc:
+            log.warning("server %d: cannot send states to server %d: %s", self.transport.rank, server, exc)
+            self._unreachable(server, ids)
+            return
+        self.stats.states_sent += len(items)
+        self.stats.forward_messages += 1
+        if not handle.done():  # (sent zero-copy: the chunks wait for it before they change)
+            for meta, _ in items:
+                self._chunks[(meta["key"], meta["chunk"])].sends.append(handle)
+
+    def _op_flush(self, msg: Message) -> None:
+        """A worker waits for a push before its clock completes the push's round: its state goes now, and so do
+        those of its pushes that arrive before that clock (sent again to this server after their owner died)."""
+        self._flushing.add(msg.src)
+        self._send_states(flush=msg.src)
+
+    def _op_notice(self, msg: Message) -> None:
+        """Another replica applied a worker's push (or, ``skip``, rejected it): counted towards the worker's clock
+        here, its data awaited in that replica's next state (or from the worker, should that replica die)."""
+        meta = msg.meta
+        worker, seq = meta.get("worker"), meta.get("seq")
+        if not isinstance(worker, int) or worker not in self.done or not isinstance(seq, int):
+            raise _RejectedError("notice without a valid worker and sequence number")
+        chunk = self._chunk(meta)
+        if meta.get("skip"):
+            self._consume(worker, seq, meta.get("wclock"))
+            return
+        round_id = meta.get("round")
+        if not isinstance(round_id, int):
+            raise _RejectedError("notice without a valid round")
+        if seq in self._applied.get(worker, ()) or (worker, seq) in chunk.awaited:
+            return  # known already (a state had it, or its first owner told this one before it died)
+        wclock = meta.get("wclock")
+        if isinstance(wclock, int):
+            self._held[(worker, wclock)] = self._held.get((worker, wclock), 0) + 1
+        chunk.awaited[(worker, seq)] = round_id
+
+    def _op_replicate_states(self, msg: Message) -> None:
+        """Another replica's states of chunks (:meth:`_send_states`): each checked, all acknowledged in one message,
+        then installed in place of this one's, with the pushes each holds. Acknowledged before the copies: from
+        then on this process holds the states, and its death would lose them copied or not."""
+        try:
+            entries = unpack(msg, "ops")
+        except ValueError as exc:
+            raise _RejectedError(f"malformed states: {exc}") from None
+        ids: list[int] = []
+        errors: list[str | None] = []
+        valid: list[tuple[StoredChunk, StoredChunk, list[list[int]]]] = []
+        for entry in entries:
+            try:
+                if entry.meta.get("op") != "replicate_state" or type(entry.meta.get("id")) is not int:
+                    raise _RejectedError("a states message holds replicate_state entries with integer ids")
+                valid.append(self._check_state(entry))
+                error = None
+            except _RejectedError as exc:
+                error = f"backup {exc}"
+                self.stats.rejected += 1
+                log.error("server %d rejected a state from server %d: %s", self.transport.rank, msg.src, exc)
+            ids.extend(forward_ids(entry.meta))
+            errors.extend([error] * len(forward_ids(entry.meta)))
+        if ids:
+            self._acknowledge(msg.src, ids, errors)
+        resolved = False
+        for chunk, got, pushes in valid:
+            resolved = self._install_state(chunk, got, pushes) or resolved
+        if resolved and self._waiting_pulls:
+            self._advance()
+
+    def _check_state(self, msg: Message) -> tuple[StoredChunk, StoredChunk, list[list[int]]]:
+        """This server's chunk, the state another replica sent of it (its arrays still the message's), the pushes
+        it holds; or why it cannot be installed."""
+        meta = msg.meta
+        chunk = self._chunk(meta)
+        pushes = meta.get("pushes")
+        if not isinstance(pushes, list) or not all(
+            isinstance(p, list) and len(p) == 3 and all(type(x) is int for x in p) for p in pushes
+        ):
+            raise _RejectedError("state without a valid list of pushes")
+        try:
+            _, got = read_chunk(msg, servers=range(self.num_workers, self.transport.world_size), copy=False)
+        except CatchUpError as exc:
+            raise _RejectedError(str(exc)) from None
+        if chunk.owned:  # two owners: a worker took this live server for dead; neither copy may be lost silently
+            raise _RejectedError(
+                f"chunk {meta.get('chunk')} of key {meta.get('key')!r} is owned here: server {msg.src} took it over "
+                f"while server {self.transport.rank} is alive (a worker counted it as dead); restart the job"
+            )
+        if (
+            got.dtype_name != chunk.dtype_name
+            or got.value.shape != chunk.value.shape
+            or sorted(got.state) != sorted(chunk.state)
+            or any(got.state[n].shape != chunk.state[n].shape for n in got.state)
+        ):
+            raise _RejectedError(f"state of key {meta.get('key')!r} chunk {meta.get('chunk')} does not fit the chunk")
+        return chunk, got, pushes
+
+    def _install_state(self, chunk: StoredChunk, got: StoredChunk, pushes: list[list[int]]) -> bool:
+        """Makes ``chunk`` the state ``got``; whether that brought the data of a push this server awaited."""
+        chunk.view = None
+        self._quiesce(chunk)
+        np.copyto(chunk.value, got.value)
+        for name, array in got.state.items():
+            np.copyto(chunk.state[name], array)
+        chunk.pending, chunk.version, chunk.owned = got.pending, got.version, False
+        self.stats.replicated += len(pushes)
+        resolved = False
+        for worker, seq, wclock in pushes:
+            if worker not in self.done:
+                continue
+            applied = self._applied.setdefault(worker, set())
+            if chunk.awaited.pop((worker, seq), None) is not None:
+                resolved = True
+            elif seq not in applied and wclock >= 0:  # its notice is still on its way: counted here instead
+                self._held[(worker, wclock)] = self._held.get((worker, wclock), 0) + 1
+            applied.add(seq)
+        return resolved
+
+    def _awaits(self, meta: Mapping[str, Any]) -> bool:
+        """Whether a pull must wait for pushes of the rounds it reads whose data this replica does not hold yet."""
+        chunk = self._chunks.get((meta.get("key"), meta.get("chunk")))  # type: ignore[arg-type]
+        if chunk is None or not chunk.awaited:
+            return False
+        required = meta.get("required")
+        return not isinstance(required, int) or min(chunk.awaited.values()) < required
 
     def _forward(self, chunk: StoredChunk, msg: Message, fields: dict[str, Any], arrays: Sequence[Any]) -> set[int]:
         """Sends worker push ``msg`` on to the chunk's other live replicas (``replicate``); returns their ranks."""
@@ -860,13 +1129,17 @@ class ParameterServer:
                 self.stats.forward_messages += 1
             except (PeerLostError, TransportClosedError) as exc:
                 log.warning("server %d: cannot forward to server %d: %s", self.transport.rank, server, exc)
-                for forward_id in (m["id"] for m, _ in items):
-                    forward = self._forwards.get(forward_id)
-                    if forward is not None:
-                        forward.waiting.discard(server)
-                        if not forward.waiting:
-                            del self._forwards[forward_id]
-                            self._answer_forward(forward)
+                self._unreachable(server, [m["id"] for m, _ in items])
+
+    def _unreachable(self, server: int, ids: Sequence[int]) -> None:
+        """Stops waiting for ``server`` to acknowledge forwards ``ids`` (it cannot be reached: it died)."""
+        for forward_id in ids:
+            forward = self._forwards.get(forward_id)
+            if forward is not None:
+                forward.waiting.discard(server)
+                if not forward.waiting:
+                    del self._forwards[forward_id]
+                    self._answer_forward(forward)
 
     def _op_replicate(self, msg: Message) -> None:
         """A push another replica applied: apply it here in the same round, then acknowledge it to that server."""
@@ -884,8 +1157,11 @@ class ParameterServer:
         errors: list[str | None] = []
         for forward in forwards:
             try:
-                if forward.meta.get("op") != "replicate" or type(forward.meta.get("id")) is not int:
-                    raise _RejectedError("a replicate batch holds replicate requests with integer ids")
+                if forward.meta.get("op") not in ("replicate", "notice") or type(forward.meta.get("id")) is not int:
+                    raise _RejectedError("a replicate batch holds replicate requests and notices with integer ids")
+                if forward.meta["op"] == "notice":
+                    self._op_notice(forward)
+                    continue
                 if not self._replicate(forward):
                     continue
                 error = None
@@ -961,15 +1237,17 @@ class ParameterServer:
                 self._answer_forward(forward)
 
     def _answer_forward(self, forward: _Forward) -> None:
-        if forward.error is None:
-            self._reply(forward.worker, forward.request_id)
-        else:
+        if forward.error is not None:
             self.stats.rejected += 1
-            self._reply(forward.worker, forward.request_id, error=forward.error)
+        for worker, request_id in forward.answers:
+            if forward.error is None:
+                self._reply(worker, request_id)
+            else:
+                self._reply(worker, request_id, error=forward.error)
 
     def _op_pull(self, msg: Message) -> None:
         self._chunk(msg.meta)  # validates now: an unknown key is an error at once, not after waiting
-        if self._ready(msg.meta):
+        if self._ready(msg.meta) and not self._awaits(msg.meta):
             self._answer_pull(msg)
         else:
             self.stats.deferred_pulls += 1

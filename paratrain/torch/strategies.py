@@ -267,6 +267,7 @@ class ParameterServerStrategy(Strategy):
             cache=False,
         )
         self._handles: list[Handle[None] | None] = [None] * len(self.buckets)
+        self._after_clock = self.kv.replicas > 1 and spec.kind != "asp"  # pushes are waited for in apply()
         self._pulled: dict[str, npt.NDArray[Any]] = {}
         try:
             for key, bucket in zip(self._keys, self.buckets, strict=True):
@@ -302,12 +303,19 @@ class ParameterServerStrategy(Strategy):
             self._handles[k] = self.kv.push_sparse(self._keys[k], idx, values)
 
     def finish(self) -> None:
-        """Waits until the servers have every bucket of this step."""
+        """Waits until the servers have every bucket of this step. Replicated under BSP/SSP, a push is acknowledged
+        only once its round is complete (:class:`~paratrain.ps.KVStore`), so :meth:`apply` waits, after the clock
+        (the buffers stay untouched until then: a push sent again after a server died reads them)."""
+        if not self._after_clock:
+            self._wait_pushes()
+        for bucket in self.buckets:
+            bucket.reset()
+
+    def _wait_pushes(self) -> None:
         handles, self._handles = self._handles, [None] * len(self.buckets)
-        for bucket, handle in zip(self.buckets, handles, strict=True):
+        for handle in handles:
             if handle is not None:
                 handle.wait(self.kv.timeout)
-            bucket.reset()
 
     def apply(self, optimizer: torch.optim.Optimizer) -> None:
         """Ends this worker's clock and pulls the parameters the servers computed."""
@@ -320,6 +328,8 @@ class ParameterServerStrategy(Strategy):
                 stacklevel=3,
             )
         self.kv.clock()
+        if self._after_clock:
+            self._wait_pushes()
         self._pull()
 
     def close(self) -> None:

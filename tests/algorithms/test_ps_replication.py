@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,7 @@ from paratrain import Context
 from paratrain._arrays import WireArray
 from paratrain.errors import ConfigError
 from paratrain.ps import KVStore
-from paratrain.ps.protocol import REQUEST_TAG, PSRequestError, pack
+from paratrain.ps.protocol import REQUEST_TAG, PSRequestError, pack, reply_tag
 from paratrain.ps.server import ParameterServer, ServerStats
 from paratrain.testing import rank_context, run_ranks
 from paratrain.transport.base import Handle, Transport
@@ -357,8 +357,10 @@ def test_a_clock_reaching_a_backup_before_its_forwarded_pushes_is_counted_after_
         for copy in copies:
             np.testing.assert_array_equal(copy, out)
     assert all(s is not None and s.clocks_held > 0 and s.replicated > 0 for s in stats)
-    # a server forwards a worker's batch of pushes to its backup in one message (chunks 0, 2, 4 on server 0)
+    # a server tells its backup of a worker's batch of pushes in one message (chunks 0, 2, 4 on server 0)...
     assert all(s is not None and s.forward_messages < s.forwarded for s in stats)
+    # ... and sends each chunk's state once per round, whatever the number of workers (5 chunks, 4 rounds)
+    assert sum(s.states_sent for s in stats if s is not None) == 5 * steps
 
 
 def _corrupt_pushes_of_clock(worker: int, wclock: int, transports: list[Transport]) -> None:
@@ -409,15 +411,17 @@ def test_a_push_its_owner_rejects_does_not_hold_back_the_clock_on_its_backup() -
     assert all(s is not None and s.rejected == 1 for s in stats)
 
 
-def _serve_until_leave(job: Any) -> tuple[ParameterServer, ServerStats]:
+def _serve_until_leave(job: Any, *, replies: Sequence[int] = ()) -> tuple[ParameterServer, ServerStats]:
     """Runs server B (rank 2) of ``job`` over the messages queued in its mailbox; a correct server returns at the
-    worker's ``leave``, one that keeps a request held back runs into the 20 s safety net (a failure)."""
+    worker's ``leave``, one that keeps a request held back runs into the 20 s safety net (a failure). The answers
+    to the worker's requests ``replies`` are received before the job ends (``server.answers``)."""
     server = ParameterServer(job.transports[2], num_workers=1, timeout=10.0, poll=0.05)
     stop = threading.Event()
     timer = threading.Timer(20.0, stop.set)
     timer.start()
     try:
         stats = server.serve(stop)
+        server.answers = [job.transports[0].recv(2, reply_tag(i), timeout=5.0) for i in replies]  # type: ignore[attr-defined]
     finally:
         timer.cancel()
         for t in job.transports:
@@ -486,6 +490,75 @@ def test_a_batch_of_pushes_sent_again_is_not_held_back_behind_the_clock_it_compl
     assert server.done[0] == 1 and stats.clocks_held == 1 and stats.pushes == 3 and stats.batches == 1
     for chunk in range(3):
         np.testing.assert_array_equal(server._chunks[("k", chunk)].value, np.full(8, 10**chunk))
+
+
+def test_a_backup_that_takes_over_waits_for_the_pushes_its_owner_had_and_puts_them_in_their_rounds() -> None:
+    """Under BSP a backup learns of each push from its owner at once (a ``notice``) and gets the data only in the
+    owner's state once the round is complete. Owner A applied worker 0's clock-0 push, told backup B, and died
+    before its state went out: B has counted the worker's clock 1, but a pull of clock 1 must wait for the push,
+    which the worker sends again to B, and the push joins round 0, the round A had put it in (B's own clock
+    bookkeeping would put it in round 1, which is not complete, and the pull would read the value without it)."""
+    job = local_job("inproc", 3, timeout=10.0)  # worker 0, server A = rank 1 (it only sends the notice), B = rank 2
+    worker, owner = job.transports[0], job.transports[1]
+    init = {"op": "init", "key": "k", "chunk": 0, "dtype": "float64", "shape": [8], "key_shape": [8]}
+    init |= {"consistency": "bsp", "replicas": [1, 2], "optimizer": {"name": "sgd", "lr": 0.5}}
+    worker.isend(2, REQUEST_TAG, [np.zeros(8)], {**init, "id": 0})
+    notice = {"op": "notice", "id": -1, "key": "k", "chunk": 0, "worker": 0, "seq": 0, "wclock": 0, "round": 0}
+    owner.isend(2, REQUEST_TAG, [], notice)
+    worker.isend(2, REQUEST_TAG, [], {"op": "clock", "id": -1, "clock": 1, "expect": 1})  # counted: B holds 1
+    worker.isend(2, REQUEST_TAG, [], {"op": "pull", "id": 1, "key": "k", "chunk": 0, "required": 1})
+    push = {"op": "push", "id": 2, "key": "k", "chunk": 0, "seq": 0, "wclock": 0, "version": 0}
+    worker.isend(2, REQUEST_TAG, [np.ones(8)], push)  # sent again after A died
+    worker.isend(2, REQUEST_TAG, [], {"op": "leave", "id": 3})
+    server, _ = _serve_until_leave(job, replies=[1])
+    (pulled,) = server.answers  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(pulled.arrays[0], np.full(8, -0.5))  # one SGD step on the push: 0 - 0.5 * 1
+    assert not server._chunks[("k", 0)].awaited
+
+
+def test_a_state_that_overtakes_the_notice_of_its_push_counts_the_push_once() -> None:
+    """An owner may send a chunk's state while handling a worker's batch, before that batch's notices (a push sent
+    again for a round already complete goes out at once): the backup counts the push towards its worker's clock
+    when the state brings it, and the late notice counts nothing, so the clock is neither held back forever nor
+    counted early."""
+    job = local_job("inproc", 3, timeout=10.0)  # worker 0, owner A = rank 1 (sends a state, then a notice), B = 2
+    worker, owner = job.transports[0], job.transports[1]
+    init = {"op": "init", "key": "k", "chunk": 0, "dtype": "int64", "shape": [8], "key_shape": [8]}
+    worker.isend(2, REQUEST_TAG, [np.zeros(8, dtype=np.int64)], {**init, "id": 0, "replicas": [1, 2]})
+    state = {"op": "replicate_state", "id": 7, "key": "k", "chunk": 0, "dtype": "int64", "key_shape": [8]}
+    state |= {"optimizer": None, "consistency": "bsp", "version": 0, "replicas": [1, 2], "state": [], "rounds": []}
+    ops, arrays = pack([(state | {"pushes": [[0, 0, 0]]}, [np.ones(8, dtype=np.int64)])])
+    owner.isend(2, REQUEST_TAG, arrays, {"op": "replicate_states", "id": -1, "ops": ops})
+    worker.isend(2, REQUEST_TAG, [], {"op": "clock", "id": -1, "clock": 1, "expect": 1})
+    notice = {"op": "notice", "id": -1, "key": "k", "chunk": 0, "worker": 0, "seq": 0, "wclock": 0, "round": 0}
+    owner.isend(2, REQUEST_TAG, [], notice)
+    worker.isend(2, REQUEST_TAG, [], {"op": "clock", "id": -1, "clock": 2, "expect": 1})  # waits for seq 1
+    notice = {**notice, "seq": 1, "wclock": 1, "round": 1}
+    owner.isend(2, REQUEST_TAG, [], notice)
+    worker.isend(2, REQUEST_TAG, [], {"op": "leave", "id": 1})
+    server, stats = _serve_until_leave(job)
+    assert server.done[0] == 2 and stats.clocks_held == 1  # clock 2 waited for the notice of seq 1, clock 1 not
+    np.testing.assert_array_equal(server._chunks[("k", 0)].value, np.ones(8, dtype=np.int64))
+
+
+def test_a_state_for_a_chunk_owned_here_is_refused_not_installed() -> None:
+    """Two servers own one chunk only when a worker took a live server for dead. A state would then overwrite
+    pushes this owner applied and answered, so it is refused (the sender's workers get the error) and the copy
+    stays."""
+    job = local_job("inproc", 3, timeout=10.0)  # worker 0, server A = rank 1 (sends a state), B = rank 2
+    worker, other = job.transports[0], job.transports[1]
+    init = {"op": "init", "key": "k", "chunk": 0, "dtype": "int64", "shape": [8], "key_shape": [8]}
+    worker.isend(2, REQUEST_TAG, [np.zeros(8, dtype=np.int64)], {**init, "id": 0, "replicas": [2, 1]})
+    push = {"op": "push", "id": 1, "key": "k", "chunk": 0, "seq": 0, "wclock": 0, "version": None}
+    worker.isend(2, REQUEST_TAG, [np.ones(8, dtype=np.int64)], push)  # B owns chunk 0 now
+    state = {"op": "replicate_state", "id": 7, "key": "k", "chunk": 0, "dtype": "int64", "key_shape": [8]}
+    state |= {"optimizer": None, "consistency": "bsp", "version": 0, "replicas": [2, 1], "state": [], "rounds": []}
+    ops, arrays = pack([(state | {"pushes": []}, [np.full(8, 5, dtype=np.int64)])])  # (sent by A, a backup here)
+    other.isend(2, REQUEST_TAG, arrays, {"op": "replicate_states", "id": -1, "ops": ops})
+    worker.isend(2, REQUEST_TAG, [], {"op": "leave", "id": 2})
+    server, stats = _serve_until_leave(job)
+    np.testing.assert_array_equal(server._chunks[("k", 0)].value, np.ones(8, dtype=np.int64))
+    assert stats.rejected == 1
 
 
 # -- a killed server restarts and catches up ------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -213,3 +214,45 @@ def test_pull_into_a_tensor_and_bfloat16_pushes() -> None:
     expected[1] += 2.0
     for dense, strided in run_ranks(2, worker, servers=1, timeout=30):
         assert torch.equal(dense, expected) and torch.equal(strided, expected)
+
+
+@pytest.mark.parametrize("strategy", ["bsp", "ssp:2"])
+def test_replicated_servers_train_as_unreplicated_ones(strategy: str) -> None:
+    """With ``replicas=2`` a push is acknowledged once its round's state reached the backup, so the strategy waits
+    for its pushes after the clock, not before; the model is bitwise the unreplicated run's (under BSP: SSP's reads
+    depend on timing), and the backups' copies equal the owners'."""
+    world_size, steps = 2, 6
+    xs, ys = make_data(world_size, steps)
+
+    def train(replicas: int) -> Callable[[Context], Any]:
+        def worker(ctx: Context) -> tuple[dict[str, Any], bool]:
+            ctx = Context(settings=dataclasses.replace(ctx.settings, ps_replicas=replicas), transport=ctx.transport)
+            net = make_net(seed=20 + ctx.rank)
+            sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+            opt = ptt.DistributedOptimizer(sgd, model=net, strategy=strategy, bucket_bytes=64, context=ctx)
+            for k in range(steps):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(net(xs[k, ctx.rank]), ys[k, ctx.rank]).backward()
+                opt.step()
+            strat = opt._strategy
+            assert isinstance(strat, ptt.strategies.ParameterServerStrategy)
+            for _ in range(3):
+                strat.kv.clock()
+            agree = all(
+                all(np.array_equal(copies[0], c) for c in copies[1:])
+                for copies in (strat.kv.pull_replicas(key) for key in strat._keys)
+            )
+            opt.close()
+            return {name: p.detach().clone() for name, p in net.named_parameters()}, agree
+
+        return worker
+
+    plain = run_ranks(world_size, train(1), servers=2, timeout=30)
+    replicated = run_ranks(world_size, train(2), servers=2, timeout=30)
+    for (a, _), (b, agree) in zip(plain, replicated, strict=True):
+        assert agree
+        for name in a:
+            if strategy == "bsp":
+                torch.testing.assert_close(b[name], a[name], rtol=0, atol=0)
+            else:
+                assert torch.isfinite(b[name]).all()
