@@ -86,6 +86,8 @@ def main() -> None:
     if rank == 0:
         flat = torch.cat([p.detach().flatten() for p in model.module.state_dict().values() if p.is_floating_point()])
         print(f"parameters sha256 {hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]}", flush=True)
+    if args.backend == "torch":  # as torch asks before exit (Gloo's threads otherwise may abort the interpreter's)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

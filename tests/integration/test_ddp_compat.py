@@ -61,13 +61,18 @@ for epoch in range(2):
 if rank == 0:
     state = [t.detach().numpy().ravel() for t in model.module.state_dict().values() if t.dtype == torch.float32]
     np.save(sys.argv[2], np.concatenate(state))
+if sys.argv[1] == "torch":  # as torch asks; without it Gloo's threads were seen to abort the interpreter's exit
+    dist.destroy_process_group()
 """
 
 
-def _run(args: list[str]) -> None:
-    out = subprocess.run(
-        args, capture_output=True, text=True, timeout=140, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+def _run(args: list[str], *, tries: int = 1) -> None:
+    for left in reversed(range(tries)):
+        out = subprocess.run(
+            args, capture_output=True, text=True, timeout=140, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+        if out.returncode == 0 or not left:
+            break
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -78,7 +83,9 @@ def anchor(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
     script = tmp / "ddp_script.py"
     script.write_text(SCRIPT)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    _run([*torchrun, str(script), "torch", str(tmp / "torch.npy")])
+    # torch's own run, the anchor, is run again once if it fails: in 1 of about 20 runs on this VM a Gloo rank
+    # aborted (SIGABRT, "terminate called without an active exception") and torchrun failed the job
+    _run([*torchrun, str(script), "torch", str(tmp / "torch.npy")], tries=2)
     return script, np.load(tmp / "torch.npy")
 
 
