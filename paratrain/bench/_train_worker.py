@@ -8,6 +8,11 @@ over Gloo; ``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the benchmark) and ``horo
 ``DistributedOptimizer`` under ``horovodrun``, where Horovod is installed). Inputs are random 28x28 images with
 random labels (a fixed seed): the speed of a step does not depend on the pixel values, and no dataset is needed.
 
+``--device cuda`` trains on a GPU (rank r on GPU r modulo the GPUs there are: processes share one where there are
+fewer GPUs than workers) and ``--ddp-backend`` picks DDP's process group (``gloo``, or ``nccl``, which needs a GPU
+per rank). The parts below are then host times (kernels run asynchronously); the whole timed loop ends with a
+device synchronisation, so samples/s is exact.
+
 Each step is timed in three parts on the training thread: forward and backward (``compute_s``; with DDP and
 Horovod this includes the communication they start from their hooks and, for DDP, wait for inside backward),
 waiting for the gradients to arrive (``wait_s``: paratrain's and Horovod's ``synchronize()``), and the optimizer
@@ -38,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (rank r on GPU r mod the GPUs there are)")
+    parser.add_argument("--ddp-backend", default="gloo", choices=["gloo", "nccl"])
     args = parser.parse_args(argv)
 
     import torch
@@ -48,12 +55,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     torch.manual_seed(0)
     model = build_model(args.model, side=28, classes=10)
-    optimizer: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     rank, world = 0, 1
+    if args.mode == "concurrent":
+        rank, world = int(os.environ["PARATRAIN_BENCH_RANK"]), int(os.environ["PARATRAIN_BENCH_WORLD"])
+    elif args.mode == "ddp":
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    elif args.mode == "paratrain":
+        rank = int(os.environ.get("LOCAL_RANK", "0"))  # (its GPU; pt.init() below gives the rank)
+    device = torch.device("cpu")
+    if args.device == "cuda":  # processes share the GPUs there are, round robin (one each where there are enough)
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        model.to(device)
+    optimizer: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     barrier: Any = None
     sync: Any = None
     if args.mode == "concurrent":
-        rank, world = int(os.environ["PARATRAIN_BENCH_RANK"]), int(os.environ["PARATRAIN_BENCH_WORLD"])
         barrier = lambda: _file_barrier(Path(args.out), rank, world)  # noqa: E731
     elif args.mode == "paratrain":
         import paratrain as pt
@@ -67,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mode == "ddp":
         import torch.distributed as dist
 
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        timeout = datetime.timedelta(seconds=120)
+        dist.init_process_group(args.ddp_backend, rank=rank, world_size=world, timeout=timeout)
+        ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         barrier = dist.barrier
     elif args.mode == "horovod":
@@ -80,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
         barrier, sync = hvd.barrier, optimizer.synchronize
     gen = torch.Generator().manual_seed(rank)
-    xs = torch.rand(8, args.batch_size, 1, 28, 28, generator=gen)
-    ys = torch.randint(0, 10, (8, args.batch_size), generator=gen)
+    xs = torch.rand(8, args.batch_size, 1, 28, 28, generator=gen).to(device)
+    ys = torch.randint(0, 10, (8, args.batch_size), generator=gen).to(device)
+    settle: Any = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     parts = {"compute_s": 0.0, "wait_s": 0.0, "apply_s": 0.0}
 
     def step(i: int) -> None:
@@ -104,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for i in range(args.warmup):
         step(i)
+    settle()
     if barrier is not None:
         barrier()
     phases0 = _shm_phases(args.mode)
@@ -111,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for i in range(args.steps):
         step(i)
+    settle()  # the device's queued work belongs to the timed steps
     elapsed = time.perf_counter() - start
     phases = {k: v - phases0.get(k, 0.0) for k, v in _shm_phases(args.mode).items()}
     result = {
@@ -121,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "batch_size": args.batch_size,
         "samples_per_sec": args.steps * args.batch_size / elapsed,
+        "device": str(device),
         **parts,
         "shm_phases_s": phases,
     }

@@ -8,6 +8,12 @@ limit of data parallelism here), ``paratrain`` (``DistributedOptimizer(strategy=
 ``DistributedOptimizer`` under ``horovodrun --gloo``, where Horovod is installed; see benchmarks/horovod for how
 it builds against this torch). Workers run one thread each.
 
+``--device cuda`` trains the model on the GPU(s) instead (rank r on GPU r modulo the GPUs there are: processes
+share a GPU where there are fewer GPUs than workers): paratrain's allreduce then stages gradients through pinned
+host memory in the background, or hands them to NCCL where every rank has a GPU of its own
+(:mod:`paratrain.collectives.engine`); DDP runs over Gloo with CUDA tensors and, where every rank has its own GPU,
+over NCCL as well (``ddp_nccl``).
+
 Throughput = every worker's samples / the slowest worker's time; for ``concurrent``, the sum of the processes'
 own rates. **Data-parallel efficiency** = an engine's throughput / ``concurrent``'s. Each worker also reports
 where its steps went (:mod:`._train_worker`): forward and backward, waiting for gradients, the update, and for
@@ -48,6 +54,7 @@ class TrainBenchOptions:
     batch_size: int = 64
     repeat: int = 3
     timeout: float = 180.0
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         from paratrain.train.models import MODELS
@@ -59,12 +66,24 @@ class TrainBenchOptions:
             raise ConfigError("--warmup must be >= 0")
         if self.timeout <= 0:
             raise ConfigError("--timeout must be positive")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {self.device!r}: cpu or cuda")
+        if self.device == "cuda" and cuda_devices() == 0:
+            raise ConfigError("--device cuda, but torch sees no CUDA device here (torch.cuda.is_available() is False)")
+
+
+def cuda_devices() -> int:
+    """The CUDA devices torch sees (0 without torch's CUDA build or a GPU)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _worker(options: TrainBenchOptions, mode: str, out: str) -> list[str]:
     return [
         "-m", "paratrain.bench._train_worker", "--mode", mode, "--model", options.model, "--steps",
         str(options.steps), "--warmup", str(options.warmup), "--batch-size", str(options.batch_size), "--out", out,
+        "--device", options.device,
     ]  # fmt: skip
 
 
@@ -142,13 +161,31 @@ def _run_paratrain(options: TrainBenchOptions, out: str) -> float:
     return _throughput(out, "paratrain", options.workers)
 
 
-def _run_ddp(options: TrainBenchOptions, out: str) -> float:
+def _run_ddp(options: TrainBenchOptions, out: str, backend: str = "gloo") -> float:
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // options.workers)
     world = {"WORLD_SIZE": str(options.workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    argv = [sys.executable, *_worker(options, "ddp", out)]
+    argv = [sys.executable, *_worker(options, "ddp", out), "--ddp-backend", backend]
     _run_commands(options, [(argv, _env(threads) | world | {"RANK": str(r)}) for r in range(options.workers)])
     return _throughput(out, "ddp", options.workers)
+
+
+def _run_ddp_nccl(options: TrainBenchOptions, out: str) -> float:
+    return _run_ddp(options, out, "nccl")
+
+
+def nccl_missing(options: TrainBenchOptions) -> str | None:
+    """None when DDP over NCCL can run ``options.workers`` ranks here, else why not."""
+    import torch.distributed as dist
+
+    if options.device != "cuda":
+        return "the model is on the CPU (--device cuda measures it)"
+    if not dist.is_nccl_available():
+        return "this torch has no NCCL"
+    gpus = cuda_devices()
+    if gpus < options.workers:
+        return f"NCCL needs a GPU per rank: {gpus} GPU(s) for {options.workers} workers"
+    return None
 
 
 def horovod_available() -> str | None:
@@ -181,7 +218,13 @@ def run_train_bench(options: TrainBenchOptions, *, out: TextIO | None = None) ->
         "paratrain": _run_paratrain,
         "ddp": _run_ddp,
     }
-    horovod_missing = horovod_available()
+    if options.device == "cuda":
+        nccl = nccl_missing(options)
+        if nccl is None:
+            engines["ddp_nccl"] = _run_ddp_nccl
+        else:
+            print(f"  ddp over nccl: not measured: {nccl}", file=stream, flush=True)
+    horovod_missing = horovod_available() if options.device == "cpu" else "the CUDA model (Horovod is built CPU-only)"
     if horovod_missing is None:
         engines["horovod"] = _run_horovod
     else:
@@ -195,7 +238,8 @@ def run_train_bench(options: TrainBenchOptions, *, out: TextIO | None = None) ->
                 try:
                     rate = fn(options, tmp)
                     if name in breakdowns:
-                        breakdowns[name].append(_breakdown(tmp, name, options.workers))
+                        mode = "ddp" if name == "ddp_nccl" else name  # (the worker's files are named by mode)
+                        breakdowns[name].append(_breakdown(tmp, mode, options.workers))
                 except (RuntimeError, OSError, ValueError) as exc:
                     failures.append(f"round {round_ + 1} {name}: {type(exc).__name__}: {exc}")
                     print(f"  round {round_ + 1}/{options.repeat} {name:<14} FAILED ({exc})", file=stream, flush=True)
@@ -216,10 +260,11 @@ def run_train_bench(options: TrainBenchOptions, *, out: TextIO | None = None) ->
     efficiency = {
         name: (rate / limit if rate is not None else None)
         for name, rate in medians.items()
-        if name in ("paratrain", "ddp", "horovod")
+        if name in ("paratrain", "ddp", "ddp_nccl", "horovod")
     }
     return {
         "model": options.model,
+        "device": options.device,
         "workers": options.workers,
         "batch_size_per_worker": options.batch_size,
         "steps": options.steps,
@@ -248,7 +293,8 @@ def render(report: dict[str, Any]) -> str:
     """The comparison as a table: samples/s, efficiency, and where each engine's step goes."""
     rates = report["samples_per_sec"]
     lines = [
-        f"{report['model']}, batch {report['batch_size_per_worker']} per worker, {report['workers']} workers, "
+        f"{report['model']} on {report.get('device', 'cpu')}, batch {report['batch_size_per_worker']} per worker, "
+        f"{report['workers']} workers, "
         f"{report['steps']} timed steps, median of {len(report['runs']['single'])} runs",
         f"{'engine':<40} {'samples/s':>10} {'efficiency':>11} {'vs best one process':>20}",
     ]
@@ -258,6 +304,7 @@ def render(report: dict[str, Any]) -> str:
         "concurrent": f"{report['workers']} processes, no communication",
         "paratrain": "paratrain allreduce",
         "ddp": "torch DDP (Gloo)",
+        "ddp_nccl": "torch DDP (NCCL)",
         "horovod": "Horovod (Gloo)",
     }
     best = report["best_single_samples_per_sec"]

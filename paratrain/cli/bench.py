@@ -293,6 +293,12 @@ def _add_train_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--warmup", type=int, default=20, help="untimed steps first (default 20)")
     p.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median is reported (default 3)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds one engine run may take (default 180)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where the model trains (default cpu); cuda adds DDP over NCCL where every worker has its own GPU",
+    )
     p.add_argument("--json", default=None, help="write the report as JSON to this file")
     p.set_defaults(func=_train)
 
@@ -310,6 +316,7 @@ def _train(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             repeat=args.repeat,
             timeout=args.timeout,
+            device=args.device,
         )
     except ConfigError as exc:
         print(f"paratrain bench train: error: {exc}", file=sys.stderr)

@@ -16,9 +16,9 @@ on *which* requests are ready everywhere. The rule, per process:
    list, so every rank runs them in the same order. A ready request whose ranks disagree (kind, dtype, shape,
    op, root, scale factors) fails on every rank with :class:`~paratrain.horovod.basics.HorovodInternalError`
    naming the difference; the others still run.
-3. Consecutive ready allreduces of one dtype, op and scaling (Sum, Average, Min, Max) are fused: copied into
-   one buffer of at most ``HOROVOD_FUSION_THRESHOLD`` bytes (64 MiB by default, as Horovod's), reduced by one
-   of paratrain's collectives (the shared-memory path on one host), copied out. Adasum, Product, allgather,
+3. Consecutive ready allreduces of one dtype, device type, op and scaling (Sum, Average, Min, Max) are fused:
+   copied into one buffer of at most ``HOROVOD_FUSION_THRESHOLD`` bytes (64 MiB by default, as Horovod's), reduced
+   by one of paratrain's collectives (the shared-memory path on one host), copied out. Adasum, Product, allgather,
    broadcast, reducescatter, alltoall and barrier run one request each.
 4. ``join``: a joined rank keeps cycling and takes part in the others' allreduces with a neutral tensor: zeros
    for Sum, Average and Adasum (as Horovod's joined ranks send zeros; Average still divides by ``size()``), the
@@ -119,6 +119,7 @@ class Request:
         if self.tensor is not None:
             m["d"] = str(self.tensor.dtype).removeprefix("torch.")
             m["s"] = list(self.tensor.shape)
+            m["v"] = self.tensor.device.type
         if self.kind in ("allreduce", "reducescatter"):
             m |= {"o": self.op, "a": self.prescale, "b": self.postscale}
         elif self.kind == "broadcast":
@@ -131,13 +132,16 @@ def _neutral(meta: dict[str, Any]) -> torch.Tensor:
     dtype = getattr(torch, meta["d"])
     shape = meta["s"]
     op = meta["o"]
+    # on the device type the others reduce on (this rank's current GPU for CUDA), so that every rank's tensor
+    # takes the same path (a CUDA engine, say)
+    device = torch.device("cuda", torch.cuda.current_device()) if meta.get("v") == "cuda" else torch.device("cpu")
     if op in (_MIN, _MAX):
         info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
         fill = info.max if op == _MIN else info.min
-        return torch.full(shape, fill, dtype=dtype)
+        return torch.full(shape, fill, dtype=dtype, device=device)
     if op == _PRODUCT:
-        return torch.ones(shape, dtype=dtype)
-    return torch.zeros(shape, dtype=dtype)
+        return torch.ones(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _difference(kind: str, metas: list[tuple[int, dict[str, Any]]]) -> str | None:
@@ -146,6 +150,7 @@ def _difference(kind: str, metas: list[tuple[int, dict[str, Any]]]) -> str | Non
     what = {
         "k": "operation",
         "d": "dtype",
+        "v": "device type",
         "o": "reduction op",
         "r": "root rank",
         "a": "prescale factor",
@@ -431,7 +436,7 @@ class Engine:
                 continue
             nbytes = math.prod(meta.get("s", [])) * getattr(torch, meta["d"]).itemsize if "d" in meta else 0
             fusable = meta["k"] == "allreduce" and meta["o"] in _FUSABLE and self.fusion_bytes > 0
-            this_key = (meta["d"], meta["o"], meta["a"], meta["b"]) if fusable else None
+            this_key = (meta["d"], meta.get("v"), meta["o"], meta["a"], meta["b"]) if fusable else None
             if batch and (this_key is None or this_key != key or batch_bytes + nbytes > self.fusion_bytes):
                 self._allreduce(batch, decided)
                 batch, batch_bytes = [], 0
@@ -449,7 +454,7 @@ class Engine:
             self.timeline.span(request.name, name, start, end, **args)
 
     def _allreduce(self, batch: list[tuple[Request | None, dict[str, Any]]], decided: float) -> None:
-        """Fused Sum/Average/Min/Max allreduce of ``batch`` (one dtype, op and scaling)."""
+        """Fused Sum/Average/Min/Max allreduce of ``batch`` (one dtype, device type, op and scaling)."""
         first = batch[0][1]
         dtype, op = getattr(torch, first["d"]), first["o"]
         start = time.time()

@@ -19,6 +19,10 @@ copies, which the communication waits on before it reads the buffer (``allreduce
 thread. The results go back with asynchronous host-to-device copies on the caller's stream, ordered before the
 optimizer's kernels; the next step's host writes into the buffer first wait for those copies (an event).
 
+Where the collectives hand CUDA tensors to NCCL (:mod:`paratrain.collectives.engine`), staging would only add
+two PCIe copies: such a bucket keeps its buffer on the device (``on_device=True``), and its parameters' gradients
+become views of it exactly as on the CPU (DDP's layout); the allreduce then runs device memory to device memory.
+
 The *used* flags solve DDP's unused-parameter problem without a second message: a rank sets a parameter's flag
 to 1 when it has a gradient for it. After a ``mean`` allreduce a flag is 0 exactly when no rank had a gradient;
 such a parameter keeps ``grad = None`` (and the optimizer skips it, as it would in one process), while a
@@ -45,12 +49,20 @@ class FusedBucket:
         params: every managed parameter in registration order (the bucket picks its own by index).
         names: their names, for error messages.
         flags: append the *used* flags (needed by allreduce, not by the parameter server).
+        on_device: keep a CUDA bucket's buffer on its device, with the gradients as views of it, as on the
+            CPU (for a collective engine that reduces device memory itself: NCCL), instead of staging it.
 
     Not thread-safe; the strategy serialises calls.
     """
 
     def __init__(
-        self, bucket: Bucket, params: Sequence[torch.Tensor], names: Sequence[str], *, flags: bool = True
+        self,
+        bucket: Bucket,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        *,
+        flags: bool = True,
+        on_device: bool = False,
     ) -> None:
         self.bucket = bucket
         self.params = [params[i] for i in bucket.params]
@@ -58,22 +70,24 @@ class FusedBucket:
         dtype = self.params[0].dtype
         extra = len(self.params) if flags else 0
         devices = {p.device for p in self.params if p.device.type == "cuda"}
-        # CUDA: a pinned buffer and a stream of the bucket's own for the copies into it (see the module docstring)
-        self._stream = torch.cuda.Stream(next(iter(devices))) if devices else None  # type: ignore[no-untyped-call]
+        home = next(iter(devices)) if devices and on_device else torch.device("cpu")
+        staged = bool(devices) and home.type == "cpu"
+        # CUDA staged: a pinned buffer and a stream of the bucket's own for the copies into it (module docstring)
+        self._stream = torch.cuda.Stream(next(iter(devices))) if staged else None  # type: ignore[no-untyped-call]
         self._copied = False  # device-to-host copies queued on _stream this step, not yet in an event
         self._given: torch.cuda.Event | None = None  # behind the last give()'s host-to-device copies
-        self.buffer = torch.zeros(bucket.numel + extra, dtype=dtype, pin_memory=bool(devices))
+        self.buffer = torch.zeros(bucket.numel + extra, dtype=dtype, pin_memory=staged, device=home)
         self.grads = self.buffer[: bucket.numel]  # what a parameter server receives
         self.flags = self.buffer[bucket.numel :]
         self.views = [
             self.buffer[off : off + p.numel()].view(p.shape) for off, p in zip(bucket.offsets, self.params, strict=True)
         ]
-        self._on_cpu = [p.device.type == "cpu" for p in self.params]
+        self._at_home = [p.device == self.buffer.device for p in self.params]  # at home: gradients are views
         self._taken = [False] * len(self.params)
 
     def _is_view(self, j: int) -> bool:
         grad = self.params[j].grad
-        return grad is not None and self._on_cpu[j] and grad.data_ptr() == self.views[j].data_ptr()
+        return grad is not None and self._at_home[j] and grad.data_ptr() == self.views[j].data_ptr()
 
     def take(self, j: int) -> None:
         """Moves parameter ``j``'s gradient into the buffer (a no-op when it already lives there).
@@ -107,7 +121,7 @@ class FusedBucket:
             self._copied = True
             return
         self.views[j].copy_(grad.reshape(self.views[j].shape))
-        if self._on_cpu[j]:
+        if self._at_home[j]:
             param.grad = self.views[j]  # from now on autograd accumulates into the buffer
 
     def staged(self) -> torch.cuda.Event | None:
@@ -141,7 +155,7 @@ class FusedBucket:
         for j, param in enumerate(self.params):
             if used[j] == 0.0:
                 continue  # no rank had a gradient: leave grad as it was (None on every rank)
-            if self._on_cpu[j]:
+            if self._at_home[j]:
                 if not self._is_view(j):
                     param.grad = self.views[j]
             elif param.grad is None:

@@ -254,7 +254,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if gossip:
                 self._buckets = [FusedBucket(b, params, names, flags=False) for b in self.plan]
             elif not self._local:
-                self._buckets = [FusedBucket(b, params, names, flags=not self.spec.uses_servers) for b in self.plan]
+                on_device = self._engine_takes_devices(params, plain=reliable is None and self.compressor is None)
+                self._buckets = [
+                    FusedBucket(b, params, names, flags=not self.spec.uses_servers, on_device=on_device)
+                    for b in self.plan
+                ]
             fused = [b for b in self._buckets if b is not None]
             if reliable is not None and not self._local:
                 self._strategy = ReliableAllreduceStrategy(reliable, fused)
@@ -271,6 +275,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     staleness_lr=staleness_lr,
                 )
         self._hooks = GradientHooks(params, owner=self, on_ready=DistributedOptimizer._on_grad_ready)
+
+    def _engine_takes_devices(self, params: Sequence[torch.nn.Parameter], *, plain: bool) -> bool:
+        """Whether the buckets of CUDA parameters stay on their devices: the plain allreduce strategy, and a
+        collective engine (NCCL) that reduces device memory there (the CUDA engine's choice is collective and made
+        here, at the same point on every rank, if no collective on a CUDA tensor made it before)."""
+        if not plain or self.spec.kind != "allreduce":
+            return False
+        devices = sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
+        return bool(devices) and all(self.context.collectives.device_engine(d) is not None for d in devices)
 
     def _build_hybrid(
         self,

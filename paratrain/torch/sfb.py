@@ -109,15 +109,17 @@ class SfbLayer:
         """Starts the allgather of this step's rows (asynchronous; the rows are copied). Must be called on every
         rank, in plan order, whether or not this rank used the layer (it then sends no rows)."""
         width = self.out_features + self.in_features
-        if not self._rows:
-            rows = torch.zeros((0, width), dtype=self.module.weight.dtype)
+        if not self._rows:  # on the weight's device, as the other ranks' rows: one path for every rank's part
+            rows = torch.zeros((0, width), dtype=self.module.weight.dtype, device=self.module.weight.device)
         elif len(self._rows) == 1:
             rows = self._rows[0]
         else:
             rows = torch.cat(self._rows)
         self._rows = []
         self.rows_sent = int(rows.shape[0])
-        self._handle = self.context.allgather_async(rows.contiguous().cpu())
+        # on the device: the collectives stage a CUDA tensor (or hand it to an engine) and return the rows there,
+        # where the weight's gradient is rebuilt
+        self._handle = self.context.allgather_async(rows.contiguous())
 
     @torch.no_grad()
     def finish(self) -> None:

@@ -208,6 +208,16 @@ def validate(job: TrainJob) -> None:
     elif spec.family != "pipeline" and job.replicas != 1:
         raise ConfigError("--replicas is for pipelines (R pipelines) and parameter servers (R copies of each chunk)")
     job.network()
+    if getattr(job, "device", "cpu") == "cuda":
+        if spec.family == "pipeline":
+            raise ConfigError(
+                "--device cuda is for the data-parallel strategies; a pipeline places its stages itself "
+                "(paratrain.torch.Pipe(device=...))"
+            )
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda, but torch sees no CUDA device here (torch.cuda.is_available() is False)")
     if job.no_overlap and spec.family == "pipeline":
         raise ConfigError("--no-overlap is for the data-parallel strategies; a pipeline overlaps by its schedule")
     if job.straggler:
@@ -362,6 +372,8 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
         argv += ["--layer-scheme", item]
     if job.compression:
         argv += ["--compression", job.compression]
+    if getattr(job, "device", "cpu") != "cpu":
+        argv += ["--device", job.device]
     if getattr(job, "bucket_bytes", None):
         argv += ["--bucket-bytes", str(job.bucket_bytes)]
     if job.steps_per_epoch:

@@ -51,15 +51,16 @@ def evaluate(model: Any, x: np.ndarray, y: np.ndarray, batch: int = 1024) -> tup
     import torch
 
     is_module = isinstance(model, torch.nn.Module)
+    device = torch.device("cpu")
     if is_module:
         model.eval()
+        device = next((p.device for p in model.parameters()), device)  # the examples go where the model is
     correct, loss_sum, count = 0, 0.0, 0
     try:
         with torch.no_grad():
             for start in range(0, len(y), batch):
-                c, s, n = score(
-                    model(torch.from_numpy(x[start : start + batch])), torch.from_numpy(y[start : start + batch])
-                )
+                xb = torch.from_numpy(x[start : start + batch]).to(device)
+                c, s, n = score(model(xb), torch.from_numpy(y[start : start + batch]).to(device))
                 correct, loss_sum, count = correct + c, loss_sum + s, count + n
     finally:
         if is_module:

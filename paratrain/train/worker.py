@@ -86,6 +86,13 @@ def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True)
         help="cut each epoch to its first N steps (a fresh shuffle each epoch), for slow networks and wide models: "
         "test accuracy is measured every N steps (default 0: whole epochs)",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where each worker trains (default cpu); cuda: worker LOCAL_RANK on GPU LOCAL_RANK modulo the GPUs "
+        "there are (workers share a GPU where there are fewer); not for pipelines (Pipe(device=...) places stages)",
+    )
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate of SGD with momentum 0.9 (0.05)")
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and shuffling (default 0)")
     parser.add_argument(
@@ -133,6 +140,20 @@ def epoch_line(epoch: int, epochs: int, train_loss: float, accuracy: float, test
     return (
         f"epoch {epoch}/{epochs}: train loss {train_loss:.4f}, test accuracy {accuracy:.4f}, test loss {test_loss:.4f}"
     )
+
+
+def worker_device(name: str) -> Any:
+    """The torch device this worker trains on: the CPU, or for ``cuda`` GPU ``LOCAL_RANK`` modulo the GPUs there are
+    (made the current device, as collectives on CUDA tensors and NCCL expect)."""
+    import torch
+
+    if name != "cuda":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda, but torch sees no CUDA device on this host")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def consensus_eval(ctx: pt.Context, model: Any, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -214,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     data = load_dataset(args.dataset, data_dir=args.data_dir)
     model = build_model(args.model, side=data.side, classes=data.classes)
+    device = worker_device(args.device)
+    model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # its first one imports torch._dynamo
     ctx = pt.init()
     # a job whose failed ranks are restarted sends its gradients through reliable collectives; in a restarted
@@ -275,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
                 live = reliable.ctx if reliable is not None else ctx
                 rank = live.rank
                 share = step_share(order, shards=shards, batch=batch, step=i, world_size=live.world_size, rank=rank)
-                xb, yb = torch.from_numpy(data.x_train[share.indices]), torch.from_numpy(data.y_train[share.indices])
+                xb = torch.from_numpy(data.x_train[share.indices]).to(device)
+                yb = torch.from_numpy(data.y_train[share.indices]).to(device)
                 t0 = time.time()
                 loss = tasks.loss(model(xb), yb)
                 t1 = time.time()

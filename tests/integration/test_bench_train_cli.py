@@ -44,8 +44,23 @@ def test_bench_train_runs_every_engine(tmp_path: Path) -> None:
         assert rates["ddp"] > 0 and report["paratrain_vs_ddp"] > 0
 
 
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 @pytest.mark.parametrize(
-    ("flags", "message"), [(["--model", "vgg"], "unknown --model"), (["--workers", "0"], "--workers")]
+    ("flags", "message"),
+    [
+        (["--model", "vgg"], "unknown --model"),
+        (["--workers", "0"], "--workers"),
+        pytest.param(
+            ["--device", "cuda"],
+            "torch sees no CUDA device",
+            marks=pytest.mark.skipif(not _no_cuda(), reason="a CUDA device is here"),
+        ),
+    ],
 )
 def test_bad_flags(flags: list[str], message: str) -> None:
     out = subprocess.run([*CLI, *flags], capture_output=True, text=True, timeout=60, check=False)

@@ -18,6 +18,12 @@ pytestmark = pytest.mark.timeout(180)
 CLI = [sys.executable, "-m", "paratrain.cli.main"]
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def _train(tmp: Path, name: str, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*CLI, "train", "--run-dir", str(tmp / name), *flags], capture_output=True, text=True, timeout=150, check=False
@@ -84,6 +90,12 @@ def test_sfb_trains_the_allreduce_model_and_prints_its_plan(tmp_path: Path) -> N
         (["--compression", "zip"], "unknown compression"),
         (["--layer-scheme", "1=sfb"], "--layer-scheme is for poseidon"),
         (["--strategy", "bsp", "--compression", "powersgd:2"], "PowerSGD needs two allreduce rounds"),
+        (["--strategy", "pipeline:gpipe", "--device", "cuda"], "Pipe(device=...)"),
+        pytest.param(
+            ["--device", "cuda"],
+            "torch sees no CUDA device",
+            marks=pytest.mark.skipif(_has_cuda(), reason="a CUDA device is here"),
+        ),
     ],
 )
 def test_bad_flags_give_a_clear_message(tmp_path: Path, flags: list[str], message: str) -> None:

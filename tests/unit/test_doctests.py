@@ -37,6 +37,7 @@ MODULES = [
     "paratrain.sched.strads",
     "paratrain.sched.lasso",
     "paratrain.sched.mf",
+    "paratrain.collectives.engine",
 ]
 
 

@@ -73,9 +73,11 @@ def test_a_mismatch_fails_that_request_on_every_rank_naming_the_ranks_and_the_re
             Request("d", "allreduce", torch.ones(2, dtype=torch.float64 if ctx.rank else torch.float32), SUM)
         )
         op = engine.submit(Request("o", "allreduce", torch.ones(2), MIN if ctx.rank else MAX))
+        # a device tensor on one rank only (the "meta" device stands for CUDA here: no data moves)
+        device = engine.submit(Request("v", "allreduce", torch.ones(2, device="meta" if ctx.rank else "cpu"), SUM))
         good = engine.submit(Request("g", "allreduce", torch.ones(2), SUM))
         messages = []
-        for f in (bad, dtype, op):
+        for f in (bad, dtype, op, device):
             try:
                 f.result(timeout=30)
                 messages.append("no error")
@@ -95,7 +97,8 @@ def test_a_mismatch_fails_that_request_on_every_rank_naming_the_ranks_and_the_re
         assert messages[0] == "Mismatched allreduce tensor shapes: rank 0 sent (2,), but rank 1 sent (3,)"
         assert messages[1] == "Mismatched allreduce dtype: rank 0 sent float32, but rank 1 sent float64"
         assert messages[2] == "Mismatched allreduce reduction op: rank 0 sent Max, but rank 1 sent Min"
-        assert "same name" in messages[3] and "'g2'" in messages[3]
+        assert messages[3] == "Mismatched allreduce device type: rank 0 sent cpu, but rank 1 sent meta"
+        assert "same name" in messages[4] and "'g2'" in messages[4]
 
 
 def test_join_neutral_tensors_and_the_last_rank_to_join() -> None:
