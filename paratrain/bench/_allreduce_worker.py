@@ -34,9 +34,18 @@ def _api_engine(ctx: Any, algorithm: str) -> tuple[Callable[[npt.NDArray[np.floa
         closer = ShmAllreduce(run_id=ctx.settings.run_id)
         registry["shm"] = AllreduceAlgorithm(closer)
 
+    if algorithm == "gloo":  # torch tensors through the torch.distributed engine (numpy arrays never go there)
+        ctx.collectives.use_torch_distributed("gloo")
+
     def make(buf: npt.NDArray[np.float32]) -> Callable[[], None]:
+        x: Any = buf
+        if algorithm == "gloo":
+            import torch
+
+            x = torch.from_numpy(buf)
+
         def op() -> None:
-            pt.allreduce_(buf, op="sum", algorithm=algorithm)
+            pt.allreduce_(x, op="sum", algorithm=algorithm)
 
         return op
 

@@ -2,7 +2,9 @@
 
 Engines, run one after the other so they never compete for cores:
 
-* ``paratrain[ALGO]``: the public ``pt.allreduce_(x, algorithm=ALGO)`` in N ranks under ``paratrain launch``;
+* ``paratrain[ALGO]``: the public ``pt.allreduce_(x, algorithm=ALGO)`` in N ranks under ``paratrain launch``
+  (``gloo``: torch tensors through paratrain's torch.distributed engine, :mod:`paratrain.collectives.engine`, so
+  that the ratio to the ``gloo`` anchor is what paratrain's agreement and bookkeeping cost on top of Gloo);
 * ``paratrain-shm``: the shared-memory path (:class:`~paratrain.collectives.shm.ShmGroup`) directly, in the same
   processes: the fast path without the API's per-call agreement;
 * ``gloo``: ``torch.distributed.all_reduce`` with the Gloo backend, N processes started here;
@@ -66,7 +68,7 @@ DEFAULT_SIZES = "4KiB,1MiB,16MiB,64MiB"
 #: The reference implementations ``--compare`` may name.
 ANCHORS = ("gloo", "mpi", "horovod")
 #: What ``--algorithm`` accepts (``shm`` is registered into the API if it does not know it yet).
-ALGORITHMS = ("auto", "ring", "tree", "shm")
+ALGORITHMS = ("auto", "ring", "tree", "shm", "gloo")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

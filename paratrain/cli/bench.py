@@ -98,8 +98,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a.add_argument(
         "--algorithm",
         default="auto",
-        choices=("auto", "ring", "tree", "shm"),
-        help="algorithm= of pt.allreduce_ (default auto; shm is registered if the API lacks it)",
+        choices=("auto", "ring", "tree", "shm", "gloo"),
+        help="algorithm= of pt.allreduce_ (default auto; shm is registered if the API lacks it; gloo: torch tensors "
+        "through paratrain's torch.distributed engine)",
     )
     a.add_argument("--no-shm", action="store_true", help="do not time the shared-memory path directly")
     a.add_argument("--timeout", type=float, default=600.0, help="seconds each engine may run (default 600)")

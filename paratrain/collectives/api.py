@@ -28,19 +28,20 @@ same order (it decides the tags). Blocking calls run in the calling thread; ``*_
 order, on one background thread per :class:`Collectives` (:mod:`.background`). The ``auto`` policies live
 in :mod:`.policy` (re-exported here).
 
-Why one module of ~800 lines: :class:`Collectives` is one object whose every method follows the same four
+Torch tensors on a device that has a torch.distributed engine (NCCL for CUDA tensors where every rank has a GPU of
+its own; :mod:`.engine`) keep steps 1-3 and hand step 4 to the engine (:mod:`.routing` builds those bodies).
+
+Why one module of ~900 lines: :class:`Collectives` is one object whose every method follows the same four
 steps above (``allreduce_`` on the shared-memory path, the hottest call, with them worked out once per shape);
 about a third of the module is the methods' docstrings with runnable examples. The policies,
-the background thread and the schedules already live elsewhere; splitting the methods from each other would
-scatter the one protocol they share.
+the background thread, the schedules and the engines' routes already live elsewhere; splitting the methods from
+each other would scatter the one protocol they share.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -55,7 +56,7 @@ import numpy.typing as npt
 from paratrain._arrays import dtype_name as wire_dtype_name
 from paratrain._arrays import is_torch_tensor
 from paratrain.collectives.background import BackgroundWorker
-from paratrain.collectives.engine import DeviceIdentity, EngineChoice, TorchEngine, choose_engine, gpu_name, own_address
+from paratrain.collectives.engine import TorchEngine
 from paratrain.collectives.hierarchical import HostLayout, hierarchical_allreduce
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.plans import chunk_bounds
@@ -74,10 +75,11 @@ from paratrain.collectives.ring import (
     ring_allreduce_run,
     ring_reduce_scatter_run,
 )
+from paratrain.collectives.routing import EngineRoutes
 from paratrain.collectives.signature import INVALID, Signature, mismatch_error
 from paratrain.collectives.tree import Exchange, agree, direct_allreduce, tree_allreduce, tree_broadcast
 from paratrain.device import host_view, on_device, to_device
-from paratrain.errors import CollectiveMismatchError, ConfigError, ParatrainError
+from paratrain.errors import CollectiveMismatchError, ParatrainError
 from paratrain.transport.base import Handle, Transport
 
 
@@ -106,8 +108,6 @@ __all__ = [
     "default_broadcast_choice",
     "network_allreduce_choice",
 ]
-
-log = logging.getLogger("paratrain.collectives")
 
 A = TypeVar("A")
 T = TypeVar("T")
@@ -277,11 +277,14 @@ class Collectives:
         self.timeline: Timeline | None = None
         #: bytes this rank handed to allreduce calls (whatever path carried them: sockets or shared memory)
         self.allreduce_bytes = 0
-        #: torch.distributed engines by device type ("cuda", "cpu"): tensors there go through them (:mod:`.engine`)
-        self.engines: dict[str, TorchEngine] = {}
-        self._cuda_choice: EngineChoice | ConfigError | None = None  # decided at the first CUDA collective
-        self._choice_lock = threading.Lock()
-        self._host = None if hosts is None else hosts[transport.rank]
+        # torch.distributed engines (NCCL for CUDA tensors where it fits) and the calls they take (:mod:`.routing`)
+        self._routes = EngineRoutes(
+            transport=transport,
+            timeout=timeout,
+            host=None if hosts is None else hosts[transport.rank],
+            allgather=self.allgather,
+            agree=self._agree_tagged,
+        )
         if hosts is not None and HostLayout(hosts).is_hierarchical:
             self._enable_hierarchy(HostLayout(hosts))
 
@@ -395,7 +398,7 @@ class Collectives:
                         self._run(reject)
             raise
 
-    # -- torch.distributed engines (:mod:`.engine`)
+    # -- torch.distributed engines (:mod:`.engine`, :mod:`.routing`)
 
     def use_torch_distributed(
         self, backend: str = "gloo", device_type: str | None = None, *, timeout: float | None = None
@@ -422,27 +425,7 @@ class Collectives:
             >>> run_ranks(2, fn)
             [[3.0], [3.0]]
         """
-        kind = device_type or ("cuda" if backend == "nccl" else "cpu")
-
-        def gather(record: bytes) -> list[bytes]:
-            row = np.zeros((1, 256), dtype=np.uint8)
-            row[0, : len(record)] = np.frombuffer(record[:256], dtype=np.uint8)
-            return [bytes(r).rstrip(b"\0") for r in self.allgather(row, timeout=timeout)]
-
-        engine = TorchEngine.connect(
-            backend=backend,
-            device_type=kind,
-            rank=self.transport.rank,
-            world_size=self.world_size,
-            address=own_address(self.transport),
-            gather=gather,
-            timeout=self.timeout if timeout is None else timeout,
-        )
-        old = self.engines.pop(kind, None)
-        if old is not None:
-            old.close()
-        self.engines[kind] = engine
-        return engine
+        return self._routes.use(backend, device_type, timeout)
 
     def device_engine(self, device: Any) -> TorchEngine | None:
         """The engine that carries collectives of tensors on torch device ``device``, or None where paratrain's own
@@ -456,87 +439,31 @@ class Collectives:
             ConfigError: ``PARATRAIN_CUDA_COLLECTIVES`` differs between ranks, is unknown, or asks for NCCL where it
                 cannot run (the same error on every rank, and at every later call).
         """
-        if device.type == "cuda":
-            with self._choice_lock:
-                if self._cuda_choice is None:
-                    self._choose_cuda_engine(device)
-            if isinstance(self._cuda_choice, ConfigError):
-                raise self._cuda_choice
-        return self.engines.get(device.type)
+        return self._routes.device_engine(device)
 
-    def _choose_cuda_engine(self, device: Any) -> None:
-        import torch.distributed as dist
+    @property
+    def engines(self) -> dict[str, TorchEngine]:
+        """The torch.distributed engines by device type (``"cuda"``, ``"cpu"``): tensors there go through them."""
+        return self._routes.engines
 
-        preference = os.environ.get("PARATRAIN_CUDA_COLLECTIVES", "auto").strip().lower() or "auto"
-        nccl = bool(dist.is_available() and dist.is_nccl_available())
-        mine = DeviceIdentity(gpu_name(device, self._host), nccl, preference)
-        rows = self.allgather(mine.encode().reshape(1, -1))
-        try:
-            choice = choose_engine([DeviceIdentity.decode(row) for row in rows])
-        except ValueError as exc:  # ConfigError is one; a malformed identity (a peer's bytes) another
-            error = exc if isinstance(exc, ConfigError) else ConfigError(f"a rank's device identity: {exc}")
-            self._cuda_choice = error
-            raise error from None
-        if self.transport.rank == 0:
-            log.info("collectives on CUDA tensors: %s (%s)", choice.backend or "staged", choice.reason)
-        if choice.backend is not None:
-            self.use_torch_distributed(choice.backend, "cuda")
-        self._cuda_choice = choice
-
-    def _route(self, x: object) -> None:
-        """Makes the CUDA engine decision at the first collective on a CUDA tensor (before the call's own tag)."""
-        if not isinstance(self._cuda_choice, EngineChoice) and on_device(x) and cast(Any, x).device.type == "cuda":
-            self.device_engine(cast(Any, x).device)
-
-    def _engine_for(self, x: Any, kind: str, algorithm: str = "auto", op: str | None = None) -> TorchEngine | None:
-        """The engine that takes this call of collective ``kind`` (``algorithm`` ``"auto"`` or its name), or None."""
-        if not self.engines or not is_torch_tensor(x):
-            return None
-        engine = self.engines.get(x.device.type)
-        if engine is None or algorithm not in ("auto", engine.name) or not engine.takes(x, kind, op):
-            return None
-        return engine
-
-    def _engine_call(
-        self, engine: TorchEngine, x: Any, sig: Signature, timeout: float | None, *, copy: bool
-    ) -> tuple[Any, Any, Callable[[int], list[Signature]]]:
-        """What every engine call starts with: the tensor it works on (``x`` itself, or a contiguous copy taken
-        now, before the caller may change ``x``), an event behind the caller's stream, and the agreement."""
-        import torch
-
-        t = x.detach()
-        work = t if not copy and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
-        after = engine.mark(work)
-
-        def agree_(tag: int) -> list[Signature]:
-            if self.world_size == 1:
-                return [sig]
-            with self._exchange(tag, timeout, f"{sig.kind} ({engine.name})") as ex:
-                return self._agree(ex, sig)
-
-        return work, after, agree_
-
-    def _engine_allreduce(
-        self, engine: TorchEngine, x: Any, op: str, algorithm: str, timeout: float | None, *, mode: str
-    ) -> Callable[[int], Any]:
-        dtype_name = str(x.dtype).removeprefix("torch.")
-        sig = Signature("allreduce", op, dtype_name, tuple(x.shape), algorithm, engine.name)
-        work, after, agree_ = self._engine_call(engine, x, sig, timeout, copy=mode != "in_place")
-        seconds = self.timeout if timeout is None else timeout
-
-        def body(tag: int) -> Any:
-            self.allreduce_bytes += work.numel() * work.element_size()
-            agree_(tag)
-            engine.allreduce_(work, op, seconds, after)
-            if mode != "in_place":
-                return work
-            if work.data_ptr() != x.data_ptr():
-                x.detach().copy_(work)
-            return x
-
-        return body
+    def _agree_tagged(self, tag: int, sig: Signature, timeout: float | None, label: str) -> list[Signature]:
+        """The agreement of one call on its own (an engine's call: the data moves elsewhere afterwards)."""
+        if self.world_size == 1:
+            return [sig]
+        with self._exchange(tag, timeout, label) as ex:
+            return self._agree(ex, sig)
 
     # -- allreduce
+
+    def _counted(self, body: Callable[[int], T], x: Any) -> Callable[[int], T]:
+        """``body``, adding ``x``'s bytes to :attr:`allreduce_bytes` when it runs."""
+        nbytes = _nbytes(x)
+
+        def counted(tag: int) -> T:
+            self.allreduce_bytes += nbytes
+            return body(tag)
+
+        return counted
 
     def _allreduce(self, x: Any, op: str, algorithm: str, timeout: float | None, *, mode: str) -> Callable[[int], Any]:
         return self._checked(lambda: self._prepare_allreduce(x, op, algorithm, timeout, mode), timeout, mode)
@@ -544,9 +471,9 @@ class Collectives:
     def _prepare_allreduce(
         self, x: Any, op: str, algorithm: str, timeout: float | None, mode: str
     ) -> Callable[[int], Any]:
-        engine = self._engine_for(x, "allreduce", algorithm, op)
-        if engine is not None:
-            return self._engine_allreduce(engine, x, op, algorithm, timeout, mode=mode)
+        routed = self._routes.allreduce(x, op, algorithm, timeout, mode=mode)
+        if routed is not None:
+            return self._counted(routed, x)
         view, dtype_name = _as_array(x)
         reducer = self._reducer(op, dtype_name)
         name = self._resolve(algorithm, self.allreduce_algorithms, self.choose_allreduce, view.nbytes)
@@ -614,7 +541,7 @@ class Collectives:
             >>> run_ranks(3, lambda ctx: ctx.allreduce(np.full(2, ctx.rank), op="max").tolist())
             [[2, 2], [2, 2], [2, 2]]
         """
-        self._route(x)
+        self._routes.route(x)
         result: A = self._run(self._allreduce(x, op, algorithm, timeout, mode="copy"), "allreduce", x)
         return result
 
@@ -635,7 +562,7 @@ class Collectives:
             >>> run_ranks(2, fn)
             [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
         """
-        self._route(x)
+        self._routes.route(x)
         if (
             self._shm is not None
             and type(x) is np.ndarray
@@ -720,7 +647,7 @@ class Collectives:
             >>> run_ranks(2, fn)[0]
             [[0.0, 0.0], [2.0, 2.0], [4.0, 4.0]]
         """
-        self._route(x)
+        self._routes.route(x)
         return self._submit(self._allreduce(x, op, algorithm, timeout, mode="snapshot"), "allreduce", x)
 
     def allreduce_async_(
@@ -752,7 +679,7 @@ class Collectives:
             >>> run_ranks(2, fn)
             [[3.0, 3.0], [3.0, 3.0]]
         """
-        self._route(x)
+        self._routes.route(x)
         body = self._allreduce(x, op, algorithm, timeout, mode="in_place")
         if ready is not None:
             run = body
@@ -786,7 +713,7 @@ class Collectives:
             >>> run_ranks(3, lambda ctx: ctx.broadcast(np.array([ctx.rank]), root=2).tolist())
             [[2], [2], [2]]
         """
-        self._route(x)
+        self._routes.route(x)
         result: A = self._run(
             self._checked(lambda: self._prepare_broadcast(x, root, algorithm, timeout), timeout), "broadcast", x
         )
@@ -795,19 +722,9 @@ class Collectives:
     def _prepare_broadcast(self, x: Any, root: int, algorithm: str, timeout: float | None) -> Callable[[int], Any]:
         if type(root) is not int or not 0 <= root < self.world_size:
             raise ValueError(f"root {root!r} outside 0..{self.world_size - 1}")
-        engine = self._engine_for(x, "broadcast", algorithm)
-        if engine is not None:
-            sig = Signature(
-                "broadcast", None, str(x.dtype).removeprefix("torch."), tuple(x.shape), algorithm, engine.name, root
-            )
-            work, after, agree_ = self._engine_call(engine, x, sig, timeout, copy=True)
-
-            def run(tag: int) -> Any:
-                agree_(tag)
-                engine.broadcast_(work, root, self.timeout if timeout is None else timeout, after)
-                return work
-
-            return run
+        routed = self._routes.broadcast(x, root, algorithm, timeout)
+        if routed is not None:
+            return routed
         view, dtype_name = _as_array(x)
         name = self._resolve(algorithm, self.broadcast_algorithms, self.choose_broadcast, view.nbytes)
         impl = self.broadcast_algorithms[name]
@@ -840,7 +757,7 @@ class Collectives:
             >>> run_ranks(2, lambda ctx: ctx.allgather(np.arange(ctx.rank + 1)).tolist())
             [[0, 0, 1], [0, 0, 1]]
         """
-        self._route(x)
+        self._routes.route(x)
         result: A = self._run(self._checked(lambda: self._prepare_allgather(x, timeout), timeout), "allgather", x)
         return result
 
@@ -857,22 +774,15 @@ class Collectives:
             >>> run_ranks(2, lambda ctx: ctx.allgather_async(np.full(ctx.rank + 1, ctx.rank)).wait().tolist())
             [[0, 1, 1], [0, 1, 1]]
         """
-        self._route(x)
+        self._routes.route(x)
         return self._submit(
             self._checked(lambda: self._prepare_allgather(x, timeout, copy=True), timeout, "snapshot"), "allgather", x
         )
 
     def _prepare_allgather(self, x: Any, timeout: float | None, *, copy: bool = False) -> Callable[[int], Any]:
-        engine = self._engine_for(x, "allgather")
-        if engine is not None:
-            sig = Signature("allgather", None, str(x.dtype).removeprefix("torch."), tuple(x.shape), "ring", engine.name)
-            work, after, agree_ = self._engine_call(engine, x, sig, timeout, copy=copy)
-
-            def run(tag: int) -> Any:
-                rows = [s.shape[0] if s.shape else 1 for s in agree_(tag)]
-                return engine.allgather(work, rows, self.timeout if timeout is None else timeout, after)
-
-            return run
+        routed = self._routes.allgather(x, timeout, copy=copy)
+        if routed is not None:
+            return routed
         view, dtype_name = _as_array(x)
         trailing = view.shape[1:]
         row = math.prod(trailing)
@@ -915,25 +825,16 @@ class Collectives:
             >>> run_ranks(2, lambda ctx: ctx.reduce_scatter(np.arange(5)).tolist())
             [[0, 2, 4], [6, 8]]
         """
-        self._route(x)
+        self._routes.route(x)
         result: A = self._run(
             self._checked(lambda: self._prepare_reduce_scatter(x, op, timeout), timeout), "reduce_scatter", x
         )
         return result
 
     def _prepare_reduce_scatter(self, x: Any, op: str, timeout: float | None) -> Callable[[int], Any]:
-        engine = self._engine_for(x, "reduce_scatter", op=op)
-        if engine is not None and x.dim() > 0:
-            dtype = str(x.dtype).removeprefix("torch.")
-            sig = Signature("reduce_scatter", op, dtype, tuple(x.shape), "ring", engine.name)
-            work, _, agree_ = self._engine_call(engine, x, sig, timeout, copy=False)
-            parts = chunk_bounds(x.shape[0], self.world_size)
-
-            def run(tag: int) -> Any:
-                agree_(tag)
-                return engine.reduce_scatter(work, op, parts, self.timeout if timeout is None else timeout)
-
-            return run
+        routed = self._routes.reduce_scatter(x, op, timeout)
+        if routed is not None:
+            return routed
         view, dtype_name = _as_array(x)
         if view.ndim == 0:
             raise ValueError("reduce_scatter splits along axis 0; a 0-d array has none (use allreduce)")
@@ -967,6 +868,7 @@ class Collectives:
         self._worker.close(timeout)
         if self._shm is not None:
             self._shm.close()
+        self._routes.close()
 
     def enable_shared_memory(self, run_id: str) -> bool:
         """Registers ``"shm"`` and makes ``auto`` use it for every size: all ranks must share this host.

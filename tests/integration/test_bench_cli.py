@@ -95,6 +95,17 @@ def test_end_to_end_table_and_json(tmp_path: Path) -> None:
     assert _processes_with(marker) == []
 
 
+def test_the_torch_distributed_engine_is_a_paratrain_row_with_the_gloo_anchor(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "bench.json"
+    result = _bench("--np", "2", "--sizes", "4KiB", "--iters", "3", "--algorithm", "gloo", "--no-shm",
+                    "--compare", "gloo", "--json", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    rows = {row["engine"]: row for row in report["results"]}
+    assert set(rows) == {"paratrain[gloo]", "gloo"} and set(rows["paratrain[gloo]"]["ratios"]) == {"gloo"}
+
+
 @pytest.mark.skipif(horovod_unavailable() is None, reason="Horovod is installed here: it runs above")
 def test_a_missing_horovod_is_a_skipped_column_that_says_how_to_build_it(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
