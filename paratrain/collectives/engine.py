@@ -200,9 +200,9 @@ def own_address(transport: Transport) -> str:
 class TorchEngine:
     """One torch.distributed process group over the ranks of one :class:`~paratrain.collectives.api.Collectives`.
 
-    Built collectively by :meth:`Collectives.use_torch_distributed` (rank 0 opens a ``TCPStore`` on its
-    advertised address and broadcasts it with paratrain's own broadcast). Methods run after paratrain's
-    agreement, on tensors of ``device_type``; each waits for its work with the call's timeout.
+    Built collectively by :meth:`connect` (rank 0 opens a ``TCPStore`` on its advertised address; every rank
+    learns where through paratrain's own allgather). Methods run after paratrain's agreement, on tensors of
+    ``device_type``; each waits for its work with the call's timeout.
     """
 
     def __init__(self, backend: str, device_type: str, group: Any, store: Any, *, rank: int, world_size: int) -> None:
