@@ -247,3 +247,55 @@ def test_the_engine_choice_is_logged_once(caplog: pytest.LogCaptureFixture) -> N
 
     run_ranks(2, worker, timeout=60)
     assert sum("gloo process group of 2 rank(s) for cpu tensors" in r.getMessage() for r in caplog.records) == 2
+
+
+@pytest.mark.parametrize(
+    ("preference", "backend", "logged"),
+    [
+        ("gloo", "gloo", "collectives on CUDA tensors: gloo (PARATRAIN_CUDA_COLLECTIVES=gloo)"),
+        (
+            "auto",
+            None,
+            "collectives on CUDA tensors: staged (staging through pinned host memory: ranks 0 and 1 share "
+            "GPU GPU-shared (NCCL needs one GPU per rank))",
+        ),
+        ("staged", None, "collectives on CUDA tensors: staged (PARATRAIN_CUDA_COLLECTIVES=staged)"),
+    ],
+)
+def test_the_cuda_choice_is_made_once_by_every_rank_and_logged(
+    preference: str, backend: str | None, logged: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The choice's own code on the CPU: the GPU's name stubbed (two thread ranks "share" one GPU), every rank
+    deciding alike, the decision cached, the engine opened for CUDA tensors (Gloo's process group needs no GPU to
+    open), and rank 0's log line. NCCL is said to be there, so that ``auto`` stages because the GPU is shared."""
+    monkeypatch.setattr("paratrain.collectives.routing.gpu_name", lambda device, host=None: "GPU-shared")
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setenv("PARATRAIN_CUDA_COLLECTIVES", preference)
+    caplog.set_level(logging.INFO, logger="paratrain.collectives")
+
+    def worker(ctx: Context) -> tuple[str | None, bool]:
+        engine = ctx.collectives.device_engine(torch.device("cuda", 0))
+        again = ctx.collectives.device_engine(torch.device("cuda", 0))  # decided: no second exchange
+        assert ctx.allreduce(torch.ones(1)).tolist() == [2.0]  # the ranks' tags are still in step
+        return (engine.name if engine is not None else None), again is engine
+
+    assert run_ranks(2, worker, timeout=60) == [(backend, True)] * 2
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("collectives on CUDA tensors")]
+    assert lines == [logged]
+
+
+def test_insisting_on_nccl_where_it_cannot_run_fails_every_rank_at_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("paratrain.collectives.routing.gpu_name", lambda device, host=None: "GPU-shared")
+    monkeypatch.setenv("PARATRAIN_CUDA_COLLECTIVES", "nccl")
+
+    def worker(ctx: Context) -> list[str]:
+        messages = []
+        for _ in range(2):
+            with pytest.raises(ConfigError) as info:
+                ctx.collectives.device_engine(torch.device("cuda", 0))
+            messages.append(str(info.value))
+        assert ctx.allreduce(torch.ones(1)).tolist() == [2.0]
+        return messages
+
+    first, second = run_ranks(2, worker, timeout=60)
+    assert first == second and first[0] == first[1] and "PARATRAIN_CUDA_COLLECTIVES=nccl, but" in first[0]
