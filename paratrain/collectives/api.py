@@ -427,6 +427,18 @@ class Collectives:
         """
         return self._routes.use(backend, device_type, timeout)
 
+    def open_torch_distributed(
+        self, backend: str, device_type: str | None = None, *, timeout: float | None = None
+    ) -> TorchEngine:
+        """A torch.distributed process group of ``backend`` over these ranks for the caller's own traffic (the
+        pipeline's point-to-point sends: :mod:`paratrain.torch.pipeline`); the collectives do not use it. Collective
+        (every rank calls it, in the order of its other collectives); :meth:`TorchEngine.close` lets it go.
+
+        Raises:
+            ConfigError: as :meth:`use_torch_distributed`.
+        """
+        return self._routes.open(backend, device_type, timeout)
+
     def device_engine(self, device: Any) -> TorchEngine | None:
         """The engine that carries collectives of tensors on torch device ``device``, or None where paratrain's own
         algorithms do (staging device tensors through host memory).

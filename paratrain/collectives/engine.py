@@ -53,8 +53,10 @@ __all__ = [
     "PREFERENCES",
     "DeviceIdentity",
     "EngineChoice",
+    "Sent",
     "TorchEngine",
     "choose_engine",
+    "choose_link",
     "gpu_name",
     "own_address",
 ]
@@ -164,6 +166,29 @@ def choose_engine(identities: Sequence[DeviceIdentity]) -> EngineChoice:
             "(torch.cuda.set_device(ctx.local_rank)) or unset it to stage through host memory"
         )
     return EngineChoice(None, f"staging through pinned host memory: {problem}")
+
+
+def choose_link(identities: Sequence[DeviceIdentity]) -> EngineChoice:
+    """How pipeline stages pass activations and gradients to each other, from every stage's identity (a CPU
+    stage's device name starts with ``cpu:``): NCCL, device to device, where every stage is on a GPU of its own;
+    Gloo where asked for (CPU stages only: Gloo's GPU support has no send and receive); else None, paratrain's
+    transport through host memory. Pure; every stage decides alike.
+
+    Raises:
+        ConfigError: as :func:`choose_engine`, and Gloo asked for with a stage on a GPU.
+
+    Example:
+        >>> choose_link([DeviceIdentity("cpu:0", False, "auto"), DeviceIdentity("GPU-b", True, "auto")])
+        EngineChoice(backend=None, reason='stage(s) 0 on the CPU: through host memory')
+    """
+    on_cpu = [r for r, i in enumerate(identities) if i.device.startswith("cpu:")]
+    preferences = {i.preference for i in identities}
+    if on_cpu and preferences == {"auto"}:
+        return EngineChoice(None, f"stage(s) {', '.join(map(str, on_cpu))} on the CPU: through host memory")
+    choice = choose_engine(identities)
+    if choice.backend == "gloo" and len(on_cpu) < len(identities):
+        raise ConfigError("p2p='gloo' sends CPU tensors only (Gloo's GPU support has no send); use 'nccl' or 'staged'")
+    return choice
 
 
 def gpu_name(device: Any, host: str | None = None) -> str:
@@ -368,17 +393,58 @@ class TorchEngine:
         self._settle(mine)
         return mine
 
+    # -- point to point (pipeline stages' activations and gradients: :mod:`paratrain.torch.pipeline`)
+
+    def isend(self, t: Any, peer: int) -> Sent:
+        """Starts sending contiguous ``t`` to rank ``peer``; :meth:`Sent.wait` finishes it. Sends to one peer arrive
+        in the order they were started (tag 0 for all: NCCL matches point-to-point operations in order, and Gloo
+        is held to the same rule, so a CPU test catches what would mismatch on a GPU). On CUDA the send starts
+        after the kernels already queued on the current stream (those that produced ``t``)."""
+        with self._lock:
+            self._check()
+            self.calls += 1
+            try:
+                if t.device.type == "cuda":
+                    import torch
+
+                    with torch.cuda.device(t.device):
+                        work = self._group.send([t], peer, 0)
+                else:
+                    work = self._group.send([t], peer, 0)
+            except RuntimeError as exc:
+                raise self._failure("send", exc, 0.0) from exc
+        return Sent(self, work, t)
+
+    def recv_(self, t: Any, peer: int, timeout: float) -> None:
+        """Fills contiguous ``t`` with the next tensor rank ``peer`` sends (in send order); on CUDA the current stream
+        then waits for it (no host wait: the stage's next kernels use it on that stream)."""
+        self._do("recv", t, None, timeout, lambda: self._group.recv([t], peer, 0))
+
     # -- plumbing
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise TransportError(
+                f"the {self.name} engine failed earlier ({self._broken}) and takes no more calls; "
+                "restart the job (set PARATRAIN_CUDA_COLLECTIVES=staged to keep off it)"
+            )
+
+    def _failure(self, what: str, exc: RuntimeError, timeout: float) -> TransportError:
+        """``exc`` from the process group as a paratrain error; the engine is broken from now on."""
+        self._broken = f"{what}: {exc}".splitlines()[0]
+        text = str(exc).lower()
+        if "timed out" in text or "timeout" in text:
+            return CommTimeoutError(
+                f"{self.name} {what} did not complete within {timeout:g} s ({self._broken}); a rank is "
+                "stuck or slow: raise PARATRAIN_TIMEOUT or look for a straggler"
+            )
+        return TransportError(f"{self.name} {what} failed on rank {self.rank} ({self._broken}); a peer probably died")
 
     def _do(self, what: str, t: Any, after: Any, timeout: float, start: Any) -> None:
         """Runs ``start()`` (launches the work) after ``after`` and waits for it; failures become paratrain
         errors and break the engine."""
         with self._lock:
-            if self._broken is not None:
-                raise TransportError(
-                    f"the {self.name} engine failed earlier ({self._broken}) and takes no more calls; "
-                    "restart the job (set PARATRAIN_CUDA_COLLECTIVES=staged to keep off it)"
-                )
+            self._check()
             if t.numel() == 0:
                 return
             self.calls += 1
@@ -393,16 +459,7 @@ class TorchEngine:
                 else:
                     start().wait(datetime.timedelta(seconds=timeout))
             except RuntimeError as exc:
-                self._broken = f"{what}: {exc}".splitlines()[0]
-                text = str(exc).lower()
-                if "timed out" in text or "timeout" in text:
-                    raise CommTimeoutError(
-                        f"{self.name} {what} did not complete within {timeout:g} s ({self._broken}); a rank is "
-                        "stuck or slow: raise PARATRAIN_TIMEOUT or look for a straggler"
-                    ) from exc
-                raise TransportError(
-                    f"{self.name} {what} failed on rank {self.rank} ({self._broken}); a peer probably died"
-                ) from exc
+                raise self._failure(what, exc, timeout) from exc
 
     @staticmethod
     def _settle(t: Any) -> None:
@@ -430,3 +487,28 @@ def _dist() -> Any:
     import torch.distributed
 
     return torch.distributed
+
+
+class Sent:
+    """A send in flight (:meth:`TorchEngine.isend`); holds the tensor until the send is done."""
+
+    def __init__(self, engine: TorchEngine, work: Any, tensor: Any) -> None:
+        self._engine = engine
+        self._work: Any = work
+        self._tensor: Any = tensor
+
+    def wait(self, timeout: float) -> None:
+        """Blocks until the bytes are handed over (a failure: the engine's paratrain error)."""
+        if self._work is None:
+            return
+        try:
+            if self._tensor.device.type == "cuda":
+                import torch
+
+                with torch.cuda.device(self._tensor.device):
+                    self._work.wait(datetime.timedelta(seconds=timeout))
+            else:
+                self._work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            raise self._engine._failure("send", exc, timeout) from exc
+        self._work = self._tensor = None

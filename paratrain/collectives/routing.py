@@ -81,8 +81,17 @@ class EngineRoutes:
     # -- which engine
 
     def use(self, backend: str, device_type: str | None, timeout: float | None) -> TorchEngine:
-        """Opens an engine of ``backend`` for tensors of ``device_type``, collectively (see
-        :meth:`Collectives.use_torch_distributed`)."""
+        """Opens an engine of ``backend`` for tensors of ``device_type``, collectively, and sends those tensors'
+        collectives through it (see :meth:`Collectives.use_torch_distributed`)."""
+        engine = self.open(backend, device_type, timeout)
+        old = self.engines.pop(engine.device_type, None)
+        if old is not None:
+            old.close()
+        self.engines[engine.device_type] = engine
+        return engine
+
+    def open(self, backend: str, device_type: str | None, timeout: float | None) -> TorchEngine:
+        """Opens an engine of ``backend`` for tensors of ``device_type``, collectively, for its caller alone."""
         kind = device_type or ("cuda" if backend == "nccl" else "cpu")
 
         def gather(record: bytes) -> list[bytes]:
@@ -90,7 +99,7 @@ class EngineRoutes:
             row[0, : len(record)] = np.frombuffer(record[:256], dtype=np.uint8)
             return [bytes(r).rstrip(b"\0") for r in self._allgather(row, timeout=timeout)]
 
-        engine = TorchEngine.connect(
+        return TorchEngine.connect(
             backend=backend,
             device_type=kind,
             rank=self.transport.rank,
@@ -99,11 +108,6 @@ class EngineRoutes:
             gather=gather,
             timeout=self.timeout if timeout is None else timeout,
         )
-        old = self.engines.pop(kind, None)
-        if old is not None:
-            old.close()
-        self.engines[kind] = engine
-        return engine
 
     def device_engine(self, device: Any) -> TorchEngine | None:
         """The engine of torch device ``device``'s tensors, or None (see :meth:`Collectives.device_engine`)."""

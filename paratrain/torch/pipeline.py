@@ -23,7 +23,12 @@ parameters of that moment, :func:`torch.func.functional_call`, and its gradient 
 versions each forward and backward used are recorded (:attr:`Pipe.versions`) and equal the schedule's.
 
 Messages travel through the group's transport with tags from the group's own space (one tag per micro-batch and
-direction per step); sends never block, and a stage waits only for the message its next step needs. A stage
+direction per step); sends never block, and a stage waits only for the message its next step needs. Where every
+stage computes on a GPU of its own (``p2p=``, decided by all stages together), the bytes of activations and
+gradients go device to device through two NCCL process groups instead, one per direction (each direction's sends
+then arrive in the order they were made, which is the order the schedule receives them; one group for both would
+let a stage's send wait behind its own receive); the transport still carries each tensor's shape and dtype under
+its tag, so a lost or late stage is noticed there as before. CPU tests run that path with Gloo (``p2p="gloo"``). A stage
 that fails makes the others fail too: its process exits (the launcher stops the job) or, in-process, the
 transport is aborted; a receive never waits longer than the context's timeout.
 
@@ -36,6 +41,7 @@ the run's timeline, and the benchmark measures each stage's bubble from them.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,8 +50,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from paratrain.collectives.engine import ENGINE_DTYPES, DeviceIdentity, TorchEngine, choose_link, gpu_name
 from paratrain.device import on_device, to_host
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, MessageError
 from paratrain.launch.kills import kill_point
 from paratrain.pipeline.schedules import (
     Schedule,
@@ -61,6 +68,8 @@ from paratrain.runtime.group import Group
 from paratrain.transport.base import Handle
 
 __all__ = ["Pipe"]
+
+log = logging.getLogger("paratrain.pipeline")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: ``trace(name, category, start, end)``: one span of a stage's work (times from ``time.time()``).
@@ -107,6 +116,10 @@ class Pipe:
         device: where this stage computes, one device for all or one per stage (``["cuda:0", "cuda:1"]``, or
             ``"cuda"`` for processes that each see one GPU); the stage's layers are moved there, and its inputs
             (stage 0) and targets (the last stage). Default: where the stage's layers already are.
+        p2p: how stages pass activations and gradients: ``"auto"`` (NCCL, device to device, where every stage is on
+            a GPU of its own and torch has NCCL; else through host memory), ``"staged"`` (always through host
+            memory and paratrain's transport), ``"nccl"`` (insist), ``"gloo"`` (CPU stages through Gloo). Decided
+            by every stage together when the pipe is built (logged by stage 0).
 
     Example:
         >>> from paratrain.testing import run_ranks
@@ -137,6 +150,7 @@ class Pipe:
         replicas: int = 1,
         trace: Trace | None = None,
         device: str | torch.device | Sequence[str | torch.device] | None = None,
+        p2p: str = "auto",
     ) -> None:
         self.context = context if context is not None else current()
         modules = list(layers)
@@ -201,6 +215,64 @@ class Pipe:
         self.versions: list[tuple[str, int, int]] = []
         self._timeout = self.context.settings.timeout
         self._steps = 0  # mini-batches begun: where a kill schedule's step kill fires
+        #: the engines that carry activations (forward) and gradients (backward) between stages, one process group
+        #: each so that each direction's sends arrive in order; None: paratrain's transport, through host memory
+        self.links: tuple[TorchEngine, TorchEngine] | None = self._open_links(p2p)
+
+    def _open_links(self, p2p: str) -> tuple[TorchEngine, TorchEngine] | None:
+        """Every stage says where it computes; :func:`choose_link` decides alike on all (collective)."""
+        import torch.distributed as dist
+
+        cuda = self.device.type == "cuda"
+        nccl = cuda and dist.is_available() and dist.is_nccl_available()
+        name = gpu_name(self.device) if cuda else f"cpu:{self.group.rank}"
+        mine = DeviceIdentity(name, bool(nccl), p2p)
+        rows = self.group.collectives.allgather(mine.encode().reshape(1, -1))
+        choice = choose_link([DeviceIdentity.decode(row) for row in rows])
+        if self.group.rank == 0 and self.num_stages > 1:
+            log.info("pipeline stages pass activations %s (%s)", choice.backend or "through host memory", choice.reason)
+        if choice.backend is None or self.num_stages == 1:
+            return None
+        kind = "cuda" if cuda else "cpu"
+        collectives = self.group.collectives
+        return collectives.open_torch_distributed(choice.backend, kind), collectives.open_torch_distributed(
+            choice.backend, kind
+        )
+
+    def close(self) -> None:
+        """Lets the stages' point-to-point process groups go (a no-op through host memory). Idempotent."""
+        links, self.links = self.links, None
+        for engine in links or ():
+            engine.close()
+
+    def _send(self, peer: int, tag: int, tensor: torch.Tensor, *, forward: bool) -> Any:
+        """Starts sending an activation (``forward``) or a gradient to stage ``peer``; ``.wait(timeout)`` ends it.
+
+        Through the links: the shape and dtype go through the transport under ``tag`` (so a lost peer or a
+        timeout is noticed there, as without links), the bytes through the direction's process group."""
+        transport = self.group.transport
+        if self.links is None:
+            return transport.isend(peer, tag, [_array(tensor)])
+        data = tensor.detach().contiguous()
+        dtype = str(data.dtype).removeprefix("torch.")
+        if dtype not in ENGINE_DTYPES:
+            raise ConfigError(
+                f"stage {self.stage_index} sends {dtype} tensors, which {self.links[0].name} cannot carry"
+            )
+        meta = transport.isend(peer, tag, [], {"s": list(data.shape), "d": dtype})
+        return _Both(meta, self.links[0 if forward else 1].isend(data, peer))
+
+    def _recv(self, peer: int, tag: int, *, forward: bool) -> torch.Tensor:
+        """The next activation (``forward``) or gradient from stage ``peer``, on this stage's device."""
+        msg = self.group.transport.recv(peer, tag, timeout=self._timeout)
+        if self.links is None:
+            return self._received(msg.arrays[0])
+        shape, dtype = msg.meta.get("s"), msg.meta.get("d")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and dtype in ENGINE_DTYPES):
+            raise MessageError(f"stage {peer} announced a tensor of shape {shape!r} and dtype {dtype!r}")
+        out = torch.empty(shape, dtype=getattr(torch, str(dtype)), device=self.device)
+        self.links[0 if forward else 1].recv_(out, peer, self._timeout)
+        return out
 
     def _auto_balance(self, how: str, modules: list[nn.Module], sample: torch.Tensor | None, stages: int) -> list[int]:
         """Rank 0 profiles and partitions; every worker gets its answer (a broadcast), so all agree."""
@@ -289,21 +361,16 @@ class Pipe:
             raise ConfigError("stage 0 needs the inputs to predict")
         m = self.microbatches
         base = self.group.reserve_tags(m)
-        transport = self.group.transport
         xs = list(torch.tensor_split(inputs.to(self.device), m)) if self.is_first and inputs is not None else []
         outs: list[torch.Tensor] = []
-        sends: list[Handle[None]] = []
+        sends: list[Any] = []
         for mb in range(m):
-            if self.is_first:
-                inp = xs[mb]
-            else:
-                msg = transport.recv(self.stage_index - 1, base - mb, timeout=self._timeout)
-                inp = self._received(msg.arrays[0])
+            inp = xs[mb] if self.is_first else self._recv(self.stage_index - 1, base - mb, forward=True)
             out = self.module(inp)
             if self.is_last:
                 outs.append(out)
             else:
-                sends.append(transport.isend(self.stage_index + 1, base - mb, [_array(out)]))
+                sends.append(self._send(self.stage_index + 1, base - mb, out, forward=True))
         for handle in sends:
             handle.wait(self._timeout)
         return torch.cat(outs) if self.is_last else None
@@ -333,7 +400,7 @@ class Pipe:
         ys = list(torch.tensor_split(targets.to(self.device), m)) if self.is_last and targets is not None else []
         base = self.group.reserve_tags(2 * m + 1)
         transport = self.group.transport
-        sends: list[Handle[None]] = []
+        sends: list[Any] = []
         held: dict[int, tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None, int, int]] = {}
         holding = 0
         total: float | None = 0.0 if self.is_last else None
@@ -359,9 +426,9 @@ class Pipe:
                 if self.is_first:
                     inp = xs[mb]
                 else:
-                    msg = transport.recv(self.stage_index - 1, base - activation_tag(mb), timeout=self._timeout)
+                    inp = self._recv(self.stage_index - 1, base - activation_tag(mb), forward=True)
                     # the input's gradient only where a stage before this one learns
-                    inp = self._received(msg.arrays[0]).requires_grad_(self.stage_index > self.gradient_from)
+                    inp = inp.requires_grad_(self.stage_index > self.gradient_from)
                     if trace is not None:
                         t0 = _span(trace, f"wait activation {mb}", "waiting", t0)
                 params: dict[str, torch.Tensor] | None = None
@@ -391,7 +458,7 @@ class Pipe:
                 if trace is not None:
                     t0 = _span(trace, f"forward {mb}", "compute", t0)
                 if not self.is_last:
-                    sends.append(transport.isend(self.stage_index + 1, base - activation_tag(mb), [_array(out)]))
+                    sends.append(self._send(self.stage_index + 1, base - activation_tag(mb), out, forward=True))
                     if trace is not None:
                         _span(trace, f"send activation {mb}", "communication", t0)
                 held[mb] = (
@@ -418,10 +485,10 @@ class Pipe:
             if self.is_last:
                 torch.autograd.backward(out)
             else:
-                msg = transport.recv(self.stage_index + 1, base - gradient_tag(mb), timeout=self._timeout)
+                upstream = self._recv(self.stage_index + 1, base - gradient_tag(mb), forward=False)
                 if trace is not None:
                     t0 = _span(trace, f"wait gradient {mb}", "waiting", t0)
-                torch.autograd.backward(out, self._received(msg.arrays[0]))
+                torch.autograd.backward(out, upstream)
             if params is not None:  # the stashed copy's gradient goes to the live parameters
                 for name, p in self.module.named_parameters():
                     grad = params[name].grad
@@ -431,7 +498,7 @@ class Pipe:
                 t0 = _span(trace, f"backward {mb}", "compute", t0)
             if self.stage_index > self.gradient_from:
                 assert inp.grad is not None
-                sends.append(transport.isend(self.stage_index - 1, base - gradient_tag(mb), [_array(inp.grad)]))
+                sends.append(self._send(self.stage_index - 1, base - gradient_tag(mb), inp.grad, forward=False))
                 if trace is not None:
                     _span(trace, f"send gradient {mb}", "communication", t0)
         # stages in front of the first learner get no gradients to wait for: an empty message from the next
@@ -481,3 +548,14 @@ def _schedule(name: str, stages: int, microbatches: int) -> Schedule:
         return schedule(name, stages, microbatches)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+class _Both:
+    """A send through a link: the announcement through the transport and the bytes through the process group."""
+
+    def __init__(self, meta: Handle[None], data: Any) -> None:
+        self.meta, self.data = meta, data
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.meta.wait(timeout)
+        self.data.wait(timeout if timeout is not None else 300.0)

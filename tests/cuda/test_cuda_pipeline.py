@@ -22,7 +22,7 @@ pytestmark = [
 ]
 
 
-def train(devices: list[str], schedule: str) -> list[tuple[list[float], dict[str, Any]]]:
+def train(devices: list[str], schedule: str, p2p: str = "auto") -> list[tuple[list[float], dict[str, Any]]]:
     gen = torch.Generator().manual_seed(5)
     xs, ys = torch.randn(3, 12, 8, generator=gen), torch.randn(3, 12, 2, generator=gen)
 
@@ -41,8 +41,12 @@ def train(devices: list[str], schedule: str) -> list[tuple[list[float], dict[str
             loss_fn=nn.MSELoss(reduction="sum"),
             context=ctx,
             device=devices,
+            p2p=p2p,
         )
         assert pipe.device == torch.device(devices[ctx.rank])
+        # a stage on the CPU, or stages sharing a GPU: activations go through host memory; a GPU each: NCCL
+        host = "cpu" in devices or len(set(devices)) < len(devices)
+        assert (pipe.links is None) == host
         losses = [pipe.step(xs[k], ys[k]) for k in range(3)]
         return [loss for loss in losses if loss is not None], {
             n: p.detach().cpu() for n, p in pipe.module.named_parameters()
@@ -56,6 +60,18 @@ def train(devices: list[str], schedule: str) -> list[tuple[list[float], dict[str
 def test_stages_on_the_gpu_train_as_on_the_cpu(devices: list[str], schedule: str) -> None:
     for (losses, params), (cpu_losses, cpu_params) in zip(
         train(devices, schedule), train(["cpu", "cpu"], schedule), strict=True
+    ):
+        assert losses == pytest.approx(cpu_losses, rel=1e-5)
+        for name, value in cpu_params.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL's device-to-device sends need a GPU per stage")
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p2p", ["auto", "nccl"])
+def test_stages_on_two_gpus_send_device_to_device_through_nccl(schedule: str, p2p: str) -> None:
+    for (losses, params), (cpu_losses, cpu_params) in zip(
+        train(["cuda:0", "cuda:1"], schedule, p2p), train(["cpu", "cpu"], schedule), strict=True
     ):
         assert losses == pytest.approx(cpu_losses, rel=1e-5)
         for name, value in cpu_params.items():

@@ -299,3 +299,32 @@ def test_insisting_on_nccl_where_it_cannot_run_fails_every_rank_at_every_call(mo
 
     first, second = run_ranks(2, worker, timeout=60)
     assert first == second and first[0] == first[1] and "PARATRAIN_CUDA_COLLECTIVES=nccl, but" in first[0]
+
+
+@pytest.mark.parametrize(
+    ("devices", "preference", "backend"),
+    [
+        (["GPU-a", "GPU-b"], "auto", "nccl"),
+        (["cpu:0", "GPU-b"], "auto", None),
+        (["GPU-a", "GPU-a"], "auto", None),
+        (["cpu:0", "cpu:1"], "gloo", "gloo"),
+        (["GPU-a", "GPU-b"], "staged", None),
+    ],
+)
+def test_how_pipeline_stages_are_linked(devices: list[str], preference: str, backend: str | None) -> None:
+    from paratrain.collectives.engine import choose_link
+
+    ids = [DeviceIdentity(d, not d.startswith("cpu:"), preference) for d in devices]
+    assert choose_link(ids).backend == backend
+
+
+@pytest.mark.parametrize(
+    ("devices", "preference", "message"),
+    [(["cpu:0", "GPU-b"], "gloo", "sends CPU tensors only"), (["cpu:0", "GPU-b"], "nccl", "no NCCL on rank")],
+)
+def test_impossible_pipeline_links_are_config_errors(devices: list[str], preference: str, message: str) -> None:
+    from paratrain.collectives.engine import choose_link
+
+    ids = [DeviceIdentity(d, not d.startswith("cpu:"), preference) for d in devices]
+    with pytest.raises(ConfigError, match=message):
+        choose_link(ids)

@@ -77,7 +77,7 @@ def _reference(microbatches: int) -> list[np.ndarray]:
 
 
 def _pipelined(
-    stages: int, microbatches: int, schedule: str, *, checkpoint: bool = False
+    stages: int, microbatches: int, schedule: str, *, checkpoint: bool = False, p2p: str = "auto"
 ) -> list[tuple[list[np.ndarray], list]]:
     def stage(ctx: Context) -> tuple[list[np.ndarray], list]:
         pipe = Pipe(
@@ -89,10 +89,14 @@ def _pipelined(
             loss_fn=nn.MSELoss(reduction="sum"),
             context=ctx,
             checkpoint=checkpoint,
+            p2p=p2p,
         )
         for step in range(STEPS):
             x, y = _batch(step)
             pipe.step(x, y)
+        if p2p == "gloo":  # the links carried every activation and gradient
+            assert pipe.links is not None and all(link.calls > 0 for link in pipe.links[: 1 if stages == 1 else 2])
+        pipe.close()
         return [p.detach().numpy().copy() for p in pipe.module.parameters()], pipe.versions
 
     return run_ranks(stages, stage, timeout=120)
@@ -126,6 +130,36 @@ def test_pipedream_uses_the_planned_weight_version_for_every_step(
         taken = sum(1 for st in plan.stages[s] if st.kind == "S")
         expected = [(k, m, v + step * taken) for step in range(STEPS) for k, m, v in per_step]
         assert versions == expected, f"stage {s}"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream", "pipedream-vsync"])
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 3), (3, 8), (4, 2)])
+def test_stages_linked_by_a_process_group_train_exactly_as_through_host_memory(
+    schedule: str, stages: int, microbatches: int
+) -> None:
+    """``p2p="gloo"``: activations and gradients through two Gloo process groups (one per direction; every send
+    under one tag, so they match in order, as NCCL's do), shapes announced through the transport: the same
+    parameters and weight versions, to the bit, as through the transport."""
+    staged = _pipelined(stages, microbatches, schedule, p2p="staged")
+    linked = _pipelined(stages, microbatches, schedule, p2p="gloo")
+    for (want, want_versions), (got, got_versions) in zip(staged, linked, strict=True):
+        assert got_versions == want_versions
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_how_stages_are_linked_is_decided_together() -> None:
+    def stage(ctx: Context) -> tuple[str, str]:
+        kwargs = {"balance": _balance(2), "microbatches": 2, "optimizer": _optimizer, "context": ctx}
+        pipe = Pipe(_layers(), loss_fn=nn.MSELoss(reduction="sum"), **kwargs)  # type: ignore[arg-type]
+        auto = "host" if pipe.links is None else pipe.links[0].name
+        with pytest.raises(ConfigError) as info:  # one stage asks for Gloo, the other for NCCL: every stage fails
+            Pipe(_layers(), loss_fn=nn.MSELoss(), p2p="gloo" if ctx.rank else "nccl", **kwargs)  # type: ignore[arg-type]
+        return auto, str(info.value)
+
+    (auto0, error0), (auto1, error1) = run_ranks(2, stage, timeout=60)
+    assert auto0 == auto1 == "host"  # CPU stages: through host memory
+    assert error0 == error1 and "set it alike on every rank" in error0
 
 
 def test_a_shape_mismatch_between_stages_fails_every_stage_without_a_hang() -> None:
@@ -226,8 +260,9 @@ def test_activation_memory_held_per_stage(schedule: str, checkpoint: bool, expec
 _SQUARE = [nn.Linear(16, 16, dtype=torch.float64) for _ in range(4)]
 
 
+@pytest.mark.parametrize("p2p", ["staged", "gloo"])
 @pytest.mark.parametrize(("stages", "microbatches"), [(2, 1), (3, 4), (4, 8)])
-def test_predict_equals_the_whole_model(stages: int, microbatches: int) -> None:
+def test_predict_equals_the_whole_model(stages: int, microbatches: int, p2p: str) -> None:
     x, _ = _batch(99)
     expected = nn.Sequential(*_layers())(x).detach().numpy()
 
@@ -239,6 +274,7 @@ def test_predict_equals_the_whole_model(stages: int, microbatches: int) -> None:
             optimizer=_optimizer,
             loss_fn=nn.MSELoss(reduction="sum"),
             context=ctx,
+            p2p=p2p,
         )
         out = pipe.predict(x if ctx.rank == 0 else None)
         pipe.step(*_batch(0))  # the tags of training after prediction stay matched
