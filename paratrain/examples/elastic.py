@@ -37,7 +37,8 @@ def main() -> None:
     parser.add_argument(
         "--until-joined",
         action="store_true",
-        help="after --steps, go on until every launched worker is back (at most 1000 x --steps)",
+        help="after --steps, go on until every launched worker is back (at most 50000 x --steps: a bound in steps, "
+        "which every rank counts alike, long enough for a cold start on a loaded machine)",
     )
     args = parser.parse_args()
     ctx = pt.init()
@@ -48,7 +49,7 @@ def main() -> None:
     step = int(ckpt.meta["step"]) if ckpt is not None else 0
     sizes = {rel.ctx.world_size}
     # every rank decides alike: the members and the step are the same everywhere
-    while step < args.steps or (args.until_joined and len(rel.members) < shards and step < 1000 * args.steps):
+    while step < args.steps or (args.until_joined and len(rel.members) < shards and step < 50_000 * args.steps):
         while True:  # more than once only when the job changes size during the step
             rank, world = rel.ctx.rank, rel.ctx.world_size
             mine = sum((shard_value(step, v) for v in range(rank, shards, world)), np.zeros(4))
