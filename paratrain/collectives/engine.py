@@ -363,12 +363,14 @@ class TorchEngine:
         shorter parts travel padded to the longest."""
         import torch
 
+        if after is not None:  # the copy into the padded part below reads t: after the kernels that wrote it
+            torch.cuda.current_stream(t.device).wait_event(after)
         part = t.reshape((1, *t.shape)) if t.dim() == 0 else t
         longest = max(rows)
         padded = part.new_zeros((longest, *part.shape[1:]))
         padded[: part.shape[0]] = part
         outputs = [torch.empty_like(padded) for _ in rows]
-        self._do("allgather", padded, after, timeout, lambda: self._group.allgather([outputs], [padded]))
+        self._do("allgather", padded, None, timeout, lambda: self._group.allgather([outputs], [padded]))
         result = torch.cat([out[:n] for out, n in zip(outputs, rows, strict=True)])
         self._settle(result)
         return result

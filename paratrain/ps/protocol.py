@@ -39,7 +39,9 @@ REQUEST_TAG = -(1 << 56)
 _REPLY_BASE = -(1 << 57)
 
 #: Request operations a server understands.
-OPS = ("init", "push", "pull", "clock", "wait_clock", "join", "leave", "batch")
+#: every request a worker sends a server (servers send each other ``replicate``, ``replicate_batch``,
+#: ``replicate_states``, ``notice``, ``replicated``, ``members`` and ``snapshot``)
+OPS = ("init", "push", "pull", "clock", "wait_clock", "join", "leave", "batch", "fence", "flush")
 
 
 def forward_ids(meta: Mapping[str, Any]) -> list[int]:

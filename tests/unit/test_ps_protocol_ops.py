@@ -1,0 +1,16 @@
+"""``paratrain.ps.protocol.OPS`` names exactly the requests the worker's client sends (it had fallen behind:
+``fence`` and ``flush`` were missing)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import paratrain.ps.client
+from paratrain.ps.protocol import OPS
+
+
+def test_ops_names_every_request_a_worker_sends() -> None:
+    source = Path(paratrain.ps.client.__file__).read_text(encoding="utf-8")
+    assert set(re.findall(r'"op": "([a-z_]+)"', source)) == set(OPS)
+    assert len(OPS) == len(set(OPS))
