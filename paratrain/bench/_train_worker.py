@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.nn import functional
 
     from paratrain.train.models import build_model
+    from paratrain.train.worker import worker_device
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     torch.manual_seed(0)
@@ -62,11 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     elif args.mode == "paratrain":
         rank = int(os.environ.get("LOCAL_RANK", "0"))  # (its GPU; pt.init() below gives the rank)
-    device = torch.device("cpu")
-    if args.device == "cuda":  # processes share the GPUs there are, round robin (one each where there are enough)
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        model.to(device)
+    # processes share the GPUs there are, round robin (one each where there are enough)
+    device = worker_device(args.device, rank)
+    model.to(device)
     optimizer: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     barrier: Any = None
     sync: Any = None

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from paratrain._arrays import is_torch_tensor
 from paratrain.errors import CommTimeoutError, ConfigError, TransportError
 from paratrain.transport.base import Transport
 
@@ -308,8 +309,6 @@ class TorchEngine:
     def takes(self, x: object, kind: str, op: str | None = None) -> bool:
         """``x`` is a torch tensor on this engine's device type, of a dtype (and ``op``) the engine reduces, for a
         collective ``kind`` it runs there (Gloo runs only allreduce and broadcast on CUDA tensors)."""
-        from paratrain._arrays import is_torch_tensor
-
         if not is_torch_tensor(x):
             return False
         t: Any = x

@@ -560,6 +560,6 @@ class _Both:
     def __init__(self, meta: Handle[None], data: Any) -> None:
         self.meta, self.data = meta, data
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float) -> None:
         self.meta.wait(timeout)
-        self.data.wait(timeout if timeout is not None else 300.0)
+        self.data.wait(timeout)

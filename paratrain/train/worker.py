@@ -142,16 +142,18 @@ def epoch_line(epoch: int, epochs: int, train_loss: float, accuracy: float, test
     )
 
 
-def worker_device(name: str) -> Any:
-    """The torch device this worker trains on: the CPU, or for ``cuda`` GPU ``LOCAL_RANK`` modulo the GPUs there are
-    (made the current device, as collectives on CUDA tensors and NCCL expect)."""
+def worker_device(name: str, index: int | None = None) -> Any:
+    """The torch device this worker trains on: the CPU, or for ``cuda`` GPU ``index`` (default ``LOCAL_RANK``)
+    modulo the GPUs there are (made the current device, as collectives on CUDA tensors and NCCL expect)."""
     import torch
 
     if name != "cuda":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise SystemExit("--device cuda, but torch sees no CUDA device on this host")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if index is None:
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", index % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
 
