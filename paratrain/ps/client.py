@@ -531,8 +531,8 @@ class KVStore:
         self._demoted.append(server)
         self.resyncs += 1
         self.fences.append((seen, time.monotonic() - started))
-        return True
         log.info("worker %d: server rank %d caught up after its restart; it is a backup again", self.rank, server)
+        return True
 
     def _push_handle(self) -> Handle[None]:
         """The handle of a replicated push. Under BSP/SSP a push is acknowledged once a state of its chunk that

@@ -28,10 +28,14 @@ several donors (a server's chunks spread over all the others) no two would be co
 fence costs one pause of every worker, as long as the copy takes (measured in ``benchmarks/recovery``), once per
 restart. A worker blocked in a pull that waits for another worker's clock notices the newcomer while it waits
 and fences there. A worker can also wait on another outside the parameter server (a collective among the workers,
-say) while that one stands at its fence: so a round of fences has a window (1 s, then doubled each time); if some
-worker has not fenced when it closes, the fenced ones are released (``retry``) and fence again at their next call,
-with the newcomer already known to all (so they tend to fence at the same point of their loop). Training goes on
-meanwhile; the newcomer is a backup only once a round completes.
+say) while that one stands at its fence: so a round of fences has a window (0.1 s, then doubled each time); if
+some worker has not fenced when it closes, the fenced ones are released (``retry``) and fence again at their next
+call, with the newcomer already known to all (so they tend to fence at the same point of their loop). Training goes
+on meanwhile; the newcomer is a backup only once a round completes. The first window is short because a failed
+round costs little (a released worker that waits on the missing ones inside the parameter server fences again at
+once, while it waits) and the pattern it exists for, workers that meet outside the parameter server every step,
+fails every first round whatever its length: with a 1 s window a restart took about 1.25 s instead of 0.25 s in
+that case (``benchmarks/recovery``); doubling bounds what too short a window wastes for slow steps.
 
 Everything received is checked before use (shapes, dtypes, names); nothing is unpickled.
 """
@@ -62,7 +66,7 @@ __all__ = ["CatchUpError", "CaughtUp", "StoredChunk", "catch_up", "chunk_message
 log = logging.getLogger("paratrain.ps.resync")
 
 #: Seconds the first round of fences may take, from the first fence to the last; each retry doubles it.
-FIRST_WINDOW_S = 1.0
+FIRST_WINDOW_S = 0.1
 
 
 class CatchUpError(RuntimeError):
@@ -230,6 +234,7 @@ class CaughtUp:
         fences: (worker, request id) of each fence, answered once the server installed all this.
         donors: the servers that sent snapshots.
         seconds: from the first fence (of any round) to the last snapshot.
+        rounds: rounds of fences it took (1: every worker fenced within the first window).
     """
 
     chunks: dict[tuple[str | int, int], StoredChunk]
@@ -240,6 +245,7 @@ class CaughtUp:
     fences: list[tuple[int, int]]
     donors: list[int]
     seconds: float
+    rounds: int
 
 
 @dataclass
@@ -271,6 +277,7 @@ def catch_up(transport: Transport, *, num_workers: int, timeout: float, poll: fl
     donors: list[int] = []
     started: float | None = None
     window, round_ends = FIRST_WINDOW_S, float("inf")
+    rounds = 1
     while True:
         lost = t.lost_peers()
         now = time.monotonic()
@@ -286,6 +293,7 @@ def catch_up(transport: Transport, *, num_workers: int, timeout: float, poll: fl
                     _answer(t, worker, {"retry": True}, tag=reply_tag(fence.request_id))
                 fences.clear()
                 window, round_ends = 2 * window, float("inf")
+                rounds += 1
         if now > deadline:
             missing = sorted(members - fences.keys() - left - lost) if members is not None else "every worker"
             raise CatchUpError(
@@ -294,7 +302,8 @@ def catch_up(transport: Transport, *, num_workers: int, timeout: float, poll: fl
                 "job goes on without it)"
             )
         try:
-            msg = t.recv(ANY_SOURCE, REQUEST_TAG, timeout=poll)
+            # wake up when the round's window closes, not up to ``poll`` later
+            msg = t.recv(ANY_SOURCE, REQUEST_TAG, timeout=max(min(poll, round_ends - now), 0.001))
         except CommTimeoutError:
             continue
         op, request_id = msg.meta.get("op"), msg.meta.get("id")
@@ -343,6 +352,7 @@ def catch_up(transport: Transport, *, num_workers: int, timeout: float, poll: fl
         fences=[(w, f.request_id) for w, f in fences.items() if w not in left],
         donors=answered,
         seconds=time.monotonic() - (started or time.monotonic()),
+        rounds=rounds,
     )
 
 

@@ -150,6 +150,7 @@ class ServerStats:
     servers_lost: list[int] = field(default_factory=list)  # other servers seen dead (their chunks fail over)
     snapshots_sent: int = 0  # copies sent to restarted servers (:mod:`.resync`)
     catch_up_s: float | None = None  # restarted: seconds from the first worker's fence to the last snapshot
+    fence_rounds: int = 0  # restarted: rounds of fences the catch-up took (more than 1: some were retried)
     pulls_in_place: int = 0  # pulls answered with a reference: the same-host worker copied the value (.shared)
     batches: int = 0  # batch requests (each several requests in one message: .protocol)
 
@@ -629,14 +630,17 @@ class ParameterServer:
         self._servers_lost |= servers - set(caught.donors)
         self._incarnations = self.transport.incarnations()
         self.stats.catch_up_s = caught.seconds
+        self.stats.fence_rounds = caught.rounds
         log.warning(  # (not a problem: the counterpart of "server N is gone", which users see too)
-            "server %d: caught up after a restart: %d chunks from servers %s, workers %s at clocks %s (%.3f s)",
+            "server %d: caught up after a restart: %d chunks from servers %s, workers %s at clocks %s "
+            "(%.3f s, %d round(s) of fences)",
             self.transport.rank,
             len(caught.chunks),
             caught.donors,
             sorted(caught.live),
             [caught.done.get(w) for w in sorted(caught.live)],
             caught.seconds,
+            caught.rounds,
         )
         for worker, request_id in caught.fences:
             self._reply(worker, request_id)

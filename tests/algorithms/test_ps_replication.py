@@ -610,7 +610,7 @@ def test_a_restarted_server_catches_up_and_carries_the_job_when_the_other_replic
             np.testing.assert_array_equal(out, expected)
         assert resyncs == 1
     restarted = stats[0]
-    assert restarted is not None and restarted.catch_up_s is not None
+    assert restarted is not None and restarted.catch_up_s is not None and restarted.fence_rounds >= 1
     assert restarted.servers_lost == [3 + 1]  # it saw the second kill and took over server 1's chunks
     assert sum(s.snapshots_sent for s in stats if s is not None) >= 1
 
@@ -644,4 +644,4 @@ def test_a_fence_round_that_cannot_complete_is_retried_not_a_deadlock() -> None:
     for out, resyncs in results:
         np.testing.assert_array_equal(out, expected)
         assert resyncs == 1
-    assert stats[0] is not None and stats[0].catch_up_s is not None and stats[0].catch_up_s >= 1.0  # a retry
+    assert stats[0] is not None and stats[0].catch_up_s is not None and stats[0].fence_rounds >= 2  # a retry
