@@ -56,7 +56,7 @@ from paratrain.plan.ir import Action, Parts, Received, Slice
 from paratrain.ps.consistency import Policy
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
 from paratrain.ps.plans import batches, clock_actions, pull_actions, push_actions
-from paratrain.ps.protocol import MAX_BATCH, REQUEST_TAG, PSRequestError, pack, reply_tag, unpack
+from paratrain.ps.protocol import CATCHING_UP, MAX_BATCH, REQUEST_TAG, PSRequestError, pack, reply_tag, unpack
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks, split_rows
 from paratrain.ps.shared import ValueReader, value_prefix
 from paratrain.transport.base import Handle, Transport
@@ -383,11 +383,40 @@ class KVStore:
         )
 
     def _lost(self, exc: PeerLostError, server: int) -> None:
-        """Records that ``server`` died; re-raises when requests have nowhere else to go."""
+        """Records that ``server`` died; re-raises when requests have nowhere else to go.
+
+        The error may be an earlier process's of that rank, surfacing only now: a request in flight when the old
+        process died can fail after this worker already fenced the restarted one (:meth:`_await` fences before it
+        looks at the request again). The restarted process is alive then (the transport does not count the rank
+        lost) and fenced: it stays live here, or this worker would never send it another clock and every worker
+        waiting for a clock on it would wait until its timeout."""
         if self.replicas == 1:
             raise exc
-        self._dead.add(server)
         self.failovers += 1
+        if not self._fenced_since(server):
+            self._dead.add(server)
+        # else: the request is sent again (to the chunk's owner now); the restarted server serves on
+
+    def _fenced_since(self, server: int) -> bool:
+        """Whether ``server`` is a restarted process that this worker fenced and still counts live: an error or a
+        refusal of that rank that arrives now belongs to an earlier process (or to before the fence)."""
+        incarnation = self._transport.incarnations().get(server, 0)
+        return (
+            incarnation > 0
+            and self._known.get(server, 0) == incarnation
+            and server not in self._dead
+            and server not in self._transport.lost_peers()
+        )
+
+    def _not_fenced_yet(self, server: int, what: str, answer: Message) -> PeerLostError:
+        """``server`` refused a request because it is a restarted process still catching up (:mod:`.resync`):
+        this worker sent it before it saw the restart (the transport had the new process's connection already,
+        not yet counted as a new incarnation here). It is dead to this worker until it fenced it, as after a
+        death; the error, for :meth:`_lost` and the callers that send the request to another replica. A refusal
+        read only after this worker fenced that server (a wait fences first) is stale: the server stays live."""
+        if not self._fenced_since(server):
+            self._dead.add(server)
+        return PeerLostError(f"worker {self.rank}: {what} not served: {answer.meta.get('error')}", peer=server)
 
     def _send_failover(
         self, items: Sequence[tuple[Chunk, dict[str, Any], Sequence[Any]]], row_bytes: int
@@ -437,6 +466,9 @@ class KVStore:
         if isinstance(exc, PeerLostError) and not self._closed:
             self._lost(exc, server)
             self._dispatch(entries, row_bytes)
+        elif exc is None and handle.wait(0).meta.get(CATCHING_UP) is True and not self._closed:
+            self._lost(self._not_fenced_yet(server, "a batch", handle.wait(0)), server)
+            self._dispatch(entries, row_bytes)
         else:
             _split_batch(handle, parts=[entry[3] for entry in entries], worker=self.rank)
 
@@ -462,6 +494,8 @@ class KVStore:
                 ) from None
             msg = handle.wait(0)
         error = msg.meta.get("error")
+        if msg.meta.get(CATCHING_UP) is True and self.replicas > 1:
+            raise self._not_fenced_yet(server, what, msg)  # the callers send it to another replica
         if error is not None:
             raise PSRequestError(f"worker {self.rank}: {what} rejected: {error}")
         done = msg.meta.get("done")

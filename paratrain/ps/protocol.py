@@ -32,11 +32,25 @@ from paratrain.errors import ParatrainError
 from paratrain.ps.plans import MAX_BATCH
 from paratrain.transport.wire import Message
 
-__all__ = ["MAX_BATCH", "OPS", "REQUEST_TAG", "PSRequestError", "forward_ids", "pack", "reply_tag", "unpack"]
+__all__ = [
+    "CATCHING_UP",
+    "MAX_BATCH",
+    "OPS",
+    "REQUEST_TAG",
+    "PSRequestError",
+    "forward_ids",
+    "pack",
+    "reply_tag",
+    "unpack",
+]
 
 #: Tag of every request to a server. Below the collectives' range, far from user tags (>= 0).
 REQUEST_TAG = -(1 << 56)
 _REPLY_BASE = -(1 << 57)
+
+#: The field of a restarted server's refusal while it catches up (:mod:`.resync`): the request was not served,
+#: and the worker sends it to another replica, as if the server had died (it has not fenced that server yet).
+CATCHING_UP = "catching_up"
 
 #: Request operations a server understands.
 #: every request a worker sends a server (servers send each other ``replicate``, ``replicate_batch``,

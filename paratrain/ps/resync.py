@@ -55,7 +55,7 @@ import numpy.typing as npt
 from paratrain._arrays import DTYPE_NAMES
 from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
-from paratrain.ps.protocol import REQUEST_TAG, forward_ids, reply_tag
+from paratrain.ps.protocol import CATCHING_UP, REQUEST_TAG, forward_ids, reply_tag
 from paratrain.ps.rounds import Mode, RoundSum, mode_of
 from paratrain.ps.shared import SharedValue
 from paratrain.transport.base import ANY_SOURCE, Handle, Transport
@@ -334,7 +334,7 @@ def catch_up(transport: Transport, *, num_workers: int, timeout: float, poll: fl
             _answer(
                 t,
                 msg.src,
-                {"error": f"server {me} is catching up after a restart and serves nothing yet"},
+                {"error": f"server {me} is catching up after a restart and serves nothing yet", CATCHING_UP: True},
                 tag=reply_tag(request_id),
             )
     assert members is not None

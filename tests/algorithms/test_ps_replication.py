@@ -645,3 +645,69 @@ def test_a_fence_round_that_cannot_complete_is_retried_not_a_deadlock() -> None:
         np.testing.assert_array_equal(out, expected)
         assert resyncs == 1
     assert stats[0] is not None and stats[0].catch_up_s is not None and stats[0].fence_rounds >= 2  # a retry
+
+
+@pytest.mark.parametrize("how", ["reply_lost", "refused_while_catching_up"])
+def test_a_request_caught_in_a_restart_fails_over_and_the_restarted_server_serves_everyone(how: str) -> None:
+    """Server 0 is killed and restarted while worker 1's init request to it is on its way, in the two orders a
+    restart allows. ``reply_lost``: the request reached the dead process, so its failure surfaces only when worker 1
+    waits for the answer, and a wait fences a restarted server first: the stale error must not make worker 1 count
+    the restarted (fenced, live) server dead. It would never send it another clock, so a worker that waits for
+    clocks on it waits until its timeout (the hang found with ``paratrain train --kill server0@3.8s``), and the
+    job has one replica fewer than it thinks.
+    ``refused_while_catching_up``: the request reached the new process before worker 1 saw the restart; the
+    refusal sends it to the other replica, as a death would. Either way the restarted server serves on: when the
+    other replica dies next it carries the job alone, and the model is the fault-free run's."""
+    steps = 4
+
+    def train(ctx: Context, job: _Servers | None) -> tuple[np.ndarray, int]:
+        if job is not None and ctx.rank == 1:
+            t, killed = ctx.transport, []
+            send, receive = t.isend, t.irecv
+
+            def restart() -> bool:
+                if killed:
+                    return False
+                killed.append(True)
+                job.kill(0)
+                job.restart(0)
+                return True
+
+            def isend(dst: int, tag: int, arrays: Any = (), meta: Any = None) -> Handle[None]:
+                if how == "reply_lost" and dst == 2 and meta is not None and meta.get("op") == "init" and restart():
+                    return Handle.completed(None)  # it reached the process that died: no answer comes
+                result: Handle[None] = send(dst, tag, arrays, meta)
+                return result
+
+            def irecv(src: int, tag: int) -> Handle[Message]:
+                if how == "refused_while_catching_up" and src == 2:
+                    restart()  # after worker 1 chose server 0 for its init, before it sends it there
+                result: Handle[Message] = receive(src, tag)
+                return result
+
+            t.isend = isend  # type: ignore[method-assign]
+            t.irecv = irecv  # type: ignore[method-assign]
+        kv = KVStore(optimizer=SGD, context=ctx, replicas=2, chunk_bytes=64)
+        kv.init("w", np.arange(40, dtype=np.float64) / 8)
+        for step in range(steps):
+            w = kv.pull("w")
+            kv.push("w", _grad(w, ctx.rank, step))
+            # worker 0 always reaches its clock before worker 1 does, so it waits there for worker 1's clock, on
+            # server 0 (each worker waits on server rank % live servers)
+            if ctx.rank == 0:
+                ctx.transport.send(1, 9, meta={"step": step})
+            else:
+                ctx.transport.recv(0, 9)
+            kv.clock()
+            if job is not None and ctx.rank == 0 and step == 1:
+                job.kill(1)  # the other replica: the restarted server, caught up and live, carries the job alone
+        out = kv.pull("w")
+        kv.close()
+        return out, kv.resyncs
+
+    expected = run_ranks(2, lambda ctx: train(ctx, None)[0], servers=2)[0]
+    results, stats = _run_with_kill(2, 2, train, timeout=20)
+    for out, resyncs in results:
+        np.testing.assert_array_equal(out, expected)
+        assert resyncs == 1
+    assert stats[0] is not None and stats[0].catch_up_s is not None
