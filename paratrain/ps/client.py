@@ -675,7 +675,10 @@ class KVStore:
                 meta["replicas"] = [self._servers[r] for r in chunk.replicas]
             for server in (self._servers[r] for r in chunk.replicas):
                 if self.replicas == 1 or self._live(server):
-                    pending.append(self._request(server, meta, [part] if self.rank == 0 else []))
+                    try:
+                        pending.append(self._request(server, meta, [part] if self.rank == 0 else []))
+                    except PeerLostError as exc:  # died since _live looked: as below
+                        self._lost(exc, server)
         for handle, server in pending:
             try:
                 self._wait(handle, server, f"init of key {key!r}")

@@ -711,3 +711,27 @@ def test_a_request_caught_in_a_restart_fails_over_and_the_restarted_server_serve
         np.testing.assert_array_equal(out, expected)
         assert resyncs == 1
     assert stats[0] is not None and stats[0].catch_up_s is not None
+
+
+def test_a_server_dying_as_init_is_sent_to_it_fails_over() -> None:
+    """Server 0 dies between worker 1's check that it is live and the send of its init request: the send fails at
+    once (the transport knows the peer is gone), and init goes on with the other replica, as it does when the
+    answer is what fails."""
+
+    def train(ctx: Context, job: _Servers | None) -> np.ndarray:
+        if job is not None and ctx.rank == 1:
+            send = ctx.transport.isend
+
+            def isend(dst: int, tag: int, arrays: Any = (), meta: Any = None) -> Handle[None]:
+                if dst == 2 and meta is not None and meta.get("op") == "init":
+                    job.kill(0)
+                result: Handle[None] = send(dst, tag, arrays, meta)
+                return result
+
+            ctx.transport.isend = isend  # type: ignore[method-assign]
+        return _train(2, steps=3)(ctx)[0]  # type: ignore[no-any-return]
+
+    expected = run_ranks(2, lambda ctx: train(ctx, None), servers=2)[0]
+    results, _ = _run_with_kill(2, 2, train, timeout=20)
+    for out in results:
+        np.testing.assert_array_equal(out, expected)
