@@ -131,12 +131,15 @@ class Restarts:
         spare: the spec a spare is started from (None: every restart is cold).
         used: restarts made so far.
         membership: an elastic job's (see the module docstring); None: a failure waits for its restart.
+        rendezvous: a fixed-size job's rendezvous, told when a worker finished: a restarted worker that has not
+            met the others by then never will, and is told so rather than left waiting out its timeout.
     """
 
     budget: int
     spare: ProcSpec | None = None
     used: int = 0
     membership: Membership | None = None
+    rendezvous: Members | None = None
 
     def shrink(self, failed: ProcSpec, *, spare_ready: bool) -> int | None:
         """In an elastic job, drops ``failed`` rather than wait for it when no warm spare can replace it in place
@@ -157,8 +160,12 @@ class Restarts:
 
     def finished(self, spec: ProcSpec) -> None:
         """``spec``'s process exited 0 (see :meth:`Membership.finished`)."""
-        if self.membership is not None and not spec.spare:
+        if spec.spare or spec.env.get("PARATRAIN_ROLE", "worker") != "worker":
+            return
+        if self.membership is not None:
             self.membership.finished(spec)
+        elif self.rendezvous is not None:
+            self.rendezvous.finish(int(spec.env["RANK"]))
 
     @property
     def left(self) -> int:

@@ -239,6 +239,7 @@ def run_launch(
                 max_restarts,
                 spare_spec(specs[0], prefix=prefix) if spare and max_restarts and not servers else None,
                 membership=Membership(min_workers, server) if min_workers else None,
+                rendezvous=server,
             )
             if restarts.spare is not None:
                 specs.append(restarts.spare)

@@ -230,7 +230,9 @@ class Reliable:
         #: The member ids of the job, in rank order (they change only in an elastic job).
         self.members: list[int] = list(range(self.ctx.world_size))
         self._regrouped = False  # the last recovery changed the members
-        if self.ctx.settings.restart_count > 0:
+        # a restarted process whose job meets for the first time (round 1) took its predecessor's place before
+        # anyone ran anything: the others start afresh, and so does it (round 0: no rendezvous that counts)
+        if self.ctx.settings.restart_count > 0 and self.ctx.transport.round != 1:
             self._join()
         elif self.checkpoint_dir is not None:
             self._resume_from_disk()

@@ -24,7 +24,7 @@ from paratrain.transport.auth import new_secret
 from paratrain.transport.base import Transport
 from paratrain.transport.faults import FaultSpec, FaultyTransport
 from paratrain.transport.inproc import InprocFabric
-from paratrain.transport.rendezvous import RendezvousServer, admit, register, rejoin
+from paratrain.transport.rendezvous import RendezvousServer, admit, meet, rejoin
 from paratrain.transport.zmq import ZmqTransport
 
 __all__ = ["LocalJob", "TransportKind", "connect", "kinds", "local_job", "register_transport"]
@@ -275,7 +275,7 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
                 secret=secret,
             )
             server.start()
-        table = register(settings.rdzv_addr, settings.rdzv_port, **where)
+        table, zt.round = meet(settings.rdzv_addr, settings.rdzv_port, **where)
         zt.connect(table)
     except BaseException:
         zt.abort()

@@ -53,7 +53,7 @@ import zmq
 from paratrain.errors import RendezvousError
 from paratrain.transport.auth import BROKEN_HANDSHAKE, REFUSAL_EVENTS, Guard, JobKeys, refusal_reason
 
-__all__ = ["Admission", "RendezvousServer", "admit", "register", "rejoin"]
+__all__ = ["Admission", "RendezvousServer", "admit", "meet", "register", "rejoin"]
 
 log = logging.getLogger("paratrain.rendezvous")
 _VERSION = 1
@@ -188,8 +188,10 @@ class RendezvousServer:
         return True
 
     def finish(self, member: int) -> None:
-        """``member`` completed its work (its process exited 0). Once every member has, the job is over: a
-        joiner still waiting, or registering later, is told so (:func:`admit` then returns None)."""
+        """``member`` completed its work (its process exited 0). Once every member has (elastic), or any member
+        has (a fixed-size job, which cannot meet again without it), the job is over: a joiner or restarted rank
+        still waiting, or registering later, is told so (:func:`admit` then returns None, :func:`register`
+        raises)."""
         with self._members_lock:
             self._finished.add(member)
             if not self._wake_tx.closed:
@@ -197,9 +199,12 @@ class RendezvousServer:
 
     @property
     def over(self) -> bool:
-        """True once every member of an elastic job has finished (see :meth:`finish`)."""
+        """True once every member of an elastic job, or any member of a fixed-size one, has finished (see
+        :meth:`finish`)."""
         with self._members_lock:
-            return self.elastic and bool(self._members) and set(self._members) <= self._finished
+            if self.elastic:
+                return bool(self._members) and set(self._members) <= self._finished
+            return self.rounds and bool(self._finished)
 
     def start(self) -> None:
         """Serves in a daemon thread."""
@@ -439,11 +444,34 @@ def register(
         RendezvousError: refused by the server (also for want of the server's secret: at once, not after
             ``timeout``), or no complete table within ``timeout`` seconds.
     """
-    return _table(
-        _request(addr, port, rank=rank, world_size=world_size, info=info, timeout=timeout, secret=secret),
-        rank=rank,
-        world_size=world_size,
-    )
+    return meet(addr, port, rank=rank, world_size=world_size, info=info, timeout=timeout, secret=secret)[0]
+
+
+def meet(
+    addr: str,
+    port: int,
+    *,
+    rank: int,
+    world_size: int,
+    info: Mapping[str, Any],
+    timeout: float,
+    secret: bytes | None = None,
+) -> tuple[list[dict[str, Any]], int]:
+    """:func:`register`, and the number of the round that formed the job (1: its first meeting; 0 from a server
+    that does not count rounds). A restarted rank needs it: in round 1 it took its predecessor's place before the
+    job met, so nobody holds state to catch up from and it starts afresh, as the others do.
+
+    Raises:
+        RendezvousError: as :func:`register`.
+    """
+    reply = _request(addr, port, rank=rank, world_size=world_size, info=info, timeout=timeout, secret=secret)
+    if reply.get("over") is True:
+        raise RendezvousError(
+            f"rank {rank}: the job is over: another rank finished its work before this one could meet it (a rank "
+            "restarted after the others' last collective has nothing to rejoin); the others' results stand"
+        )
+    round_ = reply.get("round")
+    return _table(reply, rank=rank, world_size=world_size), round_ if type(round_) is int else 0
 
 
 def rejoin(

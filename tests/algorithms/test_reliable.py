@@ -204,3 +204,34 @@ def test_the_cache_keeps_results_from_one_before_the_checkpoint_and_replays_chec
             rel.allreduce(np.ones(4))
 
     run_ranks(1, fn)
+
+
+def test_a_restarted_rank_in_the_jobs_first_meeting_starts_afresh_with_the_others() -> None:
+    """A rank that died before the job first met is replaced in that same meeting (round 1): nobody holds state
+    to catch up from, so its Reliable starts afresh, as the others' do, instead of asking for a recovery they are
+    not in (before: its recovery's allgather met rank 0's first broadcast, a CollectiveMismatchError on both)."""
+    expected = _fault_free()
+    fabric = InprocFabric(2, timeout=30)
+    results: dict[int, tuple[np.ndarray, int, bool]] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            ctx = _ctx(fabric, r, restarted=r == 1)
+            ctx.transport.round = 1  # what paratrain launch's rendezvous answers in the job's first meeting
+            rel = Reliable(ctx)
+            results[r] = (_train(rel, r), len(rel.recoveries), rel.load_checkpoint() is None)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+            fabric.fail_all(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not errors, errors
+    for r in range(2):
+        w, recoveries, fresh = results[r]
+        assert w.tobytes() == expected[r].tobytes()
+        assert recoveries == 0 and fresh

@@ -13,9 +13,10 @@ import msgpack
 import pytest
 import zmq
 
+from paratrain.errors import RendezvousError
 from paratrain.launch.procs import ProcSpec, Supervisor
 from paratrain.launch.restarts import Restarts, spare_spec
-from paratrain.transport.rendezvous import RendezvousServer, register
+from paratrain.transport.rendezvous import RendezvousServer, meet, register
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,6 +113,47 @@ def test_the_rendezvous_serves_rounds_and_a_newer_registration_replaces_an_older
         assert server.round == 3 and tables["c0"] == tables["c1"] == [{"who": "c0"}, {"who": "c1"}]
         stale.close()
         ctx.term()
+    finally:
+        server.close()
+
+
+def test_meet_gives_the_round_and_a_fixed_size_job_with_a_finished_member_is_over() -> None:
+    """A restarted worker learns which round it met in (round 1: the job's first meeting, so it starts afresh
+    rather than catch up); once a member of a fixed-size job finished, the job can never meet again, so a rank
+    registering then (restarted after the others' last collective) is told at once, not after its timeout."""
+    server = RendezvousServer(world_size=2, bind_addr="127.0.0.1", port=0, timeout=20, rounds=True)
+    server.start()
+    try:
+        rounds: dict[int, int] = {}
+
+        def join(rank: int) -> None:
+            rounds[rank] = meet("127.0.0.1", server.port, rank=rank, world_size=2, info={}, timeout=20)[1]
+
+        for expected in (1, 2):
+            threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(25)
+            assert rounds == {0: expected, 1: expected}
+        # rank 1 registers for a third round; rank 0 finishes instead: rank 1 is told the job is over
+        errors: list[BaseException] = []
+
+        def rejoin() -> None:
+            try:
+                meet("127.0.0.1", server.port, rank=1, world_size=2, info={}, timeout=20)
+            except RendezvousError as exc:
+                errors.append(exc)
+
+        waiting = threading.Thread(target=rejoin)
+        waiting.start()
+        _await(lambda: server.waiting == {1})
+        server.finish(0)
+        waiting.join(25)
+        assert len(errors) == 1 and "the job is over" in str(errors[0])
+        with pytest.raises(RendezvousError, match="the job is over"):  # and so is a later registration
+            meet("127.0.0.1", server.port, rank=1, world_size=2, info={}, timeout=20)
+        assert server.round == 2
     finally:
         server.close()
 
