@@ -9,6 +9,7 @@ themselves. A new transport (shared memory, RDMA) registers here and becomes a v
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -191,9 +192,14 @@ def _peer_lost_reporter(settings: Settings) -> Callable[[int, str], None] | None
     scratch = settings.scratch_dir
     if scratch is None:
         return None
+    path = os.path.join(scratch, f"peer-lost.{settings.rank}")
+    if settings.restart_count > 0:
+        # a restarted process starts a record of its own: its predecessor's losses (a peer that finished and said
+        # goodbye, say) say nothing about why this process fails
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
     def report(peer: int, reason: str) -> None:
-        path = os.path.join(scratch, f"peer-lost.{settings.rank}")
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(f"{peer}\t{reason}\n")
 

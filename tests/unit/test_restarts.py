@@ -8,14 +8,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
 
+from paratrain.config import Settings
 from paratrain.errors import RendezvousError
+from paratrain.launch.failures import explain_failure
 from paratrain.launch.procs import ProcSpec, Supervisor
 from paratrain.launch.restarts import Restarts, spare_spec
+from paratrain.transport.registry import _peer_lost_reporter
 from paratrain.transport.rendezvous import RendezvousServer, meet, register
 
 pytestmark = pytest.mark.timeout(60)
@@ -164,3 +168,19 @@ def _await(condition: Callable[[], bool]) -> None:
     while not condition() and time.monotonic() < deadline:
         threading.Event().wait(0.005)
     assert condition()
+
+
+def test_a_restarted_rank_starts_its_own_record_of_lost_peers(tmp_path: Path) -> None:
+    """The launcher names the peer whose loss made a rank fail (``explain_failure``) from what the rank recorded;
+    a restarted process must not inherit its predecessor's record (the predecessor saw a peer finish, say: the
+    replacement's own failure would be blamed on it)."""
+    env = {"RANK": "0", "WORLD_SIZE": "2", "PARATRAIN_SCRATCH_DIR": str(tmp_path)}
+    first = _peer_lost_reporter(Settings.from_env(env))
+    assert first is not None
+    first(1, "has shut down")
+    assert explain_failure("rank 0", str(tmp_path)) is not None  # rank 0's first life lost rank 1
+    restarted = _peer_lost_reporter(Settings.from_env({**env, "PARATRAIN_RESTART_COUNT": "1"}))
+    assert restarted is not None
+    assert explain_failure("rank 0", str(tmp_path)) is None
+    restarted(1, "closed its connection without saying goodbye")
+    assert explain_failure("rank 0", str(tmp_path)) is not None  # its own losses still count
