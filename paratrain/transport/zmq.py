@@ -314,7 +314,9 @@ class ZmqTransport(Transport):
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         if self._keys is not None:
             self._keys.authenticate_client(sock, address)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | REFUSAL_EVENTS)
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECT_RETRIED | REFUSAL_EVENTS
+        )
         sock.connect(address)
         return sock, monitor
 
@@ -477,6 +479,27 @@ class ZmqTransport(Transport):
                     self._send_control(other, "lost", blocking_lock=True, peer=peer)
             self._box.close(error)
 
+    def _peer_process_alive(self, peer: int) -> bool:
+        """False only when ``peer`` runs on this host and its process is gone (or a zombie, dead but not yet
+        reaped by its parent); True where this rank cannot tell (another host, no pid)."""
+        info = self._peer_info.get(peer, {})
+        pid = info.get("pid")
+        if info.get("host") != self.host_id or type(pid) is not int or pid <= 0:
+            return True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            return True
+        state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+        return state != b"Z"
+
     def _handle_frames(self, frames: list[zmq.Frame]) -> None:
         try:
             msg = decode(frames, self._resolve_lane)
@@ -616,6 +639,13 @@ class ZmqTransport(Transport):
                                 with self._linked_cond:
                                     self._linked.add(peer)
                                     self._linked_cond.notify_all()
+                            elif kind == zmq.EVENT_CONNECT_RETRIED:
+                                # never connected, and refused again: on this host the peer's pid says at once
+                                # whether it died before anyone connected (else only the heartbeats would, in 30 s)
+                                if peer not in self._linked and not self._peer_process_alive(peer):
+                                    self._declare_lost(
+                                        peer, "is not running: its process exited before this rank connected to it"
+                                    )
                             elif kind & REFUSAL_EVENTS:
                                 why = refusal_reason(kind, int.from_bytes(event[0][2:], "little"))
                                 self._declare_lost(
