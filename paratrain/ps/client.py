@@ -25,7 +25,7 @@ which pushes of which rounds it must still get. (Tested under BSP, where the rep
 one even when every clock overtakes the forwarded pushes, and SSP(2) across a server kill; under ASP an integer
 audit across a server kill, each push waited for, counts every push once.)
 
-One module (about 1030 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
+One module (about 1070 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
 pulls, the sequence numbers that deduplicate retried pushes, the failover to the next live replica and the fence
 of a restarted one share the same pending-request bookkeeping and read together.
 """
