@@ -48,6 +48,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from paratrain._process import process_dead
 from paratrain.errors import CollectiveMismatchError, CommTimeoutError, ConfigError, PeerLostError, TransportError
 from paratrain.shm import futex
 from paratrain.shm.mapping import (
@@ -94,24 +95,6 @@ SLICE_S = 0.05
 _WHY_ERROR, _WHY_MISMATCH, _WHY_LOST = 1, 2, 3  # values of the abort-why word
 
 _Array = npt.NDArray[np.uint8]
-
-
-def _process_dead(pid: int) -> bool:
-    """True if ``pid`` has exited (also as an unreaped zombie, which ``kill(pid, 0)`` would call alive)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"Z", b"X")
-    except FileNotFoundError:
-        return True
-    except (OSError, ValueError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-        return False
 
 
 def _cpu_count() -> int:
@@ -488,7 +471,7 @@ class Segment:
         if peer in self._transport.lost_peers():
             raise PeerLostError(f"rank {peer} was lost during a shared-memory collective", peer=peer)
         pid = int(w[self._line[q] + CONTROL_PID])
-        if pid and pid != os.getpid() and _process_dead(pid):
+        if pid and pid != os.getpid() and process_dead(pid):
             raise PeerLostError(f"rank {peer} (pid {pid}) died during a shared-memory collective", peer=peer)
         if time.monotonic() >= deadline:
             raise CommTimeoutError(

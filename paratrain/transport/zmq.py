@@ -38,7 +38,7 @@ message on each link is a ``hello`` with its new endpoints; the receiver thread 
 that it was lost and counts the incarnation (:meth:`ZmqTransport.incarnations`), so that the caller, who may have
 missed the death, still knows that this peer remembers nothing. A resilient job ignores it (it re-forms instead).
 
-One module (about 760 lines): sending (with its lanes), the receiver thread, failure detection (including the
+One module (about 750 lines): sending (with its lanes), the receiver thread, failure detection (including the
 resilient mode), taking a restarted peer back and shutdown share the sockets and the per-peer state, and read
 together; authentication is in auth.py, the lanes' memory in lane.py.
 """
@@ -59,6 +59,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
+from paratrain._process import process_dead
 from paratrain.errors import CommTimeoutError, MessageError, PeerLostError, TransportClosedError
 from paratrain.transport.auth import REFUSAL_EVENTS, Guard, JobKeys, refusal_reason
 from paratrain.transport.base import ANY_SOURCE, ANY_TAG, Handle, Transport
@@ -486,19 +487,7 @@ class ZmqTransport(Transport):
         pid = info.get("pid")
         if info.get("host") != self.host_id or type(pid) is not int or pid <= 0:
             return True
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            return True
-        state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-        return state != b"Z"
+        return not process_dead(pid)
 
     def _handle_frames(self, frames: list[zmq.Frame]) -> None:
         try:
