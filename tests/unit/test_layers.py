@@ -23,6 +23,7 @@ LAYERS = {
     "config": 0,
     "_arrays": 0,
     "_current": 0,
+    "_process": 0,
     "device": 0,  # device tensors (CUDA) staged through host memory: what every entry point of a tensor uses
     "plan": 0,
     "strategy": 0,
