@@ -6,7 +6,8 @@ catch by recovery:
 - ``ConfigError``: the job is set up wrongly (bad flag, missing variable); fix the setup and start again.
 - ``TransportError`` and its children: the network failed. ``PeerLostError`` means a peer is gone for good
   (restart the job or, for elastic strategies, continue without it); ``CommTimeoutError`` means a peer did not
-  answer in time (it may be slow: raise the timeout, or look for a straggler or a hang).
+  answer in time (it may be slow: raise the timeout, or look for a straggler or a hang); its child
+  ``DeviceTimeoutError`` means work on this rank's own GPU did not finish in time.
 - ``MessageError``: a peer sent something malformed; the receiver drops it and keeps serving.
 - ``RendezvousError``: the ranks could not find each other at start-up.
 - ``CollectiveMismatchError``: ranks called a collective with different shapes, dtypes or operations.
@@ -19,6 +20,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CommTimeoutError",
     "ConfigError",
+    "DeviceTimeoutError",
     "MessageError",
     "NotInitializedError",
     "ParatrainError",
@@ -66,6 +68,14 @@ class CommTimeoutError(TransportError, TimeoutError):
 
     The peer may be slow rather than dead: raise the timeout (``PARATRAIN_TIMEOUT`` or the ``timeout=``
     argument), or look for a straggler or a rank stuck elsewhere.
+    """
+
+
+class DeviceTimeoutError(CommTimeoutError):
+    """Work queued on an accelerator (a kernel, a copy) did not complete within the call's timeout.
+
+    A wait on the device, not on a peer: the GPU is stuck or shared with something slow. Collectives report it
+    to the other ranks as a rejected call, so every rank fails at once.
     """
 
 

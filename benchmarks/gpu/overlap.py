@@ -1,12 +1,14 @@
-"""Does the staged path overlap the gradients' device-to-host copies with backward? (issue 19, on a GPU machine)
+"""Does the staged path overlap the gradients' device-to-host copies with backward? (issues 19 and 42, on a GPU)
 
 Two thread ranks share one GPU and train an MLP of wide layers with the DistributedOptimizer (allreduce, buckets of
-16 MiB); three steps after a warm-up run under torch's profiler. From its trace: every device-to-host memcpy, and
-how much of its time a compute kernel ran at the same time (on another stream). Staged in the background, the
-copies of the last layers' buckets run while backward computes the first layers; staged synchronously in the hook
-(the code before issue 19), no copy could overlap a kernel of the same thread's backward.
+16 MiB); three steps after a warm-up run under torch's profiler, which the main thread starts and stops once for
+the whole process (the ranks wait at a barrier meanwhile: Kineto must start and stop in one thread, and only once
+per process). CUPTI records every rank's kernels and copies. From the trace: every device-to-host memcpy, and how
+much of its time a compute kernel ran at the same time on another stream. Staged in the background, the copy of
+a layer's bucket runs while backward computes the layers before it; staged synchronously in the hook, no copy
+could overlap a kernel of the same rank's backward.
 
-Prints one line per rank-less summary and writes the trace (chrome://tracing, Perfetto) and the numbers to $OUT.
+Prints one JSON line and writes the trace (chrome://tracing, Perfetto) and the numbers to OUT.
 
     python benchmarks/gpu/overlap.py [OUT]
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,9 +29,10 @@ from paratrain import Context
 from paratrain.testing import run_ranks
 
 WIDTH, LAYERS, BATCH, STEPS = 4096, 8, 256, 3
+GATE_TIMEOUT = 300.0
 
 
-def train(ctx: Context, steps: int, start: Any, stop: Any) -> float:
+def train(ctx: Context, steps: int, gate: threading.Barrier) -> float:
     layers: list[torch.nn.Module] = []
     for _ in range(LAYERS):
         layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
@@ -39,14 +43,15 @@ def train(ctx: Context, steps: int, start: Any, stop: Any) -> float:
     x = torch.randn(BATCH, WIDTH, device="cuda")
     for step in range(2 + steps):
         if step == 2:
-            ctx.barrier()
-            start()
+            torch.cuda.synchronize()
+            gate.wait(GATE_TIMEOUT)  # the warm-up is over on both ranks
+            gate.wait(GATE_TIMEOUT)  # the main thread started the profiler
         opt.zero_grad()
         net(x).square().mean().backward()
         opt.step()
     torch.cuda.synchronize()
-    ctx.barrier()
-    stop()
+    gate.wait(GATE_TIMEOUT)  # both ranks are done: the main thread stops the profiler
+    gate.wait(GATE_TIMEOUT)
     opt.close()
     return float(next(net.parameters()).detach().sum())
 
@@ -79,27 +84,40 @@ def main(out: Path) -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu/overlap.py needs a CUDA device")
     out.mkdir(parents=True, exist_ok=True)
+    gate = threading.Barrier(3)  # the two ranks and this thread
+    sums: list[float] = []
+    failure: list[BaseException] = []
+
+    def ranks() -> None:
+        try:
+            sums.extend(run_ranks(2, lambda ctx: train(ctx, STEPS, gate), timeout=600))
+        except BaseException as exc:
+            failure.append(exc)
+            gate.abort()  # the main thread's wait fails instead of hanging
+
+    thread = threading.Thread(target=ranks, name="ranks")
+    thread.start()
     profiler = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     )
-    started: list[float] = []
-
-    def start() -> None:
-        if not started:  # rank 0's call (the ranks are threads of this process; the profiler is the process's)
-            started.append(time.perf_counter())
-            profiler.start()
-
-    def stop() -> None:
-        if len(started) == 1:
-            started.append(time.perf_counter())
-            profiler.stop()
-
-    sums = run_ranks(2, lambda ctx: train(ctx, STEPS, start, stop), timeout=600)
+    try:
+        gate.wait(GATE_TIMEOUT)
+        profiler.start()
+        start = time.perf_counter()
+        gate.wait(GATE_TIMEOUT)
+        gate.wait(GATE_TIMEOUT)
+        seconds = time.perf_counter() - start
+        profiler.stop()
+        gate.wait(GATE_TIMEOUT)
+    finally:
+        thread.join(600)
+    if failure:
+        raise failure[0]
     path = out / "overlap-trace.json"
     profiler.export_chrome_trace(str(path))
     result = {
         **overlap(json.loads(path.read_text())),
-        "seconds_per_step": (started[1] - started[0]) / STEPS,
+        "seconds_per_step": seconds / STEPS,
         "ranks_agree": sums[0] == sums[1],
         "device": torch.cuda.get_device_name(0),
     }

@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -78,16 +78,10 @@ from paratrain.collectives.ring import (
 from paratrain.collectives.routing import EngineRoutes
 from paratrain.collectives.signature import INVALID, Signature, mismatch_error
 from paratrain.collectives.tree import Exchange, agree, direct_allreduce, tree_allreduce, tree_broadcast
-from paratrain.device import host_view, on_device, to_device
-from paratrain.errors import CollectiveMismatchError, ParatrainError
+from paratrain.device import DEVICE_TIMEOUT, copy_to_device_, host_view, on_device, to_device, wait_event
+from paratrain.device.events import SupportsQuery
+from paratrain.errors import CollectiveMismatchError, DeviceTimeoutError, ParatrainError
 from paratrain.transport.base import Handle, Transport
-
-
-class SupportsSynchronize(Protocol):
-    """What ``allreduce_async_(ready=...)`` waits on (a ``torch.cuda.Event`` has it)."""
-
-    def synchronize(self) -> None: ...
-
 
 if TYPE_CHECKING:
     from paratrain.collectives.shm import ShmAllreduce, ShmGroup
@@ -183,12 +177,12 @@ def _socket_agree(ex: Exchange, sig: Signature, payload: npt.NDArray[Any] | None
 # -- arrays in and out ----------------------------------------------------------------------------------------
 
 
-def _as_array(x: Any) -> tuple[npt.NDArray[Any], str]:
+def _as_array(x: Any, timeout: float = DEVICE_TIMEOUT) -> tuple[npt.NDArray[Any], str]:
     """The host view a collective works on: ``x``'s own memory where it can be, a staged host copy of a device
     (CUDA) tensor (:mod:`paratrain.device`)."""
     if not (isinstance(x, np.ndarray) or is_torch_tensor(x)):
         raise TypeError(f"collectives take numpy arrays or torch tensors, not {type(x).__name__}")
-    return host_view(x)
+    return host_view(x, timeout)
 
 
 def _host_tensor(arr: npt.NDArray[Any], dtype_name: str) -> Any:
@@ -200,13 +194,13 @@ def _host_tensor(arr: npt.NDArray[Any], dtype_name: str) -> Any:
     return torch.from_numpy(arr)
 
 
-def _wrap(like: Any, arr: npt.NDArray[Any], dtype_name: str) -> Any:
+def _wrap(like: Any, arr: npt.NDArray[Any], dtype_name: str, timeout: float = DEVICE_TIMEOUT) -> Any:
     """``arr`` as the caller's type: a torch tensor (sharing memory; on the caller's device for a device tensor)
     for torch input, else the array itself."""
     if not is_torch_tensor(like):
         return arr
     tensor = _host_tensor(arr, dtype_name)
-    return to_device(tensor, like) if on_device(like) else tensor
+    return to_device(tensor, like, timeout) if on_device(like) else tensor
 
 
 def _shares_memory(x: Any, view: npt.NDArray[Any]) -> bool:
@@ -216,11 +210,13 @@ def _shares_memory(x: Any, view: npt.NDArray[Any]) -> bool:
     return not on_device(x) and bool(x.is_contiguous())
 
 
-def _write_back(x: Any, result: npt.NDArray[Any], dtype_name: str) -> None:
+def _write_back(x: Any, result: npt.NDArray[Any], dtype_name: str, timeout: float = DEVICE_TIMEOUT) -> None:
     if isinstance(x, np.ndarray):
         x[...] = result.reshape(x.shape)
+    elif on_device(x):
+        copy_to_device_(x.detach(), _host_tensor(result, dtype_name), timeout)
     else:
-        x.detach().copy_(_host_tensor(result, dtype_name).reshape(x.shape))  # (to a device: a blocking copy)
+        x.detach().copy_(_host_tensor(result, dtype_name).reshape(x.shape))
 
 
 # -- the user-facing class ------------------------------------------------------------------------------------
@@ -358,6 +354,10 @@ class Collectives:
             tag = self._next_tag()
             return self._worker.submit(lambda: timed(tag))
 
+    def _deadline(self, timeout: float | None) -> float:
+        """The seconds a call with ``timeout`` may take (the collectives' default where None)."""
+        return self.timeout if timeout is None else timeout
+
     def _exchange(self, tag: int, timeout: float | None, label: str) -> Exchange:
         return Exchange(self.transport, tag=tag, timeout=self.timeout if timeout is None else timeout, label=label)
 
@@ -384,12 +384,11 @@ class Collectives:
         the background thread instead for ``mode="snapshot"`` (the async calls)."""
         try:
             return prepare()
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, DeviceTimeoutError):
             if self.world_size > 1:
 
                 def reject(tag: int) -> None:
-                    with self._exchange(tag, timeout, "a rejected call") as ex, suppress(CollectiveMismatchError):
-                        self._agree(ex, INVALID)  # raises the mismatch it causes, which is no news here
+                    self._reject(tag, timeout)
 
                 if mode == "snapshot":
                     self._submit(reject)
@@ -397,6 +396,12 @@ class Collectives:
                     with suppress(ParatrainError):  # the caller's own error, raised next, says more
                         self._run(reject)
             raise
+
+    def _reject(self, tag: int, timeout: float | None) -> None:
+        """Joins call ``tag``'s agreement as "invalid": the other ranks raise ``CollectiveMismatchError`` at once."""
+        if self.world_size > 1:
+            with self._exchange(tag, timeout, "a rejected call") as ex, suppress(CollectiveMismatchError):
+                self._agree(ex, INVALID)  # raises the mismatch it causes, which is no news here
 
     # -- torch.distributed engines (:mod:`.engine`, :mod:`.routing`)
 
@@ -486,7 +491,7 @@ class Collectives:
         routed = self._routes.allreduce(x, op, algorithm, timeout, mode=mode)
         if routed is not None:
             return self._counted(routed, x)
-        view, dtype_name = _as_array(x)
+        view, dtype_name = _as_array(x, self._deadline(timeout))
         reducer = self._reducer(op, dtype_name)
         name = self._resolve(algorithm, self.allreduce_algorithms, self.choose_allreduce, view.nbytes)
         impl = self.allreduce_algorithms[name]
@@ -519,9 +524,9 @@ class Collectives:
             result = dst.reshape(view.shape)
             if mode == "in_place":
                 if not in_place:
-                    _write_back(x, result, dtype_name)
+                    _write_back(x, result, dtype_name, self._deadline(timeout))
                 return x
-            return _wrap(x, result, dtype_name)
+            return _wrap(x, result, dtype_name, self._deadline(timeout))
 
         return body
 
@@ -669,7 +674,7 @@ class Collectives:
         algorithm: str = "auto",
         *,
         timeout: float | None = None,
-        ready: SupportsSynchronize | None = None,
+        ready: SupportsQuery | None = None,
     ) -> Handle[A]:
         """Starts :meth:`allreduce_` (in place) on the background thread; ``handle.wait()`` returns ``x``, which
         then holds the result.
@@ -679,8 +684,10 @@ class Collectives:
         Queued calls run one at a time in call order; errors are raised by ``wait()``.
 
         ``ready``: ``x``'s bytes are still on their way (a CUDA event recorded behind the device-to-host copies
-        that fill a pinned buffer): the background thread calls ``ready.synchronize()`` before it reads ``x``, so
-        the caller (a gradient hook) returns at once and the copies overlap the rest of its work.
+        that fill a pinned buffer): the background thread waits until ``ready.query()`` is true before it reads
+        ``x`` (at most ``timeout``; then this rank raises :class:`~paratrain.errors.DeviceTimeoutError` and the
+        others a ``CollectiveMismatchError`` at once), so the caller (a gradient hook) returns at once and the
+        copies overlap the rest of its work.
 
         Example:
             >>> import numpy as np
@@ -698,7 +705,11 @@ class Collectives:
 
             def body(tag: int) -> Any:
                 start = time.time()
-                ready.synchronize()
+                try:
+                    wait_event(ready, self._deadline(timeout), "the copies into an allreduce's buffer")
+                except DeviceTimeoutError:
+                    self._reject(tag, timeout)
+                    raise
                 if self.timeline is not None:  # how long the communication waited for the device's copies
                     self.timeline.span("allreduce", "WAIT_FOR_DEVICE_COPY", start, time.time())
                 return run(tag)
@@ -737,7 +748,7 @@ class Collectives:
         routed = self._routes.broadcast(x, root, algorithm, timeout)
         if routed is not None:
             return routed
-        view, dtype_name = _as_array(x)
+        view, dtype_name = _as_array(x, self._deadline(timeout))
         name = self._resolve(algorithm, self.broadcast_algorithms, self.choose_broadcast, view.nbytes)
         impl = self.broadcast_algorithms[name]
         src = view.reshape(-1)
@@ -751,7 +762,7 @@ class Collectives:
                 with self._exchange(tag, timeout, f"broadcast ({name})") as ex:
                     self._agree(ex, sig)
                     impl(ex, dst, root=root, source=src)
-            return _wrap(x, dst.reshape(view.shape), dtype_name)
+            return _wrap(x, dst.reshape(view.shape), dtype_name, self._deadline(timeout))
 
         return body
 
@@ -795,7 +806,7 @@ class Collectives:
         routed = self._routes.allgather(x, timeout, copy=copy)
         if routed is not None:
             return routed
-        view, dtype_name = _as_array(x)
+        view, dtype_name = _as_array(x, self._deadline(timeout))
         trailing = view.shape[1:]
         row = math.prod(trailing)
         src = view.reshape(-1).copy() if copy else view.reshape(-1)
@@ -815,7 +826,7 @@ class Collectives:
                     mine = bounds[self.transport.rank]
                     np.copyto(out[mine[0] : mine[1]], src)
                     ring_allgather_run(ex, out, bounds)
-            return _wrap(x, out.reshape((sum(rows), *trailing)), dtype_name)
+            return _wrap(x, out.reshape((sum(rows), *trailing)), dtype_name, self._deadline(timeout))
 
         return body
 
@@ -847,7 +858,7 @@ class Collectives:
         routed = self._routes.reduce_scatter(x, op, timeout)
         if routed is not None:
             return routed
-        view, dtype_name = _as_array(x)
+        view, dtype_name = _as_array(x, self._deadline(timeout))
         if view.ndim == 0:
             raise ValueError("reduce_scatter splits along axis 0; a 0-d array has none (use allreduce)")
         reducer = Reducer(op, dtype_name)
@@ -869,7 +880,7 @@ class Collectives:
                     self._agree(ex, sig)
                     ring_reduce_scatter_run(ex, src, dst, bounds, reducer)
                 part = dst[bounds[rank][0] : bounds[rank][1]].copy()
-            return _wrap(x, part.reshape(shape), dtype_name)
+            return _wrap(x, part.reshape(shape), dtype_name, self._deadline(timeout))
 
         return body
 

@@ -345,7 +345,7 @@ class TorchEngine:
                 t.div_(self.world_size)
             else:
                 t.div_(self.world_size, rounding_mode="floor")
-        self._settle(t)
+        self._settle(t, timeout)
 
     def broadcast_(self, t: Any, root: int, timeout: float, after: Any = None) -> None:
         """Overwrites contiguous ``t`` with rank ``root``'s."""
@@ -355,7 +355,7 @@ class TorchEngine:
         options.rootRank = root
         options.rootTensor = 0
         self._do("broadcast", t, after, timeout, lambda: self._group.broadcast([t], options))
-        self._settle(t)
+        self._settle(t, timeout)
 
     def allgather(self, t: Any, rows: Sequence[int], timeout: float, after: Any = None) -> Any:
         """Every rank's ``t`` (``rows[r]`` rows on rank r, equal trailing shape) concatenated in rank order;
@@ -371,7 +371,7 @@ class TorchEngine:
         outputs = [torch.empty_like(padded) for _ in rows]
         self._do("allgather", padded, None, timeout, lambda: self._group.allgather([outputs], [padded]))
         result = torch.cat([out[:n] for out, n in zip(outputs, rows, strict=True)])
-        self._settle(result)
+        self._settle(result, timeout)
         return result
 
     def reduce_scatter(self, t: Any, op: str, row_bounds: Sequence[tuple[int, int]], timeout: float) -> Any:
@@ -395,7 +395,7 @@ class TorchEngine:
         mine = out[: b - a]
         if op == "mean" and self.world_size > 1:
             mine.div_(self.world_size, rounding_mode=None if mine.is_floating_point() else "floor")
-        self._settle(mine)
+        self._settle(mine, timeout)
         return mine
 
     # -- point to point (pipeline stages' activations and gradients: :mod:`paratrain.torch.pipeline`)
@@ -466,15 +466,17 @@ class TorchEngine:
             except RuntimeError as exc:
                 raise self._failure(what, exc, timeout) from exc
 
-    @staticmethod
-    def _settle(t: Any) -> None:
-        """Waits (host) for the device work that wrote ``t``: an event on the current stream, not the device."""
+    def _settle(self, t: Any, timeout: float) -> None:
+        """Waits (host) for the device work that wrote ``t``: an event on the current stream, not the device, at
+        most ``timeout`` seconds (:class:`~paratrain.errors.DeviceTimeoutError`)."""
         if t.device.type == "cuda":
             import torch
 
+            from paratrain.device.events import wait_event
+
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(torch.cuda.current_stream(t.device))
-            done.synchronize()
+            wait_event(done, timeout, f"the {self.name} engine's work")
 
     def close(self) -> None:
         """Lets the process group go (NCCL's communicators are shut down); idempotent."""

@@ -6,6 +6,7 @@ communication core still starts without torch.
 
 from __future__ import annotations
 
-from paratrain.device.staging import host_view, on_device, to_device, to_host
+from paratrain.device.events import DEVICE_TIMEOUT, wait_event
+from paratrain.device.staging import copy_to_device_, host_view, on_device, to_device, to_host
 
-__all__ = ["host_view", "on_device", "to_device", "to_host"]
+__all__ = ["DEVICE_TIMEOUT", "copy_to_device_", "host_view", "on_device", "to_device", "to_host", "wait_event"]

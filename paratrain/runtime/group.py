@@ -21,8 +21,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from paratrain.collectives.api import Collectives, SupportsSynchronize, network_allreduce_choice
+from paratrain.collectives.api import Collectives, network_allreduce_choice
 from paratrain.collectives.barrier import barrier as _barrier
+from paratrain.device.events import SupportsQuery
 from paratrain.errors import NotInitializedError
 from paratrain.timeline import timeline_for
 from paratrain.transport.base import Handle, Transport
@@ -76,7 +77,7 @@ class CollectiveMethods:
         algorithm: str = "auto",
         *,
         timeout: float | None = None,
-        ready: SupportsSynchronize | None = None,
+        ready: SupportsQuery | None = None,
     ) -> Handle[A]:
         """Starts an in-place allreduce over the members in the background; leave ``x`` alone until ``.wait()``
         (which returns ``x``). ``ready``: waited for on the background thread before ``x`` is read (a CUDA event

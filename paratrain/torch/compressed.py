@@ -51,6 +51,9 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
             momenta in one bucket.
     """
 
+    #: the compressors read the buffer in the hook (on the host): the optimizer has a CUDA bucket's copy finished
+    waits_for_staging = False
+
     def __init__(
         self,
         context: Context,
@@ -109,7 +112,7 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
             raise ConfigError(f"no allreduce path for compressor {comp!r}")
 
     def _matrix(self, bucket: FusedBucket, j: int) -> Any:
-        view = bucket.views[j]
+        view = bucket.buffer_views[j]
         return view.reshape(view.shape[0], -1).numpy()
 
     # -- finish: decode (PowerSGD's second round first) --------------------------------------------------------
@@ -148,7 +151,8 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
         for j, param in enumerate(bucket.params):
             buf = self._optimizer.state.get(param, {}).get("momentum_buffer")
             if buf is not None:  # none before the first step: SGD then starts its buffer at the gradient, s
-                bucket.views[j].sub_(buf.reshape(bucket.views[j].shape), alpha=m)
+                view = bucket.buffer_views[j]  # (host memory where the bucket is staged: before give() copies it)
+                view.sub_(buf.reshape(view.shape).to(view.device), alpha=m)
 
     def _finish_low_rank(self, comp: LowRank, handles: Sequence[Handle[Any] | None]) -> None:
         seconds: list[tuple[list[Any], Any, Handle[Any] | None]] = []

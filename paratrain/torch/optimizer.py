@@ -117,6 +117,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             (``--min-workers``) ``step()`` may raise :class:`~paratrain.recovery.RegroupedError`: the job lost or
             gained a worker mid-step; compute this step's gradients again for the new job (its rank and size are
             ``reliable.ctx``'s) and call ``step()`` again.
+        always_communicate: a benchmark switch: with one worker, fuse, hook and call the collectives (which then
+            reduce over one rank) instead of copying and sending nothing, so that the cost of that machinery can be
+            measured on one GPU. The same update either way.
 
     Raises:
         ConfigError: unknown strategy, bad ``bucket_bytes``, optimizer parameters outside ``model``, or (for
@@ -157,6 +160,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         batch_size: int | None = None,
         layer_schemes: Mapping[str, str] | None = None,
         compression: str | Compressor | None = None,
+        always_communicate: bool = False,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called on purpose: param_groups and state are the wrapped
         # optimizer's (see the properties below), and anything else is looked up there (__getattr__).
@@ -245,18 +249,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # costs what plain torch costs (the same script runs unchanged without a launcher). Gossip never sends
         # gradients either (the hooks only track the launch order); its buckets serve as the parameter layout
         gossip = self.spec.exchanges_parameters
-        self._local = gossip or (not self.spec.uses_servers and self.context.world_size == 1)
+        alone = not self.spec.uses_servers and self.context.world_size == 1 and not always_communicate
+        self._local = gossip or alone
+        self._timeout = self.context.settings.timeout
         self._buckets: list[FusedBucket | None] = []  # None: a unit that is no fused bucket (an SFB layer)
         self._strategy: Strategy
+        # the collective choice of the CUDA engine is made here, on every rank alike, never in a gradient hook
+        # (hooks of CUDA tensors run on autograd's one thread per device, shared by every rank that is a thread of
+        # this process: one rank waiting there for the others would block their backward passes for good)
+        engines = self._device_engines(params) if not self._local else {}
         if self.spec.hybrid and not self._local:
             self._strategy = self._build_hybrid(optimizer, params, names, sfb_modules)
         else:
             if gossip:
-                self._buckets = [FusedBucket(b, params, names, flags=False) for b in self.plan]
+                self._buckets = [FusedBucket(b, params, names, flags=False, timeout=self._timeout) for b in self.plan]
             elif not self._local:
-                on_device = self._engine_takes_devices(params, plain=reliable is None and self.compressor is None)
+                plain = reliable is None and self.compressor is None and self.spec.kind == "allreduce"
+                on_device = plain and bool(engines) and all(e is not None for e in engines.values())
                 self._buckets = [
-                    FusedBucket(b, params, names, flags=not self.spec.uses_servers, on_device=on_device)
+                    FusedBucket(
+                        b, params, names, flags=not self.spec.uses_servers, on_device=on_device, timeout=self._timeout
+                    )
                     for b in self.plan
                 ]
             fused = [b for b in self._buckets if b is not None]
@@ -276,14 +289,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
         self._hooks = GradientHooks(params, owner=self, on_ready=DistributedOptimizer._on_grad_ready)
 
-    def _engine_takes_devices(self, params: Sequence[torch.nn.Parameter], *, plain: bool) -> bool:
-        """Whether the buckets of CUDA parameters stay on their devices: the plain allreduce strategy, and a
-        collective engine (NCCL) that reduces device memory there (the CUDA engine's choice is collective and made
-        here, at the same point on every rank, if no collective on a CUDA tensor made it before)."""
-        if not plain or self.spec.kind != "allreduce":
-            return False
+    def _device_engines(self, params: Sequence[torch.nn.Parameter]) -> dict[torch.device, Any]:
+        """The collective engine of each CUDA device the parameters are on (None: staged through host memory).
+
+        The CUDA engine's choice is collective: made here, at the same point on every rank, if no collective on a
+        CUDA tensor made it before. The plain allreduce strategy keeps a device's buckets there when an engine
+        (NCCL) reduces device memory."""
         devices = sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
-        return bool(devices) and all(self.context.collectives.device_engine(d) is not None for d in devices)
+        return {d: self.context.collectives.device_engine(d) for d in devices}
 
     def _build_hybrid(
         self,
@@ -300,7 +313,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 name, module = sfb_modules[bucket.group]
                 units.append(SfbLayer(name, module, self.context))
             else:
-                units.append(FusedBucket(bucket, params, names, flags=not uses_servers))
+                units.append(FusedBucket(bucket, params, names, flags=not uses_servers, timeout=self._timeout))
         self._buckets = [u if isinstance(u, FusedBucket) else None for u in units]
         fused = [u for u in units if isinstance(u, FusedBucket)]
         dense: Strategy | None = None

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from paratrain.collectives.engine import ENGINE_DTYPES, DeviceIdentity, TorchEngine, choose_link, gpu_name
-from paratrain.device import on_device, to_host
+from paratrain.device import on_device, to_device, to_host
 from paratrain.errors import ConfigError, MessageError
 from paratrain.launch.kills import kill_point
 from paratrain.pipeline.schedules import (
@@ -87,10 +87,11 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
-    """What a stage sends: the tensor's bytes in host memory (a device tensor staged there, :mod:`paratrain.device`)."""
+def _array(tensor: torch.Tensor, timeout: float) -> np.ndarray[Any, Any]:
+    """What a stage sends: the tensor's bytes in host memory (a device tensor staged there, :mod:`paratrain.device`,
+    waiting at most ``timeout`` seconds for the copy)."""
     t = tensor.detach()
-    return (to_host(t) if on_device(t) else t.contiguous()).numpy()
+    return (to_host(t, timeout) if on_device(t) else t.contiguous()).numpy()
 
 
 class Pipe:
@@ -256,7 +257,7 @@ class Pipe:
         timeout is noticed there, as without links), the bytes through the direction's process group."""
         transport = self.group.transport
         if self.links is None:
-            return transport.isend(peer, tag, [_array(tensor)])
+            return transport.isend(peer, tag, [_array(tensor, self._timeout)])
         data = tensor.detach().contiguous()
         dtype = str(data.dtype).removeprefix("torch.")
         if dtype not in ENGINE_DTYPES:
@@ -348,8 +349,9 @@ class Pipe:
 
     def _received(self, arr: np.ndarray[Any, Any]) -> torch.Tensor:
         """A received activation or gradient (read-only host memory) as a tensor of its own on this stage's
-        device."""
-        return torch.from_numpy(arr.copy()).to(self.device)
+        device (copied there with the context's deadline, :func:`~paratrain.device.to_device`)."""
+        host = torch.from_numpy(arr.copy())
+        return host if self.device.type == "cpu" else to_device(host, torch.empty(0, device=self.device), self._timeout)
 
     @torch.no_grad()
     def predict(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:

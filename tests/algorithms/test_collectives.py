@@ -19,7 +19,7 @@ import paratrain as pt
 from paratrain import Context
 from paratrain.collectives.api import AllreduceAlgorithm
 from paratrain.collectives.ring import chain_broadcast_run, ring_allreduce_run
-from paratrain.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
+from paratrain.errors import CollectiveMismatchError, CommTimeoutError, DeviceTimeoutError, PeerLostError
 from paratrain.testing import run_ranks
 from paratrain.transport.inproc import InprocFabric
 
@@ -572,9 +572,9 @@ def test_allreduce_async_in_place_reads_x_only_once_ready_is_synchronized() -> N
             self.released = threading.Event()
             self.waited = False
 
-        def synchronize(self) -> None:
+        def query(self) -> bool:
             self.waited = True
-            assert self.released.wait(30)
+            return self.released.is_set()
 
     def fn(ctx: Context) -> tuple[list[float], bool]:
         x = np.zeros(4)
@@ -585,3 +585,26 @@ def test_allreduce_async_in_place_reads_x_only_once_ready_is_synchronized() -> N
         return handle.wait(30).tolist(), gate.waited
 
     assert run_ranks(2, fn) == [([3.0] * 4, True)] * 2
+
+
+def test_a_device_copy_that_never_completes_fails_every_rank_at_once() -> None:
+    """A ``ready`` event that never completes (a stuck kernel or copy on rank 0's GPU) is waited for at most the
+    call's timeout: rank 0 raises ``DeviceTimeoutError`` and rank 1, whose own timeout is far longer, is told at
+    once (a ``CollectiveMismatchError`` naming rank 0), instead of hanging in the device wait or timing out."""
+
+    class Never:
+        def query(self) -> bool:
+            return False
+
+    def fn(ctx: Context) -> str:
+        stuck = ctx.rank == 0
+        x = np.ones(4)
+        try:
+            ctx.allreduce_async_(x, ready=Never() if stuck else None, timeout=0.3 if stuck else 60).wait(60)
+        except (DeviceTimeoutError, CollectiveMismatchError) as exc:
+            return type(exc).__name__ + ": " + str(exc)
+        return "no error"
+
+    stuck, told = run_ranks(2, fn, timeout=60)
+    assert stuck.startswith("DeviceTimeoutError: the copies into an allreduce's buffer did not complete")
+    assert told.startswith("CollectiveMismatchError:") and "rank 0 rejected its own arguments" in told

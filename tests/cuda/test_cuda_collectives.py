@@ -4,6 +4,7 @@ machine. Two thread ranks share the one GPU here: the staged path (pinned host c
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -83,3 +84,36 @@ def test_a_cuda_model_trains_as_on_the_cpu(strategy: str) -> None:
     for on_gpu, on_cpu in zip(train("cuda"), train("cpu"), strict=True):
         for name, value in on_cpu.items():
             torch.testing.assert_close(on_gpu[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "bsp", "sfb"])
+def test_backward_never_waits_for_another_rank(strategy: str) -> None:
+    """Rank 1 starts its backward only after rank 0's backward has returned: a gradient hook that waited for a peer
+    would make rank 0 wait for ever. On a GPU this is what two thread ranks must survive, since autograd runs every
+    rank's CUDA backward on its one thread per device (SFB's first allgather once made the collective choice of the
+    CUDA engine there, and both ranks hung). Then both step and agree."""
+    done = threading.Event()
+
+    def worker(ctx: Context) -> list[Any]:
+        net = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).cuda()
+        ptt.broadcast_parameters(net, context=ctx)
+        sgd = torch.optim.SGD(net.parameters(), lr=0.1)
+        opt = ptt.DistributedOptimizer(sgd, model=net, strategy=strategy, bucket_bytes=256, context=ctx)
+        x = torch.full((8, 10), float(ctx.rank + 1), device="cuda")
+        for _ in range(2):
+            opt.zero_grad()
+            if ctx.rank == 1:
+                assert done.wait(60), "rank 0's backward did not return without rank 1"
+            net(x).square().mean().backward()
+            if ctx.rank == 0:
+                done.set()
+            opt.step()
+            if ctx.rank == 1:
+                done.clear()  # (before the barrier: rank 0 sets it again only after it)
+            ctx.barrier()
+        opt.close()
+        return [p.detach().cpu() for p in net.parameters()]
+
+    first, second = run_ranks(2, worker, servers=1 if strategy == "bsp" else 0, timeout=90)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
