@@ -37,6 +37,7 @@ def train(ctx: Context, steps: int, gate: threading.Barrier) -> float:
     for _ in range(LAYERS):
         layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
     net = torch.nn.Sequential(*layers).cuda()
+    ptt.broadcast_parameters(net, context=ctx)  # (the thread ranks drew different weights from torch's one generator)
     opt = ptt.DistributedOptimizer(
         torch.optim.SGD(net.parameters(), lr=1e-3), model=net, strategy="allreduce", bucket_bytes=16 << 20, context=ctx
     )

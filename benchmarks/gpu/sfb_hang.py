@@ -32,10 +32,12 @@ from paratrain.torch import optimizer as optimizer_module
 
 def step(ctx: Context, seen: dict[str, Any]) -> None:
     net = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).cuda()
+
+    def note(_: torch.Tensor) -> None:  # (a hook must return None)
+        seen.setdefault(f"rank {ctx.rank} hook thread", threading.get_ident())
+
     for p in net.parameters():
-        p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-            lambda _, r=ctx.rank: seen.setdefault(f"rank {r} hook thread", threading.get_ident())
-        )
+        p.register_post_accumulate_grad_hook(note)  # type: ignore[no-untyped-call]
     seen[f"rank {ctx.rank} caller thread"] = threading.get_ident()
     opt = ptt.DistributedOptimizer(
         torch.optim.SGD(net.parameters(), lr=0.1), model=net, strategy="sfb", bucket_bytes=256, context=ctx

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from paratrain.device import copy_to_device_, on_device, to_host
 from paratrain.runtime.context import Context, current
 
 __all__ = ["broadcast_parameters"]
@@ -78,11 +79,16 @@ def broadcast_parameters(
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in _tensors(model_or_state):
         groups.setdefault(t.dtype, []).append(t)
+    timeout = ctx.settings.timeout  # (of the copies to and from a GPU)
     for tensors in groups.values():  # insertion order: the same on every rank for the same model
-        flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
+        flat = torch.cat([(to_host(t, timeout) if on_device(t) else t.detach()).reshape(-1) for t in tensors])
         result = ctx.broadcast(flat, root)
         offset = 0
         for t in tensors:
             n = t.numel()
-            t.copy_(result[offset : offset + n].view(t.shape))
+            part = result[offset : offset + n].view(t.shape)
+            if on_device(t):
+                copy_to_device_(t.detach(), part, timeout)
+            else:
+                t.copy_(part)
             offset += n

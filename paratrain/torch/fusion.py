@@ -21,11 +21,13 @@ caller's stream, ordered before the optimizer's kernels. One copy each way per b
 parameters: each copy costs a launch and a DMA set-up, which dominate for small gradients.
 
 The *used* flags solve DDP's unused-parameter problem without a second message: a rank's flag for a parameter is
-1 when it has a gradient for it, written once per bucket when the bucket leaves. After a ``mean`` allreduce a
-flag is 0 exactly when no rank had a gradient; such a parameter keeps ``grad = None`` (and the optimizer skips it,
-as it would in one process), while a parameter that some ranks did not use gets the mean with zeros from those
-ranks, which is the gradient of the mean loss over everybody's samples. The buffers are allocated once; a step
-allocates nothing here. Every host wait on the device has a deadline (:func:`~paratrain.device.wait_event`).
+1 when it has a gradient for it, written when the bucket leaves (one fill, plus a zero per unused parameter).
+After a ``mean`` allreduce a flag is 0 exactly when no rank had a gradient (read back only on a rank that lacked
+one itself: every other flag is at least 1 / world size); such a parameter keeps ``grad = None`` (and the
+optimizer skips it, as it would in one process), while a parameter that some ranks did not use gets the mean with
+zeros from those ranks, which is the gradient of the mean loss over everybody's samples. The buffers are
+allocated once; a step allocates nothing here. Every host wait on the device has a deadline
+(:func:`~paratrain.device.wait_event`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from paratrain.device import DEVICE_TIMEOUT, wait_event
+from paratrain.device import DEVICE_TIMEOUT, to_device, to_host, wait_event
 from paratrain.fusion.buckets import Bucket
 
 __all__ = ["FusedBucket"]
@@ -88,8 +90,6 @@ class FusedBucket:
         #: views of :attr:`buffer` (host memory when staged) in the layout of :attr:`views`
         self.buffer_views = self._views_of(self.buffer) if mirrored else self.views
         self._at_home = [p.device == home.device for p in self.params]  # at home: gradients are views
-        # flags travel from a host list; on a device they go through a pinned copy (one small copy per bucket)
-        self._flag_source = torch.zeros(extra, dtype=dtype, pin_memory=True) if extra and self.flags.is_cuda else None
         self._taken = [False] * len(self.params)
         self._used = [False] * len(self.params)
         self._staged: torch.cuda.Event | None = None  # behind this step's device-to-host copy (staged buckets)
@@ -136,13 +136,11 @@ class FusedBucket:
         if self._sealed:
             return self._staged
         self._sealed = True
-        if self.flags.numel():
-            used = torch.tensor(self._used, dtype=self.flags.dtype)
-            if self._flag_source is None:
-                self.flags.copy_(used)
-            else:  # (the last step's copy from _flag_source finished before that step's collective did)
-                self._flag_source.copy_(used)
-                self.flags.copy_(self._flag_source, non_blocking=True)
+        if self.flags.numel():  # one fill, then a zero per unused parameter (rare): no host data to copy over
+            self.flags.fill_(1)
+            for j, used in enumerate(self._used):
+                if not used:
+                    self.flags[j] = 0
         if self._stream is None:
             return None
         stream, home = self._stream, self.home
@@ -177,7 +175,10 @@ class FusedBucket:
         """Writes the reduced buffer back into the gradients; a parameter no rank had a gradient for stays None."""
         if reduced.data_ptr() != self.buffer.data_ptr():  # an in-place allreduce left it in the buffer already
             self.buffer.copy_(reduced)
-        used = self.flags.tolist() if self.flags.numel() else [1.0] * len(self.params)
+        # a parameter this rank used has a flag >= 1 / world size after the mean: only the others need reading (a
+        # device-to-host copy and a wait where the flags live on a GPU)
+        everywhere = not self.flags.numel() or all(self._used)
+        used = [1.0] * len(self.params) if everywhere else to_host(self.flags, self.timeout).tolist()
         if self._stream is not None:  # staged: one copy back, on the caller's stream (before the optimizer's)
             stream = torch.cuda.current_stream(self.home.device)
             self._home_grads.copy_(self.grads, non_blocking=True)
@@ -203,11 +204,15 @@ class FusedBucket:
         self._staged = None
 
     def read_params(self) -> torch.Tensor:
-        """The parameters' current values, flattened in bucket order (a new CPU tensor)."""
-        return torch.cat([p.detach().reshape(-1).cpu() for p in self.params])
+        """The parameters' current values, flattened in bucket order (a new CPU tensor; from a GPU, one copy)."""
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        return to_host(flat, self.timeout) if flat.is_cuda else flat
 
     @torch.no_grad()
     def write_params(self, flat: torch.Tensor) -> None:
-        """Copies a flat vector laid out like the bucket into the parameters, in place."""
+        """Copies a flat vector laid out like the bucket into the parameters, in place (to a GPU: one copy there,
+        then the parameters' own)."""
+        if self.home.is_cuda and not flat.is_cuda:
+            flat = to_device(flat, self.home, self.timeout)
         for off, param in zip(self.bucket.offsets, self.params, strict=True):
             param.copy_(flat[off : off + param.numel()].view(param.shape))
