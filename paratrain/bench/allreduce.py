@@ -46,6 +46,7 @@ from paratrain.bench import harness, stats, tables
 from paratrain.bench._timing import format_bytes
 from paratrain.bench.harness import EngineRun, SizedOptions, Step
 from paratrain.bench.machine import MachineSample, machine_report
+from paratrain.errors import ConfigError
 from paratrain.launch.env import process_environment
 from paratrain.launch.plan import free_port
 
@@ -95,13 +96,13 @@ class BenchOptions(SizedOptions):
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
-            raise ValueError(f"--np must be at least 1, got {self.nproc}")  # --np, as mpirun names it
+            raise ConfigError(f"--np must be at least 1, got {self.nproc}")  # --np, as mpirun names it
         SizedOptions.__post_init__(self)
         if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+            raise ConfigError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         unknown = [a for a in self.compare if a not in ANCHORS]
         if unknown:
-            raise ValueError(f"--compare takes {', '.join(ANCHORS)} (or none), got {', '.join(unknown)}")
+            raise ConfigError(f"--compare takes {', '.join(ANCHORS)} (or none), got {', '.join(unknown)}")
 
 
 # -- the engines ---------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import numpy as np
 from paratrain.bench import tables
 from paratrain.bench.machine import MachineSample, OthersMeter, machine_report
 from paratrain.bench.stats import median_spread
+from paratrain.errors import ConfigError
 
 __all__ = ["CONFIGS", "AuthBenchOptions", "render", "run_auth_bench"]
 
@@ -68,9 +69,9 @@ class AuthBenchOptions:
     def __post_init__(self) -> None:
         for name in ("latency_bytes", "round_trips", "bandwidth_bytes", "messages", "repeat"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.latency_bytes % 4 or self.bandwidth_bytes % 4:
-            raise ValueError("sizes must be multiples of 4 bytes (float32 arrays)")
+            raise ConfigError("sizes must be multiples of 4 bytes (float32 arrays)")
 
 
 def _peer(rank: int, conn: Any, options: AuthBenchOptions) -> None:

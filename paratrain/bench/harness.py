@@ -76,15 +76,15 @@ def parse_size(text: str) -> int:
     match = _SIZE_RE.match(text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(
+        raise ConfigError(
             f"bad size {text!r}: use a whole number with an optional unit, e.g. 1024, 4KiB, 4K, 1MiB, 16MB "
             "(K/KiB/M/MiB/G/GiB are powers of 1024; KB/MB/GB powers of 1000)"
         )
     nbytes = int(match.group(1)) * _UNITS[unit or ""]
     if nbytes <= 0 or nbytes % 4:
-        raise ValueError(f"bad size {text!r}: must be a positive multiple of 4 bytes (float32 elements)")
+        raise ConfigError(f"bad size {text!r}: must be a positive multiple of 4 bytes (float32 elements)")
     if nbytes > _MAX_BYTES:
-        raise ValueError(f"bad size {text!r}: at most 4 GiB per buffer")
+        raise ConfigError(f"bad size {text!r}: at most 4 GiB per buffer")
     return nbytes
 
 
@@ -103,7 +103,7 @@ def parse_sizes(text: str) -> list[int]:
         if nbytes not in sizes:
             sizes.append(nbytes)
     if not sizes:
-        raise ValueError("no sizes given; e.g. --sizes 4KiB,1MiB,16MiB")
+        raise ConfigError("no sizes given; e.g. --sizes 4KiB,1MiB,16MiB")
     return sizes
 
 
@@ -149,10 +149,10 @@ class SizedOptions:
     def __post_init__(self) -> None:
         require_at_least_one(self, "iters")
         if self.warmup < 0:
-            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
         require_at_least_one(self, "repeat")
         if self.timeout <= 0:
-            raise ValueError(f"--timeout must be positive, got {self.timeout}")
+            raise ConfigError(f"--timeout must be positive, got {self.timeout}")
 
     def iters_for(self, nbytes: int) -> int:
         """Timed iterations for a size: ``iters``, or enough for a stable mean in about a second of work.

@@ -86,7 +86,7 @@ def parse_consistency(text: str) -> tuple[str, int | None]:
     except ConfigError:
         spec = None
     if spec is None or not spec.uses_servers:
-        raise ValueError(
+        raise ConfigError(
             f"bad consistency {text!r}: use bsp, asp, or ssp:S with a staleness bound S >= 0 (e.g. ssp:2; ssp:0 is bsp)"
         )
     return spec.kind, spec.staleness
@@ -116,16 +116,16 @@ class PSBenchOptions(SizedOptions):
     def __post_init__(self) -> None:
         harness.require_at_least_one(self, "workers")
         if self.servers < 1:
-            raise ValueError(f"--servers must be at least 1 (a parameter server needs a server), got {self.servers}")
+            raise ConfigError(f"--servers must be at least 1 (a parameter server needs a server), got {self.servers}")
         if not self.sizes or any(s <= 0 or s % 4 for s in self.sizes):
-            raise ValueError(f"--size must be positive multiples of 4 bytes, got {list(self.sizes)}")
+            raise ConfigError(f"--size must be positive multiples of 4 bytes, got {list(self.sizes)}")
         parse_consistency(self.consistency)
         if not 1 <= self.replicas <= self.servers:
-            raise ValueError(f"--replicas must be 1..{self.servers} (the servers), got {self.replicas}")
+            raise ConfigError(f"--replicas must be 1..{self.servers} (the servers), got {self.replicas}")
         if self.hosts not in (1, 2):
-            raise ValueError(f"--hosts must be 1 or 2, got {self.hosts}")
+            raise ConfigError(f"--hosts must be 1 or 2, got {self.hosts}")
         if self.hosts == 2 and self.replicas != 1:
-            raise ValueError("--hosts 2 runs without replicas (its jobs start ranks themselves, not the launcher)")
+            raise ConfigError("--hosts 2 runs without replicas (its jobs start ranks themselves, not the launcher)")
         SizedOptions.__post_init__(self)
 
 

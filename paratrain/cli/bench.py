@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.cli import bench_sched, bench_sim
+from paratrain.cli.errors import reports_config_errors
+from paratrain.errors import ConfigError
 
 __all__ = ["add_parser"]
 
@@ -135,25 +137,22 @@ def _report(command: str, table: str, report: dict[str, Any], json_path: str | N
     return code
 
 
+@reports_config_errors("bench allreduce")
 def _allreduce(args: argparse.Namespace) -> int:
     from paratrain.bench.allreduce import ANCHORS, DEFAULT_SIZES, BenchOptions, render_table, run_bench
     from paratrain.bench.harness import parse_sizes
 
-    try:
-        options = BenchOptions(
-            nproc=args.nproc,
-            sizes=tuple(args.sizes or parse_sizes(DEFAULT_SIZES)),
-            compare=tuple(ANCHORS if args.compare is None else args.compare),
-            iters=args.iters,
-            warmup=args.warmup,
-            algorithm=args.algorithm,
-            timeout=args.timeout,
-            shm=not args.no_shm,
-            repeat=args.repeat,
-        )
-    except ValueError as exc:
-        print(f"paratrain bench allreduce: error: {exc}", file=sys.stderr)
-        return 2
+    options = BenchOptions(
+        nproc=args.nproc,
+        sizes=tuple(args.sizes or parse_sizes(DEFAULT_SIZES)),
+        compare=tuple(ANCHORS if args.compare is None else args.compare),
+        iters=args.iters,
+        warmup=args.warmup,
+        algorithm=args.algorithm,
+        timeout=args.timeout,
+        shm=not args.no_shm,
+        repeat=args.repeat,
+    )
     report, code = run_bench(options)
     return _report("allreduce", render_table(report), report, args.json, code)
 
@@ -250,25 +249,22 @@ def _add_ps_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.set_defaults(func=_ps)
 
 
+@reports_config_errors("bench ps")
 def _ps(args: argparse.Namespace) -> int:
     from paratrain.bench.ps import PSBenchOptions, render_table, run_bench
 
-    try:
-        options = PSBenchOptions(
-            workers=args.workers,
-            servers=args.servers,
-            sizes=tuple(args.size or [16 << 20]),
-            replicas=args.replicas,
-            consistency=args.consistency,
-            hosts=args.hosts,
-            iters=args.iters,
-            warmup=args.warmup,
-            repeat=args.repeat,
-            timeout=args.timeout,
-        )
-    except ValueError as exc:
-        print(f"paratrain bench ps: error: {exc}", file=sys.stderr)
-        return 2
+    options = PSBenchOptions(
+        workers=args.workers,
+        servers=args.servers,
+        sizes=tuple(args.size or [16 << 20]),
+        replicas=args.replicas,
+        consistency=args.consistency,
+        hosts=args.hosts,
+        iters=args.iters,
+        warmup=args.warmup,
+        repeat=args.repeat,
+        timeout=args.timeout,
+    )
     try:
         report, code = run_bench(options)
     except RuntimeError as exc:  # --hosts 2: the emulated hosts could not be made (not root, no iproute2...)
@@ -304,24 +300,20 @@ def _add_train_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentPar
     p.set_defaults(func=_train)
 
 
+@reports_config_errors("bench train")
 def _train(args: argparse.Namespace) -> int:
     from paratrain.bench.train import TrainBenchOptions, render, run_train_bench
-    from paratrain.errors import ConfigError
 
-    try:
-        options = TrainBenchOptions(
-            model=args.model,
-            workers=args.workers,
-            batch_size=args.batch_size,
-            steps=args.steps,
-            warmup=args.warmup,
-            repeat=args.repeat,
-            timeout=args.timeout,
-            device=args.device,
-        )
-    except ConfigError as exc:
-        print(f"paratrain bench train: error: {exc}", file=sys.stderr)
-        return 2
+    options = TrainBenchOptions(
+        model=args.model,
+        workers=args.workers,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        repeat=args.repeat,
+        timeout=args.timeout,
+        device=args.device,
+    )
     try:
         report = run_train_bench(options)
     except RuntimeError as exc:
@@ -386,36 +378,32 @@ def _add_consistency_parser(bench_sub: argparse._SubParsersAction[argparse.Argum
     p.set_defaults(func=_consistency_bench)
 
 
+@reports_config_errors("bench consistency")
 def _consistency_bench(args: argparse.Namespace) -> int:
     from paratrain.bench.consistency import ConsistencyBenchOptions, render_tables, run_consistency_bench
-    from paratrain.errors import ConfigError
 
     def names(text: str) -> tuple[str, ...]:
         return tuple(part.strip() for part in text.split(",") if part.strip())
 
-    try:
-        options = ConsistencyBenchOptions(
-            strategies=names(args.strategies),
-            scenarios=names(args.scenarios),
-            model=args.model,
-            dataset=args.dataset,
-            data_dir=args.data_dir,
-            workers=args.workers,
-            epochs=args.epochs,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            seed=args.seed,
-            repeat=args.repeat,
-            target=args.target,
-            eval_every=args.eval_every,
-            **({"out": args.out} if args.out else {}),
-        )
-        for scenario in options.scenarios:  # every cell's job is checked before the first one runs
-            for strategy in options.strategies:
-                options.job(strategy, scenario, Path(options.out))
-    except ConfigError as exc:
-        print(f"paratrain bench consistency: error: {exc}", file=sys.stderr)
-        return 2
+    options = ConsistencyBenchOptions(
+        strategies=names(args.strategies),
+        scenarios=names(args.scenarios),
+        model=args.model,
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        workers=args.workers,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        repeat=args.repeat,
+        target=args.target,
+        eval_every=args.eval_every,
+        **({"out": args.out} if args.out else {}),
+    )
+    for scenario in options.scenarios:  # every cell's job is checked before the first one runs
+        for strategy in options.strategies:
+            options.job(strategy, scenario, Path(options.out))
     report = run_consistency_bench(options)
     print(render_tables(report))
     print(f"figure: {Path(options.out) / 'consistency.png'}")
@@ -498,28 +486,24 @@ def _add_pipeline_parser(bench_sub: argparse._SubParsersAction[argparse.Argument
     p.set_defaults(func=_pipeline)
 
 
+@reports_config_errors("bench pipeline")
 def _pipeline(args: argparse.Namespace) -> int:
     from paratrain.bench.pipeline import PipelineBenchOptions, render, run_bench
-    from paratrain.errors import ConfigError
 
-    try:
-        options = PipelineBenchOptions(
-            models=args.model,
-            stages=args.stages,
-            microbatches=args.microbatches,
-            batch_size=args.batch_size,
-            steps=args.steps,
-            warmup=args.warmup,
-            schedules=args.schedules,
-            torch=not args.no_torch,
-            balance=args.balance,
-            repeat=args.repeat,
-            timeout=args.timeout,
-        )
-        report, code = run_bench(options)
-    except ConfigError as exc:
-        print(f"paratrain bench pipeline: error: {exc}", file=sys.stderr)
-        return 2
+    options = PipelineBenchOptions(
+        models=args.model,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        schedules=args.schedules,
+        torch=not args.no_torch,
+        balance=args.balance,
+        repeat=args.repeat,
+        timeout=args.timeout,
+    )
+    report, code = run_bench(options)
     return _report("pipeline", render(report), report, args.json, code)
 
 
@@ -564,6 +548,7 @@ def _add_recovery_parser(bench_sub: argparse._SubParsersAction[argparse.Argument
     p.set_defaults(func=_recovery)
 
 
+@reports_config_errors("bench recovery")
 def _recovery(args: argparse.Namespace) -> int:
     from paratrain.bench.recovery import COLD_SCHEDULES, DEFAULT_SCHEDULES, render, run_bench
 
@@ -633,14 +618,12 @@ def _add_sfb_bytes(bench_sub: Any) -> None:
     p.set_defaults(func=_sfb_bytes)
 
 
+@reports_config_errors("bench sfb-bytes")
 def _sfb_bytes(args: argparse.Namespace) -> int:
     from paratrain.bench.sfb_bytes import render_bytes, run_bytes_bench
 
     if min(args.workers, args.batch, args.servers, args.steps) < 1:
-        print(
-            "paratrain bench sfb-bytes: error: --workers, --batch, --servers and --steps must be >= 1", file=sys.stderr
-        )
-        return 2
+        raise ConfigError("--workers, --batch, --servers and --steps must be >= 1")
     report = run_bytes_bench(workers=args.workers, batch=args.batch, servers=args.servers, steps=args.steps)
     return _report("sfb-bytes", render_bytes(report), report, args.json, 0)
 
@@ -672,6 +655,7 @@ def _add_ddp_anchor(bench_sub: Any) -> None:
     p.set_defaults(func=_ddp_anchor)
 
 
+@reports_config_errors("bench ddp-anchor")
 def _ddp_anchor(args: argparse.Namespace) -> int:
     from paratrain.bench.ddp_anchor import render_ddp_anchor, run_ddp_anchor
     from paratrain.errors import ConfigError
@@ -682,31 +666,24 @@ def _ddp_anchor(args: argparse.Namespace) -> int:
     if args.data_dir:
         train_args += ["--data-dir", args.data_dir]
     hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
-    try:
-        if not hooks or args.workers < 1 or args.repeat < 1:
-            raise ConfigError("--hooks must name a hook, and --workers and --repeat must be >= 1")
-        report = run_ddp_anchor(
-            hooks=hooks, workers=args.workers, rate=args.rate, train_args=train_args, repeat=args.repeat
-        )
-    except ConfigError as exc:
-        print(f"paratrain bench ddp-anchor: error: {exc}", file=sys.stderr)
-        return 2
+    if not hooks or args.workers < 1 or args.repeat < 1:
+        raise ConfigError("--hooks must name a hook, and --workers and --repeat must be >= 1")
+    report = run_ddp_anchor(
+        hooks=hooks, workers=args.workers, rate=args.rate, train_args=train_args, repeat=args.repeat
+    )
     return _report("ddp-anchor", render_ddp_anchor(report, args.target_accuracy), report, args.json, 0)
 
 
+@reports_config_errors("bench auth")
 def _auth(args: argparse.Namespace) -> int:
     from paratrain.bench.auth import AuthBenchOptions, render, run_auth_bench
 
-    try:
-        options = AuthBenchOptions(
-            latency_bytes=args.latency_size[0],
-            bandwidth_bytes=args.bandwidth_size[0],
-            round_trips=args.round_trips,
-            messages=args.messages,
-            repeat=args.repeat,
-        )
-    except ValueError as exc:
-        print(f"paratrain bench auth: error: {exc}", file=sys.stderr)
-        return 2
+    options = AuthBenchOptions(
+        latency_bytes=args.latency_size[0],
+        bandwidth_bytes=args.bandwidth_size[0],
+        round_trips=args.round_trips,
+        messages=args.messages,
+        repeat=args.repeat,
+    )
     report = run_auth_bench(options)
     return _report("auth", render(report), report, args.json, 0)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from paratrain.cli.errors import reports_config_errors
 from paratrain.errors import ConfigError
 
 __all__ = ["add_parsers", "suite"]
@@ -68,8 +69,10 @@ def add_parsers(bench_sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
+@reports_config_errors("bench sched")
 def _run(args: argparse.Namespace) -> int:
-    from paratrain.cli.main import main
+    from paratrain.cli import sched
+    from paratrain.cli.subcommand import run_subcommand
 
     only = {a.strip() for a in args.only.split(",") if a.strip()}
     if not only or only - set(APPS):
@@ -82,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
             continue
         printed = io.StringIO()
         with contextlib.redirect_stdout(_Tee(sys.stdout, printed)):
-            code = main(argv)
+            code = run_subcommand(sched, argv)
         (Path(args.out) / f"{name}.txt").write_text(printed.getvalue())
         if code:
             return code

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from paratrain.cli.errors import reports_config_errors
 from paratrain.errors import ConfigError
 
 __all__ = ["add_parsers"]
@@ -118,47 +119,34 @@ def _emit(command: str, table: str, report: dict[str, Any], path: str | None) ->
     return 0
 
 
+@reports_config_errors("bench simulator")
 def _simulator(args: argparse.Namespace) -> int:
     from paratrain.bench.simulator import render_validation, run_validation
     from paratrain.sim.machine import MachineProfile
 
-    try:
-        if min(args.workers, args.steps - 2, args.batch_size, args.repeat) < 1:
-            raise ConfigError("--workers, --batch-size and --repeat must be >= 1 and --steps >= 3")
-        profile = MachineProfile.load(args.machine)
-        for model in args.models:
-            profile.model(model, args.batch_size, args.workers)  # fail now, not after an hour of runs
-        networks = [None if n in ("", "none", "local") else n for n in args.networks]
-        if args.measured:
-            from paratrain.bench.simulator import measurements, predict_rows
+    if min(args.workers, args.steps - 2, args.batch_size, args.repeat) < 1:
+        raise ConfigError("--workers, --batch-size and --repeat must be >= 1 and --steps >= 3")
+    profile = MachineProfile.load(args.machine)
+    for model in args.models:
+        profile.model(model, args.batch_size, args.workers)  # fail now, not after an hour of runs
+    networks = [None if n in ("", "none", "local") else n for n in args.networks]
+    if args.measured:
+        from paratrain.bench.simulator import measurements, predict_rows
 
-            measured: dict[Any, list[float]] = {}
-            for path in args.measured:
-                with open(path, encoding="utf-8") as fh:
-                    measured.update(measurements(json.load(fh)))
-            report = predict_rows(profile, measured, workers=args.workers, batch=args.batch_size)
-            return _emit("simulator", render_validation(report), report, args.json)
-        if args.bucket_grid:
-            from paratrain.bench.simulator import render_bucket_grid, run_bucket_grid
+        measured: dict[Any, list[float]] = {}
+        for path in args.measured:
+            with open(path, encoding="utf-8") as fh:
+                measured.update(measurements(json.load(fh)))
+        report = predict_rows(profile, measured, workers=args.workers, batch=args.batch_size)
+        return _emit("simulator", render_validation(report), report, args.json)
+    if args.bucket_grid:
+        from paratrain.bench.simulator import render_bucket_grid, run_bucket_grid
 
-            grid = run_bucket_grid(
-                profile,
-                model=args.models[0],
-                network=networks[0],
-                sizes=[_bytes(x) for x in _list(args.bucket_grid)],
-                workers=args.workers,
-                steps=args.steps,
-                batch=args.batch_size,
-                repeat=args.repeat,
-                dataset=args.dataset,
-                out_dir=args.out,
-            )
-            return _emit("simulator", render_bucket_grid(grid), grid, args.json)
-        report = run_validation(
+        grid = run_bucket_grid(
             profile,
-            models=args.models,
-            strategies=args.strategies,
-            networks=networks,
+            model=args.models[0],
+            network=networks[0],
+            sizes=[_bytes(x) for x in _list(args.bucket_grid)],
             workers=args.workers,
             steps=args.steps,
             batch=args.batch_size,
@@ -166,33 +154,40 @@ def _simulator(args: argparse.Namespace) -> int:
             dataset=args.dataset,
             out_dir=args.out,
         )
-    except ConfigError as exc:
-        print(f"paratrain bench simulator: error: {exc}", file=sys.stderr)
-        return 2
+        return _emit("simulator", render_bucket_grid(grid), grid, args.json)
+    report = run_validation(
+        profile,
+        models=args.models,
+        strategies=args.strategies,
+        networks=networks,
+        workers=args.workers,
+        steps=args.steps,
+        batch=args.batch_size,
+        repeat=args.repeat,
+        dataset=args.dataset,
+        out_dir=args.out,
+    )
     return _emit("simulator", render_validation(report), report, args.json)
 
 
+@reports_config_errors("bench scaling")
 def _scaling(args: argparse.Namespace) -> int:
     from paratrain.bench.scaling import SCHEMES, plot_scaling, render_scaling, run_scaling
     from paratrain.config import parse_duration
     from paratrain.sim.machine import LinkCost
     from paratrain.transport.faults import parse_bandwidth
 
-    try:
-        nbytes = _bytes(args.size)
-        link = LinkCost(parse_duration(args.latency), 1.0 / parse_bandwidth(args.bandwidth))
-        if args.step:
-            return _step_scaling(args, link)
-        if args.check:
-            return _check_scaling(args, nbytes)
-        schemes = args.schemes or list(SCHEMES)
-        bad = [s for s in schemes if s not in SCHEMES]
-        if bad:
-            raise ConfigError(f"unknown scheme {', '.join(bad)}; choose from {', '.join(SCHEMES)}")
-        report = run_scaling(nbytes=nbytes, link=link, workers=args.workers, schemes=schemes)
-    except ConfigError as exc:
-        print(f"paratrain bench scaling: error: {exc}", file=sys.stderr)
-        return 2
+    nbytes = _bytes(args.size)
+    link = LinkCost(parse_duration(args.latency), 1.0 / parse_bandwidth(args.bandwidth))
+    if args.step:
+        return _step_scaling(args, link)
+    if args.check:
+        return _check_scaling(args, nbytes)
+    schemes = args.schemes or list(SCHEMES)
+    bad = [s for s in schemes if s not in SCHEMES]
+    if bad:
+        raise ConfigError(f"unknown scheme {', '.join(bad)}; choose from {', '.join(SCHEMES)}")
+    report = run_scaling(nbytes=nbytes, link=link, workers=args.workers, schemes=schemes)
     if args.plot:
         plot_scaling(report, args.plot)
         print(f"figure: {args.plot}")

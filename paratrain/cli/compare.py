@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from paratrain.cli.errors import reports_config_errors
 from paratrain.errors import ConfigError
 from paratrain.train.compare import accuracy_curve, format_table, time_to_accuracy
 from paratrain.train.record import reporting_rank
@@ -85,6 +86,7 @@ def _plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None
     plt.close(fig)
 
 
+@reports_config_errors("compare")
 def _main(args: argparse.Namespace) -> int:
     import time
 
@@ -97,35 +99,31 @@ def _main(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     skip = ("strategies", "target_accuracy", "out", "func", "repeat")
     base = {k: v for k, v in vars(args).items() if k not in skip}
-    try:
-        if args.repeat < 1:
-            raise ConfigError(f"--repeat must be at least 1, got {args.repeat}")
-        if not strategies:
-            raise ConfigError("--strategies is empty; name at least one, e.g. allreduce,gossip:ring")
-        twice = sorted({name for name in strategies if strategies.count(name) > 1})
-        if twice:
-            raise ConfigError(f"--strategies lists {', '.join(twice)} more than once; use --repeat for rounds")
-        rounds: list[list[TrainJob]] = []
-        labels: dict[int, str] = {}
-        for r in range(args.repeat):
-            jobs = []
-            for label in strategies:
-                # "allreduce+topk:0.01": the strategy, compressed (the same strategy can run with and without)
-                strategy, plus, compression = label.partition("+")
-                run_dir = out / label.replace(":", "").replace("+", "-")
-                if args.repeat > 1:
-                    run_dir = run_dir / f"round{r + 1}"
-                settings = {"strategy": strategy, "run_dir": str(run_dir), "json": None}
-                if plus:
-                    settings["compression"] = compression
-                job = TrainJob(**{**base, **settings})
-                validate(job)
-                labels[id(job)] = label
-                jobs.append(job)
-            rounds.append(jobs)
-    except ConfigError as exc:
-        print(f"paratrain compare: error: {exc}", file=sys.stderr)
-        return 2
+    if args.repeat < 1:
+        raise ConfigError(f"--repeat must be at least 1, got {args.repeat}")
+    if not strategies:
+        raise ConfigError("--strategies is empty; name at least one, e.g. allreduce,gossip:ring")
+    twice = sorted({name for name in strategies if strategies.count(name) > 1})
+    if twice:
+        raise ConfigError(f"--strategies lists {', '.join(twice)} more than once; use --repeat for rounds")
+    rounds: list[list[TrainJob]] = []
+    labels: dict[int, str] = {}
+    for r in range(args.repeat):
+        jobs = []
+        for label in strategies:
+            # "allreduce+topk:0.01": the strategy, compressed (the same strategy can run with and without)
+            strategy, plus, compression = label.partition("+")
+            run_dir = out / label.replace(":", "").replace("+", "-")
+            if args.repeat > 1:
+                run_dir = run_dir / f"round{r + 1}"
+            settings = {"strategy": strategy, "run_dir": str(run_dir), "json": None}
+            if plus:
+                settings["compression"] = compression
+            job = TrainJob(**{**base, **settings})
+            validate(job)
+            labels[id(job)] = label
+            jobs.append(job)
+        rounds.append(jobs)
     done: dict[str, list[tuple[dict[str, Any], list[dict[str, Any]]]]] = {s: [] for s in strategies}
     for r, jobs in enumerate(rounds):
         for job in jobs:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
+
+from paratrain.cli.errors import reports_config_errors
 
 __all__ = ["add_parser"]
 
@@ -25,19 +26,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_main)
 
 
+@reports_config_errors("demo")
 def _main(args: argparse.Namespace) -> int:
-    from paratrain.errors import ConfigError
     from paratrain.launch.run import run_launch
 
     t0 = time.perf_counter()
-    try:
-        code = run_launch(
-            ["python", "-m", "paratrain.examples.barriers", "--barriers", str(args.barriers)],
-            nproc=args.nproc,
-        )
-    except ConfigError as exc:
-        print(f"paratrain demo: error: {exc}", file=sys.stderr)
-        return 2
+    code = run_launch(
+        ["python", "-m", "paratrain.examples.barriers", "--barriers", str(args.barriers)],
+        nproc=args.nproc,
+    )
     elapsed = time.perf_counter() - t0
     status = "ok" if code == 0 else f"FAILED (exit {code})"
     print(f"paratrain demo: {args.nproc} ranks, {args.barriers} barriers each: {status}; whole job {elapsed:.2f} s")

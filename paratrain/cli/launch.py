@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from paratrain.errors import ConfigError
+from paratrain.cli.errors import reports_config_errors
 from paratrain.launch.kills import HELP as KILL_HELP
 from paratrain.launch.run import run_launch
 
@@ -97,25 +96,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_main)
 
 
+@reports_config_errors("launch")
 def _main(args: argparse.Namespace) -> int:
-    try:
-        return run_launch(
-            args.cmd,
-            nproc=args.nproc,
-            grace=args.grace,
-            master_port=args.master_port,
-            prefix=not args.no_prefix,
-            faults=args.faults,
-            timeout=args.timeout,
-            servers=args.servers,
-            replicas=args.replicas,
-            keep_going=args.keep_going,
-            kills=args.kill,
-            kill_seed=args.kill_seed,
-            max_restarts=args.max_restarts,
-            spare=not args.no_spare,
-            min_workers=args.min_workers,
-        )
-    except ConfigError as exc:
-        print(f"paratrain launch: error: {exc}", file=sys.stderr)
-        return 2
+    return run_launch(
+        args.cmd,
+        nproc=args.nproc,
+        grace=args.grace,
+        master_port=args.master_port,
+        prefix=not args.no_prefix,
+        faults=args.faults,
+        timeout=args.timeout,
+        servers=args.servers,
+        replicas=args.replicas,
+        keep_going=args.keep_going,
+        kills=args.kill,
+        kill_seed=args.kill_seed,
+        max_restarts=args.max_restarts,
+        spare=not args.no_spare,
+        min_workers=args.min_workers,
+    )

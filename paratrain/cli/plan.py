@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from paratrain.cli.errors import reports_config_errors
 from paratrain.errors import ConfigError
 
 #: What ``--strategies`` searches by default: :data:`paratrain.sim.search.SEARCHED` (a test keeps them equal;
@@ -69,17 +70,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--dataset", default="fashion-mnist", help="with --run: the dataset (default fashion-mnist)")
     p.add_argument("--trace", default=None, help="write the pick's simulated step as a Chrome trace to this file")
     p.add_argument("--json", default=None, help="also write the ranking (and confirmations) to this JSON file")
-    p.set_defaults(func=_main)
+    p.set_defaults(func=_plan)
 
 
-def _main(args: argparse.Namespace) -> int:
-    try:
-        return _plan(args)
-    except ConfigError as exc:
-        print(f"paratrain plan: error: {exc}", file=sys.stderr)
-        return 2
-
-
+@reports_config_errors("plan")
 def _plan(args: argparse.Namespace) -> int:
     from paratrain.config import parse_duration
     from paratrain.sim.machine import MachineProfile
@@ -229,7 +223,8 @@ def _confirm(args: argparse.Namespace, ranked: list[Any], default: Any) -> list[
     import tempfile
 
     from paratrain.bench.simulator import measured_step
-    from paratrain.cli.main import build_parser
+    from paratrain.cli import train
+    from paratrain.cli.subcommand import parse_subcommand
     from paratrain.train.job import TrainJob, run_training
     from paratrain.train.record import merge_run
 
@@ -264,7 +259,7 @@ def _confirm(args: argparse.Namespace, ranked: list[Any], default: Any) -> list[
         if args.straggler:
             argv += ["--straggler", args.straggler]
         print(f"paratrain plan: running {s.candidate.label} for {args.steps} steps ...", file=sys.stderr, flush=True)
-        summary = run_training(TrainJob(**vars(build_parser().parse_args(argv))))
+        summary = run_training(TrainJob(**vars(parse_subcommand(train, argv))))
         measured = measured_step(merge_run(summary["run_dir"]))
         rows.append({"configuration": s.candidate.label, "predicted_s": s.step_s, "measured_s": measured})
     base = next(r for r, s in zip(rows, picks, strict=True) if s is default)["measured_s"]

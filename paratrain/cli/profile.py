@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from paratrain.cli.errors import reports_config_errors
 from paratrain.errors import ConfigError
 from paratrain.sim.machine import MachineProfile
 
@@ -162,6 +163,7 @@ def _paths(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
+@reports_config_errors("profile")
 def _main(args: argparse.Namespace) -> int:
     from paratrain.bench.profile import DEFAULT_SIZES, ProfileError, measure_machine
 
@@ -191,9 +193,6 @@ def _main(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             say=say,
         )
-    except ConfigError as exc:
-        print(f"paratrain profile: error: {exc}", file=sys.stderr)
-        return 2
     except ProfileError as exc:
         print(f"paratrain profile: failed: {exc}", file=sys.stderr)
         return 1

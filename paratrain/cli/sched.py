@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from paratrain.cli.errors import reports_config_errors
+
 __all__ = ["add_parser"]
 
 _JOB = "paratrain.cli._sched_job"
@@ -111,6 +113,7 @@ def _launch(argv: list[str], nproc: int, progress: Path | None, total: int, what
         )
 
 
+@reports_config_errors("sched lasso")
 def _lasso(args: argparse.Namespace) -> int:
     import numpy as np
     from sklearn.linear_model import Lasso
@@ -202,6 +205,7 @@ def _plot_lasso(runs: dict[str, Any], optimum: float, sklearn_s: float, gap: flo
     plt.close(fig)
 
 
+@reports_config_errors("sched mf")
 def _mf(args: argparse.Namespace) -> int:
     from paratrain.cli._sched_job import mf_problem
     from paratrain.errors import ConfigError
@@ -278,6 +282,7 @@ def _plot_mf(runs: dict[str, Any], optimum: float | None, path: Path) -> None:
     plt.close(fig)
 
 
+@reports_config_errors("sched pagerank")
 def _pagerank(args: argparse.Namespace) -> int:
     import networkx as nx
     import numpy as np

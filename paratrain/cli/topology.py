@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from paratrain.cli.errors import reports_config_errors
+
 __all__ = ["add_parser"]
 
 _SHOW_MATRIX_UP_TO = 16  # wider matrices do not fit a terminal; --json always has the whole matrix
@@ -133,16 +135,13 @@ def _print(report: dict[str, Any], decimals: int) -> None:
         )
 
 
+@reports_config_errors("topology")
 def _main(args: argparse.Namespace) -> int:
     from paratrain.errors import ConfigError
 
-    try:
-        if args.decimals < 0:
-            raise ConfigError(f"--decimals must be >= 0, got {args.decimals}")
-        report = _report(args)
-    except ConfigError as exc:
-        print(f"paratrain topology: error: {exc}", file=sys.stderr)
-        return 2
+    if args.decimals < 0:
+        raise ConfigError(f"--decimals must be >= 0, got {args.decimals}")
+    report = _report(args)
     if args.json == "-":
         print(json.dumps(report, indent=2))
         return 0

@@ -10,9 +10,8 @@ writes ``summary.json`` (also to ``--json FILE``).
 from __future__ import annotations
 
 import argparse
-import sys
 
-from paratrain.errors import ConfigError
+from paratrain.cli.errors import reports_config_errors
 from paratrain.train.job import TrainJob, print_summary, require_train_extra, run_training
 
 __all__ = ["add_common", "add_parser"]
@@ -101,14 +100,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_main)
 
 
+@reports_config_errors("train")
 def _main(args: argparse.Namespace) -> int:
     if not require_train_extra("train"):
         return 2
     job = TrainJob(**vars(args))
-    try:
-        summary = run_training(job)
-    except ConfigError as exc:
-        print(f"paratrain train: error: {exc}", file=sys.stderr)
-        return 2
+    summary = run_training(job)
     print_summary(summary)
     return 0
