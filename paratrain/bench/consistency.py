@@ -60,30 +60,25 @@ class ConsistencyBenchOptions:
 
     def job(self, strategy: str, scenario: str, run_dir: Path) -> Any:
         """The ``paratrain train`` job of one cell (validated)."""
-        from paratrain.train.job import TrainJob, validate
+        from paratrain.train.checks import validate
+        from paratrain.train.job import TrainJob
 
-        job = TrainJob(
-            model=self.model,
-            dataset=self.dataset,
-            data_dir=self.data_dir,
-            strategy=strategy,
-            epochs=self.epochs,
-            batch_size=self.batch_size,
-            lr=self.lr,
-            seed=self.seed,
-            workers=self.workers,
-            servers=None,
-            run_dir=str(run_dir),
-            json=None,
-            straggler=None if scenario == "none" else scenario,
-            faults=None,
-            latency=None,
-            bandwidth=None,
-            no_overlap=False,
-            eval_every=self.eval_every,
+        return validate(
+            TrainJob(
+                model=self.model,
+                dataset=self.dataset,
+                data_dir=self.data_dir,
+                strategy=strategy,
+                epochs=self.epochs,
+                batch_size=self.batch_size,
+                lr=self.lr,
+                seed=self.seed,
+                workers=self.workers,
+                run_dir=str(run_dir),
+                straggler=None if scenario == "none" else scenario,
+                eval_every=self.eval_every,
+            )
         )
-        validate(job)
-        return job
 
 
 def _cell_dir(out: Path, scenario: str, strategy: str, round_index: int) -> Path:
@@ -94,8 +89,8 @@ def _cell_dir(out: Path, scenario: str, strategy: str, round_index: int) -> Path
 def run_consistency_bench(options: ConsistencyBenchOptions, *, log: Any = sys.stderr) -> dict[str, Any]:
     """Runs every cell ``repeat`` times, interleaved; returns the report (also written as JSON under ``out``)."""
     from paratrain.train.compare import accuracy_curve, time_to_accuracy
-    from paratrain.train.job import run_training
     from paratrain.train.record import merge_run
+    from paratrain.train.run import run_training
 
     out = Path(options.out)
     jobs = [

@@ -478,7 +478,7 @@ def _default_dataset(model: str) -> str:
 def _check_model(model: str, dataset: str, data_dir: str | None) -> None:
     """Refuses, before anything runs, a model or dataset that cannot be profiled here (with what to do)."""
     from paratrain.train.data import check_available
-    from paratrain.train.job import missing_train_extra
+    from paratrain.train.extra import missing_train_extra
     from paratrain.train.models import check_model_dataset
 
     missing = missing_train_extra()

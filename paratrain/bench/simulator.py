@@ -219,6 +219,7 @@ def _job(
     it needs beyond strategy, workers and batch: a pipeline (one stage per worker, as many micro-batches, and
     workers x batch examples per step, as many as the data-parallel runs train on) with the simulator's split."""
     from paratrain.sim.predict import predict
+    from paratrain.sim.search import flags_of
     from paratrain.transport.faults import parse_bandwidth
 
     strategy_, compression = split_strategy(strategy)
@@ -232,8 +233,8 @@ def _job(
     if not strategy_.startswith("pipeline"):
         return job, []
     job |= {"batch_size": workers * batch, "microbatches": workers}
-    flags = predict(profile, profile.model(model, batch, workers), **job).flags
-    return job, ["--microbatches", str(workers), "--batch-size", str(workers * batch), *flags]
+    settings = predict(profile, profile.model(model, batch, workers), **job).settings
+    return job, flags_of({"microbatches": workers, "batch_size": workers * batch, **settings})
 
 
 def predict_rows(

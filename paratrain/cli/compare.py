@@ -25,7 +25,7 @@ __all__ = ["accuracy_curve", "add_parser", "format_table", "time_to_accuracy"]
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Registers ``compare`` on the ``paratrain`` parser."""
-    from paratrain.cli.train import add_common
+    from paratrain.train.job import add_job_options
 
     p = sub.add_parser(
         "compare",
@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--target-accuracy", type=float, default=0.9, help="for the time-to-accuracy column (0.9)")
     p.add_argument("--out", default=None, help="output directory (default runs/compare-<time>)")
     p.add_argument("--json", default=None, help="also write the comparison to this JSON file")
-    add_common(p, strategy=False)
+    add_job_options(p, "compare")
     p.set_defaults(func=_main)
 
 
@@ -90,15 +90,17 @@ def _plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None
 def _main(args: argparse.Namespace) -> int:
     import time
 
-    from paratrain.train.job import TrainJob, require_train_extra, run_training, validate
+    from paratrain.train.checks import validate
+    from paratrain.train.extra import require_train_extra
+    from paratrain.train.job import TrainJob
     from paratrain.train.record import merge_run
+    from paratrain.train.run import run_training
 
     if not require_train_extra("compare"):
         return 2
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
-    skip = ("strategies", "target_accuracy", "out", "func", "repeat")
-    base = {k: v for k, v in vars(args).items() if k not in skip}
+    base = TrainJob.from_args(args)  # (compare's own --json is the comparison's, not a job's)
     if args.repeat < 1:
         raise ConfigError(f"--repeat must be at least 1, got {args.repeat}")
     if not strategies:
@@ -116,11 +118,10 @@ def _main(args: argparse.Namespace) -> int:
             run_dir = out / label.replace(":", "").replace("+", "-")
             if args.repeat > 1:
                 run_dir = run_dir / f"round{r + 1}"
-            settings = {"strategy": strategy, "run_dir": str(run_dir), "json": None}
+            job = base.replace(strategy=strategy, run_dir=str(run_dir), json=None)
             if plus:
-                settings["compression"] = compression
-            job = TrainJob(**{**base, **settings})
-            validate(job)
+                job = job.replace(compression=compression)
+            job = validate(job)
             labels[id(job)] = label
             jobs.append(job)
         rounds.append(jobs)

@@ -223,43 +223,29 @@ def _confirm(args: argparse.Namespace, ranked: list[Any], default: Any) -> list[
     import tempfile
 
     from paratrain.bench.simulator import measured_step
-    from paratrain.cli import train
-    from paratrain.cli.subcommand import parse_subcommand
-    from paratrain.train.job import TrainJob, run_training
+    from paratrain.train.job import TrainJob
     from paratrain.train.record import merge_run
+    from paratrain.train.run import run_training
 
     picks = [s for s in ranked[: args.confirm]]
     if default not in picks:
         picks.append(default)
     root = Path(tempfile.mkdtemp(prefix="paratrain-plan-"))
     rows = []
+    network = {"bandwidth": args.bandwidth or None, "latency": args.latency or None, "straggler": args.straggler}
     for i, s in enumerate(picks):
-        argv = [
-            "train",
-            "--model",
-            args.model,
-            "--dataset",
-            args.dataset,
-            "--workers",
-            str(args.workers),
-            "--batch-size",
-            str(args.batch_size),
-            "--epochs",
-            "1",
-            "--steps-per-epoch",
-            str(args.steps),
-            "--run-dir",
-            str(root / f"run{i}"),
-            *s.train_flags(),
-        ]
-        if args.bandwidth:
-            argv += ["--bandwidth", args.bandwidth]
-        if args.latency:
-            argv += ["--latency", args.latency]
-        if args.straggler:
-            argv += ["--straggler", args.straggler]
+        job = TrainJob(
+            model=args.model,
+            dataset=args.dataset,
+            workers=args.workers,
+            batch_size=args.batch_size,
+            epochs=1,
+            steps_per_epoch=args.steps,
+            run_dir=str(root / f"run{i}"),
+            **network,
+        ).replace(**s.train_settings())
         print(f"paratrain plan: running {s.candidate.label} for {args.steps} steps ...", file=sys.stderr, flush=True)
-        summary = run_training(TrainJob(**vars(parse_subcommand(train, argv))))
+        summary = run_training(job)
         measured = measured_step(merge_run(summary["run_dir"]))
         rows.append({"configuration": s.candidate.label, "predicted_s": s.step_s, "measured_s": measured})
     base = next(r for r, s in zip(rows, picks, strict=True) if s is default)["measured_s"]

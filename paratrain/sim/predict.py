@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from paratrain.collectives.policy import default_allreduce_choice, network_allreduce_choice
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
@@ -43,7 +44,7 @@ class Prediction:
         job: what was simulated.
         algorithms: the allreduce algorithm each bucket used (allreduce jobs).
         steps: steps the replay covers (a parameter server's are chained, see :func:`predict`).
-        flags: ``paratrain train`` flags the prediction assumed beyond the job's own (a pipeline's ``--balance``).
+        settings: training options the prediction assumed beyond the job's own (a pipeline's ``balance``).
     """
 
     step_s: float
@@ -52,7 +53,7 @@ class Prediction:
     job: StepJob
     algorithms: list[str] = field(default_factory=list)
     steps: int = 1
-    flags: list[str] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def comm_wait_s(self) -> float:
@@ -279,7 +280,7 @@ def _pipeline(
         compute_s=model.compute_s * batch_size / model.batch_size / workers,
         replay=out,
         job=job,
-        flags=["--balance", ",".join(map(str, step.balance))],
+        settings={"balance": ",".join(map(str, step.balance))},
     )
 
 

@@ -20,8 +20,9 @@ the runtime asks) takes them layer by layer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.machine import MachineProfile, ModelProfile
@@ -106,27 +107,24 @@ class Candidate:
             return f"stale reads (at most {staleness} steps)"
         return "asynchronous (stale reads)" if self.strategy == "asp" else "exact"
 
+    def train_settings(self) -> dict[str, Any]:
+        """The training job's options that run it (:class:`~paratrain.train.job.TrainJob` field names)."""
+        if self.strategy.startswith("gossip"):
+            return {"strategy": self.strategy}
+        if self.strategy.startswith("pipeline"):
+            return {"strategy": self.strategy, "microbatches": self.microbatches, "batch_size": self.batch_size}
+        settings: dict[str, Any] = {"strategy": self.strategy, "bucket_bytes": self.bucket_bytes}
+        if self.uses_servers:
+            settings["servers"] = self.servers
+        if self.compression:
+            settings["compression"] = self.compression
+        if not self.overlap:
+            settings["no_overlap"] = True
+        return settings
+
     def train_flags(self) -> list[str]:
         """The ``paratrain train`` flags that run it."""
-        if self.strategy.startswith("gossip"):
-            return ["--strategy", self.strategy]
-        if self.strategy.startswith("pipeline"):
-            return [
-                "--strategy",
-                self.strategy,
-                "--microbatches",
-                str(self.microbatches),
-                "--batch-size",
-                str(self.batch_size),
-            ]
-        flags = ["--strategy", self.strategy, "--bucket-bytes", str(self.bucket_bytes)]
-        if self.uses_servers:
-            flags += ["--servers", str(self.servers)]
-        if self.compression:
-            flags += ["--compression", self.compression]
-        if not self.overlap:
-            flags.append("--no-overlap")
-        return flags
+        return flags_of(self.train_settings())
 
 
 @dataclass
@@ -141,9 +139,28 @@ class Scored:
         """Predicted seconds per step."""
         return self.prediction.step_s
 
+    def train_settings(self) -> dict[str, Any]:
+        """The training job's options that run it as predicted (a pipeline's split included)."""
+        return {**self.candidate.train_settings(), **self.prediction.settings}
+
     def train_flags(self) -> list[str]:
-        """The ``paratrain train`` flags that run it as predicted (a pipeline's split included)."""
-        return self.candidate.train_flags() + self.prediction.flags
+        """The ``paratrain train`` flags that run it as predicted."""
+        return flags_of(self.train_settings())
+
+
+def flags_of(settings: Mapping[str, Any]) -> list[str]:
+    """Training options as ``paratrain train`` flags: ``{"bucket_bytes": 4096, "no_overlap": True}`` ->
+    ``["--bucket-bytes", "4096", "--no-overlap"]``.
+
+    Example:
+        >>> flags_of({"strategy": "allreduce", "bucket_bytes": 4096, "no_overlap": True})
+        ['--strategy', 'allreduce', '--bucket-bytes', '4096', '--no-overlap']
+    """
+    flags: list[str] = []
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
 
 
 def candidates(

@@ -14,7 +14,7 @@ touching the parsers of the others. Torch-free, so that the CLI can check a name
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
@@ -285,7 +285,7 @@ for _info in (
 STRATEGIES = tuple(info.syntax for info in _KINDS.values())
 
 
-def parse_layer_schemes(items: list[str] | None) -> dict[str, str]:
+def parse_layer_schemes(items: Sequence[str] | None) -> dict[str, str]:
     """``["fc1=sfb", "out=dense"]`` -> ``{"fc1": "sfb", "out": "dense"}``.
 
     Raises:

@@ -31,38 +31,12 @@ import numpy as np
 import paratrain as pt
 from paratrain.strategy import parse_strategy
 from paratrain.train.data import load_dataset
+from paratrain.train.job import JOB_FILE, PROBE_EXAMPLES, read_job, run_dir_of
 from paratrain.train.models import build_model
 from paratrain.train.record import Recorder
-from paratrain.train.worker import PROBE_EXAMPLES, add_training_args, epoch_line
+from paratrain.train.worker import epoch_line
 
-__all__ = ["add_pipeline_args", "flat_layers", "main"]
-
-
-def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
-    """The pipeline options of ``paratrain train``/``compare`` (ignored by the other strategies)."""
-    parser.add_argument(
-        "--stages", type=int, default=None, help="pipelines: K stages, one process each (default: workers / replicas)"
-    )
-    parser.add_argument(
-        "--microbatches", type=int, default=4, help="pipelines: M micro-batches per mini-batch (default 4)"
-    )
-    parser.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        help="pipelines: R pipelines side by side, each stage's copies summing gradients; bsp/ssp/asp: R servers "
-        "hold each parameter chunk (primary-backup), so the job survives R - 1 server deaths (default 1)",
-    )
-    parser.add_argument(
-        "--balance",
-        default="auto",
-        help="pipelines: layers per stage, e.g. 3,3 or 'auto' (profile every layer, split evenly; default auto)",
-    )
-    parser.add_argument(
-        "--checkpoint",
-        action="store_true",
-        help="pipelines: re-materialisation: keep only each stage's inputs, recompute in the backward",
-    )
+__all__ = ["flat_layers", "main"]
 
 
 def flat_layers(model: Any) -> list[Any]:
@@ -92,13 +66,12 @@ def _evaluate(pipe: Any, x: np.ndarray, y: np.ndarray, batch: int = 1024) -> tup
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Trains this rank's stage and records everything in ``--run-dir``."""
+    """Trains this rank's stage and records everything in the job's run directory."""
     parser = argparse.ArgumentParser(description=__doc__)
-    add_training_args(parser)
-    add_pipeline_args(parser)
-    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--job", required=True, help=f"the job's description ({JOB_FILE} in its run directory)")
     parser.add_argument("--quiet", action="store_true", help="no line per epoch (paratrain train prints them itself)")
     args = parser.parse_args(argv)
+    job = read_job(args.job)
 
     import torch
 
@@ -107,10 +80,10 @@ def main(argv: list[str] | None = None) -> None:
 
     ctx = pt.init()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    torch.manual_seed(args.seed)
-    data = load_dataset(args.dataset, data_dir=args.data_dir)
-    layers = flat_layers(build_model(args.model, side=data.side, classes=data.classes))
-    replicas, microbatches, batch = args.replicas, args.microbatches, args.batch_size
+    torch.manual_seed(job.seed)
+    data = load_dataset(job.dataset, data_dir=job.data_dir)
+    layers = flat_layers(build_model(job.model, side=data.side, classes=data.classes))
+    replicas, microbatches, batch = job.replicas, job.microbatches, job.batch_size
     global_batch = replicas * batch
     per_target = int(np.prod(data.y_train.shape[1:], dtype=np.int64))  # 1 per image, T per text window
 
@@ -118,18 +91,18 @@ def main(argv: list[str] | None = None) -> None:
         summed: torch.Tensor = tasks.loss(out, y, reduction="sum")
         return summed.div(global_batch * per_target)
 
-    rec = Recorder(args.run_dir, rank=ctx.rank)
+    rec = Recorder(run_dir_of(job), rank=ctx.rank)
     spans: list[tuple[str, str, float, float]] = []
-    balance: list[int] | str = "auto" if args.balance == "auto" else [int(b) for b in args.balance.split(",")]
+    balance: list[int] | str = "auto" if job.balance == "auto" else [int(b) for b in job.balance.split(",")]
     pipe = Pipe(
         layers,
         balance=balance,
         microbatches=microbatches,
-        schedule=str(parse_strategy(args.strategy).options["schedule"]),
-        optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
+        schedule=str(parse_strategy(job.strategy).options["schedule"]),
+        optimizer=lambda params: torch.optim.SGD(params, lr=job.lr, momentum=0.9),
         loss_fn=loss_fn,
         sample=torch.from_numpy(data.x_train[: max(1, batch // microbatches)]),
-        checkpoint=args.checkpoint,
+        checkpoint=job.checkpoint,
         replicas=replicas,
         trace=lambda name, category, t0, t1: spans.append((name, category, t0, t1)),
     )
@@ -139,16 +112,16 @@ def main(argv: list[str] | None = None) -> None:
     steps = per_replica // batch
     if steps == 0:
         raise SystemExit(f"batch size {batch} is larger than a pipeline's {per_replica} examples; lower --batch-size")
-    if args.steps_per_epoch > 0:  # as the data-parallel worker: each epoch cut to its first N steps
-        steps = min(steps, args.steps_per_epoch)
+    if job.steps_per_epoch > 0:  # as the data-parallel worker: each epoch cut to its first N steps
+        steps = min(steps, job.steps_per_epoch)
     if batch < microbatches:
         raise SystemExit(f"--batch-size {batch} cannot be cut into {microbatches} micro-batches; raise it")
     rec.log(
         kind="start",
-        epochs=args.epochs,
+        epochs=job.epochs,
         steps_per_epoch=steps,
         world_size=ctx.world_size,
-        strategy=args.strategy,
+        strategy=job.strategy,
         reports=reporting,
         stage=pipe.stage_index,
         replica=pipe.replica,
@@ -160,8 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     step = 0
     evaluating = 0.0
-    for epoch in range(args.epochs):
-        order = np.random.default_rng(args.seed * 1_000_003 + epoch).permutation(len(data.y_train))
+    for epoch in range(job.epochs):
+        order = np.random.default_rng(job.seed * 1_000_003 + epoch).permutation(len(data.y_train))
         mine = order[pipe.replica * per_replica : (pipe.replica + 1) * per_replica]
         epoch_loss = 0.0
         for i in range(steps):
@@ -191,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                 bytes_sent=ctx.transport.stats.bytes_sent,
                 allreduce_bytes=pipe.stage_group.collectives.allreduce_bytes if pipe.stage_group else 0,
             )
-            if args.eval_every > 0 and step % args.eval_every == 0 and pipe.replica == 0:
+            if job.eval_every > 0 and step % job.eval_every == 0 and pipe.replica == 0:
                 t5 = time.time()
                 probe = _evaluate(pipe, data.x_test[:PROBE_EXAMPLES], data.y_test[:PROBE_EXAMPLES])
                 spent = time.time() - t5
@@ -211,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         rec.log(
             kind="eval",
             epoch=epoch + 1,
-            epochs=args.epochs,
+            epochs=job.epochs,
             step=step,
             train_loss=epoch_loss / steps,
             test_accuracy=accuracy,
@@ -220,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
             eval_before_s=eval_before,
         )
         if reporting and not args.quiet:
-            print(epoch_line(epoch + 1, args.epochs, epoch_loss / steps, accuracy, test_loss), flush=True)
+            print(epoch_line(epoch + 1, job.epochs, epoch_loss / steps, accuracy, test_loss), flush=True)
     rec.log(kind="memory", stage=pipe.stage_index, peak_held_bytes=pipe.peak_held_bytes)
     rec.close()
     pt.shutdown()

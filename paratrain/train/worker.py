@@ -1,4 +1,4 @@
-"""One rank of ``paratrain train``: ``python -m paratrain.train.worker ...`` under ``paratrain launch``.
+"""One rank of ``paratrain train``: ``python -m paratrain.train.worker --job RUN_DIR/job.json`` (under the launcher).
 
 Every worker trains the same model on its shard of the training set (a fresh permutation each epoch, the same
 on every rank, cut into equal parts), with the chosen strategy doing the synchronisation. Each step is
@@ -19,120 +19,17 @@ from typing import Any
 import numpy as np
 
 import paratrain as pt
+from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.recovery import RegroupedError, Reliable
 from paratrain.strategy import parse_layer_schemes, parse_strategy
 from paratrain.train import stragglers, tasks
-from paratrain.train.data import DATASETS, load_dataset
-from paratrain.train.models import MODELS, build_model, check_model_dataset
+from paratrain.train.data import load_dataset
+from paratrain.train.job import JOB_FILE, PROBE_EXAMPLES, read_job, run_dir_of
+from paratrain.train.models import build_model, check_model_dataset
 from paratrain.train.record import Recorder
 from paratrain.train.shards import step_share
 
-__all__ = ["PROBE_EXAMPLES", "add_training_args", "epoch_line", "main"]
-
-#: Steps between in-memory checkpoints of a job that survives failures (``--max-restarts``): a restarted rank
-#: replays at most this many steps' results. Each checkpoint copies the model and momentum (a memcpy).
-CHECKPOINT_EVERY = 10
-
-#: Test examples a ``--eval-every`` probe evaluates (a fixed prefix of the test set: the same for every run).
-PROBE_EXAMPLES = 2000
-
-
-def _byte_size(text: str) -> int:
-    """``"4MiB"``, ``"512KiB"``, ``"1MB"``, ``"262144"`` -> bytes (for ``--bucket-bytes``)."""
-    units = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2, "gb": 1000**3, "gib": 1024**3}
-    value = text.strip().lower()
-    number = value.rstrip("abgikm")
-    try:
-        size = int(float(number) * units[value[len(number) :]])
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 4MiB, 512KiB or 262144") from None
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"the size must be positive, got {text!r}")
-    return size
-
-
-def add_training_args(parser: argparse.ArgumentParser, *, strategy: bool = True) -> None:
-    """The options a training rank needs (shared with ``paratrain train``; ``compare`` has its ``--strategies``)."""
-    parser.add_argument(
-        "--model", default="mlp", help=f"{', '.join(MODELS)} (default mlp; transformer is for text: fortunes)"
-    )
-    parser.add_argument(
-        "--dataset",
-        default="digits",
-        help=f"{', '.join(DATASETS)} (default digits, bundled; fashion-mnist and fortunes are Debian packages)",
-    )
-    parser.add_argument(
-        "--data-dir", default=None, help="directory of the Fashion-MNIST IDX files or of the fortunes files"
-    )
-    if strategy:
-        parser.add_argument(
-            "--strategy",
-            default="allreduce",
-            help="allreduce, bsp, ssp:S, asp, gossip:TOPOLOGY or pipeline:gpipe|1f1b|pipedream[-vsync] "
-            "(default allreduce)",
-        )
-    parser.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=64,
-        help="examples per worker (a pipeline: per pipeline) per step (default 64)",
-    )
-    parser.add_argument(
-        "--steps-per-epoch",
-        type=int,
-        default=0,
-        metavar="N",
-        help="cut each epoch to its first N steps (a fresh shuffle each epoch), for slow networks and wide models: "
-        "test accuracy is measured every N steps (default 0: whole epochs)",
-    )
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        choices=("cpu", "cuda"),
-        help="where each worker trains (default cpu); cuda: worker LOCAL_RANK on GPU LOCAL_RANK modulo the GPUs "
-        "there are (workers share a GPU where there are fewer); not for pipelines (Pipe(device=...) places stages)",
-    )
-    parser.add_argument("--lr", type=float, default=0.05, help="learning rate of SGD with momentum 0.9 (0.05)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and shuffling (default 0)")
-    parser.add_argument(
-        "--eval-every",
-        type=int,
-        default=0,
-        metavar="K",
-        help=f"also probe test accuracy every K steps on the first {PROBE_EXAMPLES:,} test examples, for "
-        "time-to-accuracy at a finer grain than epochs; probe time is excluded from training time (default 0: off)",
-    )
-    parser.add_argument(
-        "--no-overlap",
-        action="store_true",
-        help="no wait-free backprop: send gradients in step() after backward (gossip: a step's parameters in the "
-        "next step()), to measure what overlap saves",
-    )
-    parser.add_argument(
-        "--bucket-bytes",
-        type=_byte_size,
-        default=None,
-        metavar="SIZE",
-        help="fusion size of the gradient buckets, e.g. 1MiB or 262144 (default 4MiB; `paratrain plan` predicts the "
-        "best for a model and network)",
-    )
-    parser.add_argument(
-        "--compression",
-        default=None,
-        metavar="SCHEME",
-        help="compress the gradients allreduce or the parameter servers carry: fp16, bf16, topk:R (a ratio, with "
-        "error feedback), dgc:R (top-k with DGC's momentum correction, allreduce only) or powersgd:R (a rank, "
-        "allreduce only) (default: none)",
-    )
-    parser.add_argument(
-        "--layer-scheme",
-        action="append",
-        default=None,
-        metavar="LAYER=SCHEME",
-        help="poseidon, poseidon:allreduce and sfb: send this layer by sfb or dense (ps/allreduce) instead of what "
-        "the cost model picks, e.g. --layer-scheme 1=sfb (repeatable; layer names as in model.named_modules())",
-    )
+__all__ = ["epoch_line", "main", "worker_device"]
 
 
 def epoch_line(epoch: int, epochs: int, train_loss: float, accuracy: float, test_loss: float) -> str:
@@ -196,27 +93,14 @@ class _Traffic:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Trains this rank's part of the job and records everything in ``--run-dir``."""
+    """Trains this rank's part of the job and records everything in the job's run directory."""
     parser = argparse.ArgumentParser(description=__doc__)
-    add_training_args(parser)
-    parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--straggler", default=None, help=stragglers.HELP)
+    parser.add_argument("--job", required=True, help=f"the job's description ({JOB_FILE} in its run directory)")
     parser.add_argument(
         "--quiet", action="store_true", help="no line per epoch from rank 0 (paratrain train prints them itself)"
     )
-    parser.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        help="also keep each checkpoint on disk here, and resume from it when the job starts again",
-    )
-    parser.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=CHECKPOINT_EVERY,
-        metavar="K",
-        help="under --max-restarts: keep the training state in memory every K steps (default %(default)s)",
-    )
     args = parser.parse_args(argv)
+    job = read_job(args.job)
 
     import torch
 
@@ -228,34 +112,35 @@ def main(argv: list[str] | None = None) -> None:
         training_state,
     )
 
-    check_model_dataset(args.model, args.dataset)  # before init: a mismatch fails every rank alike, at once
+    check_model_dataset(job.model, job.dataset)  # before init: a mismatch fails every rank alike, at once
 
     # everything that does not depend on the rank comes before init(): a warm spare (--max-restarts) has it
     # done when it takes over a failed rank (loading digits imports scikit-learn, and torch's first optimizer
     # imports torch._dynamo: 1.2 s and 1.7 s here)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    torch.manual_seed(args.seed)
-    data = load_dataset(args.dataset, data_dir=args.data_dir)
-    model = build_model(args.model, side=data.side, classes=data.classes)
-    device = worker_device(args.device)
+    torch.manual_seed(job.seed)
+    data = load_dataset(job.dataset, data_dir=job.data_dir)
+    model = build_model(job.model, side=data.side, classes=data.classes)
+    device = worker_device(job.device)
     model.to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # its first one imports torch._dynamo
+    optimizer = torch.optim.SGD(model.parameters(), lr=job.lr, momentum=0.9)  # its first one imports torch._dynamo
     ctx = pt.init()
     # a job whose failed ranks are restarted sends its gradients through reliable collectives; in a restarted
     # rank, this is where it catches up with the others (before any other collective)
     # with --checkpoint-dir, a job started again after a total failure resumes here from the disk checkpoint
-    wanted = ctx.settings.resilient or args.checkpoint_dir is not None
-    reliable = Reliable(ctx, checkpoint_dir=args.checkpoint_dir) if wanted else None
-    hybrid = parse_strategy(args.strategy).hybrid
+    wanted = ctx.settings.resilient or job.checkpoint_dir is not None
+    reliable = Reliable(ctx, checkpoint_dir=job.checkpoint_dir) if wanted else None
+    hybrid = parse_strategy(job.strategy).hybrid
     dopt = ptt.DistributedOptimizer(
         optimizer,
         model=model,
-        strategy=args.strategy,
-        overlap=not args.no_overlap,
+        strategy=job.strategy,
+        overlap=not job.no_overlap,
         reliable=reliable,
-        compression=args.compression,
-        **({"bucket_bytes": args.bucket_bytes} if getattr(args, "bucket_bytes", None) else {}),
-        **({"batch_size": args.batch_size, "layer_schemes": parse_layer_schemes(args.layer_scheme)} if hybrid else {}),
+        compression=job.compression,
+        bucket_bytes=job.bucket_bytes or DEFAULT_BUCKET_BYTES,
+        batch_size=job.batch_size if hybrid else None,
+        layer_schemes=parse_layer_schemes(job.layer_scheme) if hybrid else None,
     )
     if dopt.hybrid_plan is not None and ctx.rank == 0:
         print(dopt.hybrid_plan.table(), file=sys.stderr, flush=True)
@@ -266,32 +151,32 @@ def main(argv: list[str] | None = None) -> None:
         except (KeyError, RuntimeError, ValueError) as exc:
             raise SystemExit(
                 f"the checkpoint to resume from does not fit this model and optimizer ({exc!r}); it was taken by "
-                f"another training job: remove {args.checkpoint_dir or 'it'} or choose another --checkpoint-dir"
+                f"another training job: remove {job.checkpoint_dir or 'it'} or choose another --checkpoint-dir"
             ) from None
     elif reliable is not None:
         reliable_broadcast_parameters(model, reliable)
     else:
         ptt.broadcast_parameters(model, root=0)
     # files are named by member: in an elastic job ranks are renumbered when workers leave or join
-    rec = Recorder(args.run_dir, rank=ctx.settings.member_id)
-    straggler = stragglers.parse(args.straggler, seed=args.seed) if args.straggler else None
-    shards, batch = ctx.settings.job_workers, args.batch_size  # an elastic job keeps its launched size's batches
+    rec = Recorder(run_dir_of(job), rank=ctx.settings.member_id)
+    straggler = stragglers.parse(job.straggler, seed=job.seed) if job.straggler else None
+    shards, batch = ctx.settings.job_workers, job.batch_size  # an elastic job keeps its launched size's batches
     per_rank = len(data.y_train) // shards
     steps = per_rank // batch
-    if args.steps_per_epoch > 0:
-        steps = min(steps, args.steps_per_epoch)
+    if job.steps_per_epoch > 0:
+        steps = min(steps, job.steps_per_epoch)
     if steps == 0:
         raise SystemExit(f"batch size {batch} is larger than this worker's {per_rank} examples; lower --batch-size")
     step = int(resumed.meta["step"]) if resumed is not None else 0
     evaluating = float(resumed.meta["evaluating"]) if resumed is not None else 0.0  # excluded from time-to-accuracy
     if resumed is None:
-        rec.log(kind="start", epochs=args.epochs, steps_per_epoch=steps, world_size=shards, strategy=args.strategy)
+        rec.log(kind="start", epochs=job.epochs, steps_per_epoch=steps, world_size=shards, strategy=job.strategy)
     for recovery in reliable.recoveries if reliable is not None else []:
         rec.log(kind="recovery", step=step, **dataclasses.asdict(recovery))
     seen_recoveries = len(reliable.recoveries) if reliable is not None else 0
     traffic = _Traffic(ctx)
-    for epoch in range(step // steps, args.epochs):
-        order = np.random.default_rng(args.seed * 1_000_003 + epoch).permutation(len(data.y_train))
+    for epoch in range(step // steps, job.epochs):
+        order = np.random.default_rng(job.seed * 1_000_003 + epoch).permutation(len(data.y_train))
         mid_epoch = resumed is not None and epoch == step // steps and step % steps != 0
         epoch_loss = float(resumed.meta["epoch_loss"]) if mid_epoch and resumed is not None else 0.0
         for i in range(step - epoch * steps, steps):
@@ -340,12 +225,12 @@ def main(argv: list[str] | None = None) -> None:
                 for recovery in reliable.recoveries[seen_recoveries:]:
                     rec.log(kind="recovery", step=step, **dataclasses.asdict(recovery))
                 seen_recoveries = len(reliable.recoveries)
-                if step % args.checkpoint_every == 0:
+                if step % job.checkpoint_every == 0:
                     state = training_state(model, optimizer)
                     reliable.checkpoint(state, {"step": step, "epoch_loss": epoch_loss, "evaluating": evaluating})
             if replaying:
                 continue
-            if args.eval_every > 0 and step % args.eval_every == 0:
+            if job.eval_every > 0 and step % job.eval_every == 0:
                 t5 = time.time()
                 probe, _ = tasks.evaluate(model, data.x_test[:PROBE_EXAMPLES], data.y_test[:PROBE_EXAMPLES])
                 spent = time.time() - t5
@@ -359,14 +244,14 @@ def main(argv: list[str] | None = None) -> None:
         rec.add_span("evaluate", "eval", t4, time.time())
         eval_before, evaluating = evaluating, evaluating + time.time() - t4
         extra: dict[str, float] = {}
-        if parse_strategy(args.strategy).exchanges_parameters and epoch == args.epochs - 1:
+        if parse_strategy(job.strategy).exchanges_parameters and epoch == job.epochs - 1:
             # once, at the end: on a slow network the allreduce it needs would cost gossip's throughput
             extra = consensus_eval(ctx, model, data.x_test, data.y_test)
         train_loss = epoch_loss / steps
         rec.log(
             kind="eval",
             epoch=epoch + 1,
-            epochs=args.epochs,
+            epochs=job.epochs,
             step=step,
             train_loss=train_loss,
             test_accuracy=accuracy,
@@ -376,10 +261,10 @@ def main(argv: list[str] | None = None) -> None:
             **extra,
         )
         if (reliable.ctx if reliable is not None else ctx).rank == 0 and not args.quiet:
-            print(epoch_line(epoch + 1, args.epochs, train_loss, accuracy, test_loss), flush=True)
+            print(epoch_line(epoch + 1, job.epochs, train_loss, accuracy, test_loss), flush=True)
     rec.log(kind="final", step=step, parameters_sha256=parameters_digest(model))
     if (reliable.ctx if reliable is not None else ctx).rank == 0:  # every data-parallel replica holds this model
-        torch.save(model.state_dict(), os.path.join(args.run_dir, "model.pt"))
+        torch.save(model.state_dict(), os.path.join(run_dir_of(job), "model.pt"))
     close = getattr(dopt, "close", None)
     if callable(close):
         close()

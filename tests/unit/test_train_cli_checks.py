@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 import paratrain.launch.run
-import paratrain.train.job
+import paratrain.train.extra
+import paratrain.train.run
 from paratrain.cli.main import main
 
 
@@ -24,7 +25,7 @@ def test_a_missing_train_extra_is_said_once_before_any_worker_starts(
     command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The story: without scikit-learn every rank died with its own ModuleNotFoundError traceback."""
-    monkeypatch.setattr(paratrain.train.job, "missing_train_extra", lambda: ["scikit-learn"])
+    monkeypatch.setattr(paratrain.train.extra, "missing_train_extra", lambda: ["scikit-learn"])
     monkeypatch.setattr(paratrain.launch.run, "run_launch", _no_launch)
     assert main([command, "--epochs", "1"]) == 2
     err = capsys.readouterr().err
@@ -37,7 +38,7 @@ def test_missing_train_extra_names_the_distributions(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name in ("sklearn", "tqdm") else real(name, *a)
     )
-    missing = paratrain.train.job.missing_train_extra()
+    missing = paratrain.train.extra.missing_train_extra()
     assert "scikit-learn" in missing and "tqdm" in missing
     assert "sklearn" not in missing
 
@@ -67,7 +68,7 @@ def test_epoch_lines_are_written_through_the_progress_bar(
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     stop = threading.Event()
     stop.set()  # the job is over before the follower first looks: it must still read the file once
-    paratrain.train.job._follow_progress(path, stop, [0], "allreduce (rank 0)")
+    paratrain.train.run.follow_progress(path, stop, [0], "allreduce (rank 0)")
     expected = [
         "epoch 1/2: train loss 2.0000, test accuracy 0.5000, test loss 1.5000",
         "epoch 2/2: train loss 1.0000, test accuracy 0.7500, test loss 0.5000",
@@ -89,6 +90,6 @@ def test_elastic_and_disk_checkpoint_flags_are_checked_before_any_worker_starts(
     flags: list[str], says: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(paratrain.launch.run, "run_launch", _no_launch)
-    monkeypatch.setattr(paratrain.train.job, "run_launch", _no_launch, raising=False)
+    monkeypatch.setattr(paratrain.train.run, "run_launch", _no_launch, raising=False)
     assert main(["train", "--epochs", "1", *flags]) == 2
     assert says in capsys.readouterr().err
