@@ -10,6 +10,7 @@ catch by recovery:
   ``DeviceTimeoutError`` means work on this rank's own GPU did not finish in time.
 - ``MessageError``: a peer sent something malformed; the receiver drops it and keeps serving.
 - ``RendezvousError``: the ranks could not find each other at start-up.
+- ``JobFailedError``: a whole job (``paratrain train``) ended with a failed process.
 - ``CollectiveMismatchError``: ranks called a collective with different shapes, dtypes or operations.
 - ``NotInitializedError``: ``paratrain.init()`` was not called (or ``shutdown()`` already was).
 """
@@ -21,6 +22,7 @@ __all__ = [
     "CommTimeoutError",
     "ConfigError",
     "DeviceTimeoutError",
+    "JobFailedError",
     "MessageError",
     "NotInitializedError",
     "ParatrainError",
@@ -77,6 +79,18 @@ class DeviceTimeoutError(CommTimeoutError):
     A wait on the device, not on a peer: the GPU is stuck or shared with something slow. Collectives report it
     to the other ranks as a rejected call, so every rank fails at once.
     """
+
+
+class JobFailedError(ParatrainError, RuntimeError):
+    """A job's processes ended with an error (their own output says why).
+
+    Attributes:
+        exit_code: the job's exit status, as the launcher reports it.
+    """
+
+    def __init__(self, exit_code: int) -> None:
+        super().__init__(f"the job failed (exit {exit_code}); see the ranks' output above")
+        self.exit_code = exit_code
 
 
 class MessageError(ParatrainError, ValueError):

@@ -1,7 +1,7 @@
 """Two workers train LeNet-5 on Fashion-MNIST with allreduce and with bsp, on the CPU and on the GPU (issue 19).
 
-Runs ``paratrain train --model lenet`` four times (allreduce and ``bsp`` with one server, each with ``--device cpu``
-and ``--device cuda``), the same seed, data and steps, and prints every run's test accuracy per epoch side by side.
+Runs the job of ``paratrain train --model lenet`` four times (allreduce and ``bsp`` with one server, each on the CPU
+and with ``--device cuda``), the same seed, data and steps, and prints every run's test accuracy per epoch side by side.
 With one GPU the two workers share it: the allreduce stages gradients through pinned host memory (NCCL needs a GPU
 per rank); with a GPU per worker the allreduce goes through NCCL. The question it answers: does training on the GPU
 reach the accuracy the CPU run reaches? (Not bit for bit: cuDNN's kernels add in other orders.)
@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from paratrain.errors import ConfigError, JobFailedError
+from paratrain.train.job import TrainJob
+from paratrain.train.run import run_training
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,20 +45,24 @@ def main(argv: list[str] | None = None) -> int:
     for strategy in ("allreduce", "bsp"):
         for device in args.devices.split(","):
             name = f"{strategy}-{device}"
-            cmd = [
-                sys.executable, "-m", "paratrain.cli.main", "train", "--model", "lenet", "--dataset", "fashion-mnist",
-                "--data-dir", args.data_dir, "--strategy", strategy, "--device", device, "--epochs", str(args.epochs),
-                "--steps-per-epoch", str(args.steps_per_epoch), "--run-dir", str(out / name),
-            ]  # fmt: skip
-            if strategy == "bsp":
-                cmd += ["--servers", "1"]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
-            (out / f"{name}.log").write_text(done.stdout + done.stderr)
-            if done.returncode != 0:
-                runs[name] = {"failed": done.returncode, "tail": (done.stdout + done.stderr)[-2000:]}
-                print(f"{name}: FAILED (exit {done.returncode}); see {out / name}.log", flush=True)
-                continue
-            summary = json.loads((out / name / "summary.json").read_text())
+            job = TrainJob(
+                model="lenet",
+                dataset="fashion-mnist",
+                data_dir=args.data_dir,
+                strategy=strategy,
+                device=device,
+                epochs=args.epochs,
+                steps_per_epoch=args.steps_per_epoch,
+                run_dir=str(out / name),
+                servers=1 if strategy == "bsp" else None,
+            )
+            with (out / f"{name}.log").open("w") as log:
+                try:
+                    summary = run_training(job, quiet=True, output=log, deadline_s=1800)
+                except (ConfigError, JobFailedError) as exc:
+                    runs[name] = {"failed": str(exc)}
+                    print(f"{name}: FAILED ({exc}); see {out / name}.log", flush=True)
+                    continue
             runs[name] = {k: summary[k] for k in ("test_accuracy", "accuracy_by_epoch", "samples_per_sec")}
             epochs = " ".join(f"{a:.4f}" for a in summary["accuracy_by_epoch"])
             print(f"{name:<16} accuracy by epoch {epochs}  {summary['samples_per_sec']:10,.0f} samples/s", flush=True)

@@ -18,8 +18,8 @@ interleaved over ``--repeat`` and reported as median and range.
 
 from __future__ import annotations
 
+import io
 import json
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -35,13 +35,23 @@ __all__ = ["KILL_STEPS", "render", "run_elastic_bench"]
 KILL_STEPS: tuple[int, ...] = (3, 5, 6, 12)
 
 
-def _train(out: Path, *flags: str, epochs: int, deadline: float) -> dict[str, Any]:
+def _train(out: Path, *, epochs: int, deadline: float, **settings: Any) -> dict[str, Any]:
+    """One ``paratrain train`` job of three workers (checkpoints every 5 steps) with ``settings``, run here; its
+    ranks' output kept (the tail is the error of a failed run)."""
+    from paratrain.errors import JobFailedError
+    from paratrain.train.job import TrainJob
+    from paratrain.train.run import run_training
+
     run_dir = out / "run"
-    cmd = [sys.executable, "-m", "paratrain.cli.main", "train", "--workers", "3", "--epochs", str(epochs)]
-    cmd += ["--checkpoint-every", "5", "--run-dir", str(run_dir), *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=deadline, check=False)
+    job = TrainJob(workers=3, epochs=epochs, checkpoint_every=5, run_dir=str(run_dir), **settings)
+    output = io.StringIO()
+    try:
+        run_training(job, quiet=True, output=output, deadline_s=deadline)
+        code = 0
+    except JobFailedError as exc:
+        code = exc.exit_code
     records = read_records(run_dir)
-    return {"exit": done.returncode, "records": records, "model": run_dir / "model.pt", "error": done.stderr[-1500:]}
+    return {"exit": code, "records": records, "model": run_dir / "model.pt", "error": output.getvalue()[-1500:]}
 
 
 def _digests(records: list[dict[str, Any]]) -> dict[int, str]:
@@ -109,14 +119,14 @@ def run_elastic_bench(
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-elastic-") as tmp:
         root = Path(tmp)
         refs: dict[str, dict[str, Any]] = {}
-        references: tuple[tuple[str, tuple[str, ...], int], ...] = (
-            ("elastic", ("--min-workers", "2"), epochs),
-            ("restarts", ("--max-restarts", "1"), epochs),
-            ("elastic-long", ("--min-workers", "2"), join_epochs),
+        references: tuple[tuple[str, dict[str, int], int], ...] = (
+            ("elastic", {"min_workers": 2}, epochs),
+            ("restarts", {"max_restarts": 1}, epochs),
+            ("elastic-long", {"min_workers": 2}, join_epochs),
         )
-        for key, ref_flags, n in references:
+        for key, ref_settings, n in references:
             (root / key).mkdir()
-            refs[key] = _train(root / key, *ref_flags, epochs=n, deadline=deadline)
+            refs[key] = _train(root / key, epochs=n, deadline=deadline, **ref_settings)
             distinct = set(_digests(refs[key]["records"]).values())
             report["reference"][key] = {
                 "exit": refs[key]["exit"],
@@ -130,10 +140,10 @@ def run_elastic_bench(
                 for join in (False, True):
                     where = root / f"r{round_number}-s{step}-{'join' if join else 'shrink'}"
                     where.mkdir()
-                    flags = ["--min-workers", "2", "--kill", f"1@step={step}"]
-                    flags += ["--max-restarts", "1", "--no-spare"] if join else []
+                    settings: dict[str, Any] = {"min_workers": 2, "kill": f"1@step={step}"}
+                    settings |= {"max_restarts": 1, "no_spare": True} if join else {}
                     ref = refs["elastic-long" if join else "elastic"]
-                    run = _train(where, *flags, epochs=join_epochs if join else epochs, deadline=deadline)
+                    run = _train(where, epochs=join_epochs if join else epochs, deadline=deadline, **settings)
                     records = run["records"]
                     timing = _shrink_timing(records, 1)
                     digests = _digests(records)

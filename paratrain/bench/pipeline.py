@@ -19,9 +19,7 @@ Why the bubble is measured per stage as idle time over the step's wall time: tha
 (K - 1)/(M + K - 1) predicts for every stage when all stages take equal time and communication is free; the
 measured compute imbalance (slowest stage / mean) is printed beside it, since it is the first reason to differ.
 
-One module of about 600 lines on purpose: the options, the engines' jobs and the tables share one report's
-shape and are read together; the pure measures (:func:`idle_fraction`, :func:`check_losses`, ...) sit apart
-at the top and need no torch.
+The pure measures (:func:`idle_fraction`, :func:`check_losses`, ...) sit at the top and need no torch.
 """
 
 from __future__ import annotations

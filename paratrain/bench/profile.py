@@ -45,8 +45,7 @@ What is measured, and how (every number is a median, so that one preempted repea
 Run it through ``paratrain profile`` (:mod:`paratrain.cli.profile`); this module is also the worker the measuring
 processes run (``python -m paratrain.bench.profile links|model ...``).
 
-One module (about 900 lines) because the measuring processes run this module itself (``python -m``): the
-paths, the model profiler and their entry point travel together; split along those three if it grows.
+The measuring processes run this module itself (``python -m``).
 """
 
 from __future__ import annotations

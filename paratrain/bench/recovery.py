@@ -19,6 +19,7 @@ The anchor is the same job under ``torchrun --max-restarts 1`` with a disk check
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import statistics
@@ -93,19 +94,23 @@ def _train(
     deadline: float,
     spare: bool = True,
 ) -> tuple[int, list[dict[str, Any]], dict[str, Any], str]:
+    """One ``paratrain train`` job run here: exit status, records, summary (empty if it failed), output's tail."""
+    from paratrain.errors import JobFailedError
+    from paratrain.train.job import TrainJob
+    from paratrain.train.run import run_training
+
     run_dir = out / "run"
-    cmd = [sys.executable, "-m", "paratrain.cli.main", "train", "--workers", str(workers), "--epochs", str(epochs)]
-    cmd += ["--seed", str(seed), "--run-dir", str(run_dir), "--json", str(out / "summary.json")]
+    job = TrainJob(workers=workers, epochs=epochs, seed=seed, run_dir=str(run_dir), kill=kill, no_spare=not spare)
     if restarts:
-        cmd += ["--max-restarts", str(restarts), "--checkpoint-every", str(every)]
-    if kill:
-        cmd += ["--kill", kill]
-    if not spare:
-        cmd += ["--no-spare"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=deadline, check=False)
-    records = read_records(run_dir)
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
-    return done.returncode, records, summary, done.stderr[-2000:]
+        job = job.replace(max_restarts=restarts, checkpoint_every=every)
+    output = io.StringIO()
+    summary: dict[str, Any] = {}
+    try:
+        summary = run_training(job, quiet=True, output=output, deadline_s=deadline)
+        code = 0
+    except JobFailedError as exc:
+        code = exc.exit_code
+    return code, read_records(run_dir), summary, output.getvalue()[-2000:]
 
 
 def _digest(records: list[dict[str, Any]]) -> str | None:

@@ -14,10 +14,8 @@ import dataclasses
 import itertools
 import math
 import statistics
-import subprocess
-import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,53 +115,35 @@ def _train(
     dataset: str,
     run_dir: Path,
     bucket_bytes: int | None = None,
-    extra: Sequence[str] = (),
+    extra: Mapping[str, Any] | None = None,
+    timeout: float = 3600.0,
 ) -> float:
-    from paratrain.train.record import merge_run
-
-    strategy, compression = split_strategy(strategy)
-    argv = [
-        "train",
-        "--model",
-        model,
-        "--dataset",
-        dataset,
-        "--strategy",
-        strategy,
-        *(["--compression", compression] if compression else []),
-        "--workers",
-        str(workers),
-        "--epochs",
-        "1",
-        "--steps-per-epoch",
-        str(steps),
-        "--batch-size",
-        str(batch),
-        "--run-dir",
-        str(run_dir),
-    ]
-    if network:
-        argv += ["--bandwidth", network]
-    if bucket_bytes:
-        argv += ["--bucket-bytes", str(bucket_bytes)]
-    run_train([*argv, *extra])
-    return measured_step(merge_run(run_dir))
-
-
-def run_train(argv: list[str], *, timeout: float = 3600.0) -> None:
-    """Runs ``paratrain train ARGV`` as a user would (a child process: the command line is the interface
-    measured), its progress on stderr; raises if it fails.
+    """Trains one configuration for ``steps`` steps (``paratrain train``'s job, run here, its progress on stderr)
+    and returns its measured seconds per step.
 
     Raises:
-        RuntimeError: the job failed or ran past ``timeout``, with its exit code.
+        JobFailedError: the job failed or ran past ``timeout``.
     """
-    code = "import sys; from paratrain.cli.main import main; sys.exit(main(sys.argv[1:]))"
-    try:
-        done = subprocess.run([sys.executable, "-c", code, *argv], timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"paratrain {' '.join(argv)} ran past {timeout:.0f} s") from None
-    if done.returncode != 0:
-        raise RuntimeError(f"paratrain {' '.join(argv)} failed with exit code {done.returncode}")
+    from paratrain.train.job import TrainJob
+    from paratrain.train.record import merge_run
+    from paratrain.train.run import run_training
+
+    strategy, compression = split_strategy(strategy)
+    job = TrainJob(
+        model=model,
+        dataset=dataset,
+        strategy=strategy,
+        compression=compression,
+        workers=workers,
+        epochs=1,
+        steps_per_epoch=steps,
+        batch_size=batch,
+        run_dir=str(run_dir),
+        bandwidth=network or None,
+        bucket_bytes=bucket_bytes,
+    ).replace(**(extra or {}))
+    run_training(job, deadline_s=timeout)
+    return measured_step(merge_run(run_dir))
 
 
 def run_validation(
@@ -214,12 +194,11 @@ def run_validation(
 
 def _job(
     profile: MachineProfile, model: str, strategy: str, network: str | None, *, workers: int, batch: int
-) -> tuple[dict[str, Any], list[str]]:
-    """A configuration as :func:`~paratrain.sim.predict.predict`'s keywords, and the ``paratrain train`` flags
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A configuration as :func:`~paratrain.sim.predict.predict`'s keywords, and the training job's options
     it needs beyond strategy, workers and batch: a pipeline (one stage per worker, as many micro-batches, and
     workers x batch examples per step, as many as the data-parallel runs train on) with the simulator's split."""
     from paratrain.sim.predict import predict
-    from paratrain.sim.search import flags_of
     from paratrain.transport.faults import parse_bandwidth
 
     strategy_, compression = split_strategy(strategy)
@@ -231,10 +210,10 @@ def _job(
         "compression": compression,
     }
     if not strategy_.startswith("pipeline"):
-        return job, []
+        return job, {}
     job |= {"batch_size": workers * batch, "microbatches": workers}
     settings = predict(profile, profile.model(model, batch, workers), **job).settings
-    return job, flags_of({"microbatches": workers, "batch_size": workers * batch, **settings})
+    return job, {"microbatches": workers, "batch_size": workers * batch, **settings}
 
 
 def predict_rows(

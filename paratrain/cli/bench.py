@@ -1,8 +1,7 @@
 """``paratrain bench``: measure paratrain's collectives against Gloo and OpenMPI on this machine.
 
-One module for every ``paratrain bench`` subcommand (about 680 lines): each is a thin argparse front over its
-benchmark module, and they share the report and option helpers here; splitting them would spread one command
-line over eight files.
+Each subcommand is a thin argparse front over its benchmark module (:mod:`paratrain.bench`); they share the report
+and option helpers here.
 """
 
 from __future__ import annotations

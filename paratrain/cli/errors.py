@@ -2,8 +2,9 @@
 
 A :class:`~paratrain.errors.ConfigError` (a flag, a file or an environment variable that cannot work) is the
 user's to fix, so it ends the command with ``paratrain COMMAND: error: WHAT TO DO`` on stderr and exit status 2,
-as argparse does for a malformed flag, and no traceback. Every other exception is a bug or a failure at run time
-and keeps its traceback.
+as argparse does for a malformed flag, and no traceback. A :class:`~paratrain.errors.JobFailedError` (a training
+job whose processes failed; they said why) ends it with ``paratrain COMMAND: the job failed ...`` and status 1.
+Every other exception is a bug or a failure at run time and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import functools
 import sys
 from collections.abc import Callable
 
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, JobFailedError
 
 __all__ = ["Command", "reports_config_errors"]
 
@@ -44,6 +45,9 @@ def reports_config_errors(name: str) -> Callable[[Command], Command]:
             except ConfigError as exc:
                 print(f"paratrain {name}: error: {exc}", file=sys.stderr)
                 return 2
+            except JobFailedError as exc:
+                print(f"paratrain {name}: {exc}", file=sys.stderr)
+                return 1
 
         return run
 

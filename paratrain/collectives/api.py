@@ -30,12 +30,6 @@ in :mod:`.policy` (re-exported here).
 
 Torch tensors on a device that has a torch.distributed engine (NCCL for CUDA tensors where every rank has a GPU of
 its own; :mod:`.engine`) keep steps 1-3 and hand step 4 to the engine (:mod:`.routing` builds those bodies).
-
-Why one module of ~900 lines: :class:`Collectives` is one object whose every method follows the same four
-steps above (``allreduce_`` on the shared-memory path, the hottest call, with them worked out once per shape);
-about a third of the module is the methods' docstrings with runnable examples. The policies,
-the background thread, the schedules and the engines' routes already live elsewhere; splitting the methods from
-each other would scatter the one protocol they share.
 """
 
 from __future__ import annotations

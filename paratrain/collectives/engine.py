@@ -30,9 +30,7 @@ ranks share a GPU (NCCL refuses two ranks on one device), and stays with staging
 the anchor DDP-over-Gloo users know), ``staged`` keeps paratrain's own staged algorithms. The decision and its
 reason are logged (logger ``paratrain.collectives``, INFO).
 
-Why one module of ~510 lines: the identity the ranks exchange, the two pure choices made from it
-(:func:`choose_engine` for collectives, :func:`choose_link` for pipeline stages) and the process group they lead
-to are one protocol; about half of it is docstrings. Which calls go to an engine lives in :mod:`.routing`.
+Which calls go to an engine lives in :mod:`.routing`.
 """
 
 from __future__ import annotations

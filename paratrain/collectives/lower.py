@@ -16,9 +16,8 @@ microseconds, a tenth of a small tree allreduce (64 KiB over ZeroMQ, 2 ranks, me
 Buffers: ``"src"`` (what this rank contributes; the root's data in a broadcast), ``"dst"`` (the result),
 ``"gathered"`` (the agreement's payloads, ``index`` = rank) and ``"own"`` (a private copy of ``src``).
 
-One module (about 570 lines) because every schedule here lowers into the same builder with the same slice and
-dependency rules, and the plans compose each other (the agreement opens every call, the hierarchical plan nests
-the ring and the chains); reading them side by side is how their exact tables are checked.
+Every schedule here lowers into the same builder with the same slice and dependency rules, and the plans compose
+each other (the agreement opens every call, the hierarchical plan nests the ring and the chains).
 """
 
 from __future__ import annotations

@@ -4,11 +4,9 @@ The segment itself (its creation, the per-rank counters, waiting, liveness and t
 :class:`paratrain.shm.segment.Segment`; this module is the collective protocol on it: what the counters count,
 who may write which slot and descriptor at which step, and the collectives that move data.
 
-Why one module of this size (about 860 lines, under 500 of them code): the agreement step, the two allreduce
-paths and broadcast all read and write the same slots under one numbering of blocks (who may write which slot
-at which counter value, and why no barrier is needed between calls); splitting them would spread one memory
-protocol over files that must change together. Everything that is not this protocol lives elsewhere: the
-segment in :mod:`paratrain.shm`, call descriptions and their encoding in :mod:`.signature`.
+The agreement step, the two allreduce paths and broadcast read and write the same slots under one numbering of
+blocks (who may write which slot at which counter value, and why no barrier is needed between calls); call
+descriptions and their encoding are in :mod:`.signature`.
 
 Slot use: each slot of the segment (two per rank, positions 0 and 1, used by alternate blocks) is an input
 area (``capacity`` bytes) followed by a result area (``capacity / N`` bytes, the segment's "extra" area); each

@@ -36,10 +36,6 @@ Who runs a cycle: the engine thread, for requests nobody waits for yet (async ha
 caller blocked in :meth:`Engine.wait` while the engine thread is idle (one lock makes cycles exclusive): a
 blocking call then costs no hand-off between threads.
 
-Why one module of this size (about 540 lines, a third of them docstrings): the negotiation, the fused execution,
-``join`` and the two threads that may run a cycle share one table of pending requests and one lock, and read
-each other's invariants; the pure parts (Adasum, the error type, the API) live in their own modules.
-
 On the timeline (:mod:`paratrain.timeline`), each tensor's row shows ``NEGOTIATE_<KIND>`` from the call to the
 cycle that found it ready, with an instant for the cycle at which each rank had asked for it, then
 ``<KIND>`` holding ``QUEUE``, ``MEMCPY_IN_FUSION_BUFFER``, ``COMMUNICATE`` and ``MEMCPY_OUT_FUSION_BUFFER``.

@@ -17,9 +17,8 @@ down processes itself. It may also carry injected failures (the time kills of a 
 which it sends on time and announces. With a restart budget (:mod:`.restarts`, ``--max-restarts``) a failed child
 is replaced instead, from a warm spare when one runs, and the job goes on. The output relay is in :mod:`.pump`,
 the process-group helpers in :mod:`.groups`, the words for failures in :mod:`.failures`, the budget and the
-replacement's environment in :mod:`.restarts`; what stays here (about 690 lines) is the one supervision loop,
-its restarts (and an elastic job's shrinking), signal handlers and cleanup, which share the children's state and
-read together.
+replacement's environment in :mod:`.restarts`; here are the supervision loop, its restarts (and an elastic job's
+shrinking), signal handlers and cleanup.
 """
 
 from __future__ import annotations

@@ -88,6 +88,7 @@ def run_launch(
     replicas: int = 1,
     deadline_s: float | None = None,
     stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
     kills: str | None = None,
     kill_seed: int = 0,
     max_restarts: int = 0,
@@ -110,6 +111,7 @@ def run_launch(
         keep_going: a failed worker does not stop the others; servers stay essential.
         deadline_s: stop the whole job if it still runs this many seconds after it started (None: no limit).
         stdout: where the ranks' stdout goes (``sys.stdout`` if None).
+        stderr: where the ranks' stderr and the launcher's own messages go (``sys.stderr`` if None).
         kills: a kill schedule (:mod:`paratrain.launch.kills`): failures injected on purpose.
         kill_seed: the seed of the schedule's ``random`` items.
         max_restarts: restart a failed worker up to this many times in all while the others go on (they must
@@ -243,7 +245,9 @@ def run_launch(
             )
             if restarts.spare is not None:
                 specs.append(restarts.spare)
-        outcome = Supervisor(specs, grace_s=grace, deadline_s=deadline_s, stdout=stdout, restarts=restarts).run()
+        outcome = Supervisor(
+            specs, grace_s=grace, deadline_s=deadline_s, stdout=stdout, stderr=stderr, restarts=restarts
+        ).run()
         lost = outcome.first_failure
         if replicas > 1 and not keep_going and outcome.exit_code == 1 and lost and lost.name.startswith("server "):
             # only servers failed (workers are essential): their chunks' backups took over

@@ -24,10 +24,6 @@ once its owner told it of it, its data following in the owner's state), so a ser
 which pushes of which rounds it must still get. (Tested under BSP, where the replicated run is bitwise the unreplicated
 one even when every clock overtakes the forwarded pushes, and SSP(2) across a server kill; under ASP an integer
 audit across a server kill, each push waited for, counts every push once.)
-
-One module (about 1070 lines) because the worker's side of the protocol is one state machine: pushes, clocks,
-pulls, the sequence numbers that deduplicate retried pushes, the failover to the next live replica and the fence
-of a restarted one share the same pending-request bookkeeping and read together.
 """
 
 from __future__ import annotations

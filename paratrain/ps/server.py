@@ -51,11 +51,8 @@ Robustness: a malformed or invalid request is answered with an error and the loo
 process dies (its connection drops, or heartbeats stop) is removed from the clock bookkeeping and logged, so
 the others are not blocked forever; the loop ends when no live worker is left.
 
-One module (about 1300 lines) because the server loop, its clock bookkeeping, both ways of replicating (states
-after aggregation, pushes forwarded), the batches and the donor's side of a restarted replica's catch-up share one
-request dispatch, one table of chunks and the per-worker sequence and clock bookkeeping that failover relies on;
-the pure rules live in rounds.py, consistency.py and sharding.py, the restarted side and the snapshot format in
-resync.py, the values that same-host workers read in place in shared.py.
+The pure rules live in :mod:`.rounds`, :mod:`.consistency` and :mod:`.sharding`, the restarted side and the
+snapshot format in :mod:`.resync`, the values that same-host workers read in place in :mod:`.shared`.
 """
 
 from __future__ import annotations

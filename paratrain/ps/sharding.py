@@ -16,9 +16,6 @@ sparse row push or pull (embeddings) maps to the chunks that hold those rows wit
 Every worker and every server computes the same plan from the key, the shape, the dtype and the number of
 servers alone, so no directory service is needed and nothing has to be looked up at run time.
 
-One module (about 510 lines, half of it this explanation and doctests) because chunking, hashing and the placement
-that adding a server disturbs least are one pure rule that every worker and server must compute identically.
-
 **Placement.** A key's n chunks are where they would be had the servers joined one at a time: server 0 holds
 them all; server t, joining servers 0..t-1, takes ``q_t = floor(n / (t + 1) + u_t)`` of them (``u_t`` uniform in
 [0, 1), drawn from the key's hash), one at a time, each the chunk that weighs most for server t among the chunks of
@@ -81,9 +78,6 @@ Placing a key (:func:`plan_chunks`, best of 5, S = 2..16, on a machine shared wi
 one chunk (the old placement 5-10 us), 50-70 us for 3 chunks, 80-180 us for 16, 0.26-0.49 ms for 100 and 2.0-3.5
 ms for 1,000 (the old 1.4-1.5 ms, mostly building the ``Chunk`` objects); backups add 40-100 us. A
 :class:`~paratrain.ps.KVStore` plans each key once, at ``init``.
-
-One module (about 510 lines): the placement, its replica lists and the row-aligned chunking are one pure plan
-that every worker and server must compute alike; the docstrings with measured balance and movement are much of it.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ is the protocol's: the collectives (:class:`~paratrain.collectives.shm.ShmGroup`
 exchange (:class:`~paratrain.gossip.shm.ShmExchangeGroup`). A segment carries one protocol, never both
 (:meth:`Segment.claim`): their counters count different things.
 
-Why one module of about 520 lines (half of them docstrings): signalling, waiting, the liveness checks and the
-abort word form one protocol on the same control lines (a waiter's sleep, a signaller's wake-up and a dying
-rank's abort must agree on every word); the file's creation and mapping already live in :mod:`.mapping`.
+Signalling, waiting, the liveness checks and the abort word are one protocol on the same control lines (a
+waiter's sleep, a signaller's wake-up and a dying rank's abort agree on every word); the file's creation and
+mapping live in :mod:`.mapping`.
 
 The memory: a header, one control line per rank (counter | sleeping-on | pid | left), two descriptors and
 two slots per rank, for alternate steps (see :mod:`paratrain.shm.mapping`, which also creates and maps it).

@@ -40,9 +40,7 @@ pure functions, so a change to bucketing, an allreduce schedule or key sharding 
 
 Tags are offset per call (:data:`TAG_STRIDE`), as the runtime gives every call tags of its own.
 
-One module (about 520 lines) because every strategy's step shares the backward composition and the ranks'
-builder; pipelines, whose step is a schedule's plan, live in :mod:`paratrain.sim.pipe`. Split the parameter
-server's composition (``_ps_ranks``, :func:`stale_bound`) out first if it grows.
+Pipelines, whose step is a schedule's plan, live in :mod:`paratrain.sim.pipe`.
 
 One step is not always the steady state: with a parameter server, the worker whose pulls the server answers
 first starts its next step and pushes while the server still sends to the others, so one step's pulls overlap

@@ -21,9 +21,7 @@ is the order in which ranks match them. That order is fixed by the plan, never b
 bucket k is complete but bucket k-1 is not, bucket k waits. Buckets that never complete (a parameter got no
 gradient in this backward) are started by ``step()``, in plan order, so every rank sends the same messages.
 
-One module (about 550 lines, half of it docstrings and torch.optim.Optimizer's delegation) because the hooks,
-the launch order and the strategy's life cycle share one lock and one plan; the strategies themselves live in
-:mod:`.strategies`, :mod:`.hybrid` and :mod:`.compressed`.
+The strategies themselves live in :mod:`.strategies`, :mod:`.hybrid` and :mod:`.compressed`.
 """
 
 from __future__ import annotations

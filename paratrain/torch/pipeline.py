@@ -38,9 +38,7 @@ waiting), every send (``send activation m``, ``send gradient m``: handing the me
 it in the background) and every gradient allreduce among replicas (communication): ``paratrain train`` draws them as
 the run's timeline, and the benchmark measures each stage's bubble from them.
 
-Why one module of ~560 lines: :class:`Pipe` is one stage's executor of one schedule; its step loop, the sends and
-receives it makes (through the transport or the links) and the version bookkeeping of PipeDream share every local
-variable of a step. The schedules, the partitioner and the simulator's replay live elsewhere.
+The schedules, the partitioner and the simulator's replay live elsewhere.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """How a step's fused gradients become new parameters: allreduce, a parameter server, or gossip (D-PSGD).
 
-One module for the three (about 550 lines) because they are one interface (launch, finish, apply) whose
-implementations are read side by side; each is a thin adapter over its own algorithm package (collectives, ps,
-gossip). The hybrid and compressed strategies build on them in :mod:`.hybrid` and :mod:`.compressed`.
+Each is a thin adapter over its own algorithm package (collectives, ps, gossip); the hybrid and compressed
+strategies build on them in :mod:`.hybrid` and :mod:`.compressed`.
 
 Every strategy sees the same three calls from :class:`~paratrain.torch.DistributedOptimizer`, always in this
 order on every rank::

@@ -14,8 +14,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from paratrain.errors import JobFailedError
 from paratrain.strategy import parse_strategy
 from paratrain.train.checks import servers_of, validate
 from paratrain.train.job import TrainJob, write_job
@@ -73,8 +74,21 @@ def follow_progress(path: Path, stop: threading.Event, total_holder: list[int], 
             bar.close()
 
 
-def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
-    """Runs one job end to end and returns its summary (also written to ``<run_dir>/summary.json``)."""
+def run_training(
+    job: TrainJob, *, quiet: bool = False, output: TextIO | None = None, deadline_s: float | None = None
+) -> dict[str, Any]:
+    """Runs one job end to end and returns its summary (also written to ``<run_dir>/summary.json``).
+
+    Args:
+        job: the job (checked here first).
+        quiet: no progress bar.
+        output: where the ranks' output (stdout and stderr) goes; the terminal's streams if None.
+        deadline_s: stop the job if it still runs this many seconds after it started (None: no limit).
+
+    Raises:
+        ConfigError: the job's options cannot work together (before anything starts).
+        JobFailedError: a rank failed (the job is stopped; what the ranks recorded stays in the run directory).
+    """
     from paratrain.launch.run import run_launch
     from paratrain.train.record import merge_run, plot_run
 
@@ -115,6 +129,9 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
             max_restarts=job.max_restarts,
             spare=not job.no_spare,
             min_workers=job.min_workers,
+            stdout=output,
+            stderr=output,
+            deadline_s=deadline_s,
         )
     finally:
         stop.set()
@@ -122,7 +139,7 @@ def run_training(job: TrainJob, *, quiet: bool = False) -> dict[str, Any]:
             follower.join(5)
     wall = time.time() - started
     if code != 0:
-        raise SystemExit(f"paratrain train: the job failed (exit {code}); see the ranks' output above")
+        raise JobFailedError(code)
     records = merge_run(run_dir)
     title = f"{job.model} on {job.dataset}, {job.workers} worker{'s' if job.workers != 1 else ''}, {job.strategy}"
     if pipeline:

@@ -32,10 +32,6 @@ it (:mod:`paratrain.transport.auth`): a process without the secret can neither r
 the table, or learn the endpoints) nor make the server read a byte; each refusal is counted in
 :attr:`RendezvousServer.refused` and logged (rate-limited), and :func:`register` fails at once, saying so, when the
 server refuses it.
-
-The server and both client calls stay in one module (about 630 lines): they are the two ends of one small
-protocol (the request and answer fields, the rules of a round and of a rejoin), which is read and changed as a
-whole.
 """
 
 from __future__ import annotations

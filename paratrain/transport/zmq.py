@@ -38,9 +38,7 @@ message on each link is a ``hello`` with its new endpoints; the receiver thread 
 that it was lost and counts the incarnation (:meth:`ZmqTransport.incarnations`), so that the caller, who may have
 missed the death, still knows that this peer remembers nothing. A resilient job ignores it (it re-forms instead).
 
-One module (about 750 lines): sending (with its lanes), the receiver thread, failure detection (including the
-resilient mode), taking a restarted peer back and shutdown share the sockets and the per-peer state, and read
-together; authentication is in auth.py, the lanes' memory in lane.py.
+Authentication is in :mod:`.auth`, the lanes' memory in :mod:`.lane`.
 """
 
 from __future__ import annotations
