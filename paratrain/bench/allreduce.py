@@ -3,7 +3,7 @@
 Engines, run one after the other so they never compete for cores:
 
 * ``paratrain[ALGO]``: the public ``pt.allreduce_(x, algorithm=ALGO)`` in N ranks under ``paratrain launch``
-  (``gloo``: torch tensors through paratrain's torch.distributed engine, :mod:`paratrain.collectives.engine`, so
+  (``gloo``: torch tensors through paratrain's torch.distributed engine, :mod:`paratrain.collectives.torch_engines`, so
   that the ratio to the ``gloo`` anchor is what paratrain's agreement and bookkeeping cost on top of Gloo);
 * ``paratrain-shm``: the shared-memory path (:class:`~paratrain.collectives.shm.ShmGroup`) directly, in the same
   processes: the fast path without the API's per-call agreement;

@@ -2,11 +2,11 @@
 
 The seeds' claim (Baidu's ring allreduce): a tree or central aggregation of a 1.2 GB model takes 1.2 s on 2 GPUs
 and 10.8 s on 10, while the ring stays flat. This replays, on a described cluster (one rank per host, each host
-one full-duplex link of the given latency and bandwidth, :meth:`~paratrain.sim.engine.Network.uniform`), one
+one full-duplex link of the given latency and bandwidth, :meth:`~paratrain.sim.replay.Network.uniform`), one
 exchange of ``nbytes`` per worker for every N:
 
 * ``ring``: :func:`~paratrain.collectives.lower.allreduce_parts` ``"ring"`` (replayed from rank 0 alone: the
-  ring is the same on every rank up to a rotation, :func:`~paratrain.sim.engine.replay` ``symmetric=N``);
+  ring is the same on every rank up to a rotation, :func:`~paratrain.sim.replay.replay` ``symmetric=N``);
 * ``tree``: the binomial tree allreduce (reduce, then broadcast), every rank replayed;
 * ``central``: the parameter server with one server (:func:`~paratrain.ps.plans.round_plan`: every worker pushes
   its gradient and pulls the model back), the "central aggregation" of the claim;
@@ -37,8 +37,8 @@ from paratrain.gossip.plan import round_actions
 from paratrain.plan.ir import Plan
 from paratrain.ps.plans import round_plan
 from paratrain.ps.sharding import plan_chunks
-from paratrain.sim.engine import Network, replay
 from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
+from paratrain.sim.replay import Network, replay
 
 if TYPE_CHECKING:
     from paratrain.sim.predict import Prediction

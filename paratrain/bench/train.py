@@ -11,8 +11,8 @@ it builds against this torch). Workers run one thread each.
 ``--device cuda`` trains the model on the GPU(s) instead (rank r on GPU r modulo the GPUs there are: processes
 share a GPU where there are fewer GPUs than workers): paratrain's allreduce then stages gradients through pinned
 host memory in the background, or hands them to NCCL where every rank has a GPU of its own
-(:mod:`paratrain.collectives.engine`); DDP runs over Gloo with CUDA tensors and, where every rank has its own GPU,
-over NCCL as well (``ddp_nccl``).
+(:mod:`paratrain.collectives.torch_engines`); DDP runs over Gloo with CUDA tensors and, where every rank has its own
+GPU, over NCCL as well (``ddp_nccl``).
 
 Throughput = every worker's samples / the slowest worker's time; for ``concurrent``, the sum of the processes'
 own rates. **Data-parallel efficiency** = an engine's throughput / ``concurrent``'s. Each worker also reports

@@ -104,8 +104,8 @@ def _progress(path: str | None, record: dict[str, Any]) -> None:
 
 def _lasso(args: argparse.Namespace) -> None:
     import paratrain as pt
-    from paratrain.sched.engine import lasso, shotgun, strads, worker_rows
     from paratrain.sched.lasso import BlockRun
+    from paratrain.sched.lasso_engine import lasso, shotgun, strads, worker_rows
 
     ctx = pt.init()
     x, y = lasso_problem(args.data, args.rows, seed=args.seed, data_dir=args.data_dir)

@@ -29,7 +29,7 @@ order, on one background thread per :class:`Collectives` (:mod:`.background`). T
 in :mod:`.policy` (re-exported here).
 
 Torch tensors on a device that has a torch.distributed engine (NCCL for CUDA tensors where every rank has a GPU of
-its own; :mod:`.engine`) keep steps 1-3 and hand step 4 to the engine (:mod:`.routing` builds those bodies).
+its own; :mod:`.torch_engines`) keep steps 1-3 and hand step 4 to the engine (:mod:`.routing` builds those bodies).
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ import numpy.typing as npt
 from paratrain._arrays import dtype_name as wire_dtype_name
 from paratrain._arrays import is_torch_tensor
 from paratrain.collectives.background import BackgroundWorker
-from paratrain.collectives.engine import TorchEngine
 from paratrain.collectives.hierarchical import HostLayout, hierarchical_allreduce
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.plans import chunk_bounds
@@ -71,6 +70,7 @@ from paratrain.collectives.ring import (
 )
 from paratrain.collectives.routing import EngineRoutes
 from paratrain.collectives.signature import INVALID, Signature, mismatch_error
+from paratrain.collectives.torch_engines import TorchEngine
 from paratrain.collectives.tree import Exchange, agree, direct_allreduce, tree_allreduce, tree_broadcast
 from paratrain.device import DEVICE_TIMEOUT, copy_to_device_, host_view, on_device, to_device, wait_event
 from paratrain.device.events import SupportsQuery
@@ -397,7 +397,7 @@ class Collectives:
             with self._exchange(tag, timeout, "a rejected call") as ex, suppress(CollectiveMismatchError):
                 self._agree(ex, INVALID)  # raises the mismatch it causes, which is no news here
 
-    # -- torch.distributed engines (:mod:`.engine`, :mod:`.routing`)
+    # -- torch.distributed engines (:mod:`.torch_engines`, :mod:`.routing`)
 
     def use_torch_distributed(
         self, backend: str = "gloo", device_type: str | None = None, *, timeout: float | None = None
@@ -409,7 +409,7 @@ class Collectives:
         Calls with ``algorithm="auto"`` (or the backend's name) on such tensors then agree as always and hand the
         data to the engine; numpy arrays, other devices and the dtypes the engines lack (bool, complex, int16)
         keep paratrain's algorithms. CUDA tensors get their engine by themselves at the first collective on one
-        (:func:`~paratrain.collectives.engine.choose_engine`, ``PARATRAIN_CUDA_COLLECTIVES``); this call is for
+        (:func:`~paratrain.collectives.torch_engines.choose_engine`, ``PARATRAIN_CUDA_COLLECTIVES``); this call is for
         choosing yourself, e.g. Gloo for CPU tensors to compare it with paratrain's own algorithms in one program.
 
         Raises:

@@ -315,7 +315,7 @@ class PlanParts:
     """A plan described rank by rank and built on demand: ``rank(r)`` costs only rank r's actions.
 
     A ring over N ranks has O(N) actions per rank and O(N^2) in all; the simulator replays a symmetric plan from
-    one rank's actions (:func:`paratrain.sim.engine.replay_symmetric`), so at 1024 ranks it never builds the rest.
+    one rank's actions (:func:`paratrain.sim.replay.replay_symmetric`), so at 1024 ranks it never builds the rest.
     """
 
     name: str

@@ -1,10 +1,10 @@
 """Which collective calls a torch.distributed engine carries, and their bodies (:class:`EngineRoutes`).
 
-:class:`~paratrain.collectives.api.Collectives` asks its routes, for every call on a torch tensor, whether an engine
-(:mod:`.engine`) takes it; if so, the body built here replaces step 4 of the API's protocol (the agreement of step
-3 still runs first, with the engine's name as the resolved algorithm). Kept apart from the API so that the API's
-module stays the protocol, and the engines' life cycle (the collective choice for CUDA tensors, made once at the
-first collective on one; the process groups; closing) lives in one place.
+:class:`~paratrain.collectives.api.Collectives` asks its routes, for every call on a torch tensor, whether an
+engine (:mod:`.torch_engines`) takes it; if so, the body built here replaces step 4 of the API's protocol (the
+agreement of step 3 still runs first, with the engine's name as the resolved algorithm). Kept apart from the API
+so that the API's module stays the protocol, and the engines' life cycle (the collective choice for CUDA
+tensors, made once at the first collective on one; the process groups; closing) lives in one place.
 
 Which device's tensors take which engine: ``engines`` maps a device type (``"cuda"``, ``"cpu"``) to its engine;
 an entry appears by :meth:`EngineRoutes.use` (a user's choice, e.g. Gloo for CPU tensors) or by the automatic
@@ -25,7 +25,9 @@ from typing import Any
 import numpy as np
 
 from paratrain._arrays import is_torch_tensor
-from paratrain.collectives.engine import (
+from paratrain.collectives.plans import chunk_bounds
+from paratrain.collectives.signature import Signature
+from paratrain.collectives.torch_engines import (
     DeviceIdentity,
     EngineChoice,
     TorchEngine,
@@ -33,8 +35,6 @@ from paratrain.collectives.engine import (
     gpu_name,
     own_address,
 )
-from paratrain.collectives.plans import chunk_bounds
-from paratrain.collectives.signature import Signature
 from paratrain.device import on_device
 from paratrain.errors import ConfigError
 from paratrain.transport.base import Transport

@@ -5,7 +5,7 @@ The same names, signatures and defaults as Horovod's (``allreduce`` averages by 
 type, :class:`HorovodInternalError`, for mismatched calls and lost peers. What is here so far: the process API
 (:mod:`.basics`), the tensor collectives with handles and autograd (:mod:`.ops`), compression (:mod:`.compression`),
 the broadcast helpers (:mod:`.functions`, :mod:`.objects`) and the DistributedOptimizer (:mod:`.optimizer`). Also
-``SyncBatchNorm`` (:mod:`.sync_batch_norm`). Every collective goes through :mod:`.engine`: requests matched by
+``SyncBatchNorm`` (:mod:`.sync_batch_norm`). Every collective goes through :mod:`.controller`: requests matched by
 name across ranks, tensor fusion, ``join``, and the timeline (``PARATRAIN_TIMELINE=file.json``).
 """
 

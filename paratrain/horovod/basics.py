@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from paratrain.errors import NotInitializedError
-from paratrain.horovod.engine import Engine, Request, fusion_bytes_from_env
+from paratrain.horovod.controller import Engine, Request, fusion_bytes_from_env
 from paratrain.runtime.context import Context, current
 from paratrain.runtime.context import init as _join
 from paratrain.runtime.group import Group

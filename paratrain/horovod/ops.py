@@ -14,7 +14,7 @@ The update rules, in one place:
 * Gradients (the differentiable forms): allreduce's is the same allreduce of the gradient; allgather's is this
   rank's slice of the summed gradient; broadcast's is the summed gradient on the root, zero elsewhere.
 
-Each call is a request to the Horovod engine (:mod:`paratrain.horovod.engine`), which matches the ranks'
+Each call is a request to the Horovod engine (:mod:`paratrain.horovod.controller`), which matches the ranks'
 requests by ``name`` (unnamed ones by call order, as Horovod's), fuses small allreduces into one of paratrain's
 collectives (the shared-memory path on one host, ring or tree across hosts), supports :func:`join` and records
 the timeline (``PARATRAIN_TIMELINE``).
@@ -36,7 +36,7 @@ from paratrain.horovod.adasum import adasum_pair, adasum_tree
 from paratrain.horovod.basics import Adasum, Average, Max, Min, Product, Sum, rank, size, submit, wait
 from paratrain.horovod.basics import name as _auto_name
 from paratrain.horovod.compression import Compression, Compressor
-from paratrain.horovod.engine import Request, average_divide, scale
+from paratrain.horovod.controller import Request, average_divide, scale
 from paratrain.runtime.group import Group
 
 __all__ = [
@@ -94,7 +94,7 @@ _local = threading.local()
 @contextlib.contextmanager
 def _blocking() -> Iterator[None]:
     """Marks the requests submitted inside as waited for at once: the caller runs their cycle itself (see
-    :meth:`~paratrain.horovod.engine.Engine.wait`), so the engine thread is not woken for them."""
+    :meth:`~paratrain.horovod.controller.Engine.wait`), so the engine thread is not woken for them."""
     previous = getattr(_local, "blocking", False)
     _local.blocking = True
     try:
@@ -371,7 +371,7 @@ def barrier(process_set: object = None) -> None:
 
 def join(device: int = -1) -> int:
     """This rank has no more data: until every rank has joined, it takes part in the others' allreduces with
-    a neutral tensor (zeros for Sum, Average and Adasum, as Horovod's; see :mod:`paratrain.horovod.engine`), so
+    a neutral tensor (zeros for Sum, Average and Adasum, as Horovod's; see :mod:`paratrain.horovod.controller`), so
     that ranks with fewer batches need not stop the job. Blocks until every rank joined; returns the rank that
     joined last. ``device`` (Horovod's device for its zero tensors) must be -1: CPU.
 

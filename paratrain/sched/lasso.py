@@ -81,7 +81,7 @@ def block_values(
 @dataclass
 class BlockRun:
     """What a run of blocks did: :func:`run_blocks` in one process, or the scheduler of the engine
-    (:func:`paratrain.sched.engine.lasso`; its workers get an empty one).
+    (:func:`paratrain.sched.lasso_engine.lasso`; its workers get an empty one).
 
     Attributes:
         beta: the coefficients at the end.

@@ -7,7 +7,7 @@ into its residual, updates its rows' u and contributes its partial column sums; 
 into the new v and hands it out (the next inner iteration), and in the last round the workers take the final v
 out of their residuals and contribute their share of the objective. Each half of a round is one allreduce over
 the job (the scheduler contributes its order and zeros, the workers zeros and their sums), as in
-:mod:`paratrain.sched.engine`: the shared-memory path on one host. Sums go in rank order from the scheduler's
+:mod:`paratrain.sched.lasso_engine`: the shared-memory path on one host. Sums go in rank order from the scheduler's
 zeros, so the numbers equal :func:`~paratrain.sched.mf.ccdpp` with ``parts`` = W to the bit (up to 64 KiB of
 column sums, 4096 columns, where the shared-memory path reduces in one phase; to rounding beyond), which a test
 checks. Every call has the context's timeout; a dead worker makes the others raise PeerLostError, never hang.

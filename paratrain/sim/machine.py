@@ -154,7 +154,7 @@ class ModelProfile:
         return sum(layer.forward_s + layer.backward_s for layer in self.layers) + self.optimizer_s + self.overhead_s
 
     def cores(self) -> tuple[float, float] | None:
-        """How the measuring processes shared the cores: (capacity, alone) for :class:`paratrain.sim.engine.Cores`,
+        """How the measuring processes shared the cores: (capacity, alone) for :class:`paratrain.sim.replay.Cores`,
         or None where one process was measured or the step alone was not.
 
         ``concurrency`` processes at once each ran a step in :attr:`compute_s`, one alone in :attr:`alone_s`: the

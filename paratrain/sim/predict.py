@@ -17,8 +17,8 @@ from typing import Any
 
 from paratrain.collectives.policy import default_allreduce_choice, network_allreduce_choice
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
-from paratrain.sim.engine import Cores, Network, Replay, replay
 from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
+from paratrain.sim.replay import Cores, Network, Replay, replay
 from paratrain.sim.step import StepJob, gossip_steps, repeat_steps, stale_bound, step_plan, symmetric_step
 from paratrain.strategy import parse_strategy
 

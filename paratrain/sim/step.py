@@ -504,7 +504,7 @@ def stale_bound(plan: Plan, workers: int, staleness: int, k: int) -> Plan:
 
 
 def symmetric_step(job: StepJob, *, pad: bool = False) -> Plan | None:
-    """Rank 0's step alone, for :func:`~paratrain.sim.engine.replay` with ``symmetric=job.workers``, when the
+    """Rank 0's step alone, for :func:`~paratrain.sim.replay.replay` with ``symmetric=job.workers``, when the
     step is the same on every worker up to a rotation of ranks: allreduce whose every bucket goes by the ring
     (and SFB's ring allgathers) with chunks of equal size. None otherwise (the tree, shared memory,
     uneven chunks, the parameter server): replay :func:`step_plan` then.

@@ -8,7 +8,7 @@ As in Horovod's timeline, each *tensor* is a row (a trace "process" named after 
 life reads left to right:
 
 * ``NEGOTIATE_<OP>``: from the call until every rank has asked for the tensor (the Horovod API's
-  :mod:`~paratrain.horovod.engine` matches requests by name; time here is a rank waiting for the others);
+  :mod:`~paratrain.horovod.controller` matches requests by name; time here is a rank waiting for the others);
 * ``<OP>``: from then until the result is ready, holding ``QUEUE`` (waiting for the tensors fused or issued
   before it), ``MEMCPY_IN_FUSION_BUFFER``, ``COMMUNICATE`` (the collective itself) and
   ``MEMCPY_OUT_FUSION_BUFFER``.

@@ -12,7 +12,7 @@ default) drops the views; the next gradient is then copied in once (on the devic
 is restored, so both settings are correct and ``set_to_none=False`` saves that copy.
 
 What the communication reads (:attr:`FusedBucket.buffer`) is the home buffer itself for CPU parameters, and for
-CUDA parameters where a collective engine reduces device memory (NCCL, :mod:`paratrain.collectives.engine`).
+CUDA parameters where a collective engine reduces device memory (NCCL, :mod:`paratrain.collectives.torch_engines`).
 Otherwise a CUDA bucket is *staged*: the communication reads a pinned host mirror of the home buffer, filled by
 one device-to-host copy of the whole bucket when it is complete (:meth:`FusedBucket.staged`, queued on a stream of
 the bucket's own after the kernels that produced the gradients, so the hook returns at once and the copy overlaps

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from paratrain.collectives.engine import ENGINE_DTYPES, DeviceIdentity, TorchEngine, choose_link, gpu_name
+from paratrain.collectives.torch_engines import ENGINE_DTYPES, DeviceIdentity, TorchEngine, choose_link, gpu_name
 from paratrain.device import on_device, to_device, to_host
 from paratrain.errors import ConfigError, MessageError
 from paratrain.launch.kills import kill_point

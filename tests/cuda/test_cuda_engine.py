@@ -1,4 +1,4 @@
-"""CUDA tensors through torch.distributed's engines (:mod:`paratrain.collectives.engine`): the automatic choice
+"""CUDA tensors through torch.distributed's engines (:mod:`paratrain.collectives.torch_engines`): the automatic choice
 (NCCL where every rank has a GPU of its own, staging where ranks share one), the override, and results equal to
 the CPU calls. Skipped without a CUDA device (CI has none); `benchmarks/gpu/run.sh` runs them on a GPU machine.
 With one GPU, NCCL runs at world size 1 only (NCCL refuses two ranks on one device); Gloo, which takes CUDA

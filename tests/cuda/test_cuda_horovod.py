@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from paratrain.horovod.engine import Engine, Request  # noqa: E402
+from paratrain.horovod.controller import Engine, Request  # noqa: E402
 from paratrain.runtime.context import Context  # noqa: E402
 from paratrain.testing import run_ranks  # noqa: E402
 

@@ -19,7 +19,7 @@ import numpy as np
 import paratrain as pt
 from paratrain.errors import PeerLostError, CommTimeoutError
 import scipy.sparse as sp
-from paratrain.sched.engine import lasso, strads, worker_rows
+from paratrain.sched.lasso_engine import lasso, strads, worker_rows
 from paratrain.sched.mf_engine import factorize, worker_block
 
 ctx = pt.init(timeout=30)

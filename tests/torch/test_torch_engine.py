@@ -1,4 +1,4 @@
-"""Collectives through torch.distributed's engines (:mod:`paratrain.collectives.engine`), run here with Gloo on
+"""Collectives through torch.distributed's engines (:mod:`paratrain.collectives.torch_engines`), run here with Gloo on
 CPU tensors: the path NCCL takes for CUDA tensors, apart from the process group's constructor.
 
 Every collective through the engine equals the same call on paratrain's own algorithms, bit for bit (two ranks:
@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 import paratrain.torch as ptt  # noqa: E402
 from paratrain import Context  # noqa: E402
-from paratrain.collectives.engine import DeviceIdentity, TorchEngine, choose_engine  # noqa: E402
+from paratrain.collectives.torch_engines import DeviceIdentity, TorchEngine, choose_engine  # noqa: E402
 from paratrain.errors import CollectiveMismatchError, CommTimeoutError, ConfigError, TransportError  # noqa: E402
 from paratrain.testing import run_ranks  # noqa: E402
 
@@ -312,7 +312,7 @@ def test_insisting_on_nccl_where_it_cannot_run_fails_every_rank_at_every_call(mo
     ],
 )
 def test_how_pipeline_stages_are_linked(devices: list[str], preference: str, backend: str | None) -> None:
-    from paratrain.collectives.engine import choose_link
+    from paratrain.collectives.torch_engines import choose_link
 
     ids = [DeviceIdentity(d, not d.startswith("cpu:"), preference) for d in devices]
     assert choose_link(ids).backend == backend
@@ -323,7 +323,7 @@ def test_how_pipeline_stages_are_linked(devices: list[str], preference: str, bac
     [(["cpu:0", "GPU-b"], "gloo", "sends CPU tensors only"), (["cpu:0", "GPU-b"], "nccl", "no NCCL on rank")],
 )
 def test_impossible_pipeline_links_are_config_errors(devices: list[str], preference: str, message: str) -> None:
-    from paratrain.collectives.engine import choose_link
+    from paratrain.collectives.torch_engines import choose_link
 
     ids = [DeviceIdentity(d, not d.startswith("cpu:"), preference) for d in devices]
     with pytest.raises(ConfigError, match=message):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from paratrain.horovod.engine import Engine, Request
+from paratrain.horovod.controller import Engine, Request
 from paratrain.runtime.context import Context
 from paratrain.testing import run_ranks
 from paratrain.timeline import Timeline

@@ -9,8 +9,8 @@ from sklearn.linear_model import Lasso
 
 from paratrain.errors import ConfigError
 from paratrain.runtime.context import Context
-from paratrain.sched.engine import lasso, shotgun, strads, worker_rows
 from paratrain.sched.lasso import BlockRun, lasso_objective, row_bounds, row_moments, run_blocks
+from paratrain.sched.lasso_engine import lasso, shotgun, strads, worker_rows
 from paratrain.sched.strads import RandomScheduler, StradsScheduler, correlation_from_moments
 from paratrain.testing import run_ranks
 

@@ -14,8 +14,8 @@ from paratrain.plan.cost import simulate
 from paratrain.plan.ir import Action, Plan, PlanError
 from paratrain.ps.plans import push_actions
 from paratrain.ps.sharding import plan_chunks
-from paratrain.sim.engine import Cores, Network, replay
 from paratrain.sim.machine import LayerCost, LinkCost, ModelProfile
+from paratrain.sim.replay import Cores, Network, replay
 from paratrain.sim.step import TAG_STRIDE, StepJob, gossip_steps, repeat_steps, step_plan
 
 ALPHA, BETA = 1e-3, 1e-8

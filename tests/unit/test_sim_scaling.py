@@ -7,8 +7,8 @@ import pytest
 from paratrain.bench.scaling import exchange_time, render_scaling, run_scaling
 from paratrain.gossip.mixing import resolve_mixing
 from paratrain.gossip.plan import gossip_plan
-from paratrain.sim.engine import Network, replay
 from paratrain.sim.machine import LinkCost
+from paratrain.sim.replay import Network, replay
 
 LINK = LinkCost(alpha=1e-5, beta=1e-9)
 NBYTES = 64 * 1000 * 8  # divisible by every N below
