@@ -353,7 +353,7 @@ class Collectives:
         return self.timeout if timeout is None else timeout
 
     def _exchange(self, tag: int, timeout: float | None, label: str) -> Exchange:
-        return Exchange(self.transport, tag=tag, timeout=self.timeout if timeout is None else timeout, label=label)
+        return Exchange(self.transport, tag=tag, timeout=self._deadline(timeout), label=label)
 
     def _agree(self, ex: Exchange, sig: Signature, payload: npt.NDArray[Any] | None = None) -> list[Signature]:
         """Every rank's signature, by rank; the same ``CollectiveMismatchError`` on every rank if they differ.

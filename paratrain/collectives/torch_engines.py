@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from paratrain._arrays import is_torch_tensor
+from paratrain.device.events import wait_event
 from paratrain.errors import CommTimeoutError, ConfigError, TransportError
 from paratrain.transport.base import Transport
 
@@ -469,8 +470,6 @@ class TorchEngine:
         most ``timeout`` seconds (:class:`~paratrain.errors.DeviceTimeoutError`)."""
         if t.device.type == "cuda":
             import torch
-
-            from paratrain.device.events import wait_event
 
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(torch.cuda.current_stream(t.device))

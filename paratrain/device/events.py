@@ -4,8 +4,8 @@
 queued behind one, would hang the rank forever. :func:`wait_event` polls ``event.query()`` instead and raises
 :class:`~paratrain.errors.DeviceTimeoutError` when the deadline passes. Between polls it sleeps, starting at
 ``_FIRST_PAUSE`` and doubling up to ``_MAX_PAUSE``: a sleeping poller leaves the GIL to the threads that need it
-(the backward thread's gradient hooks, the caller), where polls back to back with ``sleep(0)`` take it back at
-once each time (benchmarks/gpu/README.md).
+(the backward thread's gradient hooks, the caller); polls back to back with ``sleep(0)`` take it back at once,
+which the H100 traces of benchmarks/gpu/README.md point to as part of the hooks' cost (not measured apart yet).
 """
 
 from __future__ import annotations

@@ -162,25 +162,68 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called on purpose: param_groups and state are the wrapped
         # optimizer's (see the properties below), and anything else is looked up there (__getattr__).
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(optimizer, DistributedOptimizer):
-            raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        _check_types(optimizer, model)
         if topology is not None:
-            if not isinstance(strategy, str) or strategy.strip().lower() != "gossip":
-                raise ConfigError(
-                    f"topology= is gossip's graph: use strategy='gossip' with it, not {strategy!r} (or write the "
-                    "graph into the name, 'gossip:ring', and leave topology out)"
-                )
-            strategy = "gossip:<given>"
+            strategy = _gossip_with_topology(strategy)
         self.spec: StrategySpec = parse_strategy(strategy)
-        if not overlap and reliable is not None:
-            raise ConfigError("overlap=False does not apply with reliable=: reliable steps never overlap backward")
+        self.compressor: Compressor | None = self._refuse(
+            strategy,
+            compression,
+            bucket_bytes=bucket_bytes,
+            overlap=overlap,
+            staleness_lr=staleness_lr,
+            reliable=reliable,
+            hybrid_options=batch_size is not None or bool(layer_schemes),
+        )
         # gradient strategies: False keeps every bucket until step() (no wait-free backprop), to measure it
         self._overlap = overlap or self.spec.exchanges_parameters
         self._deferred: list[int] = []
+        self._inner = optimizer
+        self.context: Context = context if context is not None else current()
+        self.strategy_name = strategy
+        self.bucket_bytes = bucket_bytes
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self._check_params(optimizer, model, named, servers=self.spec.uses_servers)
+        self._names = [name for name, _ in named]
+        params = [p for _, p in named]
+        sfb_modules = self._plan(model, params, batch_size=batch_size, layer_schemes=layer_schemes)
+        self._lock = threading.Lock()
+        self._synchronized = False
+        self._steps = 0  # optimizer steps begun: where a kill schedule's step kill fires
+        self._closed = False
+        # one worker and "allreduce": the mean of one gradient is itself, so nothing is copied or sent and a step
+        # costs what plain torch costs (the same script runs unchanged without a launcher). Gossip never sends
+        # gradients either (the hooks only track the launch order); its buckets serve as the parameter layout
+        alone = not self.spec.uses_servers and self.context.world_size == 1 and not always_communicate
+        self._local = self.spec.exchanges_parameters or alone
+        self._timeout = self.context.settings.timeout
+        self._buckets: list[FusedBucket | None] = []  # None: a unit that is no fused bucket (an SFB layer)
+        self._strategy: Strategy = self._build(
+            optimizer,
+            params,
+            sfb_modules,
+            topology=topology,
+            overlap=overlap,
+            staleness_lr=staleness_lr,
+            reliable=reliable,
+        )
+        self._hooks = GradientHooks(params, owner=self, on_ready=DistributedOptimizer._on_grad_ready)
+
+    def _refuse(
+        self,
+        strategy: str,
+        compression: str | Compressor | None,
+        *,
+        bucket_bytes: int,
+        overlap: bool,
+        staleness_lr: bool,
+        reliable: Reliable | None,
+        hybrid_options: bool,
+    ) -> Compressor | None:
+        """Refuses the options that do not go with this strategy (each refusal says what to do); returns the
+        compressor of ``compression``."""
+        if not overlap and reliable is not None:
+            raise ConfigError("overlap=False does not apply with reliable=: reliable steps never overlap backward")
         if staleness_lr and not self.spec.uses_servers:
             raise ConfigError(
                 f"staleness_lr=True scales stale gradients on the parameter servers: use it with strategy 'ssp:S' "
@@ -193,28 +236,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
-        self.compressor: Compressor | None = (
-            compression if isinstance(compression, Compressor) else parse_compression(compression)
-        )
-        if self.compressor is not None and (self.spec.exchanges_parameters or reliable is not None):
+        compressor = compression if isinstance(compression, Compressor) else parse_compression(compression)
+        if compressor is not None and (self.spec.exchanges_parameters or reliable is not None):
             raise ConfigError(
                 f"compression= compresses gradients sent by allreduce or to parameter servers; strategy "
                 f"{strategy!r}{' with reliable=' if reliable is not None else ''} does not support it"
             )
-        if (batch_size is not None or layer_schemes) and not self.spec.hybrid:
+        if hybrid_options and not self.spec.hybrid:
             raise ConfigError(
                 f"batch_size= and layer_schemes= choose how each layer travels under 'poseidon', "
                 f"'poseidon:allreduce' and 'sfb'; strategy {strategy!r} sends every layer the same way"
             )
-        self._inner = optimizer
-        self.context: Context = context if context is not None else current()
-        self.strategy_name = strategy
-        self.bucket_bytes = bucket_bytes
+        return compressor
 
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        self._check_params(optimizer, model, named, servers=self.spec.uses_servers)
-        names = [name for name, _ in named]
-        params = [p for _, p in named]
+    def _plan(
+        self,
+        model: torch.nn.Module,
+        params: Sequence[torch.nn.Parameter],
+        *,
+        batch_size: int | None,
+        layer_schemes: Mapping[str, str] | None,
+    ) -> list[tuple[str, torch.nn.Linear]]:
+        """The buckets (a hybrid strategy's SFB layers each a unit of its own) and the launch order; returns the
+        SFB layers."""
         infos = [ParamInfo(p.numel(), p.element_size(), f"{p.dtype}@{p.device}") for p in params]
         #: the per-layer schemes of a hybrid strategy (None for the others); ``hybrid_plan.table()`` prints it
         self.hybrid_plan: HybridPlan | None = None
@@ -232,60 +276,57 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 log.info("%s", self.hybrid_plan.table())
         position = {id(p): i for i, p in enumerate(params)}
         separate = [tuple(position[id(p)] for p in own_params(m)) for _, m in sfb_modules]
-        self.plan: list[Bucket] = plan_buckets(infos, bucket_bytes, separate=separate)
+        self.plan: list[Bucket] = plan_buckets(infos, self.bucket_bytes, separate=separate)
         self._where: dict[int, tuple[int, int]] = {}  # param index -> (bucket, position in it)
         for k, bucket in enumerate(self.plan):
             for j, i in enumerate(bucket.params):
                 self._where[i] = (k, j)
-        self._names = names
         self._order = LaunchOrder([b.params for b in self.plan])
-        self._lock = threading.Lock()
-        self._synchronized = False
-        self._steps = 0  # optimizer steps begun: where a kill schedule's step kill fires
-        self._closed = False
-        # one worker and "allreduce": the mean of one gradient is itself, so nothing is copied or sent and a step
-        # costs what plain torch costs (the same script runs unchanged without a launcher). Gossip never sends
-        # gradients either (the hooks only track the launch order); its buckets serve as the parameter layout
-        gossip = self.spec.exchanges_parameters
-        alone = not self.spec.uses_servers and self.context.world_size == 1 and not always_communicate
-        self._local = gossip or alone
-        self._timeout = self.context.settings.timeout
-        self._buckets: list[FusedBucket | None] = []  # None: a unit that is no fused bucket (an SFB layer)
-        self._strategy: Strategy
+        return sfb_modules
+
+    def _build(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[torch.nn.Parameter],
+        sfb_modules: Sequence[tuple[str, torch.nn.Linear]],
+        *,
+        topology: Any,
+        overlap: bool,
+        staleness_lr: bool,
+        reliable: Reliable | None,
+    ) -> Strategy:
+        """The fused buckets and the strategy that sends them."""
+        names = self._names
         # the collective choice of the CUDA engine is made here, on every rank alike, never in a gradient hook
         # (hooks of CUDA tensors run on autograd's one thread per device, shared by every rank that is a thread of
         # this process: one rank waiting there for the others would block their backward passes for good)
         engines = self._device_engines(params) if not self._local else {}
         if self.spec.hybrid and not self._local:
-            self._strategy = self._build_hybrid(optimizer, params, names, sfb_modules)
-        else:
-            if gossip:
-                self._buckets = [FusedBucket(b, params, names, flags=False, timeout=self._timeout) for b in self.plan]
-            elif not self._local:
-                plain = reliable is None and self.compressor is None and self.spec.kind == "allreduce"
-                on_device = plain and bool(engines) and all(e is not None for e in engines.values())
-                self._buckets = [
-                    FusedBucket(
-                        b, params, names, flags=not self.spec.uses_servers, on_device=on_device, timeout=self._timeout
-                    )
-                    for b in self.plan
-                ]
-            fused = [b for b in self._buckets if b is not None]
-            if reliable is not None and not self._local:
-                self._strategy = ReliableAllreduceStrategy(reliable, fused)
-            elif self.compressor is not None and not self._local:
-                self._strategy = self._dense_strategy(self.spec, fused, optimizer, staleness_lr=staleness_lr)
-            else:
-                self._strategy = build_strategy(
-                    self.spec,
-                    self.context,
-                    fused,
-                    optimizer=optimizer,
-                    topology=topology,
-                    overlap=overlap,
-                    staleness_lr=staleness_lr,
-                )
-        self._hooks = GradientHooks(params, owner=self, on_ready=DistributedOptimizer._on_grad_ready)
+            return self._build_hybrid(optimizer, params, names, sfb_modules)
+        if self.spec.exchanges_parameters:
+            self._buckets = [FusedBucket(b, params, names, flags=False, timeout=self._timeout) for b in self.plan]
+        elif not self._local:
+            plain = reliable is None and self.compressor is None and self.spec.kind == "allreduce"
+            on_device = plain and bool(engines) and all(e is not None for e in engines.values())
+            flags = not self.spec.uses_servers
+            self._buckets = [
+                FusedBucket(b, params, names, flags=flags, on_device=on_device, timeout=self._timeout)
+                for b in self.plan
+            ]
+        fused = [b for b in self._buckets if b is not None]
+        if reliable is not None and not self._local:
+            return ReliableAllreduceStrategy(reliable, fused)
+        if self.compressor is not None and not self._local:
+            return self._dense_strategy(self.spec, fused, optimizer, staleness_lr=staleness_lr)
+        return build_strategy(
+            self.spec,
+            self.context,
+            fused,
+            optimizer=optimizer,
+            topology=topology,
+            overlap=overlap,
+            staleness_lr=staleness_lr,
+        )
 
     def _device_engines(self, params: Sequence[torch.nn.Parameter]) -> dict[torch.device, Any]:
         """The collective engine of each CUDA device the parameters are on (None: staged through host memory).
@@ -575,3 +616,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _gossip_with_topology(strategy: str) -> str:
+    """The strategy name for ``topology=`` given as an object: only ``"gossip"`` takes one.
+
+    Raises:
+        ConfigError: ``topology=`` with another strategy.
+    """
+    if not isinstance(strategy, str) or strategy.strip().lower() != "gossip":
+        raise ConfigError(
+            f"topology= is gossip's graph: use strategy='gossip' with it, not {strategy!r} (or write the "
+            "graph into the name, 'gossip:ring', and leave topology out)"
+        )
+    return "gossip:<given>"
+
+
+def _check_types(optimizer: object, model: object) -> None:
+    """Raises TypeError unless ``optimizer`` is a plain torch optimizer and ``model`` a module."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, DistributedOptimizer):
+        raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -93,12 +93,13 @@ def run_training(
     from paratrain.train.record import merge_run, plot_run
 
     job = validate(job)
-    servers = servers_of(job, parse_strategy(job.strategy).uses_servers)
+    spec = parse_strategy(job.strategy)
+    servers = servers_of(job, spec.uses_servers)
     run_dir = Path(job.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{job.strategy.replace(':', '')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     for old in run_dir.glob("rank*.*"):
         old.unlink()
-    pipeline = parse_strategy(job.strategy).family == "pipeline"
+    pipeline = spec.family == "pipeline"
     # every rank reads the whole job from the run directory (a restarted rank, a warm spare, one started again)
     checkpoints = str(Path(job.checkpoint_dir).resolve()) if job.checkpoint_dir else None
     job = job.replace(run_dir=str(run_dir), checkpoint_dir=checkpoints)
