@@ -384,6 +384,11 @@ class Settings:
         return self.world_size - self.num_servers
 
     @property
+    def server_ranks(self) -> tuple[int, ...]:
+        """Transport ranks of the parameter servers (the last :attr:`num_servers` ranks), in server order."""
+        return tuple(range(self.num_workers, self.world_size))
+
+    @property
     def role_rank(self) -> int:
         """This process's index among the processes of its role."""
         return self.rank if self.role == "worker" else self.rank - self.num_workers

@@ -111,7 +111,9 @@ def run_ranks(
             if rank < workers:
                 results[rank] = fn(ctx)
             else:
-                ParameterServer(transports[rank], num_workers=workers, timeout=timeout).serve()
+                ParameterServer(
+                    transports[rank], num_workers=workers, servers=ctx.settings.server_ranks, timeout=timeout
+                ).serve()
         except BaseException as exc:
             errors[rank] = exc
             wake_all(rank, exc)

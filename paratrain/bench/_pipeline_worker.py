@@ -26,7 +26,15 @@ from torch import nn
 
 from paratrain.bench._timing import start_watchdog, write_result
 
-__all__ = ["count_saved_bytes", "loss_fn", "make_batches", "model_layers", "optimizer_for", "rss_bytes"]
+__all__ = [
+    "count_saved_bytes",
+    "loss_fn",
+    "make_batches",
+    "model_layers",
+    "one_process_step",
+    "optimizer_for",
+    "rss_bytes",
+]
 
 #: Steps whose summed loss every engine reports, to be compared with one process's.
 CHECKED_STEPS = 2
@@ -88,6 +96,21 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def optimizer_for(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """The one optimizer every engine uses."""
     return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+
+
+def one_process_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, microbatches: int
+) -> float:
+    """One step of the whole model in one process, micro-batch by micro-batch as the pipelines run it (each
+    micro-batch's loss back-propagated in turn, then one optimizer step); returns the summed loss."""
+    total = 0.0
+    for xm, ym in zip(torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches), strict=True):
+        loss = loss_fn(model(xm), ym)
+        loss.backward()  # type: ignore[no-untyped-call]
+        total += float(loss.detach())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
 
 
 def rss_bytes() -> tuple[int, int]:
@@ -211,14 +234,7 @@ def _single(args: argparse.Namespace, payload: dict[str, Any]) -> int:
     m = args.microbatches
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        total = 0.0
-        for xm, ym in zip(torch.tensor_split(x, m), torch.tensor_split(y, m), strict=True):
-            loss = loss_fn(model(xm), ym)
-            loss.backward()  # type: ignore[no-untyped-call]
-            total += float(loss.detach())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return total
+        return one_process_step(model, opt, x, y, m)
 
     _timed(args, payload, step, lambda: None)
     x, y = make_batches(args.model, args.batch_size)[0]

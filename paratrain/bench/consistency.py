@@ -63,20 +63,14 @@ class ConsistencyBenchOptions:
         from paratrain.train.checks import validate
         from paratrain.train.job import TrainJob
 
+        shared = ("model", "dataset", "data_dir", "epochs", "batch_size", "lr", "seed", "workers", "eval_every")
+        straggler = None if scenario == "none" else scenario
         return validate(
             TrainJob(
-                model=self.model,
-                dataset=self.dataset,
-                data_dir=self.data_dir,
+                **{name: getattr(self, name) for name in shared},
                 strategy=strategy,
-                epochs=self.epochs,
-                batch_size=self.batch_size,
-                lr=self.lr,
-                seed=self.seed,
-                workers=self.workers,
                 run_dir=str(run_dir),
-                straggler=None if scenario == "none" else scenario,
-                eval_every=self.eval_every,
+                straggler=straggler,
             )
         )
 

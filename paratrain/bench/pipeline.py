@@ -275,25 +275,20 @@ def plan_case(options: PipelineBenchOptions, model: str, stages: int) -> Case:
 
 def reference_losses(options: PipelineBenchOptions, model: str) -> list[float]:
     """The first steps' summed losses of one process, computed here: what every engine must reproduce."""
-    import torch
     from torch import nn
 
-    from paratrain.bench._pipeline_worker import CHECKED_STEPS, loss_fn, make_batches, model_layers, optimizer_for
+    from paratrain.bench._pipeline_worker import (
+        CHECKED_STEPS,
+        make_batches,
+        model_layers,
+        one_process_step,
+        optimizer_for,
+    )
 
-    m = options.microbatches
     net = nn.Sequential(*model_layers(model))
     opt = optimizer_for(list(net.parameters()))
-    losses = []
-    for x, y in make_batches(model, options.batch_size)[:CHECKED_STEPS]:
-        total = 0.0
-        for xm, ym in zip(torch.tensor_split(x, m), torch.tensor_split(y, m), strict=True):
-            loss = loss_fn(net(xm), ym)
-            loss.backward()  # type: ignore[no-untyped-call]
-            total += float(loss.detach())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total)
-    return losses
+    batches = make_batches(model, options.batch_size)[:CHECKED_STEPS]
+    return [one_process_step(net, opt, x, y, options.microbatches) for x, y in batches]
 
 
 def _worker_cmd(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.sim.machine import MachineProfile
+from paratrain.strategy import parse_strategy
 
 __all__ = ["ValidationRow", "render_validation", "run_validation", "spearman", "split_strategy"]
 
@@ -209,7 +210,7 @@ def _job(
         "batch_size": batch,
         "compression": compression,
     }
-    if not strategy_.startswith("pipeline"):
+    if not parse_strategy(strategy_).pipelined:
         return job, {}
     job |= {"batch_size": workers * batch, "microbatches": workers}
     settings = predict(profile, profile.model(model, batch, workers), **job).settings

@@ -130,6 +130,15 @@ def _simulator(args: argparse.Namespace) -> int:
     for model in args.models:
         profile.model(model, args.batch_size, args.workers)  # fail now, not after an hour of runs
     networks = [None if n in ("", "none", "local") else n for n in args.networks]
+    # every run's size, data and folder, the same in the grid and the bucket sweep
+    runs: dict[str, Any] = {
+        "workers": args.workers,
+        "steps": args.steps,
+        "batch": args.batch_size,
+        "repeat": args.repeat,
+        "dataset": args.dataset,
+        "out_dir": args.out,
+    }
     if args.measured:
         from paratrain.bench.simulator import measurements, predict_rows
 
@@ -147,26 +156,10 @@ def _simulator(args: argparse.Namespace) -> int:
             model=args.models[0],
             network=networks[0],
             sizes=[_bytes(x) for x in _list(args.bucket_grid)],
-            workers=args.workers,
-            steps=args.steps,
-            batch=args.batch_size,
-            repeat=args.repeat,
-            dataset=args.dataset,
-            out_dir=args.out,
+            **runs,
         )
         return _emit("simulator", render_bucket_grid(grid), grid, args.json)
-    report = run_validation(
-        profile,
-        models=args.models,
-        strategies=args.strategies,
-        networks=networks,
-        workers=args.workers,
-        steps=args.steps,
-        batch=args.batch_size,
-        repeat=args.repeat,
-        dataset=args.dataset,
-        out_dir=args.out,
-    )
+    report = run_validation(profile, models=args.models, strategies=args.strategies, networks=networks, **runs)
     return _emit("simulator", render_validation(report), report, args.json)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from paratrain.cli.errors import reports_config_errors
 from paratrain.errors import ConfigError
+from paratrain.strategy import parse_strategy
 
 #: What ``--strategies`` searches by default: :data:`paratrain.sim.search.SEARCHED` (a test keeps them equal;
 #: written out so that ``paratrain --help`` does not import the simulator).
@@ -96,7 +97,7 @@ def _plan(args: argparse.Namespace) -> int:
         for c in candidates(model, strategies=strategies, workers=args.workers, batch_size=args.batch_size)
         if c.update == "exact" or not args.exact
     ]
-    if any(s.startswith("pipeline") for s in strategies) and not any(c.strategy.startswith("pipeline") for c in space):
+    if any(parse_strategy(s).pipelined for s in strategies) and not any(c.spec.pipelined for c in space):
         why = (
             f"{args.model} has fewer modules than {args.workers} stages"
             if model.modules and all(layer.module >= 0 for layer in model.layers)
@@ -105,17 +106,16 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"paratrain plan: pipelines not searched: {why}", file=sys.stderr)
     if Candidate() not in space:
         space.append(Candidate())
-    ranked = search(
-        profile,
-        model,
-        workers=args.workers,
-        batch_size=args.batch_size,
-        bandwidth=bandwidth,
-        latency=latency,
-        hosts=args.hosts,
-        space=space,
-        slowdown=slowdown,
-    )
+    # the job and network that search() ranks in and predict() traces the pick in
+    setting: dict[str, Any] = {
+        "workers": args.workers,
+        "batch_size": args.batch_size,
+        "bandwidth": bandwidth,
+        "latency": latency,
+        "hosts": args.hosts,
+        "slowdown": slowdown,
+    }
+    ranked = search(profile, model, space=space, **setting)
     default = next(s for s in ranked if s.candidate == Candidate())
     network = ", ".join(
         x
@@ -164,18 +164,13 @@ def _plan(args: argparse.Namespace) -> int:
         traced = predict(
             profile,
             model,
-            workers=args.workers,
             strategy=pick.strategy,
             servers=pick.servers,
-            batch_size=args.batch_size,
             bucket_bytes=pick.bucket_bytes,
             overlap=pick.overlap,
-            bandwidth=bandwidth,
-            latency=latency,
-            hosts=args.hosts,
             trace=True,
             compression=pick.compression or None,
-            slowdown=slowdown,
+            **setting,
         )
         Path(args.trace).write_text(json.dumps(traced.replay.chrome_trace()))
         print(f"trace of the pick's simulated step: {args.trace} (open in Perfetto or chrome://tracing)")

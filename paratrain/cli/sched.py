@@ -8,7 +8,6 @@ import json
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -116,11 +115,11 @@ def _launch(argv: list[str], nproc: int, progress: Path | None, total: int, what
 @reports_config_errors("sched lasso")
 def _lasso(args: argparse.Namespace) -> int:
     import numpy as np
-    from sklearn.linear_model import Lasso
 
-    from paratrain.cli._sched_job import lasso_problem
+    from paratrain.apps.anchors import lasso_anchor
+    from paratrain.apps.plots import plot_lasso
+    from paratrain.apps.problems import lasso_problem
     from paratrain.errors import ConfigError
-    from paratrain.sched.lasso import lasso_objective
 
     schedulers = [s.strip() for s in args.schedulers.split(",") if s.strip()]
     if not schedulers or set(schedulers) - {"strads", "shotgun"}:
@@ -130,23 +129,14 @@ def _lasso(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     x, y = lasso_problem(args.data, args.rows, seed=args.seed, data_dir=args.data_dir)
-    began = time.perf_counter()
-    reference = Lasso(alpha=args.alpha, fit_intercept=False, tol=1e-10, max_iter=100_000).fit(x, y)
-    sklearn_s = time.perf_counter() - began
-    optimum = lasso_objective(x, y, reference.coef_, args.alpha)
+    anchor = lasso_anchor(x, y, args.alpha, args.gap)
+    optimum = anchor.optimum
     print(
         f"{args.data}: {x.shape[0]} x {x.shape[1]}, alpha {args.alpha}; scikit-learn's Lasso: objective "
-        f"{optimum:.8g} in {sklearn_s:.2f} s, {np.count_nonzero(reference.coef_)} nonzero coefficients"
+        f"{optimum:.8g} in {anchor.seconds:.2f} s, {np.count_nonzero(anchor.coef)} nonzero coefficients"
     )
-    for tol in (1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-8):  # its time to the gap: the loosest tolerance that reaches it
-        began = time.perf_counter()
-        coef = Lasso(alpha=args.alpha, fit_intercept=False, tol=tol, max_iter=100_000).fit(x, y).coef_
-        to_gap_s = time.perf_counter() - began
-        if lasso_objective(x, y, coef, args.alpha) <= optimum * (1 + args.gap):
-            print(f"scikit-learn within {args.gap:g} of its optimum: {to_gap_s:.2f} s (tol {tol:g})")
-            break
-    else:
-        to_gap_s = sklearn_s
+    if anchor.to_gap_tol is not None:
+        print(f"scikit-learn within {args.gap:g} of its optimum: {anchor.to_gap_s:.2f} s (tol {anchor.to_gap_tol:g})")
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="paratrain-sched-") as tmp:
         for name in schedulers:
@@ -162,7 +152,7 @@ def _lasso(args: argparse.Namespace) -> int:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, run in runs.items():
         gap = run["objectives"][-1] / optimum - 1
-        diff = float(np.abs(np.array(run["beta"]) - reference.coef_).max())
+        diff = float(np.abs(np.array(run["beta"]) - anchor.coef).max())
         reached = "" if gap <= args.gap else " (not reached)"
         print(
             f"| {name} | {run['updates'][-1]}{reached} | {len(run['updates'])} | {np.mean(run['block_sizes']):.2f} | "
@@ -170,46 +160,23 @@ def _lasso(args: argparse.Namespace) -> int:
         )
     summary = {
         "optimum": optimum,
-        "sklearn_s": sklearn_s,
-        "sklearn_to_gap_s": to_gap_s,
+        "sklearn_s": anchor.seconds,
+        "sklearn_to_gap_s": anchor.to_gap_s,
         "args": vars(args) | {"func": None},
         "runs": runs,
     }
     (out / "lasso.json").write_text(json.dumps(summary))
-    _plot_lasso(runs, optimum, to_gap_s, args.gap, out / "lasso.png")
+    plot_lasso(runs, optimum, anchor.to_gap_s, args.gap, out / "lasso.png")
     print(f"wrote {out / 'lasso.json'} and {out / 'lasso.png'}")
     return 0
 
 
-def _plot_lasso(runs: dict[str, Any], optimum: float, sklearn_s: float, gap: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_updates, by_time) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, run in runs.items():
-        above = [max(o / optimum - 1, 1e-12) for o in run["objectives"]]
-        by_updates.plot(run["updates"], above, label=name)
-        by_time.plot(run["seconds"], above, label=name)
-    by_time.axvline(sklearn_s, color="gray", linestyle="--", label=f"scikit-learn within {gap:g} (1 process)")
-    by_updates.set_xscale("log")  # a diverging run ends within its first rounds: visible on a log axis
-    for ax, xlabel in ((by_updates, "coordinate updates"), (by_time, "wall time (s)")):
-        ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("objective / optimum - 1")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 @reports_config_errors("sched mf")
 def _mf(args: argparse.Namespace) -> int:
-    from paratrain.cli._sched_job import mf_problem
+    from paratrain.apps.anchors import mf_anchor
+    from paratrain.apps.plots import plot_mf
+    from paratrain.apps.problems import mf_problem
     from paratrain.errors import ConfigError
-    from paratrain.sched.mf import ccdpp, svd_optimum
 
     orders = [s.strip() for s in args.orders.split(",") if s.strip()]
     if not orders or set(orders) - {"cyclic", "priority"}:
@@ -220,17 +187,15 @@ def _mf(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     train, test = mf_problem(args.data, args.rows, seed=args.seed, data_dir=args.data_dir)
     print(f"{args.data}: {train.shape[0]} x {train.shape[1]}, {train.nnz} entries, rank {args.rank}, lam {args.lam}")
-    optimum, anchor_s, target = None, None, None
-    if test is None:  # dense: the global optimum is the shrunk SVD's
-        began = time.perf_counter()
-        optimum = svd_optimum(train.toarray(), args.rank, args.lam)
-        anchor_s = time.perf_counter() - began
-        target = optimum * (1 + args.gap)
+    # dense: the global optimum is the shrunk SVD's; sparse: the same picks in one process, the anchor for the time
+    anchor = mf_anchor(
+        train, dense=test is None, rank=args.rank, lam=args.lam, picks=args.picks, inner=args.inner, seed=args.seed
+    )
+    optimum, anchor_s = anchor.optimum, anchor.seconds
+    target = None if optimum is None else optimum * (1 + args.gap)
+    if optimum is not None:
         print(f"optimum (numpy SVD, singular values shrunk by lam): {optimum:.8g} in {anchor_s:.2f} s")
-    else:  # sparse: the same picks in one process, the anchor for the time
-        began = time.perf_counter()
-        ccdpp(train, args.rank, args.lam, picks=args.picks, inner=args.inner, seed=args.seed)
-        anchor_s = time.perf_counter() - began
+    else:
         print(f"the same {args.picks} picks in one process (cyclic): {anchor_s:.2f} s")
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="paratrain-sched-") as tmp:
@@ -255,43 +220,18 @@ def _mf(args: argparse.Namespace) -> int:
         )
     summary = {"optimum": optimum, "anchor_s": anchor_s, "args": vars(args) | {"func": None}, "runs": runs}
     (out / "mf.json").write_text(json.dumps(summary))
-    _plot_mf(runs, optimum, out / "mf.png")
+    plot_mf(runs, optimum, out / "mf.png")
     print(f"wrote {out / 'mf.json'} and {out / 'mf.png'}")
     return 0
 
 
-def _plot_mf(runs: dict[str, Any], optimum: float | None, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_picks, by_time) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, run in runs.items():
-        values = [o / optimum - 1 if optimum else o for o in run["objectives"]]
-        by_picks.plot(range(1, len(values) + 1), values, label=name)
-        by_time.plot(run["seconds"], values, label=name)
-    for ax, xlabel in ((by_picks, "rank-1 picks"), (by_time, "wall time (s)")):
-        ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("objective / optimum - 1" if optimum else "objective")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 @reports_config_errors("sched pagerank")
 def _pagerank(args: argparse.Namespace) -> int:
-    import networkx as nx
     import numpy as np
-    import scipy.sparse as sp
 
-    from paratrain.cli._sched_job import pagerank_graph
-    from paratrain.sched.chromatic import block_partition, chromatic_plan
-    from paratrain.sched.coloring import color
-    from paratrain.sched.vertex import overlaps
+    from paratrain.apps.anchors import overlapping_updates, pagerank_anchors
+    from paratrain.apps.plots import plot_pagerank
+    from paratrain.apps.problems import pagerank_graph
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -304,32 +244,10 @@ def _pagerank(args: argparse.Namespace) -> int:
         argv += ["--out", str(result), "--progress", str(progress)]
         _launch(argv, args.workers, progress, args.sweeps, "pagerank", unit="sweep")
         run = json.loads(result.read_text())
-    g = nx.DiGraph()
-    g.add_nodes_from(range(n))
-    g.add_edges_from(map(tuple, graph.edges().tolist()))
-    began = time.perf_counter()
-    ranks = nx.pagerank(g, alpha=0.85, tol=1e-10, max_iter=1000)
-    networkx_s = time.perf_counter() - began
-    want = np.array([ranks[v] for v in range(n)])
-    edges = graph.edges()
-    out_degree = graph.out_degree().astype(np.float64)
-    matrix = sp.csr_matrix((1.0 / out_degree[edges[:, 0]], (edges[:, 1], edges[:, 0])), shape=(n, n))
-    began = time.perf_counter()
-    power, sweeps_power, power_changes, power_times = np.full(n, 1.0 / n), 0, [], []
-    while True:
-        sweeps_power += 1
-        nxt = 0.15 / n + 0.85 * (matrix @ power + power[out_degree == 0].sum() / n)
-        power_changes.append(float(np.abs(nxt - power).sum()))
-        power_times.append(time.perf_counter() - began)
-        done = power_changes[-1] < n * 1e-10 or sweeps_power >= 1000
-        power = nxt
-        if done:
-            break
-    scipy_s = time.perf_counter() - began
+    anchors = pagerank_anchors(graph)
+    want = anchors.networkx
     got = np.array(run["values"])
-    coloring = color(graph, "edge")
-    plan = chromatic_plan(graph, coloring, block_partition(n, args.workers))
-    seen = overlaps(graph, plan.owner, [[tuple(e) for e in log] for log in run["logs"]], coloring.colors)
+    seen = overlapping_updates(graph, args.workers, run["logs"])
     print(f"{args.graph}: {n} vertices, {graph.num_edges} edges, {run['colors']} colours (edge consistency)")
     print("| method | time (s) | max |x - networkx| |")
     print("|---|---:|---:|")
@@ -337,54 +255,25 @@ def _pagerank(args: argparse.Namespace) -> int:
         f"| chromatic engine, {args.workers} workers, {run['sweeps']} sweeps | {run['wall_s']:.3f} | "
         f"{np.abs(got - want).max():.2e} |"
     )
-    print(f"| networkx pagerank (tol 1e-10) | {networkx_s:.3f} | 0 |")
-    print(f"| scipy sparse power iteration ({sweeps_power} steps) | {scipy_s:.3f} | {np.abs(power - want).max():.2e} |")
+    print(f"| networkx pagerank (tol 1e-10) | {anchors.networkx_s:.3f} | 0 |")
+    print(
+        f"| scipy sparse power iteration ({anchors.power_steps} steps) | {anchors.scipy_s:.3f} | "
+        f"{np.abs(anchors.power - want).max():.2e} |"
+    )
     print(f"adjacent vertices updated at overlapping times (the engine's log): {seen}")
     (out / "pagerank.json").write_text(
         json.dumps(
             {
                 "run": {k: v for k, v in run.items() if k != "logs"},
-                "networkx_s": networkx_s,
-                "scipy_s": scipy_s,
+                "networkx_s": anchors.networkx_s,
+                "scipy_s": anchors.scipy_s,
                 "overlaps": seen,
                 "max_error": float(np.abs(got - want).max()),
-                "scipy_changes": power_changes,
-                "scipy_seconds": power_times,
+                "scipy_changes": anchors.power_changes,
+                "scipy_seconds": anchors.power_times,
             }
         )
     )
-    _plot_pagerank(run, (power_changes, power_times), networkx_s, n, out / "pagerank.png")
+    plot_pagerank(run, (anchors.power_changes, anchors.power_times), anchors.networkx_s, n, out / "pagerank.png")
     print(f"wrote {out / 'pagerank.json'} and {out / 'pagerank.png'}")
     return 0
-
-
-def _plot_pagerank(
-    run: dict[str, Any], power: tuple[list[float], list[float]], networkx_s: float, n: int, path: Path
-) -> None:
-    """Each sweep's L1 change against sweeps and against wall time: the engine beside the scipy power iteration,
-    networkx's whole run as a line."""
-    import itertools
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_sweeps, by_time) = plt.subplots(1, 2, figsize=(11, 4))
-    engine_times = list(itertools.accumulate(run["sweep_s"]))[: len(run["changes"])]
-    label = f"chromatic engine, {run['workers']} workers"
-    by_sweeps.plot(range(1, len(run["changes"]) + 1), run["changes"], label=label)
-    by_sweeps.plot(range(1, len(power[0]) + 1), power[0], label="scipy power iteration")
-    by_time.plot(engine_times, run["changes"], label=label)
-    by_time.plot(power[1], power[0], label="scipy power iteration")
-    by_time.axvline(networkx_s, color="gray", linestyle="--", label="networkx pagerank (whole run)")
-    for ax, xlabel in ((by_sweeps, "sweeps / power steps"), (by_time, "wall time (s)")):
-        ax.axhline(n * 1e-10, color="black", linewidth=0.6, label="stop: n x 1e-10")
-        ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("L1 change of the ranks")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -53,27 +53,29 @@ So consecutive collectives need no barrier between them. Memory ordering and wai
 
 from __future__ import annotations
 
-import math
 import platform
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from paratrain._arrays import dtype_name as _wire_dtype_name
-from paratrain.collectives.lower_shm import shm_part_bounds
 from paratrain.collectives.ops import Reducer
+from paratrain.collectives.shm_call import ALGORITHM, CallFrame, Descriptors, SettledError, check_array
+from paratrain.collectives.shm_layout import (
+    DEFAULT_CAPACITY,
+    DEFAULT_SMALL_BYTES,
+    SlotLayout,
+    block_items,
+    plan_args,
+    result_bytes,
+)
 from paratrain.collectives.signature import DESCRIPTOR_BYTES, INVALID, Signature, mismatch_error
 from paratrain.errors import ConfigError
 from paratrain.shm.segment import DEFAULT_SPIN_MAX_S, DEFAULT_SPIN_S, SLICE_S, Segment
 
 if TYPE_CHECKING:
-    from types import TracebackType
-
     from paratrain.collectives.exchange import Exchange
     from paratrain.transport.base import Transport
 
@@ -90,49 +92,9 @@ __all__ = [
     "plan_args",
 ]
 
-#: Bytes of one pipeline block (the segment holds 2 blocks per rank). Larger blocks cost fewer Python calls per
-#: byte; smaller ones keep a block in the L2 cache. 1 MiB measured best on a 2-core EPYC (1 MiB L2 per core, 32 MiB L3).
-DEFAULT_CAPACITY = 1 << 20
-#: Arrays up to this many bytes use the one-phase path (one synchronisation; every rank reduces everything).
-#: Measured on 2 cores: the one-phase path wins up to ~128 KiB with 2 ranks and ~64 KiB with 4 (it reduces N
-#: arrays per rank, so its cost grows with N while the two-phase path's extra hand-off stays ~5 µs).
-DEFAULT_SMALL_BYTES = 64 << 10
-
-_ALIGN = 64
-_PLAN_CACHE = 16
-_DESC_CACHE = 64  # encoded signatures kept per group (encoding costs ~1 µs, a lookup ~0.1 µs)
-#: The algorithm name in the signatures of the group's own calls (the API passes its own signatures instead).
-ALGORITHM = "shm"
 _BARRIER = Signature("barrier", None, "", (), ALGORITHM, ALGORITHM)
-_NAMES: dict[np.dtype[Any], str] = {}  # dtype -> wire name (computing it costs ~4 µs, a fifth of a small call)
 
 _Array = npt.NDArray[Any]
-
-
-def block_items(capacity: int, itemsize: int, parts: int) -> int:
-    """Elements per pipeline block of an allreduce (``parts`` = ranks) or broadcast (1): as many as fit in
-    ``capacity`` bytes, a multiple of ``parts`` cache-line-aligned pieces. Pure: the simulator asks it too.
-
-    Example:
-        >>> block_items(1 << 20, 4, 4)
-        262144
-    """
-    align = max(1, _ALIGN // itemsize)
-    unit = parts * align
-    return max(unit, capacity // itemsize // unit * unit)
-
-
-def plan_args(
-    n: int, itemsize: int, *, capacity: int = DEFAULT_CAPACITY, small_bytes: int = DEFAULT_SMALL_BYTES
-) -> tuple[int, int, int]:
-    """``shm=`` of :func:`~paratrain.collectives.lower.allreduce_plan` for a group of ``n`` with these settings:
-    (block items, alignment in items, one-phase limit in bytes), as :class:`ShmAllreduce` runs them."""
-    return block_items(capacity, itemsize, n), max(1, _ALIGN // itemsize), min(small_bytes, capacity)
-
-
-def _result_bytes(nranks: int, capacity: int) -> int:
-    """Bytes of a slot's result area: one part of a full block, page-aligned."""
-    return (-(-capacity // nranks) + 4095) // 4096 * 4096
 
 
 class HostContext(Protocol):
@@ -162,18 +124,6 @@ class _JobSettings(Protocol):
 
     @property
     def timeout(self) -> float: ...
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """Precomputed views for one block length of one dtype (building numpy views costs ~0.3 µs each)."""
-
-    n: int
-    bounds: tuple[tuple[int, int], ...]
-    whole: tuple[tuple[_Array, ...], ...]  # [pos][q]: input area of slot (q, pos), n elements
-    own: tuple[_Array, ...]  # [pos]: my result area (my part of the reduced block)
-    peer_own: tuple[tuple[tuple[_Array, int, int], ...], ...]  # [pos]: (q's result area, lo, hi) for q != me
-    peer_mine: tuple[tuple[_Array, ...], ...]  # [pos]: part r of q's input area (inputs to my reduction), q != me
 
 
 class ShmGroup:
@@ -222,11 +172,11 @@ class ShmGroup:
         self.capacity = segment.capacity
         self.small_bytes = min(small_bytes, self.capacity)
         self._others = segment.others
-        self._call = _Call(self)
+        self._call = CallFrame(segment)
         self._k = 0  # next block number
-        self._plans: OrderedDict[tuple[np.dtype[Any], int], _Plan] = OrderedDict()
+        self._layout = SlotLayout(segment)  # the slots' views per block length (:mod:`.shm_layout`)
         self._reducers: dict[tuple[str, str], Reducer] = {}
-        self._descs: dict[tuple[Any, ...], bytes] = {}  # signature (or its key) -> encoded descriptor
+        self._descs = Descriptors()  # the calls' encoded signatures (:mod:`.shm_call`)
         #: seconds this rank's allreduces spent copying into the segment, reducing (its part, published),
         #: copying results out and waiting for peers, and how many calls: where an allreduce's time goes
         #: (``paratrain bench train`` reports it)
@@ -297,7 +247,7 @@ class ShmGroup:
             tag=tag,
             capacity=capacity,
             descriptor_bytes=DESCRIPTOR_BYTES,
-            extra=_result_bytes(len(members), capacity),
+            extra=result_bytes(len(members), capacity),
             spin=spin,
             spin_max=spin_max,
             name="ShmGroup",
@@ -336,7 +286,7 @@ class ShmGroup:
 
         Peers still inside a collective that waits for this rank fail with ``PeerLostError`` at once.
         """
-        self._plans.clear()  # views of the mapping: the segment can unmap only once they are gone
+        self._layout.clear()  # views of the mapping: the segment can unmap only once they are gone
         self.segment.close()
 
     def __enter__(self) -> ShmGroup:
@@ -378,12 +328,12 @@ class ShmGroup:
         with self._call:
             deadline = self._deadline(timeout)
             try:
-                flat, name = self._check_array(arr, dtype_name)
+                flat, name = check_array(arr, dtype_name)
                 red = self._reducer(op, name)
                 if signature is None:
-                    desc = self._own_descriptor("allreduce", op, name, arr.shape, None)
+                    desc = self._descs.own("allreduce", op, name, arr.shape, None)
                 else:
-                    desc = self._descriptor(signature, name, flat.size)
+                    desc = self._descs.encode(signature, name, flat.size)
             except (ValueError, TypeError) as exc:
                 self._reject(exc, deadline)
             self._allreduce(flat, red, desc, deadline)
@@ -401,7 +351,7 @@ class ShmGroup:
 
     def describe(self, signature: Signature) -> bytes:
         """``signature`` as the group's agreement step compares it (encoded once, then cached)."""
-        return self._descriptor(signature)
+        return self._descs.encode(signature)
 
     def _allreduce(self, flat: _Array, red: Reducer, desc: bytes, deadline: float) -> None:
         if not self.segment.mapped:
@@ -428,11 +378,11 @@ class ShmGroup:
             try:
                 if root not in self.ranks:
                     raise ValueError(f"root {root} is not a member of the group {list(self.ranks)}")
-                flat, name = self._check_array(arr, None)
+                flat, name = check_array(arr, None)
                 if signature is None:
-                    desc = self._own_descriptor("broadcast", None, name, arr.shape, root)
+                    desc = self._descs.own("broadcast", None, name, arr.shape, root)
                 else:
-                    desc = self._descriptor(signature, name, flat.size)
+                    desc = self._descs.encode(signature, name, flat.size)
             except (ValueError, TypeError) as exc:
                 self._reject(exc, deadline)
             if not self.segment.mapped:
@@ -472,7 +422,7 @@ class ShmGroup:
                 return [signature]
             deadline = self._deadline(timeout)
             try:
-                desc = self._descriptor(signature)
+                desc = self._descs.encode(signature)
             except (ValueError, TypeError) as exc:
                 self._reject(exc, deadline)
             return self._agree(desc, deadline) or [signature] * self.size
@@ -484,7 +434,7 @@ class ShmGroup:
         t0 = clock()
         k = self._k
         pos = k & 1
-        plan = self._plan(flat.dtype, flat.size)
+        plan = self._layout.plan(flat.dtype, flat.size)
         slots = plan.whole[pos]
         slots[self.index][...] = flat  # not np.copyto: its dispatch costs ~0.2 µs, a few % of a small call
         seg.describe(pos, desc)
@@ -519,7 +469,7 @@ class ShmGroup:
         for i, start in enumerate(starts):
             k = k0 + i
             n = min(per_block, total - start)
-            plan = self._plan(flat.dtype, n)
+            plan = self._layout.plan(flat.dtype, n)
             pos = k & 1
             t0 = clock()
             seg.wait_all(2 * k + 1, deadline)
@@ -556,7 +506,7 @@ class ShmGroup:
     def _copy_in(self, flat: _Array, start: int, n: int, k: int, desc: bytes | None) -> None:
         """``in(k)``: copies the parts of block ``k`` that peers reduce into my slot (and the call's descriptor, for
         its first block), then signals."""
-        plan = self._plan(flat.dtype, n)
+        plan = self._layout.plan(flat.dtype, n)
         slot = plan.whole[k & 1][self.index]
         lo, hi = plan.bounds[self.index]
         if lo > 0:
@@ -579,7 +529,7 @@ class ShmGroup:
         for i, start in enumerate(range(0, flat.size, per_block)):
             k = k0 + i
             n = min(per_block, flat.size - start)
-            slots = self._plan(flat.dtype, n).whole[k & 1]
+            slots = self._layout.plan(flat.dtype, n).whole[k & 1]
             if self.index == root:
                 np.copyto(slots[root], flat[start : start + n])
             if i == 0:
@@ -608,15 +558,15 @@ class ShmGroup:
     def _reject(self, error: ValueError | TypeError, deadline: float) -> NoReturn:
         """This rank's arguments are invalid: it takes part in the agreement step with the "invalid" signature,
         so that the peers raise ``CollectiveMismatchError`` at once instead of waiting for it, then raises
-        ``error`` (as :class:`_SettledError`: the group stays usable). Called inside the handler of ``error``."""
+        ``error`` (as :class:`SettledError`: the group stays usable). Called inside the handler of ``error``."""
         seg = self.segment
         if seg.mapped:
             k = self._k
-            seg.describe(k & 1, self._descriptor(INVALID))
+            seg.describe(k & 1, self._descs.encode(INVALID))
             seg.signal(2 * k + 1)
             seg.wait_all(2 * k + 1, deadline)
             self._k = k + 1
-        raise _SettledError(error)
+        raise SettledError(error)
 
     def _check_descriptors(self, k: int, desc: bytes) -> list[Signature] | None:
         """The agreement of block ``k``, once every member has published it: None if every descriptor equals
@@ -624,7 +574,7 @@ class ShmGroup:
         allowed.
 
         Raises:
-            _SettledError: with the ``CollectiveMismatchError`` that every member raises (they all compute it from the
+            SettledError: with the ``CollectiveMismatchError`` that every member raises (they all compute it from the
                 same descriptors), after moving past block ``k`` like every other member: nobody reads any peer's
                 data of this call, and all leave at the same step, so the group stays usable.
         """
@@ -638,143 +588,23 @@ class ShmGroup:
         error = mismatch_error(sigs)
         if error is not None:
             self._k = k + 1
-            raise _SettledError(error)
+            raise SettledError(error)
         return sigs
 
-    def _descriptor(self, signature: Signature, dtype: str = "", size: int = -1) -> bytes:
-        """``signature`` encoded (cached: encoding costs ~1 µs, a lookup ~0.1 µs).
-
-        Raises:
-            ValueError: with ``dtype``: ``signature`` does not describe an array of ``size`` items of ``dtype``.
-        """
-        if dtype and (signature.dtype != dtype or math.prod(signature.shape) != size):
-            raise ValueError(f"signature {signature} does not describe the array ({size} items of {dtype})")
-        desc = self._descs.get(signature)
-        if desc is None:
-            desc = self._cache_descriptor(signature, signature)
-        return desc
-
-    def _own_descriptor(self, kind: str, op: str | None, dtype: str, shape: tuple[int, ...], root: int | None) -> bytes:
-        """The encoded signature of this group's own call (algorithm ``"shm"``); cached by a cheaper key."""
-        key = (kind, op, dtype, shape, root)
-        desc = self._descs.get(key)
-        if desc is None:
-            desc = self._cache_descriptor(key, Signature(kind, op, dtype, shape, ALGORITHM, ALGORITHM, root))
-        return desc
-
-    def _cache_descriptor(self, key: tuple[Any, ...], signature: Signature) -> bytes:
-        if len(self._descs) >= _DESC_CACHE:
-            self._descs.clear()
-        desc = self._descs[key] = signature.encode()
-        return desc
-
-    # -- layout and argument helpers ---------------------------------------------------------------------------
+    # -- helpers ---------------------------------------------------------------------------------------------------
 
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.timeout if timeout is None else timeout)
 
     def _block_elems(self, dtype: np.dtype[Any], *, parts: int) -> int:
         """Elements per block: as many as fit, a multiple of ``parts`` cache-line-aligned pieces."""
-        return block_items(self.capacity, dtype.itemsize, parts)
-
-    def _plan(self, dtype: np.dtype[Any], n: int) -> _Plan:
-        key = (dtype, n)
-        plan = self._plans.get(key)
-        if plan is not None:
-            return plan
-        size, me, u8, at = self.size, self.index, self.segment.u8, self.segment.slot_offset
-        bounds = tuple(shm_part_bounds(n, size, max(1, _ALIGN // dtype.itemsize)))  # the plan's parts
-        whole = tuple(
-            tuple(u8[at(q, pos) : at(q, pos) + n * dtype.itemsize].view(dtype) for q in range(size)) for pos in (0, 1)
-        )
-        lo, hi = bounds[me]
-        own = tuple(self._result(me, pos, dtype, hi - lo) for pos in (0, 1))
-        peer_own = tuple(
-            tuple(
-                (self._result(q, pos, dtype, bounds[q][1] - bounds[q][0]), *bounds[q])
-                for q in self._others
-                if bounds[q][1] > bounds[q][0]
-            )
-            for pos in (0, 1)
-        )
-        peer_mine = tuple(tuple(whole[pos][q][lo:hi] for q in self._others) for pos in (0, 1))
-        plan = _Plan(n=n, bounds=bounds, whole=whole, own=own, peer_own=peer_own, peer_mine=peer_mine)
-        self._plans[key] = plan
-        if len(self._plans) > _PLAN_CACHE:
-            self._plans.popitem(last=False)
-        return plan
-
-    def _result(self, q: int, pos: int, dtype: np.dtype[Any], n: int) -> _Array:
-        """The result area of slot ``(q, pos)``: separate from the inputs, because a peer may still copy out my
-        result of block ``k - 2`` while I already copy block ``k``'s inputs in (whose parts may lie anywhere
-        when the block length changes)."""
-        start = self.segment.slot_offset(q, pos) + self.capacity
-        return self.segment.u8[start : start + n * dtype.itemsize].view(dtype)
-
-    def _check_array(self, arr: _Array, dtype_name: str | None) -> tuple[_Array, str]:
-        if not isinstance(arr, np.ndarray):
-            raise TypeError(f"ShmGroup collectives take numpy arrays, got {type(arr).__name__}")
-        flags = arr.flags
-        if not flags.c_contiguous or not flags.writeable:
-            raise ValueError("the array must be C-contiguous and writeable (it is updated in place)")
-        name = _NAMES.get(arr.dtype)
-        if name is None:
-            name = _NAMES[arr.dtype] = _wire_dtype_name(arr.dtype)
-        if dtype_name is not None and dtype_name != name:
-            if not (dtype_name == "bfloat16" and name == "uint16"):
-                raise TypeError(f"dtype_name {dtype_name!r} does not describe an array of dtype {arr.dtype}")
-            name = dtype_name
-        return (arr if arr.ndim == 1 else arr.reshape(-1)), name
+        return self._layout.block_elems(dtype, parts=parts)
 
     def _reducer(self, op: str, name: str) -> Reducer:
         red = self._reducers.get((op, name))
         if red is None:
             red = self._reducers[(op, name)] = Reducer(op, name)
         return red
-
-
-class _Call:
-    """The frame of every public collective: one thread at a time, on a usable segment that carries collectives;
-    a settled error (a mismatch, or arguments one member rejected) raised as itself with the group intact; any
-    other error breaks the group and wakes the peers (:meth:`Segment.fail <paratrain.shm.segment.Segment.fail>`).
-
-    A class rather than ``contextlib.contextmanager``: it is entered once per collective, and a generator-based
-    manager costs about a microsecond more, a tenth of a small allreduce.
-    """
-
-    __slots__ = ("_segment",)
-
-    def __init__(self, group: ShmGroup) -> None:
-        self._segment = group.segment
-
-    def __enter__(self) -> None:
-        segment = self._segment
-        segment.enter()
-        try:
-            segment.check_usable()
-            segment.claim("collectives")
-        except BaseException as exc:
-            segment.fail(exc)
-            segment.leave()
-            raise
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        try:
-            if isinstance(exc, _SettledError):
-                raise exc.error from None
-            if exc is not None:
-                self._segment.fail(exc)
-        finally:
-            self._segment.leave()
-
-
-class _SettledError(Exception):
-    """Carries an error that every member accounted for in the agreement step (a mismatch, or arguments one member
-    rejected): the public method raises ``error`` without breaking the group."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 class ShmAllreduce:

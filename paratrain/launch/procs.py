@@ -17,8 +17,9 @@ down processes itself. It may also carry injected failures (the time kills of a 
 which it sends on time and announces. With a restart budget (:mod:`.restarts`, ``--max-restarts``) a failed child
 is replaced instead, from a warm spare when one runs, and the job goes on. The output relay is in :mod:`.pump`,
 the process-group helpers in :mod:`.groups`, the words for failures in :mod:`.failures`, the budget and the
-replacement's environment in :mod:`.restarts`; here are the supervision loop, its restarts (and an elastic job's
-shrinking), signal handlers and cleanup.
+replacement's environment in :mod:`.restarts`, the restarts themselves (and an elastic job's shrinking) in
+:mod:`.replacing`, what a process to start is in :mod:`.specs`; here are the supervision loop, signal handlers
+and cleanup.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO
 
 from paratrain.errors import ConfigError
 from paratrain.launch.failures import (
@@ -47,6 +48,8 @@ from paratrain.launch.failures import (
 )
 from paratrain.launch.groups import die_with_parent, group_alive, signal_group
 from paratrain.launch.pump import Pump, Stream
+from paratrain.launch.replacing import Replacing
+from paratrain.launch.specs import Child, ProcSpec, RestartPolicy
 from paratrain.launch.wakeup import WakePipe
 
 __all__ = ["EXIT_TIMED_OUT", "Outcome", "ProcFailure", "ProcSpec", "RestartPolicy", "Supervisor"]
@@ -79,70 +82,6 @@ _SPAWN_FAILED_RC = 127
 
 
 @dataclass(frozen=True, slots=True)
-class ProcSpec:
-    """One process to start.
-
-    Attributes:
-        name: human name used in messages, e.g. ``"rank 2"``.
-        argv: the command to run; ``argv[0]`` is looked up on the ``PATH`` of ``env``.
-        env: the child's complete environment (nothing is inherited implicitly, so that what a rank sees
-            is exactly what the launcher decided).
-        prefix: prepended to every output line of this child, e.g. ``"[rank2]: "`` (``""`` for none).
-        essential: if False, this child's failure is reported but does not stop the others (elastic jobs,
-            where the survivors carry on without a lost worker); the job still ends with exit code 1.
-        kill_after: an injected failure ``(seconds after the start, signal, description)``: the supervisor sends
-            the signal then and says so (``paratrain launch --kill``).
-        spare: a warm standby (:mod:`.restarts`): its standard input is a pipe on which it is told which failed
-            rank it replaces; it does not count as running work, and it is released when the work is done.
-        restartable: whether the restart budget covers this child: None (the default) for essential children only;
-            True for one that is not essential either (a replicated parameter server, which catches up from the
-            other replicas, :mod:`paratrain.ps.resync`); False for none (a parameter-server job's workers).
-    """
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    prefix: str
-    essential: bool = True
-    kill_after: tuple[float, int, str] | None = None
-    spare: bool = False
-    restartable: bool | None = None
-
-
-class RestartPolicy(Protocol):
-    """What the supervisor asks of a restart budget (:class:`paratrain.launch.restarts.Restarts` is the one)."""
-
-    budget: int
-    used: int
-    spare: ProcSpec | None
-
-    @property
-    def left(self) -> int:
-        """Restarts still allowed."""
-        ...
-
-    def replacement(self, failed: ProcSpec) -> ProcSpec | None:
-        """The spec that replaces ``failed`` (counted against the budget), or None when the budget is spent."""
-        ...
-
-    def assignment(self, spec: ProcSpec) -> bytes:
-        """The line a warm spare reads to become ``spec``'s process."""
-        ...
-
-    def shrink(self, failed: ProcSpec, *, spare_ready: bool) -> int | None:
-        """An elastic job drops ``failed`` instead of waiting for it: the workers left, or None (it waits)."""
-        ...
-
-    def finished(self, spec: ProcSpec) -> None:
-        """``spec``'s process exited 0 (an elastic job then stops waiting for joiners once every member has)."""
-        ...
-
-    def warm(self, spec: ProcSpec, pid: int) -> bool:
-        """Whether the spare ``pid`` has finished starting and can take over at once."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
 class Outcome:
     """How a supervised job ended.
 
@@ -163,21 +102,10 @@ class Outcome:
     timed_out: bool = False
 
 
-@dataclass(slots=True, eq=False)
-class _Child:
-    spec: ProcSpec
-    popen: subprocess.Popen[bytes]
-    streams: tuple[Stream, ...] = ()
-
-
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
-def _workers(count: int) -> str:
-    return "worker" if count == 1 else "workers"
-
-
-class Supervisor:
+class Supervisor(Replacing):
     """Runs a set of processes as one job: all succeed, or all are stopped.
 
     A ``Supervisor`` runs once. Typical use::
@@ -246,7 +174,7 @@ class Supervisor:
         self._finished: set[int] = set()  # pids of children seen to exit 0 (told to the restart policy)
 
         self._lock = threading.Lock()  # guards _children and _started (pids() may come from another thread)
-        self._children: list[_Child] = []
+        self._children: list[Child] = []
         self._started = False
         self._write_lock = threading.Lock()  # one line at a time on the output streams
         self._err: TextIO = sys.stderr
@@ -342,7 +270,7 @@ class Supervisor:
             if self._spawn(spec, setup) is None:
                 return
 
-    def _spawn(self, spec: ProcSpec, setup: Callable[[], None] | None = None) -> _Child | None:
+    def _spawn(self, spec: ProcSpec, setup: Callable[[], None] | None = None) -> Child | None:
         """Starts one child (None, with the failure recorded, if it cannot be started)."""
         try:
             # preexec_fn is documented as unsafe with threads because the child may run Python code
@@ -363,7 +291,7 @@ class Supervisor:
             cause = describe_spawn_error(spec.argv, exc)
             self._fail([ProcFailure(spec.name, 0, _SPAWN_FAILED_RC, cause)])
             return None
-        child = _Child(spec, popen)
+        child = Child(spec, popen)
         with self._lock:
             self._children.append(child)
         return child
@@ -379,7 +307,7 @@ class Supervisor:
         self._pump = Pump(streams, self._write_lock, self._wake.poke_from_thread)
         self._pump.start()
 
-    def _streams_of(self, child: _Child) -> list[Stream]:
+    def _streams_of(self, child: Child) -> list[Stream]:
         streams = []
         for pipe, target in ((child.popen.stdout, self._out), (child.popen.stderr, self._err)):
             if pipe is not None:
@@ -438,94 +366,7 @@ class Supervisor:
                 remaining = min(remaining, max(0.0, kills[0][0] - time.monotonic()))
             self._wake.wait(min(_POLL_S, remaining))
 
-    def _restart(self, failure: ProcFailure) -> bool:
-        """Replaces a failed child, from a spare if one runs, if the budget allows; False if it does not."""
-        assert self._restarts is not None
-        failed = next(c for c in self._children if c.popen.pid == failure.pid)
-        left = self._restarts.shrink(failed.spec, spare_ready=self._warm_spare())
-        if left is not None:
-            return self._shrink(failure, failed, left)
-        spec = self._restarts.replacement(failed.spec)
-        if spec is None:
-            return False
-        self._replaced.add(failure.pid)
-        spares = self._idle_spares()
-        how = "cold (no spare was ready)"
-        child: _Child | None = None
-        for spare in spares:
-            assert spare.popen.stdin is not None
-            try:
-                spare.popen.stdin.write(self._restarts.assignment(spec))
-                spare.popen.stdin.close()
-            except OSError:
-                continue  # it died meanwhile; its exit is reported like any spare's
-            spare.spec = spec
-            for stream in spare.streams:
-                stream.prefix = spec.prefix
-            child, how = spare, f"from the warm spare (pid {spare.popen.pid})"
-            break
-        if child is None:
-            child = self._spawn(spec)
-            if child is None:
-                return True  # the failure to spawn is recorded and stops the job
-            if self._pump is not None:
-                self._pump.add(self._streams_of(child))
-        budget = self._restarts
-        self._say(
-            f"{describe_failure(failure)}; restarting it {how}: restart {budget.used} of {budget.budget}, "
-            "the other ranks go on"
-        )
-        if budget.left > 0 and budget.spare is not None and not self._idle_spares():
-            spare_child = self._spawn(budget.spare)
-            if spare_child is not None and self._pump is not None:
-                self._pump.add(self._streams_of(spare_child))
-        return True
-
-    def _shrink(self, failure: ProcFailure, failed: _Child, left: int) -> bool:
-        """The elastic job went on without ``failed``; a cold replacement, if the budget allows, joins later."""
-        assert self._restarts is not None
-        self._replaced.add(failure.pid)
-        spec = self._restarts.replacement(failed.spec)
-        if spec is None:
-            self._say(f"{describe_failure(failure)}; the job goes on with {left} {_workers(left)}")
-            return True
-        child = self._spawn(spec)
-        if child is not None and self._pump is not None:
-            self._pump.add(self._streams_of(child))
-        budget = self._restarts
-        self._say(
-            f"{describe_failure(failure)}; the job goes on with {left} {_workers(left)}, and a replacement "
-            f"started cold joins it at a checkpoint: restart {budget.used} of {budget.budget}"
-        )
-        return True
-
-    def _note_finished(self) -> None:
-        assert self._restarts is not None
-        for child in self._children:
-            if child.popen.pid not in self._finished and not child.spec.spare and child.popen.poll() == 0:
-                self._finished.add(child.popen.pid)
-                self._restarts.finished(child.spec)
-
-    def _warm_spare(self) -> bool:
-        """Whether an idle spare has finished starting (imported everything) and can take over at once."""
-        assert self._restarts is not None
-        return any(self._restarts.warm(c.spec, c.popen.pid) for c in self._idle_spares())
-
-    def _idle_spares(self) -> list[_Child]:
-        return [
-            c
-            for c in self._children
-            if c.spec.spare and c.popen.poll() is None and c.popen.stdin is not None and not c.popen.stdin.closed
-        ]
-
-    def _release_spares(self) -> None:
-        """The work is done: spares read end-of-file and exit 0."""
-        for child in self._children:
-            if child.spec.spare and child.popen.stdin is not None and not child.popen.stdin.closed:
-                with contextlib.suppress(OSError):
-                    child.popen.stdin.close()
-
-    def _inject(self, child: _Child) -> None:
+    def _inject(self, child: Child) -> None:
         """Sends a child its scheduled signal (a kill schedule's time kill), if it still runs, and says so."""
         assert child.spec.kill_after is not None
         _, signum, what = child.spec.kill_after

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from paratrain.launch.kills import ENV as KILL_ENV
-from paratrain.launch.procs import ProcSpec
+from paratrain.launch.specs import ProcSpec
 
 __all__ = [
     "JOIN_FILE",

@@ -209,32 +209,20 @@ def run_launch(
                 env["PARATRAIN_MAX_RESTARTS"] = str(max_restarts)
             if min_workers:
                 env["PARATRAIN_MIN_WORKERS"] = str(min_workers)
-            kill_after = time_kill(schedule, role, number)
-            if role == "rank":
-                specs.append(
-                    ProcSpec(
-                        name=f"rank {index}",
-                        argv=argv,
-                        env=env,
-                        prefix=f"[rank{index}]: " if prefix else "",
-                        essential=not keep_going,
-                        kill_after=kill_after,
-                        restartable=False if servers else None,  # a parameter-server job restarts servers only
-                    )
+            worker = role == "rank"
+            specs.append(
+                ProcSpec(
+                    name=f"{role} {number}",
+                    argv=argv if worker else [sys.executable, "-m", "paratrain.runtime.serve"],
+                    env=env,
+                    prefix=f"[{role}{number}]: " if prefix else "",
+                    # a replicated server is not essential (its chunks fail over, the job goes on), and a restarted
+                    # one catches up (ps.resync) while the budget lasts; a parameter-server job restarts servers only
+                    essential=not keep_going if worker else replicas == 1,
+                    kill_after=time_kill(schedule, role, number),
+                    restartable=(False if servers else None) if worker else True,
                 )
-            else:
-                serve = [sys.executable, "-m", "paratrain.runtime.serve"]
-                specs.append(
-                    ProcSpec(
-                        name=f"server {number}",
-                        argv=serve,
-                        env=env,
-                        prefix=f"[server{number}]: " if prefix else "",
-                        essential=replicas == 1,  # replicated: its chunks fail over, the job goes on
-                        kill_after=kill_after,
-                        restartable=True,  # ... and a restarted one catches up (ps.resync), while the budget lasts
-                    )
-                )
+            )
         restarts = None
         if max_restarts or min_workers:
             restarts = Restarts(

@@ -33,6 +33,7 @@ from paratrain.plan.cost import simulate
 from paratrain.plan.ir import Plan, PlanBuilder, PlanError
 
 __all__ = [
+    "DONE",
     "SCHEDULES",
     "Check",
     "Schedule",
@@ -61,6 +62,10 @@ def activation_tag(microbatch: int) -> int:
 def gradient_tag(microbatch: int) -> int:
     """Tag offset of micro-batch m's gradient (backward)."""
     return 2 * microbatch + 1
+
+
+#: The label of the empty message that ends a step of a stage in front of the first learner (:func:`done_tag`).
+DONE = "done"
 
 
 def done_tag(microbatches: int) -> int:
@@ -243,23 +248,25 @@ def lower(
     *,
     forward_s: Sequence[float] | float = 1.0,
     backward_s: Sequence[float] | float = 2.0,
-    step_s: float = 0.0,
+    step_s: Sequence[float] | float = 0.0,
     activation_bytes: Sequence[int] | int = 0,
     first_learner: int = 0,
 ) -> Plan:
     """The schedule as a plan (:mod:`paratrain.plan.ir`): per stage, the receive each step needs, the step as a
-    ``compute`` of the given duration, and the send of its output. Receives are posted when their step comes;
-    sends never block (the runtime's transport buffers them), as in the plan IR.
+    ``compute`` of the given duration (labelled ``str(step)``), and the send of its output, which depends on that
+    compute. Receives are posted when their step comes; sends never block (the runtime's transport buffers them),
+    as in the plan IR. This is what :meth:`paratrain.torch.pipeline.Pipe.step` executes, action by action, with
+    tags as offsets below the step's first tag; the sizes are the runtime's tensors', given here for the cost model.
 
     Args:
         sched: the schedule.
         forward_s, backward_s: seconds of one micro-batch's forward/backward, per stage or for all.
-        step_s: seconds of an optimizer step.
+        step_s: seconds of an optimizer step, per stage or for all.
         activation_bytes: bytes of stage s's output activation (its gradient has the same size), per stage or all.
-        first_learner: :func:`gradient_from` of the stages: the stages before it have no backward steps (no
-            gradient comes to them) and it sends no gradient back, as the runtime does; instead each stage up to
-            it sends the one before an empty message when its step ends (:func:`done_tag`), which ends that
-            one's step.
+        first_learner: :func:`gradient_from` of the stages: the stages before it run no backward (no gradient
+            comes to them; a ``release`` of the micro-batch stands in its place) and it sends no gradient back, as
+            the runtime does; instead each stage up to it sends the one before an empty message (labelled
+            :data:`DONE`, tag :func:`done_tag`) when its step ends, which ends that one's step.
     """
     k = sched.num_stages
 
@@ -274,31 +281,35 @@ def lower(
         for step in steps:
             label = str(step)
             if step.kind == "S":
-                b.compute(label, seconds=step_s)
+                b.compute(label, seconds=per_stage(step_s, s))
             elif step.kind == "F":
                 deps = (
                     [b.message("recv", s - 1, nbytes=act_in, tag=activation_tag(step.microbatch), label=label)]
                     if s > 0
                     else []
                 )
-                b.compute(label, seconds=per_stage(forward_s, s), deps=deps)
+                ran = b.compute(label, seconds=per_stage(forward_s, s), deps=deps)
                 if s < k - 1:
-                    b.message("send", s + 1, nbytes=act_out, tag=activation_tag(step.microbatch), label=label)
-            elif s >= first_learner:
+                    tag = activation_tag(step.microbatch)
+                    b.message("send", s + 1, nbytes=act_out, tag=tag, label=label, deps=[ran])
+            elif s < first_learner:
+                b.release(label)
+            else:
                 deps = (
                     [b.message("recv", s + 1, nbytes=act_out, tag=gradient_tag(step.microbatch), label=label)]
                     if s < k - 1
                     else []
                 )
-                b.compute(label, seconds=per_stage(backward_s, s), deps=deps)
+                ran = b.compute(label, seconds=per_stage(backward_s, s), deps=deps)
                 if s > first_learner:
-                    b.message("send", s - 1, nbytes=act_in, tag=gradient_tag(step.microbatch), label=label)
+                    tag = gradient_tag(step.microbatch)
+                    b.message("send", s - 1, nbytes=act_in, tag=tag, label=label, deps=[ran])
         last = len(b.actions) - 1
         done = done_tag(sched.microbatches)
         if s < first_learner and s < k - 1:
-            last = b.message("recv", s + 1, nbytes=0, tag=done, label="done", deps=[last])
+            last = b.message("recv", s + 1, nbytes=0, tag=done, label=DONE, deps=[last])
         if 0 < s <= first_learner:
-            b.message("send", s - 1, nbytes=0, tag=done, label="done", deps=[last])
+            b.message("send", s - 1, nbytes=0, tag=done, label=DONE, deps=[last])
         ranks.append(b.actions)
     return Plan(f"pipeline/{sched.name}", tuple(ranks))
 

@@ -20,6 +20,9 @@ starts once the actions named in its ``deps`` are complete:
   ``out`` into a mean over ``divide_by`` contributions. These run on the issuing thread.
 * ``compute``: model code (a pipeline stage's forward ``"F3"`` or backward ``"B3"``, an optimizer step) that
   takes ``seconds`` on the issuing thread; ``label`` names it.
+* ``release``: lets go of what an earlier step kept for a later one that does not run on this rank (``label``
+  names the step that does not run: a pipeline stage that learns nothing drops a micro-batch at its ``"B3"``
+  instead of running a backward). Takes no time and sends nothing.
 * ``signal`` and ``wait``: synchronisation through shared memory, where nothing is sent. ``signal`` publishes
   that this rank's counter reached ``tag`` (never blocks); ``wait`` completes once every other rank of the
   plan has signalled ``tag``. Buffers in shared memory are named like any other (``"slots"``, ``index`` = the
@@ -52,7 +55,7 @@ __all__ = [
     "Slice",
 ]
 
-Kind = Literal["send", "recv", "reduce", "copy", "finish", "signal", "wait", "compute"]
+Kind = Literal["send", "recv", "reduce", "copy", "finish", "signal", "wait", "compute", "release"]
 
 
 class PlanError(ValueError):
@@ -118,7 +121,7 @@ class Action:
         out: where a reduce, copy or finish writes.
         divide_by: the divisor of a ``finish``.
         deps: numbers of earlier actions of this rank that must be complete first.
-        label: what a ``compute`` runs (``"F3"``), or a message carries.
+        label: what a ``compute`` runs (``"F3"``), a ``release`` stands for, or a message carries.
         seconds: how long a ``compute`` takes, for the cost model.
         lane: which of the rank's threads issues it (0: the training loop, 1: the background thread that runs
             collectives); the runtime's executors run one lane each, the simulator (:mod:`paratrain.sim`)
@@ -142,6 +145,8 @@ class Action:
     def __repr__(self) -> str:
         if self.kind == "compute":
             return f"compute({self.label}, {self.seconds:g}s, deps {list(self.deps)})"
+        if self.kind == "release":
+            return f"release({self.label})"
         if self.kind in ("signal", "wait"):
             return f"{self.kind}({self.tag}, deps {list(self.deps)})"
         if self.kind in ("send", "recv"):
@@ -388,6 +393,10 @@ class PlanBuilder:
     def compute(self, label: str, *, seconds: float = 0.0, deps: Sequence[int] = ()) -> int:
         """Appends model code named ``label`` that takes ``seconds`` (for the cost model)."""
         return self._add(Action("compute", label=label, seconds=seconds, deps=tuple(deps)))
+
+    def release(self, label: str) -> int:
+        """Appends the letting go of what step ``label``, which does not run here, would have used."""
+        return self._add(Action("release", label=label))
 
     def signal(self, value: int) -> int:
         """Appends the publishing of this rank's counter ``value`` (shared memory)."""

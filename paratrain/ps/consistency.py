@@ -121,6 +121,16 @@ class Policy:
             )
         return cls(kind="asp", staleness=-1)
 
+    @property
+    def clocked(self) -> bool:
+        """Whether reads wait on the workers' clocks (BSP, SSP); ASP's never do.
+
+        Example:
+            >>> Policy.parse("ssp", 2).clocked, Policy.parse("asp").clocked
+            (True, False)
+        """
+        return self.kind != "asp"
+
     def required_done(self, pull_clock: int) -> int | None:
         """What ``min(done)`` over the live workers must reach before a pull at ``pull_clock`` is answered.
 

@@ -16,6 +16,7 @@ rows as :class:`~paratrain.plan.ir.Parts`, and the arrays of its reply as ``Rece
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from paratrain.plan.ir import Action, Parts, Plan, PlanBuilder, Received, Slice
@@ -31,6 +32,9 @@ __all__ = [
     "pull_actions",
     "push_actions",
     "round_plan",
+    "serve_clock_action",
+    "serve_pull_actions",
+    "serve_push_actions",
 ]
 
 #: Tag offsets of requests and replies in these plans.
@@ -114,6 +118,31 @@ def clock_actions(servers: Sequence[int]) -> tuple[Action, ...]:
     return b.actions
 
 
+def serve_push_actions(batch: Sequence[Chunk], row_bytes: int, worker: int) -> tuple[Action, Action]:
+    """A server's side of one batch of ``worker``'s push: the rows received, then the empty acknowledgement.
+
+    Example:
+        >>> [(a.kind, a.peer, a.nbytes, a.tag) for a in serve_push_actions([Chunk(0, 0, 2, server=0)], 8, 1)]
+        [('recv', 1, 16, 0), ('send', 1, 0, 1)]
+    """
+    rows = sum(c.num_rows for c in batch)
+    received = Action("recv", peer=worker, nbytes=rows * row_bytes, items=rows, tag=REQUEST)
+    return received, Action("send", peer=worker, nbytes=0, tag=REPLY, deps=(0,))
+
+
+def serve_pull_actions(batch: Sequence[Chunk], row_bytes: int, worker: int) -> tuple[Action, Action]:
+    """A server's side of one batch of ``worker``'s pull: the empty request received, then the reply with the
+    batch's rows."""
+    rows = sum(c.num_rows for c in batch)
+    request = Action("recv", peer=worker, nbytes=0, tag=REQUEST)
+    return request, Action("send", peer=worker, nbytes=rows * row_bytes, items=rows, tag=REPLY, deps=(0,))
+
+
+def serve_clock_action(worker: int) -> Action:
+    """A server's side of ``worker``'s clock: the empty notification received (:func:`clock_actions`)."""
+    return Action("recv", peer=worker, nbytes=0, tag=REQUEST, label="clock")
+
+
 def round_plan(chunks: Sequence[Chunk], row_bytes: int, *, num_workers: int, num_servers: int) -> Plan:
     """One push then one pull of a key by every worker, with the servers' receives and replies; ranks are the
     job's (workers ``0..W-1``, servers ``W..W+S-1``).
@@ -128,13 +157,12 @@ def round_plan(chunks: Sequence[Chunk], row_bytes: int, *, num_workers: int, num
         push_actions(chunks, row_bytes, servers) + pull_actions(chunks, row_bytes, servers) for _ in range(num_workers)
     ]
     for s in range(num_servers):
-        b = PlanBuilder()
+        actions: list[Action] = []
         mine = [batch for batch in batches(chunks, row_bytes) if batch[0].server == s]
-        for phase in ("push", "pull"):
+        for serve in (serve_push_actions, serve_pull_actions):
             for w in range(num_workers):
                 for batch in mine:
-                    nbytes = sum(c.num_rows for c in batch) * row_bytes
-                    request = b.message("recv", w, nbytes=nbytes if phase == "push" else 0, tag=REQUEST)
-                    b.message("send", w, nbytes=0 if phase == "push" else nbytes, tag=REPLY, deps=[request])
-        ranks.append(b.actions)
+                    received, answer = serve(batch, row_bytes, w)
+                    actions += [received, dataclasses.replace(answer, deps=(len(actions),))]
+        ranks.append(tuple(actions))
     return Plan("ps/round", tuple(ranks))

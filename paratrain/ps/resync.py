@@ -25,17 +25,14 @@ steps). The point is a **fence** per worker:
 
 Why a fence rather than a copy on the fly: a donor's clocks and open rounds change with every push, and with
 several donors (a server's chunks spread over all the others) no two would be copied at the same point. The
-fence costs one pause of every worker, as long as the copy takes (measured in ``benchmarks/recovery``), once per
-restart. A worker blocked in a pull that waits for another worker's clock notices the newcomer while it waits
-and fences there. A worker can also wait on another outside the parameter server (a collective among the workers,
-say) while that one stands at its fence: so a round of fences has a window (0.1 s, then doubled each time); if
-some worker has not fenced when it closes, the fenced ones are released (``retry``) and fence again at their next
-call, with the newcomer already known to all (so they tend to fence at the same point of their loop). Training goes
-on meanwhile; the newcomer is a backup only once a round completes. The first window is short because a failed
-round costs little (a released worker that waits on the missing ones inside the parameter server fences again at
-once, while it waits) and the pattern it exists for, workers that meet outside the parameter server every step,
-fails every first round whatever its length: with a 1 s window a restart took about 1.25 s instead of 0.25 s in
-that case (``benchmarks/recovery``); doubling bounds what too short a window wastes for slow steps.
+fence costs one pause of every worker, as long as the copy takes, once per restart. A worker blocked in a pull
+that waits for another worker's clock notices the newcomer while it waits and fences there. A worker can also
+wait on another outside the parameter server (a collective among the workers, say) while that one stands at its
+fence: so a round of fences has a window (0.1 s, then doubled each time); if some worker has not fenced when it
+closes, the fenced ones are released (``retry``) and fence again at their next call, with the newcomer already
+known to all. Training goes on meanwhile; the newcomer is a backup only once a round completes. The first window
+is short because a failed round costs little; doubling bounds what too short a window wastes for slow steps
+(why these lengths: ``benchmarks/recovery/README.md``).
 
 Everything received is checked before use (shapes, dtypes, names); nothing is unpickled.
 """
@@ -142,7 +139,7 @@ def chunk_message(key: str | int, index: int, chunk: StoredChunk) -> tuple[dict[
     return meta, arrays
 
 
-def read_chunk(msg: Message, *, servers: range, copy: bool = True) -> tuple[tuple[str | int, int], StoredChunk]:
+def read_chunk(msg: Message, *, servers: Sequence[int], copy: bool = True) -> tuple[tuple[str | int, int], StoredChunk]:
     """The chunk a donor sent (:func:`chunk_message`), as a fresh copy this server owns (with ``copy=False`` its
     value and optimizer state are the message's own read-only arrays, for a caller that copies them into place).
 
@@ -255,9 +252,10 @@ class _Fence:
     request_id: int
 
 
-def catch_up(transport: Transport, *, num_workers: int, timeout: float, poll: float = 0.2) -> CaughtUp:
+def catch_up(transport: Transport, *, servers: Sequence[int], timeout: float, poll: float = 0.2) -> CaughtUp:
     """The restarted server's side: collects every live worker's fence, then its donors' snapshots.
 
+    ``servers`` are the job's server ranks (this one included); the others are the donors it may ask.
     Requests from workers other than fences and leaves are refused meanwhile (no worker sends any: each treats
     this server as dead until its fence is answered), as are forwarded pushes (no donor sends any before its
     snapshot).
@@ -268,7 +266,6 @@ def catch_up(transport: Transport, *, num_workers: int, timeout: float, poll: fl
     """
     t = transport
     me = t.rank
-    servers = range(num_workers, t.world_size)
     deadline = time.monotonic() + timeout
     ids = itertools.count()
     fences: dict[int, _Fence] = {}
@@ -399,7 +396,7 @@ def _snapshots(
     ids: itertools.count[int],
     *,
     timeout: float,
-    servers: range,
+    servers: Sequence[int],
 ) -> tuple[dict[tuple[str | int, int], StoredChunk], dict[int, int], int, list[int]]:
     """Every donor's chunks of this server at the fences, their clocks and slowest clock, and who answered."""
     fence_list = [[w, f.clock] for w, f in sorted(fences.items())]

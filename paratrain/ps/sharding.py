@@ -21,8 +21,8 @@ them all; server t, joining servers 0..t-1, takes ``q_t = floor(n / (t + 1) + u_
 [0, 1), drawn from the key's hash), one at a time, each the chunk that weighs most for server t among the chunks of
 the fullest servers. The primaries on S servers are the state after server S - 1 joined. So:
 
-* *balanced per key*: every server holds the floor or the ceiling of n / S of the key's chunks, as the round-robin
-  dealing that this replaced did (counts of chunks: the last chunk is short, so bytes differ by up to a chunk);
+* *balanced per key*: every server holds the floor or the ceiling of n / S of the key's chunks, as round-robin dealing
+  does (counts of chunks: the last chunk is short, so bytes differ by up to a chunk);
 * *consistent*: from S to S + 1 servers exactly ``q_S`` chunks move, all to the new server, n / (S + 1) in
   expectation; removing the last server moves exactly its chunks back. A key of one chunk follows the rule of
   jump consistent hashing (Lamping & Veach 2014): it jumps to the t-th new server with probability 1/(t + 1);
@@ -35,49 +35,9 @@ the fullest servers. The primaries on S servers are the state after server S - 1
 Weights and draws are splitmix64 outputs (a bijection of 64-bit words) seeded by :func:`key_hash`, in NumPy uint64
 arithmetic, which wraps the same way on every platform: the same plan in every process.
 
-**Why not plain rendezvous hashing** (each chunk on the server it weighs most for, as issue 13 first proposed)?
-It moves as little and needs neither a join order nor the chunk count, but it balances a key's chunks only in
-expectation, like balls thrown into bins: the fullest of 8 servers got twice the mean of a 16 MiB key. Bounded-load
-consistent hashing (Mirrokni, Thorup & Zadimoghaddam 2018; cap ``ceil(c n / S)``) balances, but its evictions
-cascade: in three variants, a join moved up to 2.3-7x the ideal 1/(S + 1) of the chunks of keys of 16 or 100
-chunks at c = 1, and up to 2.1-2.3x at c = 1.25 (measured), beyond the issue's 1.2x. The join order keeps both
-properties. Its price: the primaries depend on the chunk count (pass it to :func:`replica_servers`) and on servers
-numbered in joining order, so re-planning can add or remove only the *last* server; a failure of any other is
-absorbed by the replica lists, not by a re-plan (which would renumber the servers and move most chunks).
-
-**Measured** (2 vCPUs of an AMD EPYC, Python 3.11, numpy 2.4; the old placement was ``home = key_hash * S >> 64``,
-chunk j on ``(home + j) % S``). The fraction of chunks that move from S to S + 1 servers, times S + 1 (1 is the
-ideal 1/(S + 1); the issue's bound is 1.2), the worst of S = 1..16:
-
-    keys                         old (home + round-robin)   rendezvous   this
-    10,000 of 1 chunk                      8.62                 1.10      1.03
-    10,000 of 1-4 chunks                   7.80                 1.04      1.04
-    1,000 of 16 chunks                     6.03                 1.04      1.00
-    200 of 100 chunks                     14.77                 1.08      1.01
-    20 of 1,000 chunks                    15.95                 1.03      1.00
-
-The fullest server's bytes over the mean (float32 keys, 1 MiB chunks; the mean over 300 random key-name prefixes;
-"bound": the largest chunk or the mean, whichever is larger, over the mean):
-
-    old / rdv / this                      S = 2             S = 4             S = 8         bound 2, 4, 8
-    LeNet-5, a key per tensor (10 x 1)    1.78 1.77 1.79    3.33 3.31 3.33    6.42 6.41 6.43    1.56 3.11 6.22
-    LeNet-5, one 4 MiB bucket (1 chunk)   2.00 2.00 2.00    4.00 4.00 4.00    8.00 8.00 8.00    2.00 4.00 8.00
-    MLP 784-512-512-10, a key per tensor  1.39 1.48 1.39    2.16 2.31 2.14    3.72 3.86 3.74    1.00 1.57 3.13
-    MLP, one 4 MiB bucket (3 chunks)      1.22 1.50 1.33    1.57 2.34 1.57    3.13 4.02 3.13    1.00 1.57 3.13
-    a 16 MiB key (16 chunks)              1.00 1.19 1.00    1.00 1.55 1.00    1.00 2.11 1.00    1.00 1.00 1.00
-    a 100-chunk layer (25600 x 1024)      1.00 1.07 1.00    1.00 1.21 1.00    1.04 1.41 1.04    1.00 1.00 1.00
-
-Small models are one or a few chunks, so any placement puts one server at the bound; where a key has many chunks,
-this keeps round-robin's balance and rendezvous does not. The one clear loss: the MLP bucket on 2 servers (1.33 vs
-1.22), where the two full chunks share a server in about half the keys instead of never. With 2 replicas on 8
-servers, after one failure the fullest survivor holds 1.14x the mean of a 100-chunk key (1.05 at best); the backups
-are balanced only in expectation, like rendezvous: the fullest server stores 1.41x the mean backup bytes of a
-100-chunk key (2.10x of a 16-chunk one).
-
-Placing a key (:func:`plan_chunks`, best of 5, S = 2..16, on a machine shared with other work) takes 14-20 us for
-one chunk (the old placement 5-10 us), 50-70 us for 3 chunks, 80-180 us for 16, 0.26-0.49 ms for 100 and 2.0-3.5
-ms for 1,000 (the old 1.4-1.5 ms, mostly building the ``Chunk`` objects); backups add 40-100 us. A
-:class:`~paratrain.ps.KVStore` plans each key once, at ``init``.
+The rule keeps both the balance of round-robin dealing and the small moves of consistent hashing, which plain
+rendezvous and bounded-load hashing each give up; ``benchmarks/ps/README.md`` (placement) has the comparison and
+the measurements. A :class:`~paratrain.ps.KVStore` plans each key once, at ``init``.
 """
 
 from __future__ import annotations

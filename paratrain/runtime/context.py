@@ -440,7 +440,11 @@ def _serve_and_exit(ctx: Context) -> NoReturn:
     log.info("rank %d: parameter server %d of %d", settings.rank, settings.role_rank, settings.num_servers)
     try:
         ParameterServer(
-            ctx.transport, num_workers=settings.num_workers, timeout=settings.timeout, rejoin=ctx.transport.rejoined
+            ctx.transport,
+            num_workers=settings.num_workers,
+            servers=settings.server_ranks,
+            timeout=settings.timeout,
+            rejoin=ctx.transport.rejoined,
         ).serve()
     finally:
         ctx.shutdown()

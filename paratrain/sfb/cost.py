@@ -185,7 +185,7 @@ def scheme_traffic(
 
 
 def _compressed_traffic(layer: LayerShape, scheme: str, p: int, servers: int, compression: str) -> Traffic:
-    from paratrain.compression import Cast, LowRank, TopK, parse_compression
+    from paratrain.compression import parse_compression
 
     comp = parse_compression(compression)
     n, size = layer.numel, layer.itemsize
@@ -195,25 +195,17 @@ def _compressed_traffic(layer: LayerShape, scheme: str, p: int, servers: int, co
     if scheme == "ps":
         if servers < 1:
             raise ValueError(f"layer {layer.name!r}: the parameter server needs servers >= 1, got {servers}")
-        if isinstance(comp, Cast):
-            push = n * 2
-        elif isinstance(comp, TopK):
-            push = comp.k_of(n) * (8 + size)
-        else:
+        if comp.aggregation_rounds > 1:
             raise ValueError(f"compression {compression!r} does not run with the parameter servers")
+        push = comp.wire_bytes(n, size, push=True)
         return Traffic(scheme, push, n * size, p * n * size / servers, p * push / servers, rounds=2)
-    if isinstance(comp, Cast):
-        return Traffic(scheme, ring * n * 2, ring * n * 2, rounds=2 * (p - 1))
-    if isinstance(comp, TopK):
-        each = (p - 1) * comp.k_of(n) * 2 * size
-        return Traffic(scheme, each, each, rounds=p - 1)
-    assert isinstance(comp, LowRank)
     m, k = layer.out_features, layer.in_features
-    if m is None or k is None or not comp.compressible((m, k)):
-        return Traffic(scheme, ring * n * size, ring * n * size, rounds=2 * (p - 1))
-    r = min(comp.rank, m, k)
-    numbers = r * (m + k) + (m if layer.bias else 0)
-    return Traffic(scheme, ring * numbers * size, ring * numbers * size, rounds=4 * (p - 1))
+    shapes = [(n,)] if m is None or k is None else [(m, k), *([(m,)] if layer.bias else [])]
+    sent = comp.wire_bytes(n, size, shapes=shapes)
+    if not comp.linear:  # an allgather: each worker's message to every other
+        each = (p - 1) * sent
+        return Traffic(scheme, each, each, rounds=p - 1)
+    return Traffic(scheme, ring * sent, ring * sent, rounds=2 * (p - 1) * comp.rounds_of(shapes))
 
 
 @dataclass(frozen=True, slots=True)

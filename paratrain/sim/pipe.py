@@ -24,7 +24,6 @@ A step is one replay (the schedules flush: no step overlaps the next). The expec
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -127,15 +126,8 @@ def pipeline_step(
         schedule(schedule_name, stages, microbatches),
         forward_s=f_s,
         backward_s=b_s,
+        step_s=opt_s,
         activation_bytes=act,
         first_learner=first_learner,
     )
-    # each stage's optimizer step ("S<version>"): lower() takes one duration for all; give each stage its share
-    ranks = tuple(
-        tuple(
-            dataclasses.replace(a, seconds=opt_s[s]) if a.kind == "compute" and a.label.startswith("S") else a
-            for a in actions
-        )
-        for s, actions in enumerate(plan.ranks)
-    )
-    return PipelineStep(Plan(plan.name, ranks), split.balance, microbatch)
+    return PipelineStep(plan, split.balance, microbatch)

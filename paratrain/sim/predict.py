@@ -10,17 +10,16 @@ The compute is the model profile measured with as many processes at once as the 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from paratrain.collectives.policy import default_allreduce_choice, network_allreduce_choice
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
-from paratrain.sim.replay import Cores, Network, Replay, replay
-from paratrain.sim.step import StepJob, gossip_steps, repeat_steps, stale_bound, step_plan, symmetric_step
-from paratrain.strategy import parse_strategy
+from paratrain.sim.replay import Cores, Network, Replay
+from paratrain.sim.step import StepJob
+from paratrain.strategy import StrategySpec, parse_strategy, resolve
 
 #: Above this many workers a ring step on uniform links is replayed from rank 0 alone (:func:`symmetric_step`
 #: with padding); below, every rank is replayed exactly.
@@ -29,7 +28,16 @@ SYMMETRIC_FROM = 64
 #: :func:`~paratrain.sim.step.repeat_steps`).
 PS_STEPS = 4
 
-__all__ = ["Prediction", "alpha_beta_step", "hybrid_layers", "network_for", "predict"]
+__all__ = [
+    "Composer",
+    "JobRequest",
+    "Prediction",
+    "alpha_beta_step",
+    "hybrid_layers",
+    "network_for",
+    "predict",
+    "shared_cores",
+]
 
 
 @dataclass
@@ -64,6 +72,47 @@ class Prediction:
     def sent_per_step(self) -> int:
         """Bytes per step the busiest worker sent."""
         return max(self.replay.bytes_out[: self.job.workers], default=0) // self.steps
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """A job to predict, as :func:`predict` takes it (its arguments' meanings there); what a strategy unit's
+    composer (:mod:`paratrain.sim.compose`) turns into lanes of plan actions."""
+
+    profile: MachineProfile
+    model: str | ModelProfile
+    spec: StrategySpec
+    workers: int
+    servers: int = 1
+    batch_size: int = 64
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    overlap: bool = True
+    bandwidth: float | None = None
+    latency: float = 0.0
+    hosts: int = 1
+    algorithm: str = "auto"
+    slowdown: list[float] | None = None
+    trace: bool = False
+    compression: str | None = None
+    microbatches: int = 0
+
+    def model_profile(self) -> ModelProfile:
+        """The profiled model at the job's batch size with ``workers`` processes at once."""
+        if isinstance(self.model, str):
+            return self.profile.model(self.model, self.batch_size, self.workers)
+        return self.model
+
+
+class Composer(Protocol):
+    """A strategy unit's simulator composer: its step as a replayed plan, and the textbook formula."""
+
+    def predict(self, request: JobRequest) -> Prediction:
+        """The predicted step (the plan of the runtime's own plans, replayed)."""
+        ...
+
+    def estimate(self, request: JobRequest, alpha: float, beta: float) -> float:
+        """The plain alpha-beta formula's step (see :func:`alpha_beta_step`), over a link of (alpha, beta)."""
+        ...
 
 
 def network_for(
@@ -148,140 +197,26 @@ def predict(
     Raises:
         ConfigError: the profile lacks the model or a path.
     """
-    spec = parse_strategy(strategy)  # the names train takes, parsed as train parses them
-    if spec.family == "pipeline":
-        return _pipeline(
-            profile,
-            model,
-            workers=workers,
-            strategy=strategy,
-            batch_size=batch_size,
-            microbatches=microbatches,
-            bandwidth=bandwidth,
-            latency=latency,
-            slowdown=slowdown,
-            trace=trace,
-        )
-    model_profile = profile.model(model, batch_size, workers) if isinstance(model, str) else model
-    world = workers + (servers if spec.uses_servers else 0)
-    network, choose = network_for(
-        profile, world_size=world, bandwidth=bandwidth, latency=latency, hosts=hosts, concurrency=workers
-    )
-    if algorithm != "auto":
-        fixed = algorithm
-        choose = lambda nbytes, n: fixed  # noqa: E731
-    sfb_layers: tuple[str, ...] = ()
-    if strategy in ("sfb", "poseidon:allreduce"):
-        sfb_layers = hybrid_layers(
-            model_profile,
-            strategy,
-            workers=workers,
-            batch_size=batch_size,
-            bandwidth=bandwidth,
-            latency=latency,
-            choose=choose,
-        )
-        strategy = "allreduce"
-    topology, staleness = spec.topology or "ring", spec.staleness or 1
-    if spec.kind == "ssp":  # SSP(0) is BSP by construction
-        strategy = "ssp" if spec.staleness else "bsp"
-    if spec.kind == "gossip":
-        strategy = "gossip"
-        if not (bandwidth is not None or latency > 0) and hosts == 1 and "shm" in profile.paths:
-            network = Network.uniform(profile.paths["shm"])  # the workers' shared-memory slots
-    used: list[str] = []
-
-    def recorded(nbytes: int, n: int) -> str:
-        name = choose(nbytes, n)
-        used.append(name)
-        return name
-
-    job = StepJob(
-        model_profile,
+    request = JobRequest(
+        profile,
+        model,
+        parse_strategy(strategy),  # the names train takes, parsed as train parses them
         workers=workers,
-        strategy=strategy,
         servers=servers,
+        batch_size=batch_size,
         bucket_bytes=bucket_bytes,
         overlap=overlap,
-        choose=recorded,
-        sfb_layers=sfb_layers,
-        batch_size=batch_size,
+        bandwidth=bandwidth,
+        latency=latency,
+        hosts=hosts,
+        algorithm=algorithm,
+        slowdown=slowdown,
+        trace=trace,
         compression=compression,
-        topology=topology,
-        staleness=staleness,
+        microbatches=microbatches,
     )
-    if strategy == "gossip":
-        return _steady(job, model_profile, network=network, profile=profile, slowdown=slowdown, trace=trace, used=used)
-    cores = shared_cores(model_profile, world_size=world, hosts=hosts)
-    rank0 = None
-    if workers > SYMMETRIC_FROM and slowdown is None and (bandwidth is not None or latency > 0):
-        rank0 = symmetric_step(job, pad=True)  # every rank's link alike: one rank's replay stands for all
-    if rank0 is not None:  # every rank computes at once, as profiled: no sharing to replay
-        out = replay(rank0, network, gamma=profile.gamma, copy=profile.copy, trace=trace, symmetric=workers)
-        return Prediction(step_s=out.finish[0], compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
-    plan = step_plan(job)
-    slow = None if slowdown is None else list(slowdown) + [1.0] * (plan.world_size - len(slowdown))
-    if not job.uses_servers:  # every worker waits for every other at the step's end: one step is the steady state
-        out = replay(
-            plan,
-            network,
-            gamma=profile.gamma,
-            copy=profile.copy,
-            slowdown=slow,
-            trace=trace,
-            validate=False,
-            cores=cores,
-        )
-        step = max(out.finish[:workers])
-        return Prediction(step_s=step, compute_s=model_profile.compute_s, replay=out, job=job, algorithms=used)
-    # the server's pulls to one worker overlap the next step's pushes of another: the period of the last steps
-    return _steady(
-        job, model_profile, network=network, profile=profile, slowdown=slowdown, trace=trace, used=used, cores=cores
-    )
-
-
-def _pipeline(
-    profile: MachineProfile,
-    model: str | ModelProfile,
-    *,
-    workers: int,
-    strategy: str,
-    batch_size: int,
-    microbatches: int,
-    bandwidth: float | None,
-    latency: float,
-    slowdown: list[float] | None,
-    trace: bool,
-) -> Prediction:
-    """A pipeline step (:mod:`paratrain.sim.pipe`): ``workers`` stages, one process each."""
-    from paratrain.sim.pipe import pipeline_step
-
-    if isinstance(model, str):  # any profile of the model with this many processes: it scales to the micro-batch
-        found = [m for m in profile.models.values() if m.model == model and m.concurrency == workers]
-        model = found[0] if found else profile.model(model, batch_size, workers)
-    m = microbatches or workers
-    network, _ = network_for(profile, world_size=workers, bandwidth=bandwidth, latency=latency, concurrency=workers)
-    link = network.route(0, 1 % workers)[0]
-    step = pipeline_step(
-        model,
-        stages=workers,
-        microbatches=m,
-        batch_size=batch_size,
-        schedule_name=str(parse_strategy(strategy).options["schedule"]),
-        bandwidth=1.0 / link.beta if link.beta > 0 else math.inf,
-    )
-    cores = shared_cores(model, world_size=workers, hosts=1)
-    out = replay(
-        step.plan, network, gamma=profile.gamma, copy=profile.copy, slowdown=slowdown, trace=trace, cores=cores
-    )
-    job = StepJob(model, workers=workers, strategy="pipeline", batch_size=batch_size, microbatches=m)
-    return Prediction(
-        step_s=out.time,
-        compute_s=model.compute_s * batch_size / model.batch_size / workers,
-        replay=out,
-        job=job,
-        settings={"balance": ",".join(map(str, step.balance))},
-    )
+    composer: Composer = resolve(request.spec.info.composer)
+    return composer.predict(request)
 
 
 def shared_cores(model: ModelProfile, *, world_size: int, hosts: int) -> Cores | None:
@@ -295,46 +230,9 @@ def shared_cores(model: ModelProfile, *, world_size: int, hosts: int) -> Cores |
     return Cores(capacity=shares[0], alone=shares[1], host_of=None if hosts <= 1 else (lambda r: r // per_host))
 
 
-def _steady(
-    job: StepJob,
-    model: ModelProfile,
-    *,
-    network: Network,
-    profile: MachineProfile,
-    slowdown: list[float] | None,
-    trace: bool,
-    used: list[str],
-    cores: Cores | None = None,
-) -> Prediction:
-    """A job whose steps overlap each other (the parameter server, gossip): :data:`PS_STEPS` steps chained and
-    replayed, the step the period of the last ones."""
-    if job.strategy == "gossip":
-        runs, first = gossip_steps(job, PS_STEPS)
-        sizes = [(len(actions) - f) // PS_STEPS for actions, f in zip(runs.ranks, first, strict=True)]
-    else:
-        plan = step_plan(job)
-        runs, first, sizes = repeat_steps(plan, PS_STEPS), [0] * plan.world_size, [len(a) for a in plan.ranks]
-        if job.strategy == "ssp":
-            runs = stale_bound(runs, job.workers, job.staleness, PS_STEPS)
-    slow = None if slowdown is None else list(slowdown) + [1.0] * (runs.world_size - len(slowdown))
-    out = replay(
-        runs, network, gamma=profile.gamma, copy=profile.copy, slowdown=slow, trace=trace, validate=False, cores=cores
-    )
-    ends = [
-        [max(out.done[r][first[r] + j * sizes[r] : first[r] + (j + 1) * sizes[r]]) for j in range(PS_STEPS)]
-        for r in range(job.workers)
-    ]
-    if job.strategy in ("asp", "ssp"):  # nobody waits (or s steps later): the sum of the workers' own rates
-        step = job.workers / sum((PS_STEPS - 1) / (e[-1] - e[0]) for e in ends)
-    else:  # the workers wait for each other: the period of the job's slowest step end
-        last = [max(e[j] for e in ends) for j in range(PS_STEPS)]
-        step = (last[-1] - last[0]) / (PS_STEPS - 1)
-    return Prediction(step_s=step, compute_s=model.compute_s, replay=out, job=job, algorithms=used, steps=PS_STEPS)
-
-
 def hybrid_layers(
     model: ModelProfile,
-    strategy: str,
+    strategy: str | StrategySpec,
     *,
     workers: int,
     batch_size: int,
@@ -347,7 +245,7 @@ def hybrid_layers(
     from paratrain.sfb.cost import LayerShape, choose_schemes
 
     linear = [layer for layer in model.layers if layer.out_features]
-    if strategy == "sfb":
+    if not (strategy if isinstance(strategy, StrategySpec) else parse_strategy(strategy)).chooses_layers:
         return tuple(layer.name for layer in linear)
     shapes = [
         LayerShape.linear(layer.name, layer.out_features, layer.in_features, bias=len(layer.param_bytes) > 1)
@@ -402,43 +300,17 @@ def alpha_beta_step(
     else:
         link = profile.path("shm" if "shm" in profile.paths else "ipc")
         alpha, beta = link.alpha, link.beta
-    n = model.param_bytes
-    comm = 0.0
-    if strategy in ("sfb", "poseidon:allreduce") and workers > 1:
-        choose = network_for(profile, world_size=workers, bandwidth=bandwidth, latency=latency)[1]
-        sfb = set(
-            hybrid_layers(
-                model,
-                strategy,
-                workers=workers,
-                batch_size=batch_size,
-                bandwidth=bandwidth,
-                latency=latency,
-                choose=choose,
-            )
-        )
-        for layer in model.layers:
-            if layer.name in sfb:
-                rows = batch_size * (layer.out_features + layer.in_features) * 4
-                comm += (workers - 1) * (alpha + rows * beta)
-                n -= sum(layer.param_bytes)
-        strategy = "allreduce"
-    if compression:
-        n //= 2
-    spec = parse_strategy(strategy)
-    if spec.family == "pipeline":  # batch_size is the pipeline's, the profile's times are per its batch
-        m = microbatches or workers
-        scale = batch_size / model.batch_size
-        a = max((layer.output_bytes for layer in model.layers), default=0) * scale / m
-        return (m + workers - 1) / m * model.compute_s * scale / workers + 2 * (workers - 1) * (alpha + a * beta)
-    if spec.kind == "gossip" and workers > 1:  # the model to every neighbour, over one link
-        from paratrain.gossip.mixing import neighbors, resolve_mixing
-
-        mixing, _ = resolve_mixing(spec.topology, workers)
-        degree = max(len(neighbors(mixing, r)) for r in range(workers))
-        return model.compute_s + alpha + degree * n * beta
-    if spec.uses_servers:
-        comm += 2 * (alpha + workers * n * beta / servers)
-    elif workers > 1 and n > 0:
-        comm += 2 * (workers - 1) * (alpha + n * beta / workers)
-    return model.compute_s + comm
+    request = JobRequest(
+        profile,
+        model,
+        parse_strategy(strategy),
+        workers=workers,
+        servers=servers,
+        batch_size=batch_size,
+        bandwidth=bandwidth,
+        latency=latency,
+        compression=compression,
+        microbatches=microbatches,
+    )
+    composer: Composer = resolve(request.spec.info.composer)
+    return composer.estimate(request, alpha, beta)

@@ -27,7 +27,7 @@ from typing import Any
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.machine import MachineProfile, ModelProfile
 from paratrain.sim.predict import Prediction, predict
-from paratrain.strategy import parse_strategy
+from paratrain.strategy import StrategySpec, parse_strategy
 
 __all__ = ["BUCKET_SIZES", "COMPRESSIONS", "SEARCHED", "Candidate", "Scored", "candidates", "reason", "search"]
 
@@ -79,16 +79,21 @@ class Candidate:
     batch_size: int = 0
 
     @property
+    def spec(self) -> StrategySpec:
+        """The parsed strategy."""
+        return parse_strategy(self.strategy)
+
+    @property
     def uses_servers(self) -> bool:
         """Whether it runs parameter servers."""
-        return parse_strategy(self.strategy).uses_servers
+        return self.spec.uses_servers
 
     @property
     def label(self) -> str:
         """A short name: ``"bsp x2, 16MiB"``, ``"allreduce+fp16, 4MiB"``, ``"gossip:ring"``."""
-        if self.strategy.startswith("gossip"):
+        if self.spec.exchanges_parameters:
             return self.strategy
-        if self.strategy.startswith("pipeline"):
+        if self.spec.pipelined:
             return f"{self.strategy}, {self.microbatches} micro-batches of {self.batch_size // self.microbatches}"
         servers = f" x{self.servers}" if self.uses_servers else ""
         compression = f"+{self.compression}" if self.compression else ""
@@ -100,18 +105,18 @@ class Candidate:
         """What its step computes, against synchronous SGD on the mean gradient (see the module docstring)."""
         if self.compression:
             return f"{self.compression}-rounded gradients"
-        if self.strategy.startswith("gossip"):
+        spec = self.spec
+        if spec.exchanges_parameters:
             return "decentralised (neighbours' average)"
-        staleness = parse_strategy(self.strategy).staleness
-        if staleness:
-            return f"stale reads (at most {staleness} steps)"
-        return "asynchronous (stale reads)" if self.strategy == "asp" else "exact"
+        if spec.staleness:
+            return f"stale reads (at most {spec.staleness} steps)"
+        return "exact" if spec.synchronous else "asynchronous (stale reads)"
 
     def train_settings(self) -> dict[str, Any]:
         """The training job's options that run it (:class:`~paratrain.train.job.TrainJob` field names)."""
-        if self.strategy.startswith("gossip"):
+        if self.spec.exchanges_parameters:
             return {"strategy": self.strategy}
-        if self.strategy.startswith("pipeline"):
+        if self.spec.pipelined:
             return {"strategy": self.strategy, "microbatches": self.microbatches, "batch_size": self.batch_size}
         settings: dict[str, Any] = {"strategy": self.strategy, "bucket_bytes": self.bucket_bytes}
         if self.uses_servers:
@@ -181,12 +186,13 @@ def candidates(
     cuttable = model.modules >= workers >= 2 and all(layer.module >= 0 for layer in model.layers)
     out = []
     for strategy in strategies:
-        if strategy in ("sfb", "poseidon:allreduce") and not linear:
+        spec = parse_strategy(strategy)
+        if spec.hybrid and not linear:
             continue
-        if strategy.startswith("gossip"):  # no buckets on the wire (the whole model, as the step ends)
+        if spec.exchanges_parameters:  # no buckets on the wire (the whole model, as the step ends)
             out.append(Candidate(strategy))
             continue
-        if strategy.startswith("pipeline"):
+        if spec.pipelined:
             if cuttable:
                 examples = workers * batch_size
                 out += [
@@ -195,8 +201,9 @@ def candidates(
                     if examples % m == 0
                 ]
             continue
-        for count in servers if Candidate(strategy).uses_servers else (1,):
-            for compression in compressions if strategy == "allreduce" else ("",):
+        plain_allreduce = spec.reduces_gradients and not spec.hybrid  # the simulator composes its casts only
+        for count in servers if spec.uses_servers else (1,):
+            for compression in compressions if plain_allreduce else ("",):
                 for size in bucket_sizes:
                     for overlap in (True, False):
                         out.append(Candidate(strategy, count, size, overlap, compression))

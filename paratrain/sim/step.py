@@ -59,9 +59,18 @@ from paratrain.collectives.shm import plan_args as shm_plan_args
 from paratrain.errors import ConfigError
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
 from paratrain.plan.ir import Action, Plan
-from paratrain.ps.plans import REPLY, REQUEST, batches, clock_actions, pull_actions, push_actions
+from paratrain.ps.plans import (
+    batches,
+    clock_actions,
+    pull_actions,
+    push_actions,
+    serve_clock_action,
+    serve_pull_actions,
+    serve_push_actions,
+)
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks
 from paratrain.sim.machine import LayerCost, ModelProfile
+from paratrain.strategy import StrategySpec, complete
 
 __all__ = [
     "STRATEGIES",
@@ -126,20 +135,26 @@ class StepJob:
     staleness: int = 1
     microbatches: int = 1
     schedule: str = "gpipe"
+    spec: StrategySpec = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.strategy == "ssp" and self.staleness < 1:
+        spec = complete(self.strategy, staleness=self.staleness, topology=self.topology, schedule=self.schedule)
+        object.__setattr__(self, "spec", spec)
+        if spec.staleness == 0:
             raise ConfigError(f"ssp needs staleness >= 1 (SSP(0) is bsp), got {self.staleness}")
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"the simulator composes {', '.join(STRATEGIES)}, not {self.strategy!r}")
-        if self.compression is not None and (self.compression not in CASTS or self.strategy != "allreduce"):
+        if spec.hybrid:
+            raise ConfigError(
+                f"the simulator composes {', '.join(STRATEGIES)}, not {self.strategy!r} (a hybrid's SFB layers are "
+                "sfb_layers beside allreduce)"
+            )
+        if self.compression is not None and (self.compression not in CASTS or not self.plain_allreduce):
             raise ConfigError(
                 f"the simulator composes {', '.join(CASTS)} compression with allreduce, not {self.compression!r} "
                 f"with {self.strategy!r}"
             )
         if self.compression is not None and self.sfb_layers:
             raise ConfigError("the simulator does not compose compression with SFB layers")
-        if self.sfb_layers and self.strategy != "allreduce":
+        if self.sfb_layers and not self.plain_allreduce:
             raise ConfigError("the simulator sends SFB layers beside allreduce only (poseidon:allreduce, sfb)")
         known = {layer.name: layer for layer in self.model.layers}
         for name in self.sfb_layers:
@@ -153,7 +168,12 @@ class StepJob:
     @property
     def uses_servers(self) -> bool:
         """Whether the job has parameter servers."""
-        return self.strategy in ("bsp", "ssp", "asp")
+        return self.spec.uses_servers
+
+    @property
+    def plain_allreduce(self) -> bool:
+        """Whether the gradients are averaged by allreduce (the casts and SFB layers compose with it only)."""
+        return self.spec.reduces_gradients
 
     @property
     def wire_itemsize(self) -> int:
@@ -212,7 +232,7 @@ def _backward(rank: _Rank, job: StepJob) -> dict[int, int]:
     model = job.model
     if model.overhead_s:
         rank.add(Action("compute", seconds=model.overhead_s, label="overhead"))
-    if model.straggle_s and job.workers > 1 and job.strategy not in ("asp", "ssp"):  # all wait for the slowest
+    if model.straggle_s and job.workers > 1 and job.spec.synchronous:  # all wait for the slowest
         rank.add(Action("compute", seconds=model.straggle_s, label="the slowest worker (expected)"))
     for layer in model.layers:
         rank.add(Action("compute", seconds=layer.forward_s, label=f"F {layer.name}"))
@@ -316,15 +336,14 @@ def _ps_ranks(job: StepJob) -> list[_Rank]:
             lane = 1 + wk
             for k in range(len(buckets)):
                 for batch in mine[k]:  # one message per batch, each chunk added as it is handled
-                    rows = sum(c.num_rows for c in batch)
-                    nbytes = rows * job.itemsize
-                    got = server.add(Action("recv", peer=wk, nbytes=nbytes, items=rows, tag=REQUEST, lane=lane))
+                    received, ack = serve_push_actions(batch, job.itemsize, wk)
+                    got = server.add(dataclasses.replace(received, lane=lane))
                     for c in batch:
                         size = c.num_rows * job.itemsize
                         add = server.add(Action("reduce", nbytes=size, items=c.num_rows, deps=(got,), lane=lane))
                         pushed.setdefault((k, c.index), []).append(add)
-                    server.add(Action("send", peer=wk, nbytes=0, tag=REPLY, deps=(got,), lane=lane))
-            server.add(Action("recv", peer=wk, nbytes=0, tag=REQUEST, lane=lane, label="clock"))
+                    server.add(dataclasses.replace(ack, deps=(got,), lane=lane))
+            server.add(dataclasses.replace(serve_clock_action(wk), lane=lane))
             per_worker_pulls.append([(k, batch) for k in range(len(buckets)) for batch in mine[k]])
         # a chunk is updated once every worker pushed it (the server's round is per chunk), so the replies to
         # pulls of chunks that are complete leave while later chunks still arrive
@@ -344,10 +363,11 @@ def _ps_ranks(job: StepJob) -> list[_Rank]:
         for wk in range(w):
             lane = 1 + wk
             for k, batch in per_worker_pulls[wk]:
-                request = server.add(Action("recv", peer=wk, nbytes=0, tag=REQUEST, lane=lane))
+                asked, reply = serve_pull_actions(batch, job.itemsize, wk)
+                request = server.add(dataclasses.replace(asked, lane=lane))
                 ready: list[int] = []
                 for c in batch:
-                    if job.strategy in ("asp", "ssp"):  # at once: a preview of the open round, this worker's push in it
+                    if not job.spec.synchronous:  # at once: a preview of the open round, this worker's push in it
                         ready.append(
                             server.add(
                                 Action(
@@ -361,18 +381,7 @@ def _ps_ranks(job: StepJob) -> list[_Rank]:
                         )
                     else:
                         ready.append(updated[(k, c.index)])
-                rows = sum(c.num_rows for c in batch)
-                server.add(
-                    Action(
-                        "send",
-                        peer=wk,
-                        nbytes=rows * job.itemsize,
-                        items=rows,
-                        tag=REPLY,
-                        deps=(request, *ready),
-                        lane=lane,
-                    )
-                )
+                server.add(dataclasses.replace(reply, deps=(request, *ready), lane=lane))
         ranks.append(server)
     return ranks
 
@@ -389,11 +398,11 @@ def step_plan(job: StepJob) -> Plan:
         >>> plan.bytes_sent()
         [4100, 4100]
     """
-    if job.strategy == "gossip":
+    if job.spec.exchanges_parameters:
         raise ConfigError("a gossip step depends on the one before it (its messages left then): use gossip_steps")
-    if job.strategy == "pipeline":
+    if job.spec.pipelined:
         raise ConfigError("a pipeline step is its schedule's plan: use paratrain.sim.pipe.pipeline_step")
-    ranks = _allreduce_ranks(job, range(job.workers)) if job.strategy == "allreduce" else _ps_ranks(job)
+    ranks = _ps_ranks(job) if job.uses_servers else _allreduce_ranks(job, range(job.workers))
     return Plan(f"step/{job.strategy}", tuple(tuple(r.actions) for r in ranks))
 
 
@@ -414,28 +423,32 @@ def gossip_steps(job: StepJob, k: int) -> tuple[Plan, list[int]]:
         ([2, 2, 2, 2], True)
     """
     from paratrain.gossip.mixing import neighbors, resolve_mixing
+    from paratrain.gossip.plan import round_actions
 
-    if job.strategy != "gossip" or k < 1:
+    if not job.spec.exchanges_parameters or k < 1:
         raise ConfigError(f"gossip_steps composes gossip for k >= 1 steps, not {job.strategy!r} x {k}")
     mixing, _ = resolve_mixing(job.topology, job.workers)
     nbytes = job.model.param_bytes
     ranks, first = [], []
     for r in range(job.workers):
-        peers = [p for p, _ in neighbors(mixing, r)]
+        # the exchange's round (what SocketExchange iterates): its sends leave as a step ends, its receives and
+        # mixing come in the next step; the labels name them in the replay's trace
+        round_ = round_actions(tuple(p for p, _ in neighbors(mixing, r)), nbytes)
+        sends = [dataclasses.replace(a, label="model") for a in round_ if a.kind == "send"]
+        recvs = [a for a in round_ if a.kind == "recv"]
+        mixes = [a for a in round_ if a.kind == "reduce"]
         rank = _Rank()
-        for p in peers:
-            rank.add(Action("send", peer=p, nbytes=nbytes, tag=GOSSIP_TAG, label="model"))
+        rank.part(sends, lane=0, tag=GOSSIP_TAG)
         first.append(len(rank.actions))
         for _ in range(k):
             _backward(rank, job)
-            got = [rank.add(Action("recv", peer=p, nbytes=nbytes, tag=GOSSIP_TAG)) for p in peers]
+            got = rank.part(recvs, lane=0, tag=GOSSIP_TAG)
             rank.add(Action("copy", nbytes=nbytes, label="x_i(k)", deps=tuple(got)))
-            for _ in peers:
-                rank.add(Action("reduce", nbytes=nbytes, label="mix"))
+            for a in mixes:  # each after its receive (the copy above waited for all of them)
+                rank.add(dataclasses.replace(a, label="mix", deps=tuple(got[d] for d in a.deps)))
             rank.add(Action("compute", seconds=job.model.optimizer_s, label="optimizer"))
             rank.add(Action("reduce", nbytes=2 * nbytes, label="correction"))
-            for p in peers:
-                rank.add(Action("send", peer=p, nbytes=nbytes, tag=GOSSIP_TAG, label="model"))
+            rank.part(sends, lane=0, tag=GOSSIP_TAG)
         ranks.append(tuple(rank.actions))
     return Plan(f"step/gossip:{job.topology}x{k}", tuple(ranks)), first
 
@@ -513,7 +526,7 @@ def symmetric_step(job: StepJob, *, pad: bool = False) -> Plan | None:
     multiple of N (at most N - 1 items more, each chunk the size of the largest: an upper bound within
     N x itemsize bytes of the exact plan), so that a ring step of a thousand workers replays in a fraction of a
     second instead of building N times its actions."""
-    if job.strategy != "allreduce":
+    if not job.plain_allreduce:
         return None
     n = job.workers
     for bucket in job.buckets():

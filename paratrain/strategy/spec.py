@@ -6,33 +6,36 @@ place that reads those strings: :func:`parse_strategy` turns one into a :class:`
 (``kind``, ``family``, ``staleness``, ``topology``) and capabilities (``uses_servers``...) are what the CLI,
 the training worker, the benchmarks and the torch front end ask, instead of splitting strings themselves.
 
-Kinds are registered (:func:`register_kind`), as ps-lite creates its transports by name: a new system (the
-pipelines, for example) adds its kind and argument syntax here and its runtime where it lives, without
+Kinds are registered as units (:class:`StrategyUnit`, :func:`register_kind`), as ps-lite creates its transports by
+name: a new system adds its kind, argument syntax, checks, update rule, builder, worker and composer, without
 touching the parsers of the others. Torch-free, so that the CLI can check a name before torch is imported.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal
 
 from paratrain.errors import ConfigError
+from paratrain.strategy.options import StrategyOptions
 
 __all__ = [
     "FAMILIES",
     "GOSSIP_TOPOLOGIES",
-    "STRATEGIES",
     "Family",
-    "KindInfo",
     "StrategySpec",
+    "StrategyUnit",
     "UnknownStrategyError",
+    "complete",
     "kinds",
     "parse_layer_schemes",
     "parse_strategy",
     "register_kind",
+    "resolve",
     "strategies_help",
 ]
 
@@ -71,7 +74,7 @@ class StrategySpec:
     options: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), compare=False, repr=False)
 
     @property
-    def info(self) -> KindInfo:
+    def info(self) -> StrategyUnit:
         """The registry's entry for this kind."""
         return _KINDS[self.kind]
 
@@ -86,6 +89,12 @@ class StrategySpec:
     def hybrid(self) -> bool:
         """True for the strategies that send some layers by sufficient factors (``poseidon``, ``sfb``)."""
         return "dense" in self.options
+
+    @property
+    def chooses_layers(self) -> bool:
+        """True for a hybrid that chooses each layer's scheme by Poseidon's cost model (``poseidon``); ``sfb``
+        sends every fully-connected layer by its sufficient factors."""
+        return self.hybrid and self.kind == "poseidon"
 
     @property
     def dense(self) -> str | None:
@@ -105,6 +114,21 @@ class StrategySpec:
         return "bsp" if self.hybrid else str(self)
 
     @property
+    def synchronous(self) -> bool:
+        """True when every worker waits for every other at each step (not ASP, not SSP with s > 0)."""
+        return self.info.synchronous or self.staleness == 0
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """True when a collective among the replicas averages the gradients (allreduce, sfb, poseidon:allreduce)."""
+        return self.family == "collective"
+
+    @property
+    def pipelined(self) -> bool:
+        """True for the pipelines: stages that are not replicas of one model."""
+        return self.family == "pipeline"
+
+    @property
     def exchanges_parameters(self) -> bool:
         """True when workers exchange parameters rather than gradients (gossip): their replicas differ."""
         return self.family == "decentralised"
@@ -122,8 +146,11 @@ class StrategySpec:
 
 
 @dataclass(frozen=True, slots=True)
-class KindInfo:
-    """A registered strategy kind.
+class StrategyUnit:
+    """A registered strategy kind: everything that knows the kind, in one place.
+
+    The builder, worker and composer are ``"module:name"`` references, resolved when used (:func:`resolve`), so
+    that the registry stays torch-free and below the front ends it points to.
 
     Attributes:
         kind: the name before the colon.
@@ -132,6 +159,18 @@ class KindInfo:
         help: one line for ``--help``.
         parse: ``parse(name, argument)`` -> the spec; ``argument`` is what follows the colon (None without one).
             Raises ConfigError saying what is accepted.
+        update_rule: what one step computes: the one place the kind's update rule is written.
+        checks: ``checks(spec, options)`` raises ConfigError for options that do not go with the kind
+            (:mod:`paratrain.strategy.checks`).
+        builder: the torch front end's builder: ``builder(request) -> Strategy`` (a pipeline's is its front end).
+        worker: the module ``paratrain train`` runs as each rank (``python -m MODULE --job FILE``).
+        composer: the simulator's composer: an object whose ``predict`` and ``estimate`` turn the kind into lanes
+            of plan actions and a textbook formula (:mod:`paratrain.sim.compose`).
+        synchronous: every worker waits for every other at each step (ASP and SSP(s > 0) do not).
+        recovery: what recovery the kind supports: ``"restarts"`` (ranks restarted, Rabit's model), ``"replicas"``
+            (restarts of dead servers that have replicas), ``"checkpoint"`` (to disk), ``"elastic"``
+            (``min_workers``), ``"reliable"`` (reliable collectives).
+        compressible: gradients may be compressed on the way (``compression=``).
     """
 
     kind: str
@@ -139,25 +178,51 @@ class KindInfo:
     family: Family
     help: str
     parse: Callable[[str, str | None], StrategySpec]
+    update_rule: str
+    checks: Callable[[StrategySpec, StrategyOptions], None]
+    builder: str
+    worker: str
+    composer: str
+    synchronous: bool = True
+    recovery: frozenset[str] = frozenset()
+    compressible: bool = False
 
 
-_KINDS: dict[str, KindInfo] = {}
+_KINDS: dict[str, StrategyUnit] = {}
 
 
-def register_kind(info: KindInfo) -> None:
-    """Adds a strategy kind (a new kind's name must be new, lowercase, without a colon).
+def register_kind(info: StrategyUnit) -> None:
+    """Adds a strategy kind (a new kind's name must be new, lowercase, without a colon), with every part a kind
+    needs: its checks, update rule, builder, worker and composer.
 
     Raises:
-        ValueError: the name is taken or malformed.
+        ValueError: the name is taken or malformed, or a part is missing.
     """
     if info.kind in _KINDS or not re.fullmatch(r"[a-z][a-z0-9_-]*", info.kind):
         raise ValueError(f"cannot register strategy kind {info.kind!r}: taken or not a lowercase word")
     if info.family not in FAMILIES:
         raise ValueError(f"strategy kind {info.kind!r}: unknown family {info.family!r}")
+    if not callable(info.checks) or not info.update_rule.strip():
+        raise ValueError(f"strategy kind {info.kind!r} registers no checks or no update rule")
+    for part in ("builder", "worker", "composer"):
+        if not re.fullmatch(r"[a-z_][\w.]*(:[A-Za-z_]\w*)?", getattr(info, part)):
+            raise ValueError(f"strategy kind {info.kind!r} registers no {part} ('package.module:name')")
     _KINDS[info.kind] = info
 
 
-def kinds() -> Mapping[str, KindInfo]:
+def resolve(reference: str) -> Any:
+    """The object a unit's ``"module:name"`` reference names (the module itself without ``:name``).
+
+    Example:
+        >>> resolve("paratrain.strategy.spec:parse_strategy") is parse_strategy
+        True
+    """
+    module, _, name = reference.partition(":")
+    loaded = importlib.import_module(module)
+    return getattr(loaded, name) if name else loaded
+
+
+def kinds() -> Mapping[str, StrategyUnit]:
     """The registered kinds, in registration order."""
     return MappingProxyType(_KINDS)
 
@@ -165,6 +230,23 @@ def kinds() -> Mapping[str, KindInfo]:
 def strategies_help() -> str:
     """The accepted names, for ``--help`` and error messages: ``allreduce, bsp, ssp:S, ...``."""
     return ", ".join(info.syntax for info in _KINDS.values())
+
+
+def complete(name: str, *, staleness: int = 1, topology: str = "ring", schedule: str = "gpipe") -> StrategySpec:
+    """Parses ``name``, giving a kind that needs an argument and has none the one given here (SSP's bound, a
+    gossip graph, a pipeline's schedule): how the simulator takes ``strategy="ssp"`` with ``staleness=2``.
+
+    Example:
+        >>> str(complete("ssp", staleness=2)), str(complete("gossip", topology="torus")), str(complete("pipeline"))
+        ('ssp:2', 'gossip:torus', 'pipeline:gpipe')
+        >>> str(complete("ssp:3", staleness=2))
+        'ssp:3'
+    """
+    head = name.strip().partition(":")
+    if head[1]:
+        return parse_strategy(name)
+    argument = {"ssp": str(staleness), "gossip": topology, "pipeline": schedule}.get(head[0].strip().lower())
+    return parse_strategy(f"{name}:{argument}" if argument is not None else name)
 
 
 def parse_strategy(name: str) -> StrategySpec:
@@ -191,98 +273,6 @@ def parse_strategy(name: str) -> StrategySpec:
         valid = ", ".join(repr(info.syntax) for info in _KINDS.values())
         raise UnknownStrategyError(f"unknown strategy {name!r}; choose one of {valid}")
     return info.parse(name, argument.strip() if colon else None)
-
-
-# -- the built-in kinds -----------------------------------------------------------------------------------------
-
-
-def _plain(kind: str) -> Callable[[str, str | None], StrategySpec]:
-    def parse(name: str, argument: str | None) -> StrategySpec:
-        if argument is not None:
-            raise ConfigError(f"strategy {name!r}: {kind} takes no argument; write {kind!r}")
-        return StrategySpec(kind=kind)
-
-    return parse
-
-
-def _parse_ssp(name: str, argument: str | None) -> StrategySpec:
-    if argument is None or not re.fullmatch(r"\d+", argument):
-        raise ConfigError(
-            f"strategy {name!r}: SSP needs its staleness bound as an int >= 0, e.g. 'ssp:2' (0 behaves as 'bsp')"
-        )
-    return StrategySpec(kind="ssp", staleness=int(argument))
-
-
-#: The pipeline schedules (see :mod:`paratrain.pipeline.schedules`; kept here as names, so parsing needs no import).
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "pipedream", "pipedream-vsync")
-
-
-def _parse_pipeline(name: str, argument: str | None) -> StrategySpec:
-    schedule = (argument or "").lower()
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ConfigError(f"strategy {name!r}: write pipeline:SCHEDULE with one of {', '.join(PIPELINE_SCHEDULES)}")
-    return StrategySpec(kind="pipeline", options=MappingProxyType({"schedule": schedule}))
-
-
-def _parse_gossip(name: str, argument: str | None) -> StrategySpec:
-    if not argument:
-        raise ConfigError(
-            f"strategy {name!r}: gossip needs its graph, e.g. 'gossip:ring'; use one of "
-            f"{', '.join(GOSSIP_TOPOLOGIES)} or a graph file ('gossip:path/to/edges.txt')"
-        )
-    topology = argument.lower() if argument.lower() in GOSSIP_TOPOLOGIES else argument
-    return StrategySpec(kind="gossip", topology=topology)
-
-
-def _parse_poseidon(name: str, argument: str | None) -> StrategySpec:
-    dense = {None: "ps", "ps": "ps", "bsp": "ps", "allreduce": "allreduce"}.get(argument.lower() if argument else None)
-    if dense is None:
-        raise ConfigError(
-            f"strategy {name!r}: write 'poseidon' (layers by SFB or bulk-synchronous parameter servers) or "
-            "'poseidon:allreduce' (by SFB or allreduce)"
-        )
-    return StrategySpec(kind="poseidon", options=MappingProxyType({"dense": dense}))
-
-
-def _parse_sfb(name: str, argument: str | None) -> StrategySpec:
-    if argument is not None:
-        raise ConfigError(f"strategy {name!r}: sfb takes no argument; write 'sfb'")
-    return StrategySpec(kind="sfb", options=MappingProxyType({"dense": "allreduce"}))
-
-
-for _info in (
-    KindInfo("allreduce", "allreduce", "collective", "gradients averaged by allreduce every step", _plain("allreduce")),
-    KindInfo("bsp", "bsp", "parameter-server", "parameter servers, bulk-synchronous", _plain("bsp")),
-    KindInfo("ssp", "ssp:S", "parameter-server", "parameter servers, staleness bound S >= 0", _parse_ssp),
-    KindInfo("asp", "asp", "parameter-server", "parameter servers, asynchronous", _plain("asp")),
-    KindInfo(
-        "gossip",
-        "gossip:TOPOLOGY",
-        "decentralised",
-        "D-PSGD over ring|torus|exponential|complete|FILE",
-        _parse_gossip,
-    ),
-    KindInfo(
-        "pipeline",
-        "pipeline:SCHEDULE",
-        "pipeline",
-        "stages over workers: gpipe|1f1b|pipedream|pipedream-vsync",
-        _parse_pipeline,
-    ),
-    KindInfo(
-        "poseidon",
-        "poseidon[:allreduce]",
-        "parameter-server",
-        "per layer, sufficient factors or parameter servers (or allreduce) by Poseidon's cost model",
-        _parse_poseidon,
-    ),
-    KindInfo("sfb", "sfb", "collective", "every Linear layer by sufficient factors, the rest by allreduce", _parse_sfb),
-):
-    register_kind(_info)
-
-#: The strategy names :func:`parse_strategy` accepted at import (``S`` is SSP's staleness bound, an int >= 0;
-#: ``TOPOLOGY`` is ``ring``, ``torus``, ``exponential``, ``complete`` or the path of a graph file).
-STRATEGIES = tuple(info.syntax for info in _KINDS.values())
 
 
 def parse_layer_schemes(items: Sequence[str] | None) -> dict[str, str]:

@@ -10,6 +10,8 @@ with the mean replaced by its compressed estimate (:mod:`paratrain.compression`)
     powersgd:R     allreduce_async([P of each matrix | vectors | flags], mean) -> in finish: orthonormalise P,
                    allreduce_async([Q of each matrix], mean)                   -> grads = P Q^T, vectors as reduced
 
+Each compressor encodes and decodes its own buckets (:class:`~paratrain.compression.Compressor`); this strategy
+moves its messages, one collective a round, and keeps what is torch's: the buckets and the optimizer's momentum.
 Every worker decodes the same reduced data in the same way, so the replicas stay identical. The used-flags of
 :class:`~paratrain.torch.fusion.FusedBucket` ride with the 16-bit cast and with PowerSGD's vectors; top-k sends
 none, so under top-k every parameter counts as used (one that no worker used gets a zero gradient rather than
@@ -21,10 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-from paratrain.compression import Cast, Compressor, LowRank, TopK
+from paratrain.compression import BucketLayout, Compressor, Message
 from paratrain.errors import ConfigError
 from paratrain.runtime.context import Context
 from paratrain.torch.fusion import FusedBucket
@@ -32,8 +33,6 @@ from paratrain.torch.strategies import AllreduceStrategy
 from paratrain.transport.base import Handle
 
 __all__ = ["CompressedAllreduceStrategy"]
-
-_INDEX = {4: np.int32, 8: np.int64}  # an index travels in the bits of one value of the gradient's width
 
 
 class CompressedAllreduceStrategy(AllreduceStrategy):
@@ -66,83 +65,61 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
         self._optimizer = optimizer
         #: per bucket, the momentum DGC corrects for (0: none, plain top-k)
         self._momentum = [0.0] * len(self.buckets)
-        if isinstance(compressor, TopK) and compressor.momentum_correction:
+        if compressor.moves_momentum:
             self._momentum = [_sgd_momentum(optimizer, b) for b in self.buckets]
-        if isinstance(compressor, TopK):
-            for bucket in self.buckets:
-                if bucket.grads.element_size() not in _INDEX or not bucket.grads.is_floating_point():
-                    raise ConfigError(
-                        f"top-k compression sends float32 or float64 gradients, not {bucket.grads.dtype} "
-                        f"(parameters {', '.join(bucket.names)})"
-                    )
-        self._matrices: list[list[int]] = []  # per bucket: which of its parameters PowerSGD compresses
-        self._keep: list[Any] = []  # per bucket: indices of the buffer's elements that travel uncompressed
-        if isinstance(compressor, LowRank):
-            for b in self.buckets:
-                matrices = [j for j, p in enumerate(b.params) if compressor.compressible(tuple(p.shape))]
-                keep = np.ones(b.buffer.numel(), dtype=bool)
-                for j in matrices:
-                    keep[b.bucket.offsets[j] : b.bucket.offsets[j] + b.params[j].numel()] = False
-                self._matrices.append(matrices)
-                self._keep.append(np.flatnonzero(keep))  # indices: gathering a few of millions by mask is slow
+        self._keys = [f"bucket{k}" for k in range(len(self.buckets))]  # the compressor's state of each bucket
+        for key, b in zip(self._keys, self.buckets, strict=True):
+            layout = BucketLayout(
+                names=tuple(b.names),
+                offsets=tuple(b.bucket.offsets),
+                shapes=tuple(tuple(p.shape) for p in b.params),
+                size=b.buffer.numel(),
+                dtype=str(b.grads.dtype),
+            )
+            compressor.prepare(key, layout)
 
     # -- launch: the first message of each bucket -------------------------------------------------------------
 
     def launch(self, k: int) -> None:
-        """Starts bucket ``k``'s (first) collective with its compressed gradients. Does not block."""
-        bucket, comp, ctx = self.buckets[k], self.compressor, self._context
-        if isinstance(comp, Cast):
-            wire = torch.bfloat16 if comp.dtype == "bfloat16" else torch.float16
-            self._handles[k] = ctx.allreduce_async((bucket.buffer / ctx.world_size).to(wire), op="sum")
-        elif isinstance(comp, TopK):
-            grads = bucket.grads.numpy()
-            idx, values = comp.compress(f"bucket{k}", grads, momentum=self._momentum[k])
-            pairs = np.empty((idx.size, 2), dtype=grads.dtype)
-            pairs[:, 0] = idx.astype(_INDEX[grads.itemsize]).view(grads.dtype)
-            pairs[:, 1] = values
-            self._handles[k] = ctx.allgather_async(pairs)
-        elif isinstance(comp, LowRank):
-            mats = [self._matrix(bucket, j) for j in self._matrices[k]]
-            # the vectors, small matrices and used-flags travel uncompressed (gathered before first() writes g + e
-            # into the matrices' part of the buffer)
-            dense = bucket.buffer.numpy()[self._keep[k]]
-            ps = comp.first(f"bucket{k}", mats, inplace=True)
-            self._handles[k] = ctx.allreduce_async(np.concatenate([*(p.reshape(-1) for p in ps), dense]), op="mean")
-        else:
-            raise ConfigError(f"no allreduce path for compressor {comp!r}")
+        """Starts bucket ``k``'s first collective with its compressed gradients. Does not block."""
+        bucket = self.buckets[k]
+        message = self.compressor.encode(
+            self._keys[k],
+            bucket.buffer,
+            numel=bucket.bucket.numel,
+            workers=self._context.world_size,
+            momentum=self._momentum[k],
+        )
+        self._handles[k] = self._send(message)
 
-    def _matrix(self, bucket: FusedBucket, j: int) -> Any:
-        view = bucket.buffer_views[j]
-        return view.reshape(view.shape[0], -1).numpy()
+    def _send(self, message: Message | None) -> Handle[Any] | None:
+        """Starts the collective that aggregates ``message`` (None: nothing this round). Does not block."""
+        if message is None:
+            return None
+        if message.op == "gather":
+            return self._context.allgather_async(message.array)
+        return self._context.allreduce_async(message.array, op=message.op)
 
-    # -- finish: decode (PowerSGD's second round first) --------------------------------------------------------
+    # -- finish: the further rounds of every bucket (PowerSGD's Q), then decode --------------------------------
 
     def finish(self) -> None:
         """Waits for every bucket and writes the decoded mean into ``param.grad``. Blocks."""
+        handles: Sequence[Handle[Any] | None]
         handles, self._handles = self._handles, [None] * len(self.buckets)
         if any(h is None for h in handles):
             raise RuntimeError("internal error: a bucket was never launched before finish()")
-        comp = self.compressor
-        if isinstance(comp, LowRank):
-            self._finish_low_rank(comp, handles)
-            return
+        comp, workers = self.compressor, self._context.world_size
+        for _ in range(1, comp.aggregation_rounds):  # every bucket's next round leaves before any is decoded
+            handles = [
+                self._send(comp.next_round(key, None if h is None else h.wait()))
+                for key, h in zip(self._keys, handles, strict=True)
+            ]
         for k, (bucket, handle) in enumerate(zip(self.buckets, handles, strict=True)):
-            assert handle is not None
-            reduced = handle.wait()
-            if isinstance(comp, Cast):
-                bucket.give(reduced.to(bucket.buffer.dtype))
-            else:
-                assert isinstance(comp, TopK)
-                grads = bucket.grads.numpy()
-                pairs = np.asarray(reduced).reshape(-1, 2)
-                idx = pairs[:, 0].copy().view(_INDEX[grads.itemsize])
-                TopK.decompress(
-                    grads.size, idx, pairs[:, 1], scale=1.0 / self._context.world_size, dtype=grads.dtype, out=grads
-                )
-                bucket.flags.fill_(1)
-                if self._momentum[k]:
-                    self._replace_momentum(k)
-                bucket.give(bucket.buffer)
+            reduced = None if handle is None else handle.wait()
+            decoded = comp.decode(self._keys[k], reduced, bucket.buffer, numel=bucket.bucket.numel, workers=workers)
+            if self._momentum[k]:
+                self._replace_momentum(k)
+            bucket.give(decoded)
 
     def _replace_momentum(self, k: int) -> None:
         """DGC: the mean ``s`` already holds the momentum; ``grad = s - m·buffer`` makes SGD's ``buffer = s``."""
@@ -153,36 +130,6 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
             if buf is not None:  # none before the first step: SGD then starts its buffer at the gradient, s
                 view = bucket.buffer_views[j]  # (host memory where the bucket is staged: before give() copies it)
                 view.sub_(buf.reshape(view.shape).to(view.device), alpha=m)
-
-    def _finish_low_rank(self, comp: LowRank, handles: Sequence[Handle[Any] | None]) -> None:
-        seconds: list[tuple[list[Any], Any, Handle[Any] | None]] = []
-        for k, handle in enumerate(handles):
-            assert handle is not None
-            reduced = np.asarray(handle.wait())
-            bucket, pos, ps = self.buckets[k], 0, []
-            for j in self._matrices[k]:
-                m = self._matrix(bucket, j)
-                r = min(comp.rank, *m.shape)
-                ps.append(LowRank.orthonormal(reduced[pos : pos + m.shape[0] * r].reshape(m.shape[0], r)))
-                pos += m.shape[0] * r
-            dense = reduced[pos:]
-            qs = comp.second(f"bucket{k}", ps) if ps else []
-            second = (
-                self._context.allreduce_async(np.concatenate([q.reshape(-1) for q in qs]), op="mean") if qs else None
-            )
-            seconds.append((ps, dense, second))
-        for k, (ps, dense, second) in enumerate(seconds):
-            bucket = self.buckets[k]
-            buffer = bucket.buffer.numpy()
-            if second is not None:
-                flat, pos, qs = np.asarray(second.wait()), 0, []
-                for p, j in zip(ps, self._matrices[k], strict=True):
-                    cols = bucket.params[j].numel() // p.shape[0]
-                    qs.append(flat[pos : pos + cols * p.shape[1]].reshape(cols, p.shape[1]))
-                    pos += cols * p.shape[1]
-                comp.finish(f"bucket{k}", qs)  # writes each approximation into its matrix's part of the buffer
-            buffer[self._keep[k]] = dense
-            bucket.give(bucket.buffer)
 
 
 def _sgd_momentum(optimizer: torch.optim.Optimizer | None, bucket: FusedBucket) -> float:

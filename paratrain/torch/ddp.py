@@ -30,6 +30,7 @@ from torch.utils.data.distributed import DistributedSampler as _TorchSampler
 
 from paratrain.errors import ConfigError
 from paratrain.runtime.context import Context, current
+from paratrain.strategy import parse_strategy
 from paratrain.torch.optimizer import DistributedOptimizer
 from paratrain.transport.base import Handle
 
@@ -59,6 +60,10 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
             seed=seed,
             drop_last=drop_last,
         )
+
+
+#: DDP's own rule, what the wrapper runs without an optimizer: gradients averaged by allreduce.
+DDP_RULE = parse_strategy("allreduce")
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -101,7 +106,7 @@ class DistributedDataParallel(torch.nn.Module):
         **options: Any,
     ) -> None:
         super().__init__()
-        if optimizer is None and (strategy != "allreduce" or options):
+        if optimizer is None and (parse_strategy(strategy) != DDP_RULE or options):
             raise ConfigError(
                 f"strategy {strategy!r}{' with ' + ', '.join(options) if options else ''} needs the optimizer: "
                 "DistributedDataParallel(model, strategy=..., optimizer=opt), then call opt.step() as before"

@@ -61,13 +61,13 @@ def plan_layers(
     dense = spec.dense or "allreduce"
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise ConfigError(f"batch_size must be a positive int (a worker's samples per step), got {batch_size!r}")
-    if spec.kind == "poseidon" and batch_size is None:
+    if spec.chooses_layers and batch_size is None:
         raise ConfigError(
             "strategy 'poseidon' chooses each layer's scheme from the batch size: pass batch_size= (samples per "
             "worker and step; rows through each Linear layer)"
         )
     shapes, linear = model_layers(model)
-    forced = dict.fromkeys(linear, "sfb") if spec.kind == "sfb" else {}
+    forced = {} if spec.chooses_layers else dict.fromkeys(linear, "sfb")
     names = [shape.name for shape in shapes]
     for name, scheme in (overrides or {}).items():
         if name not in names:

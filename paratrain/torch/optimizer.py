@@ -41,16 +41,14 @@ from paratrain.launch.kills import kill_point
 from paratrain.recovery.reliable import RegroupedError, Reliable
 from paratrain.runtime.context import Context, current
 from paratrain.sfb.cost import HybridPlan
-from paratrain.strategy import StrategySpec, parse_strategy
-from paratrain.torch.broadcast import broadcast_parameters
-from paratrain.torch.compressed import CompressedAllreduceStrategy
+from paratrain.strategy import StrategyOptions, StrategySpec, check_options, complete, parse_strategy, resolve
+from paratrain.torch import builders
+from paratrain.torch.builders import BuildRequest, Built
 from paratrain.torch.fusion import FusedBucket
 from paratrain.torch.hooks import GradientHooks
-from paratrain.torch.hybrid import HybridStrategy
 from paratrain.torch.layers import plan_layers
-from paratrain.torch.resilient import ReliableAllreduceStrategy
-from paratrain.torch.sfb import SfbLayer, own_params
-from paratrain.torch.strategies import Strategy, build_strategy
+from paratrain.torch.sfb import own_params
+from paratrain.torch.strategies import Strategy
 
 __all__ = ["DistributedOptimizer"]
 
@@ -220,33 +218,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reliable: Reliable | None,
         hybrid_options: bool,
     ) -> Compressor | None:
-        """Refuses the options that do not go with this strategy (each refusal says what to do); returns the
-        compressor of ``compression``."""
-        if not overlap and reliable is not None:
-            raise ConfigError("overlap=False does not apply with reliable=: reliable steps never overlap backward")
-        if staleness_lr and not self.spec.uses_servers:
-            raise ConfigError(
-                f"staleness_lr=True scales stale gradients on the parameter servers: use it with strategy 'ssp:S' "
-                f"or 'asp', not {strategy!r}"
-            )
-        if reliable is not None and self.spec.kind != "allreduce":
-            raise ConfigError(
-                f"reliable= recovers synchronous allreduce training; strategy {strategy!r} is not (replicate the "
-                "parameter servers for bsp/ssp/asp instead)"
-            )
+        """Refuses the options that do not go with this strategy (:func:`paratrain.strategy.check_options`: each
+        refusal says what to do); returns the compressor of ``compression``."""
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
         compressor = compression if isinstance(compression, Compressor) else parse_compression(compression)
-        if compressor is not None and (self.spec.exchanges_parameters or reliable is not None):
-            raise ConfigError(
-                f"compression= compresses gradients sent by allreduce or to parameter servers; strategy "
-                f"{strategy!r}{' with reliable=' if reliable is not None else ''} does not support it"
-            )
-        if hybrid_options and not self.spec.hybrid:
-            raise ConfigError(
-                f"batch_size= and layer_schemes= choose how each layer travels under 'poseidon', "
-                f"'poseidon:allreduce' and 'sfb'; strategy {strategy!r} sends every layer the same way"
-            )
+        options = StrategyOptions(
+            compression=compressor,
+            reliable=reliable is not None,
+            layer_schemes=hybrid_options,
+            overlap=overlap,
+            staleness_lr=staleness_lr,
+        )
+        check_options(self.spec, options)
         return compressor
 
     def _plan(
@@ -295,88 +279,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         staleness_lr: bool,
         reliable: Reliable | None,
     ) -> Strategy:
-        """The fused buckets and the strategy that sends them."""
-        names = self._names
-        # the collective choice of the CUDA engine is made here, on every rank alike, never in a gradient hook
-        # (hooks of CUDA tensors run on autograd's one thread per device, shared by every rank that is a thread of
-        # this process: one rank waiting there for the others would block their backward passes for good)
-        engines = self._device_engines(params) if not self._local else {}
-        if self.spec.hybrid and not self._local:
-            return self._build_hybrid(optimizer, params, names, sfb_modules)
-        if self.spec.exchanges_parameters:
-            self._buckets = [FusedBucket(b, params, names, flags=False, timeout=self._timeout) for b in self.plan]
-        elif not self._local:
-            plain = reliable is None and self.compressor is None and self.spec.kind == "allreduce"
-            on_device = plain and bool(engines) and all(e is not None for e in engines.values())
-            flags = not self.spec.uses_servers
-            self._buckets = [
-                FusedBucket(b, params, names, flags=flags, on_device=on_device, timeout=self._timeout)
-                for b in self.plan
-            ]
-        fused = [b for b in self._buckets if b is not None]
-        if reliable is not None and not self._local:
-            return ReliableAllreduceStrategy(reliable, fused)
-        if self.compressor is not None and not self._local:
-            return self._dense_strategy(self.spec, fused, optimizer, staleness_lr=staleness_lr)
-        return build_strategy(
+        """The fused buckets and the strategy that sends them, by the strategy unit's builder."""
+        request = BuildRequest(
             self.spec,
             self.context,
-            fused,
-            optimizer=optimizer,
+            optimizer,
+            params,
+            self._names,
+            self.plan,
+            sfb_modules,
+            timeout=self._timeout,
             topology=topology,
             overlap=overlap,
             staleness_lr=staleness_lr,
+            reliable=reliable,
+            compressor=self.compressor,
         )
-
-    def _device_engines(self, params: Sequence[torch.nn.Parameter]) -> dict[torch.device, Any]:
-        """The collective engine of each CUDA device the parameters are on (None: staged through host memory).
-
-        The CUDA engine's choice is collective: made here, at the same point on every rank, if no collective on a
-        CUDA tensor made it before. The plain allreduce strategy keeps a device's buckets there when an engine
-        (NCCL) reduces device memory."""
-        devices = sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
-        return {d: self.context.collectives.device_engine(d) for d in devices}
-
-    def _build_hybrid(
-        self,
-        optimizer: torch.optim.Optimizer,
-        params: Sequence[torch.nn.Parameter],
-        names: Sequence[str],
-        sfb_modules: Sequence[tuple[str, torch.nn.Linear]],
-    ) -> Strategy:
-        """The units of a hybrid plan: an :class:`SfbLayer` per SFB group, a fused bucket for the rest."""
-        uses_servers = self.spec.uses_servers
-        units: list[FusedBucket | SfbLayer] = []
-        for bucket in self.plan:
-            if bucket.group >= 0:
-                name, module = sfb_modules[bucket.group]
-                units.append(SfbLayer(name, module, self.context))
-            else:
-                units.append(FusedBucket(bucket, params, names, flags=not uses_servers, timeout=self._timeout))
-        self._buckets = [u if isinstance(u, FusedBucket) else None for u in units]
-        fused = [u for u in units if isinstance(u, FusedBucket)]
-        dense: Strategy | None = None
-        if uses_servers and sfb_modules:
-            # the servers' keys start from rank 0's values; so do the layers the workers step themselves
-            broadcast_parameters([p for _, m in sfb_modules for p in own_params(m)], context=self.context)
-        if fused:
-            dense = self._dense_strategy(parse_strategy("bsp" if uses_servers else "allreduce"), fused, optimizer)
-        return HybridStrategy(units, dense)
-
-    def _dense_strategy(
-        self,
-        spec: StrategySpec,
-        buckets: Sequence[FusedBucket],
-        optimizer: torch.optim.Optimizer,
-        *,
-        staleness_lr: bool = False,
-    ) -> Strategy:
-        """Allreduce or the parameter server over ``buckets``, compressed when ``compression=`` was given."""
-        if self.compressor is not None and not spec.uses_servers:
-            return CompressedAllreduceStrategy(self.context, buckets, self.compressor, optimizer)
-        return build_strategy(
-            spec, self.context, buckets, optimizer=optimizer, staleness_lr=staleness_lr, compressor=self.compressor
-        )
+        alone = self._local and not self.spec.exchanges_parameters
+        built: Built = (builders.alone if alone else resolve(self.spec.info.builder))(request)
+        self._buckets = built.buckets
+        return built.strategy
 
     @staticmethod
     def _check_params(
@@ -619,17 +541,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 def _gossip_with_topology(strategy: str) -> str:
-    """The strategy name for ``topology=`` given as an object: only ``"gossip"`` takes one.
+    """The strategy name for ``topology=`` given as an object: only a kind whose argument is a graph takes one,
+    named without it (``"gossip"``).
 
     Raises:
         ConfigError: ``topology=`` with another strategy.
     """
-    if not isinstance(strategy, str) or strategy.strip().lower() != "gossip":
+    given = "<given>"
+    named = isinstance(strategy, str) and ":" not in strategy
+    if not named or complete(strategy, staleness=0, topology=given).topology != given:
         raise ConfigError(
             f"topology= is gossip's graph: use strategy='gossip' with it, not {strategy!r} (or write the "
             "graph into the name, 'gossip:ring', and leave topology out)"
         )
-    return "gossip:<given>"
+    return f"{strategy.strip()}:{given}"
 
 
 def _check_types(optimizer: object, model: object) -> None:

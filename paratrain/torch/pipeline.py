@@ -5,14 +5,16 @@ many). With ``replicas=R`` the workers form R pipelines of K = N / R stages (wor
 pipeline r), each training on its own mini-batch, and the R copies of a stage sum their gradients (an allreduce
 among them) before every optimizer step: data parallelism inside each stage, PipeDream's replicated stages.
 
-:meth:`Pipe.step` trains on one mini-batch: stage 0 cuts it into micro-batches, and every stage runs the steps its
-:mod:`paratrain.pipeline.schedules` schedule lists, in order, nothing else: ``F m`` receives micro-batch m's
-activation from the previous stage (stage 0 takes the input), runs its layers and sends the output on; ``B m``
-receives the gradient of that output (the last stage computes the loss instead), back-propagates through its layers
-and sends the input's gradient back; ``S`` is the optimizer step. Gradients go back only as far as the first stage
-with parameters to train (:func:`~paratrain.pipeline.schedules.gradient_from`): stages in front of it (a Flatten)
-run no backward and receive no gradients, which saves a message per micro-batch per such hop; an empty message at
-the step's end (:func:`~paratrain.pipeline.schedules.done_tag`) keeps them from running ahead of the others.
+:meth:`Pipe.step` trains on one mini-batch: stage 0 cuts it into micro-batches, and every stage executes its actions
+of the schedule's plan (:attr:`Pipe.plan`, :func:`~paratrain.pipeline.schedules.lower` of a
+:mod:`paratrain.pipeline.schedules` schedule, the plan the simulator replays), in order, nothing else: ``F m``
+receives micro-batch m's activation from the previous stage (stage 0 takes the input), runs its layers and sends the
+output on; ``B m`` receives the gradient of that output (the last stage computes the loss instead), back-propagates
+through its layers and sends the input's gradient back; ``S`` is the optimizer step. Gradients go back only as far
+as the first stage with parameters to train (:func:`~paratrain.pipeline.schedules.gradient_from`): stages in front
+of it (a Flatten) run no backward and receive no gradients, which saves a message per micro-batch per such hop; an
+empty message at the step's end (:func:`~paratrain.pipeline.schedules.done_tag`) keeps them from running ahead of
+the others.
 
 Update rule. GPipe and 1F1B: gradients of all micro-batches' losses are summed (``loss_fn`` per micro-batch, as
 torch's ``scale_grads=False``), then one optimizer step, so the parameters equal non-pipelined training on the whole
@@ -22,15 +24,15 @@ a micro-batch's backward uses the weights its forward used (weight stashing: the
 parameters of that moment, :func:`torch.func.functional_call`, and its gradient is applied to the current ones). The
 versions each forward and backward used are recorded (:attr:`Pipe.versions`) and equal the schedule's.
 
-Messages travel through the group's transport with tags from the group's own space (one tag per micro-batch and
-direction per step); sends never block, and a stage waits only for the message its next step needs. Where every
-stage computes on a GPU of its own (``p2p=``, decided by all stages together), the bytes of activations and
-gradients go device to device through two NCCL process groups instead, one per direction (each direction's sends
-then arrive in the order they were made, which is the order the schedule receives them; one group for both would
-let a stage's send wait behind its own receive); the transport still carries each tensor's shape and dtype under
-its tag, so a lost or late stage is noticed there as before. CPU tests run that path with Gloo (``p2p="gloo"``). A stage
-that fails makes the others fail too: its process exits (the launcher stops the job) or, in-process, the
-transport is aborted; a receive never waits longer than the context's timeout.
+Messages travel through the group's transport with the plan's tags, offsets in the group's own space (one per
+micro-batch and direction per step); sends never block, and a stage waits only for the message its next step needs.
+Where every stage computes on a GPU of its own (``p2p=``, decided by all stages together), the bytes of activations
+and gradients go device to device through two NCCL process groups instead, one per direction (each direction's sends
+then arrive in the order they were made, which is the order the schedule receives them; one group for both would let
+a stage's send wait behind its own receive); the transport still carries each tensor's shape and dtype under its
+tag, so a lost or late stage is noticed there as before. CPU tests run that path with Gloo (``p2p="gloo"``). A stage
+that fails makes the others fail too: its process exits (the launcher stops the job) or, in-process, the transport
+is aborted; a receive never waits longer than the context's timeout.
 
 ``trace=`` receives a span for every step (``forward m``, ``backward m``, ``optimizer step``, and with checkpointing
 ``recompute m``: compute), every wait for a message (``wait activation m``, ``wait gradient m``, ``wait sends``:
@@ -46,7 +48,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -56,15 +58,8 @@ from paratrain.collectives.torch_engines import ENGINE_DTYPES, DeviceIdentity, T
 from paratrain.device import on_device, to_device, to_host
 from paratrain.errors import ConfigError, MessageError
 from paratrain.launch.kills import kill_point
-from paratrain.pipeline.schedules import (
-    Schedule,
-    Step,
-    activation_tag,
-    done_tag,
-    gradient_from,
-    gradient_tag,
-    schedule,
-)
+from paratrain.pipeline.schedules import DONE, Schedule, Step, done_tag, gradient_from, lower, schedule
+from paratrain.plan.ir import Action, Plan
 from paratrain.runtime.context import Context, current
 from paratrain.runtime.group import Group
 from paratrain.transport.base import Handle
@@ -198,6 +193,10 @@ class Pipe:
         #: the first stage with parameters to train: the stages before it (a Flatten in front) learn nothing, so
         #: no gradient goes back to them and they run no backward (see :func:`gradient_from`)
         self.gradient_from = gradient_from(learns)
+        #: the schedule lowered (:func:`~paratrain.pipeline.schedules.lower`): :meth:`step` executes this rank's
+        #: actions, sends and receives included; the simulator replays plans of the same function
+        self.plan: Plan = lower(self.schedule, first_learner=self.gradient_from)
+        self._planned = _planned(self.plan.ranks[self.stage_index], self.steps)  # with their steps, by label
         #: None for a stage without parameters (an activation alone), which has nothing to step.
         self.optimizer = optimizer(params) if params else None
         self.loss_fn = loss_fn
@@ -399,126 +398,219 @@ class Pipe:
             raise ConfigError("stage 0 needs the mini-batch's inputs")
         if self.is_last and targets is None:
             raise ConfigError("the last stage needs the mini-batch's targets")
-        m = self.microbatches
-        xs = list(torch.tensor_split(inputs.to(self.device), m)) if self.is_first and inputs is not None else []
-        ys = list(torch.tensor_split(targets.to(self.device), m)) if self.is_last and targets is not None else []
-        base = self.group.reserve_tags(2 * m + 1)
-        transport = self.group.transport
-        sends: list[Any] = []
-        held: dict[int, tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None, int, int]] = {}
-        holding = 0
-        total: float | None = 0.0 if self.is_last else None
-        stash = self.schedule.name.startswith("pipedream")
+        return _MiniBatch(self, inputs, targets).run()
+
+
+#: What a micro-batch keeps from its forward for its backward: the input, the output (None with checkpointing),
+#: the stashed parameters it ran on (None: the live ones), its weight version, and the bytes it holds.
+_Held = tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None, int, int]
+
+
+class _Planned(NamedTuple):
+    """One action of a stage's plan and the schedule's step it is part of (found by its label, once per pipe).
+
+    Attributes:
+        action: the action.
+        does: ``"recv"``, ``"send"``, ``"release"``, or the kind of the step a compute runs (``"F"``, ``"B"``, ``"S"``).
+        position: the step's place among the stage's steps (-1: the empty message that ends a step).
+        microbatch, version: the step's.
+    """
+
+    action: Action
+    does: str
+    position: int
+    microbatch: int
+    version: int
+
+
+def _planned(actions: Sequence[Action], steps: Sequence[Step]) -> tuple[_Planned, ...]:
+    """``actions`` with their steps (an action's label is ``str(step)``; a step's end message has none)."""
+    position = {str(st): i for i, st in enumerate(steps)}
+    out = []
+    for a in actions:
+        at = position.get(a.label, -1)
+        step = steps[at] if at >= 0 else Step("S", -1, 0)
+        out.append(_Planned(a, step.kind if a.kind == "compute" else a.kind, at, step.microbatch, step.version))
+    return tuple(out)
+
+
+class _MiniBatch:
+    """One mini-batch on one stage: the stage's actions of :attr:`Pipe.plan` executed in order, one method per
+    kind (forward, backward, release, optimizer step, send; a receive is posted and taken by what depends on it).
+
+    Values pass between actions by number, as in the plan IR: the compute that depends on a receive waits for it,
+    and what a compute makes for the send that depends on it (the activation of ``F m``, the input's gradient of
+    ``B m``) waits in :attr:`produced` until then. The plan's tags are offsets below the step's first tag.
+    """
+
+    def __init__(self, pipe: Pipe, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> None:
+        self.pipe = pipe
+        m = pipe.microbatches
+        self.inputs, self.targets = inputs, targets
+        self.xs = list(torch.tensor_split(inputs.to(pipe.device), m)) if pipe.is_first and inputs is not None else []
+        self.ys = list(torch.tensor_split(targets.to(pipe.device), m)) if pipe.is_last and targets is not None else []
+        self.base = pipe.group.reserve_tags(done_tag(m) + 1)  # one per micro-batch and direction, and the step's end
+        #: receives posted and not yet taken, by action number
+        self.posted: dict[int, _Planned] = {}
+        #: what a compute made for the send that depends on it, by the compute's number
+        self.produced: dict[int, torch.Tensor] = {}
+        self.sends: list[Any] = []
+        self.held: dict[int, _Held] = {}
+        self.holding = 0
+        self.total: float | None = 0.0 if pipe.is_last else None
+        self.stash = pipe.schedule.name.startswith("pipedream")
         # vertical sync: micro-batch m runs on every stage with the version stage 0 gave it, which a later stage
         # has already stepped past: it keeps the versions that planned forwards still need
-        history = {self.version: self._snapshot()} if self.schedule.name == "pipedream-vsync" else None
-        first_version = self.version  # the plan's versions count from this mini-batch's start
-        trace = self._trace
-        for index, plan_step in enumerate(self.steps):
-            t0 = time.time()
-            if plan_step.kind == "S":
-                self._apply_gradients(trace)
-                self.version += 1
-                if history is not None:
-                    later = [first_version + st.version for st in self.steps[index:] if st.kind == "F"]
-                    history[self.version] = self._snapshot()
-                    for old in [v for v in history if not later or v < min(later)]:
-                        del history[old]
-                continue
-            mb = plan_step.microbatch
-            if plan_step.kind == "F":
-                if self.is_first:
-                    inp = xs[mb]
-                else:
-                    inp = self._recv(self.stage_index - 1, base - activation_tag(mb), forward=True)
-                    # the input's gradient only where a stage before this one learns
-                    inp = inp.requires_grad_(self.stage_index > self.gradient_from)
-                    if trace is not None:
-                        t0 = _span(trace, f"wait activation {mb}", "waiting", t0)
-                params: dict[str, torch.Tensor] | None = None
-                wanted = first_version + plan_step.version
-                if history is not None:  # the version the plan names, kept since stage 0 used it
-                    params = {n: t.clone().requires_grad_(True) for n, t in history[wanted].items()}
-                elif stash:  # weight stashing: this micro-batch runs, forward and backward, on today's weights
-                    if wanted != self.version:
-                        raise RuntimeError(
-                            f"stage {self.stage_index}: the plan says version {wanted} for F{mb}, "
-                            f"the stage holds {self.version}"
-                        )
-                    params = {n: p.detach().clone().requires_grad_(True) for n, p in self.module.named_parameters()}
-                saved = [inp.numel() * inp.element_size()]  # what this micro-batch holds until its backward
-                if self.checkpoint:  # re-materialisation: keep the input only, recompute in the backward
-                    with torch.no_grad():
-                        out = self._forward(inp, params, ys[mb] if self.is_last else None)
-                else:
-                    counted = {_storage(inp), *(_storage(p) for p in self.module.parameters())}
-                    counted.update(_storage(t) for t in (inputs, targets) if t is not None)
-                    with torch.autograd.graph.saved_tensors_hooks(_counting(saved, counted), lambda t: t):
-                        out = self._forward(inp, params, ys[mb] if self.is_last else None)
-                self.versions.append(("F", mb, wanted if stash else self.version))
-                if self.is_last:
-                    assert total is not None
-                    total += float(out.detach())
-                if trace is not None:
-                    t0 = _span(trace, f"forward {mb}", "compute", t0)
-                if not self.is_last:
-                    sends.append(self._send(self.stage_index + 1, base - activation_tag(mb), out, forward=True))
-                    if trace is not None:
-                        _span(trace, f"send activation {mb}", "communication", t0)
-                held[mb] = (
-                    inp,
-                    None if self.checkpoint else out,
-                    params,
-                    wanted if stash else self.version,
-                    sum(saved),
-                )
-                holding += sum(saved)
-                self.peak_held_bytes = max(self.peak_held_bytes, holding)
-                continue
-            inp, kept, params, version, nbytes = held.pop(mb)
-            holding -= nbytes
-            if self.stage_index < self.gradient_from:  # nothing here or before learns: no gradient comes or goes
-                self.versions.append(("B", mb, version))
-                continue
-            if kept is not None:
-                out = kept
-            else:  # re-materialisation: the forward again, this time keeping what backward needs
-                out = self._forward(inp, params, ys[mb] if self.is_last else None)
-                if trace is not None:
-                    t0 = _span(trace, f"recompute {mb}", "compute", t0)
-            if self.is_last:
-                torch.autograd.backward(out)
-            else:
-                upstream = self._recv(self.stage_index + 1, base - gradient_tag(mb), forward=False)
-                if trace is not None:
-                    t0 = _span(trace, f"wait gradient {mb}", "waiting", t0)
-                torch.autograd.backward(out, upstream)
-            if params is not None:  # the stashed copy's gradient goes to the live parameters
-                for name, p in self.module.named_parameters():
-                    grad = params[name].grad
-                    p.grad = grad if p.grad is None or grad is None else p.grad + grad
-            self.versions.append(("B", mb, version))
-            if trace is not None:
-                t0 = _span(trace, f"backward {mb}", "compute", t0)
-            if self.stage_index > self.gradient_from:
-                assert inp.grad is not None
-                sends.append(self._send(self.stage_index - 1, base - gradient_tag(mb), inp.grad, forward=False))
-                if trace is not None:
-                    _span(trace, f"send gradient {mb}", "communication", t0)
-        # stages in front of the first learner get no gradients to wait for: an empty message from the next
-        # stage ends their step when its step ends, so they never run ahead by more than one mini-batch
+        self.history = {pipe.version: pipe._snapshot()} if pipe.schedule.name == "pipedream-vsync" else None
+        self.first_version = pipe.version  # the plan's versions count from this mini-batch's start
+        self.trace = pipe._trace
+        self.t0 = time.time()  # where the next span of the trace starts
+
+    def run(self) -> float | None:
+        """Executes the stage's actions, then waits for its sends; returns the summed loss on the last stage."""
+        handlers: dict[str, Callable[[int, _Planned], None]] = {
+            "recv": self.posted.__setitem__,
+            "send": self._send,
+            "release": self._release,
+            "F": self._forward,
+            "B": self._backward,
+            "S": self._optimizer_step,
+        }
+        for index, planned in enumerate(self.pipe._planned):
+            handlers[planned.does](index, planned)
+        for index in list(self.posted):  # the end of the next stage's step, which no send here waited for
+            self._end(index)
         t0 = time.time()
-        if self.stage_index < self.gradient_from and not self.is_last:
-            transport.recv(self.stage_index + 1, base - done_tag(m), timeout=self._timeout)
-            if trace is not None:
-                t0 = _span(trace, "wait next stage", "waiting", t0)
-        if 0 < self.stage_index <= self.gradient_from:
-            sends.append(transport.isend(self.stage_index - 1, base - done_tag(m), []))
-        for handle in sends:
-            handle.wait(self._timeout)
-        if trace is not None and sends:
-            _span(trace, "wait sends", "waiting", t0)
-        return total
+        for handle in self.sends:
+            handle.wait(self.pipe._timeout)
+        if self.trace is not None and self.sends:
+            _span(self.trace, "wait sends", "waiting", t0)
+        return self.total
+
+    def _span(self, what: str, category: str, microbatch: int = -1) -> None:
+        """Reports ``what`` (of micro-batch ``microbatch``) from :attr:`t0` to now, where the next span starts."""
+        if self.trace is not None:
+            name = what if microbatch < 0 else f"{what} {microbatch}"
+            self.t0 = _span(self.trace, name, category, self.t0)
+
+    def _received(self, index: int) -> torch.Tensor:
+        """Takes receive ``index``: an activation from the previous stage or a gradient from the next."""
+        planned = self.posted.pop(index)
+        action = planned.action
+        forward = action.peer < self.pipe.stage_index
+        tensor = self.pipe._recv(action.peer, self.base - action.tag, forward=forward)
+        self._span("wait activation" if forward else "wait gradient", "waiting", planned.microbatch)
+        return tensor
+
+    def _end(self, index: int) -> None:
+        """Takes receive ``index``: the empty message that ends this stage's step (:data:`DONE`)."""
+        action = self.posted.pop(index).action
+        self.t0 = time.time()
+        self.pipe.group.transport.recv(action.peer, self.base - action.tag, timeout=self.pipe._timeout)
+        self._span("wait next stage", "waiting")
+
+    def _forward(self, index: int, planned: _Planned) -> None:
+        """``F m``: the micro-batch (stage 0's own, or the activation received) through the stage's layers on the
+        weight version the plan names, and the loss on the last stage; keeps what the backward needs."""
+        pipe = self.pipe
+        self.t0 = time.time()
+        mb, deps = planned.microbatch, planned.action.deps
+        wants_grad = pipe.stage_index > pipe.gradient_from  # the input's gradient only where a stage before learns
+        inp = self._received(deps[0]).requires_grad_(wants_grad) if deps else self.xs[mb]
+        params: dict[str, torch.Tensor] | None = None
+        wanted = self.first_version + planned.version
+        if self.history is not None:  # the version the plan names, kept since stage 0 used it
+            params = {n: t.clone().requires_grad_(True) for n, t in self.history[wanted].items()}
+        elif self.stash:  # weight stashing: this micro-batch runs, forward and backward, on today's weights
+            if wanted != pipe.version:
+                raise RuntimeError(
+                    f"stage {pipe.stage_index}: the plan says version {wanted} for F{mb}, "
+                    f"the stage holds {pipe.version}"
+                )
+            params = {n: p.detach().clone().requires_grad_(True) for n, p in pipe.module.named_parameters()}
+        target = self.ys[mb] if pipe.is_last else None
+        saved = [inp.numel() * inp.element_size()]  # what this micro-batch holds until its backward
+        if pipe.checkpoint:  # re-materialisation: keep the input only, recompute in the backward
+            with torch.no_grad():
+                out = pipe._forward(inp, params, target)
+        else:
+            counted = {_storage(inp), *(_storage(p) for p in pipe.module.parameters())}
+            counted.update(_storage(t) for t in (self.inputs, self.targets) if t is not None)
+            with torch.autograd.graph.saved_tensors_hooks(_counting(saved, counted), lambda t: t):
+                out = pipe._forward(inp, params, target)
+        version = wanted if self.stash else pipe.version
+        pipe.versions.append(("F", mb, version))
+        if self.total is not None:
+            self.total += float(out.detach())
+        self._span("forward", "compute", mb)
+        if not pipe.is_last:
+            self.produced[index] = out
+        self.held[mb] = (inp, None if pipe.checkpoint else out, params, version, sum(saved))
+        self.holding += sum(saved)
+        pipe.peak_held_bytes = max(pipe.peak_held_bytes, self.holding)
+
+    def _backward(self, index: int, planned: _Planned) -> None:
+        """``B m``: back-propagates the loss (last stage) or the gradient received through what the forward kept
+        (recomputing it first with checkpointing); a stashed copy's gradient goes to the live parameters."""
+        pipe = self.pipe
+        self.t0 = time.time()
+        mb, deps = planned.microbatch, planned.action.deps
+        inp, kept, params, version, nbytes = self.held.pop(mb)
+        self.holding -= nbytes
+        if kept is not None:
+            out = kept
+        else:  # re-materialisation: the forward again, this time keeping what backward needs
+            out = pipe._forward(inp, params, self.ys[mb] if pipe.is_last else None)
+            self._span("recompute", "compute", mb)
+        if deps:
+            torch.autograd.backward(out, self._received(deps[0]))
+        else:  # the last stage: the loss
+            torch.autograd.backward(out)
+        if params is not None:  # the stashed copy's gradient goes to the live parameters
+            for name, p in pipe.module.named_parameters():
+                grad = params[name].grad
+                p.grad = grad if p.grad is None or grad is None else p.grad + grad
+        pipe.versions.append(("B", mb, version))
+        self._span("backward", "compute", mb)
+        if inp.grad is not None:
+            self.produced[index] = inp.grad
+
+    def _release(self, index: int, planned: _Planned) -> None:
+        """``B m`` on a stage in front of the first learner: no gradient comes and nothing runs; the micro-batch
+        lets go of what its forward kept."""
+        _, _, _, version, nbytes = self.held.pop(planned.microbatch)
+        self.holding -= nbytes
+        self.pipe.versions.append(("B", planned.microbatch, version))
+
+    def _optimizer_step(self, index: int, planned: _Planned) -> None:
+        """``S v``: the optimizer step (:meth:`Pipe._apply_gradients`) that makes the next weight version; with
+        vertical sync, the versions no planned forward needs any more are dropped."""
+        pipe = self.pipe
+        pipe._apply_gradients(self.trace)
+        pipe.version += 1
+        if self.history is not None:
+            later = [self.first_version + st.version for st in pipe.steps[planned.position :] if st.kind == "F"]
+            self.history[pipe.version] = pipe._snapshot()
+            for old in [v for v in self.history if not later or v < min(later)]:
+                del self.history[old]
+
+    def _send(self, index: int, planned: _Planned) -> None:
+        """Hands the transport an activation (to the next stage) or a gradient (to the previous one) that the
+        compute before made, or the empty message that ends the previous stage's step."""
+        pipe, action = self.pipe, planned.action
+        tag = self.base - action.tag
+        if action.label == DONE:
+            for dep in action.deps:
+                if dep in self.posted:  # this stage's own end came first
+                    self._end(dep)
+            self.sends.append(pipe.group.transport.isend(action.peer, tag, []))
+            return
+        value = self.produced.pop(action.deps[0], None)
+        if value is None:
+            raise RuntimeError(f"stage {pipe.stage_index}: {action!r} has nothing to send")
+        forward = action.peer > pipe.stage_index
+        self.sends.append(pipe._send(action.peer, tag, value, forward=forward))
+        self._span("send activation" if forward else "send gradient", "communication", planned.microbatch)
 
 
 def _span(trace: Trace, name: str, category: str, start: float) -> float:

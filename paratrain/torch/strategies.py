@@ -29,20 +29,20 @@ from __future__ import annotations
 
 import abc
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from paratrain.compression import Cast, Compressor, TopK
+from paratrain.compression import Compressor
 from paratrain.errors import ConfigError
 from paratrain.gossip.exchange import ShmExchange, open_exchange
 from paratrain.gossip.mixing import neighbors, resolve_mixing
 from paratrain.ps.client import KVStore
 from paratrain.runtime.context import Context
-from paratrain.strategy.spec import STRATEGIES, StrategySpec, parse_strategy
+from paratrain.strategy import STRATEGIES, StrategyOptions, StrategySpec, check_options, parse_strategy
 from paratrain.torch.fusion import FusedBucket
 from paratrain.transport.base import Handle
 
@@ -53,7 +53,6 @@ __all__ = [
     "ParameterServerStrategy",
     "Strategy",
     "StrategySpec",
-    "build_strategy",
     "parse_strategy",
     "server_optimizer_spec",
 ]
@@ -241,18 +240,8 @@ class ParameterServerStrategy(Strategy):
         compressor: Compressor | None = None,
     ) -> None:
         super().__init__(buckets)
-        if isinstance(compressor, TopK) and compressor.momentum_correction:
-            raise ConfigError(
-                "compression 'dgc:R' moves the optimizer's momentum to the workers, but with parameter servers the "
-                "servers step the optimizer (and its momentum); use topk:R with the servers, or dgc:R with "
-                "strategy='allreduce'"
-            )
-        if compressor is not None and not isinstance(compressor, Cast | TopK):
-            raise ConfigError(
-                f"compression {compressor.name!r} needs two aggregation rounds per step (P, then Q); the parameter "
-                "servers aggregate once, by stepping their optimizer. Use fp16, bf16 or topk:R with the parameter "
-                "servers, or PowerSGD with strategy='allreduce'"
-            )
+        if compressor is not None:  # the servers' rules for compressors (DistributedOptimizer checked them first)
+            check_options(spec, StrategyOptions(compression=compressor))
         self.compressor = compressor
         self._server_spec = server_optimizer_spec(optimizer)
         self._warned = False
@@ -264,9 +253,10 @@ class ParameterServerStrategy(Strategy):
             context=context,
             staleness_lr=staleness_lr,
             cache=False,
+            servers=context.settings.server_ranks,
         )
         self._handles: list[Handle[None] | None] = [None] * len(self.buckets)
-        self._after_clock = self.kv.replicas > 1 and spec.kind != "asp"  # pushes are waited for in apply()
+        self._after_clock = self.kv.replicas > 1 and self.kv.policy.clocked  # pushes are waited for in apply()
         self._pulled: dict[str, npt.NDArray[Any]] = {}
         try:
             for key, bucket in zip(self._keys, self.buckets, strict=True):
@@ -290,16 +280,15 @@ class ParameterServerStrategy(Strategy):
 
         With ``compression``: as 16-bit floats (the servers add them at the key's width), or as the top-k entries
         of gradient + residual (:meth:`~paratrain.ps.KVStore.push_sparse`: a dense gradient, zero elsewhere)."""
-        grads, comp = self.buckets[k].grads, self.compressor
-        if comp is None:
-            self._handles[k] = self.kv.push(self._keys[k], grads)
-        elif isinstance(comp, Cast):
-            wire = torch.bfloat16 if comp.dtype == "bfloat16" else torch.float16
-            self._handles[k] = self.kv.push(self._keys[k], grads.to(wire))
+        key, grads = self._keys[k], self.buckets[k].grads
+        if self.compressor is None:
+            self._handles[k] = self.kv.push(key, grads)
+            return
+        push = self.compressor.encode_push(key, grads)
+        if push.indices is None:
+            self._handles[k] = self.kv.push(key, push.values)
         else:
-            assert isinstance(comp, TopK)
-            idx, values = comp.compress(self._keys[k], _numpy(grads))
-            self._handles[k] = self.kv.push_sparse(self._keys[k], idx, values)
+            self._handles[k] = self.kv.push_sparse(key, push.indices, push.values)
 
     def finish(self) -> None:
         """Waits until the servers have every bucket of this step. Replicated under BSP/SSP, a push is acknowledged
@@ -488,75 +477,3 @@ class GossipStrategy(Strategy):
         """
         self._sent = None
         self.exchange.close()
-
-
-#: How the torch front end builds each family's strategy (see :func:`build_strategy`); a front end for a new
-#: family (pipelines) registers here or sits beside DistributedOptimizer.
-StrategyBuilder = Callable[..., Strategy]
-
-
-def _build_allreduce(spec: StrategySpec, context: Context, buckets: Sequence[FusedBucket], **_: Any) -> Strategy:
-    return AllreduceStrategy(context, buckets)
-
-
-def _build_ps(
-    spec: StrategySpec,
-    context: Context,
-    buckets: Sequence[FusedBucket],
-    *,
-    optimizer: torch.optim.Optimizer,
-    staleness_lr: bool,
-    compressor: Compressor | None = None,
-    **_: Any,
-) -> Strategy:
-    return ParameterServerStrategy(
-        context, buckets, spec=spec, optimizer=optimizer, staleness_lr=staleness_lr, compressor=compressor
-    )
-
-
-def _build_gossip(
-    spec: StrategySpec, context: Context, buckets: Sequence[FusedBucket], *, topology: Any, overlap: bool, **_: Any
-) -> Strategy:
-    graph = topology if topology is not None else spec.topology
-    return GossipStrategy(context, buckets, topology=graph, overlap=overlap)
-
-
-BUILDERS: dict[str, StrategyBuilder] = {
-    "collective": _build_allreduce,
-    "parameter-server": _build_ps,
-    "decentralised": _build_gossip,
-}
-
-
-def build_strategy(
-    spec: StrategySpec,
-    context: Context,
-    buckets: Sequence[FusedBucket],
-    *,
-    optimizer: torch.optim.Optimizer,
-    topology: Any = None,
-    overlap: bool = True,
-    staleness_lr: bool = False,
-    compressor: Compressor | None = None,
-) -> Strategy:
-    """The torch strategy for ``spec``, by its family (:data:`BUILDERS`); ``compressor`` reaches the parameter
-    server's (allreduce's compressed form is :class:`~paratrain.torch.compressed.CompressedAllreduceStrategy`).
-
-    Raises:
-        ConfigError: no torch builder for the family (e.g. pipelines, which have their own front end).
-    """
-    builder = BUILDERS.get(spec.family)
-    if builder is None:
-        raise ConfigError(
-            f"strategy {str(spec)!r} ({spec.family}) does not run under DistributedOptimizer; use its own front end"
-        )
-    return builder(
-        spec,
-        context,
-        buckets,
-        optimizer=optimizer,
-        topology=topology,
-        overlap=overlap,
-        staleness_lr=staleness_lr,
-        compressor=compressor,
-    )

@@ -5,10 +5,19 @@ from the options (the workers; a pipeline's stages)."""
 from __future__ import annotations
 
 from paratrain.errors import ConfigError
-from paratrain.strategy import UnknownStrategyError, parse_layer_schemes, parse_strategy, strategies_help
+from paratrain.strategy import (
+    CompressionTraits,
+    StrategyOptions,
+    UnknownStrategyError,
+    check_options,
+    parse_layer_schemes,
+    parse_strategy,
+    servers_of,
+    strategies_help,
+)
 from paratrain.train.job import TrainJob
 
-__all__ = ["servers_of", "validate"]
+__all__ = ["options_of", "validate"]
 
 
 def validate(job: TrainJob) -> TrainJob:
@@ -38,96 +47,59 @@ def validate(job: TrainJob) -> TrainJob:
         raise ConfigError(f"unknown --strategy {job.strategy!r}; choose one of: {strategies_help()}") from None
     except ConfigError as exc:
         raise ConfigError(f"--strategy {job.strategy!r}: {exc} (the forms: {strategies_help()})") from None
-    if spec.family == "pipeline":
+    if spec.pipelined:
         job = _resolve_pipeline(job)
     elif job.workers is None:
         job = job.replace(workers=2)
     assert job.workers is not None
-    if job.servers and not spec.uses_servers:
-        raise ConfigError(f"--servers is for the parameter-server strategies (bsp, ssp:S, asp), not {spec.kind}")
-    if spec.kind == "gossip":
+    if spec.topology is not None:
         from paratrain.gossip.mixing import resolve_mixing
 
         resolve_mixing(spec.topology, job.workers)
-    if job.layer_scheme and not spec.hybrid:
-        raise ConfigError(f"--layer-scheme is for poseidon, poseidon:allreduce and sfb, not {job.strategy!r}")
     parse_layer_schemes(job.layer_scheme)
+    compressor = None
     if job.compression is not None:
-        from paratrain.compression import LowRank, TopK, parse_compression
+        from paratrain.compression import parse_compression
 
         compressor = parse_compression(job.compression)
-        if compressor is not None and spec.family not in ("collective", "parameter-server"):
-            raise ConfigError(f"--compression is for allreduce and the parameter servers, not {job.strategy!r}")
-        if (
-            compressor is not None
-            and (job.max_restarts or job.min_workers or job.checkpoint_dir)
-            and not spec.uses_servers
-        ):
-            raise ConfigError("--compression does not combine with --max-restarts, --min-workers or --checkpoint-dir")
-        if isinstance(compressor, TopK) and compressor.momentum_correction and spec.uses_servers:
-            raise ConfigError(
-                f"--compression {job.compression}: DGC moves SGD's momentum to the workers, but the parameter "
-                "servers step the optimizer; use it with --strategy allreduce (or topk:R with the servers)"
-            )
-        if isinstance(compressor, LowRank) and spec.uses_servers:
-            raise ConfigError(
-                f"--compression {job.compression}: PowerSGD needs two allreduce rounds per step; use it with "
-                "--strategy allreduce (or fp16, bf16, topk:R with the parameter servers)"
-            )
-    if spec.uses_servers:
-        if not spec.hybrid:
-            Policy.parse(spec.kind, spec.staleness)
-        servers = servers_of(job, True)
-        if not 1 <= job.replicas <= servers:
-            raise ConfigError(
-                f"--replicas {job.replicas}: each parameter-server chunk needs that many distinct servers; "
-                f"give --servers {max(job.replicas, 2)} or more (now {servers})"
-            )
-    elif spec.family != "pipeline" and job.replicas != 1:
-        raise ConfigError("--replicas is for pipelines (R pipelines) and parameter servers (R copies of each chunk)")
+    if spec.uses_servers and not spec.hybrid:
+        Policy.parse(spec.kind, spec.staleness)
+    if job.max_restarts < 0 or job.checkpoint_every < 1:
+        raise ConfigError("--max-restarts must be >= 0 and --checkpoint-every >= 1")
+    check_options(spec, options_of(job, compressor))
     job.network()
     if job.device == "cuda":
-        if spec.family == "pipeline":
-            raise ConfigError(
-                "--device cuda is for the data-parallel strategies; a pipeline places its stages itself "
-                "(paratrain.torch.Pipe(device=...))"
-            )
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda, but torch sees no CUDA device here (torch.cuda.is_available() is False)")
-    if job.no_overlap and spec.family == "pipeline":
-        raise ConfigError("--no-overlap is for the data-parallel strategies; a pipeline overlaps by its schedule")
     if job.straggler:
         from paratrain.train import stragglers
 
         stragglers.parse(job.straggler, seed=job.seed).check_workers(job.workers)
     check_available(job.dataset, data_dir=job.data_dir)
-    if job.max_restarts < 0 or job.checkpoint_every < 1:
-        raise ConfigError("--max-restarts must be >= 0 and --checkpoint-every >= 1")
-    if job.max_restarts and spec.kind != "allreduce" and not (spec.uses_servers and job.replicas >= 2):
-        raise ConfigError(
-            f"--max-restarts recovers allreduce training (Rabit's model) and restarts dead parameter servers that "
-            f"have replicas (--servers S --replicas 2); {job.strategy!r} with --replicas {job.replicas} does not "
-            "support it"
-        )
-    if job.checkpoint_dir and spec.kind != "allreduce":
-        raise ConfigError(f"--checkpoint-dir checkpoints allreduce training; {job.strategy!r} does not support it yet")
-    if job.min_workers and (spec.kind != "allreduce" or not 0 < job.min_workers <= (job.workers or 0)):
-        raise ConfigError(
-            f"--min-workers needs the allreduce strategy and 1..{job.workers} (the workers); got "
-            f"{job.min_workers} with {job.strategy!r}"
-        )
     if job.kill:
         from paratrain.launch.kills import parse_kills
 
-        parse_kills(job.kill, nproc=job.workers, servers=servers_of(job, spec.uses_servers), seed=job.seed)
+        parse_kills(job.kill, nproc=job.workers, servers=servers_of(job.servers, spec), seed=job.seed)
     return job
 
 
-def servers_of(job: TrainJob, uses_servers: bool) -> int:
-    """The parameter-server processes the job starts: ``--servers``, or 1 for a PS strategy, else none."""
-    return job.servers if job.servers is not None else (1 if uses_servers else 0)
+def options_of(job: TrainJob, compressor: CompressionTraits | None = None) -> StrategyOptions:
+    """The job's options as the strategy's rules take them (:func:`paratrain.strategy.check_options`)."""
+    return StrategyOptions(
+        front="cli",
+        workers=job.workers,
+        servers=job.servers,
+        replicas=job.replicas,
+        compression=compressor,
+        max_restarts=job.max_restarts,
+        min_workers=job.min_workers,
+        checkpoint=bool(job.checkpoint_dir),
+        layer_schemes=bool(job.layer_scheme),
+        device=job.device,
+        overlap=not job.no_overlap,
+    )
 
 
 def _resolve_pipeline(job: TrainJob) -> TrainJob:

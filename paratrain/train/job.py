@@ -205,7 +205,7 @@ class TrainJob:
     def reporting_rank(self) -> int:
         """The rank whose metrics are the job's loss and accuracy: rank 0, or for a pipeline the last stage of
         pipeline 0 (the stage that computes the loss and holds the outputs)."""
-        return (self.stages or 1) - 1 if parse_strategy(self.strategy).family == "pipeline" else 0
+        return (self.stages or 1) - 1 if parse_strategy(self.strategy).pipelined else 0
 
     def network(self) -> str | None:
         """The fault spec every rank gets: ``--faults`` plus ``--latency`` and ``--bandwidth`` (None: real network).

@@ -74,23 +74,15 @@ def build_model(name: str, *, side: int, classes: int) -> Any:
         with torch.no_grad():
             return int(nn.Sequential(*layers)(torch.zeros(1, 1, side, side)).numel())
 
-    if name == "mlp":
+    if name in ("mlp", "widemlp"):  # two hidden layers of 512 or 2048
+        width = 512 if name == "mlp" else 2048
         return nn.Sequential(
             nn.Flatten(),
-            nn.Linear(side * side, 512),
+            nn.Linear(side * side, width),
             nn.ReLU(),
-            nn.Linear(512, 512),
+            nn.Linear(width, width),
             nn.ReLU(),
-            nn.Linear(512, classes),
-        )
-    if name == "widemlp":
-        return nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(side * side, 2048),
-            nn.ReLU(),
-            nn.Linear(2048, 2048),
-            nn.ReLU(),
-            nn.Linear(2048, classes),
+            nn.Linear(width, classes),
         )
     if name == "lenet":
         features: list[nn.Module] = [

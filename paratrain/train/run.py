@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from paratrain.errors import JobFailedError
-from paratrain.strategy import parse_strategy
-from paratrain.train.checks import servers_of, validate
+from paratrain.strategy import parse_strategy, servers_of
+from paratrain.train.checks import validate
 from paratrain.train.job import TrainJob, write_job
 from paratrain.train.summary import summarise
 
@@ -94,17 +94,15 @@ def run_training(
 
     job = validate(job)
     spec = parse_strategy(job.strategy)
-    servers = servers_of(job, spec.uses_servers)
+    servers = servers_of(job.servers, spec)
     run_dir = Path(job.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{job.strategy.replace(':', '')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     for old in run_dir.glob("rank*.*"):
         old.unlink()
-    pipeline = spec.family == "pipeline"
     # every rank reads the whole job from the run directory (a restarted rank, a warm spare, one started again)
     checkpoints = str(Path(job.checkpoint_dir).resolve()) if job.checkpoint_dir else None
     job = job.replace(run_dir=str(run_dir), checkpoint_dir=checkpoints)
-    module = "paratrain.train.pipeline_worker" if pipeline else "paratrain.train.worker"
-    argv = ["python", "-m", module, "--job", str(write_job(job, run_dir)), "--quiet"]
+    argv = ["python", "-m", spec.info.worker, "--job", str(write_job(job, run_dir)), "--quiet"]
     stop = threading.Event()
     total = [0]
     follower = None
@@ -143,7 +141,7 @@ def run_training(
         raise JobFailedError(code)
     records = merge_run(run_dir)
     title = f"{job.model} on {job.dataset}, {job.workers} worker{'s' if job.workers != 1 else ''}, {job.strategy}"
-    if pipeline:
+    if spec.pipelined:
         title += f" ({job.stages} stages x {job.replicas}, {job.microbatches} micro-batches)"
     plots = plot_run(records, run_dir, title=title)
     summary = summarise(records, job=job, servers=servers, wall=wall, run_dir=run_dir)

@@ -59,7 +59,7 @@ def summarise(
         "per_rank": {str(k): v for k, v in sorted(per_rank.items())},
         "run_dir": str(run_dir),
     }
-    if parse_strategy(job.strategy).family == "pipeline":
+    if parse_strategy(job.strategy).pipelined:
         summary["pipeline"] = _pipeline_summary(records, job)
     return summary
 

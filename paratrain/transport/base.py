@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 from paratrain.errors import CommTimeoutError
 from paratrain.transport.wire import Message
 
-__all__ = ["ANY_SOURCE", "ANY_TAG", "Handle", "Transport", "TransportStats"]
+__all__ = ["ANY_SOURCE", "ANY_TAG", "Handle", "Transport", "TransportStats", "TransportWrapper"]
 
 ANY_SOURCE = -1
 ANY_TAG = -(1 << 62)
@@ -262,3 +262,30 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class TransportWrapper(Transport):
+    """A transport over another one, ``inner``, that changes what it sends (faults, records): it takes the inner
+    transport's rank, size, timeout and counters, and forwards receives and what is known of lost peers unless
+    it overrides them."""
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(rank=inner.rank, world_size=inner.world_size, timeout=inner.timeout)
+        self.inner = inner
+        self.stats = inner.stats
+
+    def irecv(self, src: int = ANY_SOURCE, tag: int = ANY_TAG) -> Handle[Message]:
+        """The inner transport's receive."""
+        return self.inner.irecv(src, tag)
+
+    def cancel_recv(self, handle: Handle[Message]) -> bool:
+        """Withdraws the inner transport's receive."""
+        return self.inner.cancel_recv(handle)
+
+    def lost_peers(self) -> frozenset[int]:
+        """Peers the inner transport knows to be gone."""
+        return self.inner.lost_peers()
+
+    def departed_peers(self) -> frozenset[int]:
+        """Peers the inner transport saw shut down cleanly."""
+        return self.inner.departed_peers()

@@ -37,7 +37,7 @@ from paratrain._arrays import as_numpy_view, is_torch_tensor, wire_array
 from paratrain.config import parse_duration
 from paratrain.device import on_device, to_host
 from paratrain.errors import ConfigError, TransportClosedError
-from paratrain.transport.base import ANY_SOURCE, ANY_TAG, Handle, Transport
+from paratrain.transport.base import ANY_SOURCE, ANY_TAG, Handle, Transport, TransportWrapper
 from paratrain.transport.wire import Message
 
 __all__ = ["FaultSpec", "FaultyTransport", "parse_bandwidth"]
@@ -118,7 +118,7 @@ class FaultSpec:
         return cls(**fields)
 
 
-class FaultyTransport(Transport):
+class FaultyTransport(TransportWrapper):
     """Wraps ``inner`` and injects the faults of ``spec``. Thread-safe.
 
     Example:
@@ -134,12 +134,10 @@ class FaultyTransport(Transport):
     name = "faulty"
 
     def __init__(self, inner: Transport, spec: FaultSpec) -> None:
-        super().__init__(rank=inner.rank, world_size=inner.world_size, timeout=inner.timeout)
+        super().__init__(inner)
         self.round = inner.round
-        self.inner = inner
         self.rejoined = inner.rejoined  # (wrapped once connected)
         self.spec = spec
-        self.stats = inner.stats
         self._rng = random.Random(spec.seed * 1_000_003 + inner.rank)
         self._lock = threading.Condition()
         self._heap: list[tuple[float, int, str, Any]] = []
@@ -245,14 +243,6 @@ class FaultyTransport(Transport):
         """Withdraws a posted receive."""
         inner_handle = self._wrapped.pop(id(handle), handle)
         return self.inner.cancel_recv(inner_handle)
-
-    def lost_peers(self) -> frozenset[int]:
-        """Peers the inner transport knows to be gone."""
-        return self.inner.lost_peers()
-
-    def departed_peers(self) -> frozenset[int]:
-        """Peers the inner transport saw shut down cleanly."""
-        return self.inner.departed_peers()
 
     def incarnations(self) -> dict[int, int]:
         """Peers the inner transport took back after they were lost."""

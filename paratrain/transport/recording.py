@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 
 from paratrain.plan.ir import Message as PlannedMessage
-from paratrain.transport.base import ANY_SOURCE, ANY_TAG, Handle, Transport
-from paratrain.transport.wire import Message
+from paratrain.transport.base import Handle, Transport, TransportWrapper
 
 __all__ = ["RecordingTransport"]
 
@@ -28,7 +27,7 @@ def _nbytes(array: Any) -> int:
     return int(np.asarray(array).nbytes)
 
 
-class RecordingTransport(Transport):
+class RecordingTransport(TransportWrapper):
     """Forwards everything to ``inner`` and records each send as ``(src, dst, tag, nbytes)``.
 
     ``nbytes`` counts the arrays' bytes (not the header, which carries metadata such as the agreement's
@@ -47,9 +46,7 @@ class RecordingTransport(Transport):
     name = "recording"
 
     def __init__(self, inner: Transport) -> None:
-        super().__init__(rank=inner.rank, world_size=inner.world_size, timeout=inner.timeout)
-        self.inner = inner
-        self.stats = inner.stats
+        super().__init__(inner)
         self._lock = threading.Lock()
         #: Every message sent so far, in send order (the tag as given, not relative to a call).
         self.sent: list[PlannedMessage] = []
@@ -62,22 +59,6 @@ class RecordingTransport(Transport):
         with self._lock:
             self.sent.append(PlannedMessage(self.rank, dst, tag, nbytes))
         return self.inner.isend(dst, tag, arrays, meta)
-
-    def irecv(self, src: int = ANY_SOURCE, tag: int = ANY_TAG) -> Handle[Message]:
-        """Forwards."""
-        return self.inner.irecv(src, tag)
-
-    def cancel_recv(self, handle: Handle[Message]) -> bool:
-        """Forwards."""
-        return self.inner.cancel_recv(handle)
-
-    def lost_peers(self) -> frozenset[int]:
-        """Forwards."""
-        return self.inner.lost_peers()
-
-    def departed_peers(self) -> frozenset[int]:
-        """Forwards."""
-        return self.inner.departed_peers()
 
     def take(self) -> list[PlannedMessage]:
         """The messages recorded so far, clearing the record."""

@@ -234,3 +234,36 @@ def test_settings_that_cannot_work_are_refused() -> None:
     assert "servers step the optimizer" in errors[3]
     assert "Adam" in errors[4] and "no SGD momentum" in errors[4]
     assert "Nesterov" in errors[5]
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_casts_keep_a_tensor_a_tensor_and_send_what_wire_bytes_says(name: str) -> None:
+    """A bucket's tensor is cast by torch (numpy has no bfloat16): ``cast(buffer / P)`` among the workers, the
+    gradient cast for the servers, the sum back at the buffer's width; each weighs what wire_bytes says."""
+    from paratrain.compression import parse_compression
+
+    comp = parse_compression(name)
+    assert comp is not None
+    wire = torch.float16 if name == "fp16" else torch.bfloat16
+    buffer = torch.randn(23, generator=torch.Generator().manual_seed(0))
+    message = comp.encode("b", buffer, numel=20, workers=3)
+    assert message.op == "sum" and torch.equal(message.array, (buffer / 3).to(wire))
+    assert message.array.element_size() * message.array.numel() == comp.wire_bytes(23, 4)
+    push = comp.encode_push("b", buffer[:20])
+    assert push.indices is None and torch.equal(push.values, buffer[:20].to(wire))
+    assert push.values.element_size() * push.values.numel() == comp.wire_bytes(20, 4, push=True)
+    decoded = comp.decode("b", message.array * 3, buffer, numel=20, workers=3)
+    assert decoded.dtype == torch.float32 and decoded.data_ptr() != buffer.data_ptr()
+    torch.testing.assert_close(decoded, buffer, rtol=2e-2, atol=2e-2)
+
+
+def test_top_k_refuses_half_precision_buckets() -> None:
+    def worker(ctx: Context) -> str:
+        net = make_net().half()
+        with pytest.raises(ConfigError) as info:
+            ptt.DistributedOptimizer(
+                torch.optim.SGD(net.parameters(), lr=0.1), model=net, context=ctx, compression="topk:0.1"
+            )
+        return str(info.value)
+
+    assert "top-k compression sends float32 or float64 gradients, not torch.float16" in run_ranks(2, worker)[0]

@@ -47,6 +47,7 @@ LAYERS = {
     "torch": 6,
     "horovod": 6,  # Horovod's API over the runtime and torch (a front end beside paratrain.torch)
     "train": 7,
+    "apps": 7,  # model-parallel applications over sched's engines (problems, each rank's job), beside train
     "bench": 8,
     "cli": 9,
     "examples": 9,

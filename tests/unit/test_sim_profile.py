@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from paratrain.bench.profile import DEFAULT_SIZES, _combine, _emulated_plan, _nested, emulated_spec, fit_hockney
+from paratrain.bench.profile_links import DEFAULT_SIZES, _emulated_plan, emulated_spec, fit_hockney
+from paratrain.bench.profile_models import _combine, _nested
 from paratrain.cli.profile import format_table, parse_sizes
 from paratrain.errors import ConfigError
 from paratrain.sim.machine import Cluster, LayerCost, LinkCost, MachineProfile, ModelProfile
