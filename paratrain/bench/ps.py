@@ -255,7 +255,8 @@ def _add_ratios(rows: list[dict[str, Any]], memcpy: dict[int, float]) -> None:
         of_ceiling = stats.ratio(row["aggregate_gbps"], ceiling.get(row["bytes"]), scale=100, digits=1)
         if of_ceiling is not None:
             row["pct_of_ceiling"] = of_ceiling
-        of_memcpy = stats.ratio(row["worker_gbps"], memcpy.get(row["bytes"]), scale=100, digits=1)
+        # small keys on a loaded machine reach well under 0.1 % of memcpy: kept to 4 places, not rounded to 0
+        of_memcpy = stats.ratio(row["worker_gbps"], memcpy.get(row["bytes"]), scale=100, digits=4)
         if of_memcpy is not None:
             row["pct_of_memcpy"] = of_memcpy
 
