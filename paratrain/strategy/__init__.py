@@ -1,6 +1,7 @@
 """Synchronisation strategies as units: one torch-free parser and registry (:mod:`paratrain.strategy.spec`),
-every rule across a strategy's options (:mod:`paratrain.strategy.checks`) and the built-in kinds
-(:mod:`paratrain.strategy.builtin`), each registered with its update rule, builder, worker and composer."""
+every rule across a strategy's options (:mod:`paratrain.strategy.checks`), the wrappers that decorate a base
+strategy (:mod:`paratrain.strategy.wrappers`) and the built-in kinds and wrappers (:mod:`paratrain.strategy.builtin`),
+each registered with its update rule, checks and builder."""
 
 from paratrain.strategy.builtin import PIPELINE_SCHEDULES, STRATEGIES
 from paratrain.strategy.checks import check_options, servers_of
@@ -19,6 +20,7 @@ from paratrain.strategy.spec import (
     resolve,
     strategies_help,
 )
+from paratrain.strategy.wrappers import WrapperUnit, register_wrapper, wrapper_units, wrappers_given
 
 __all__ = [
     "FAMILIES",
@@ -30,13 +32,17 @@ __all__ = [
     "StrategySpec",
     "StrategyUnit",
     "UnknownStrategyError",
+    "WrapperUnit",
     "check_options",
     "complete",
     "kinds",
     "parse_layer_schemes",
     "parse_strategy",
     "register_kind",
+    "register_wrapper",
     "resolve",
     "servers_of",
     "strategies_help",
+    "wrapper_units",
+    "wrappers_given",
 ]

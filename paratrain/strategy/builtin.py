@@ -10,9 +10,17 @@ from types import MappingProxyType
 from typing import Any
 
 from paratrain.errors import ConfigError
-from paratrain.strategy.checks import hybrid_checks, no_more_checks, parameter_server_checks, pipeline_checks
+from paratrain.strategy.checks import (
+    compression_checks,
+    hybrid_checks,
+    no_more_checks,
+    parameter_server_checks,
+    pipeline_checks,
+    reliable_checks,
+)
 from paratrain.strategy.options import StrategyOptions
 from paratrain.strategy.spec import GOSSIP_TOPOLOGIES, Family, StrategySpec, StrategyUnit, kinds, register_kind
+from paratrain.strategy.wrappers import WrapperUnit, register_wrapper
 
 __all__ = ["PIPELINE_SCHEDULES", "STRATEGIES"]
 
@@ -154,6 +162,25 @@ for _registered in (
           _SFB, no_more_checks, ("hybrid", "HYBRID"), compressible=True),
 ):  # fmt: skip
     register_kind(_registered)
+
+#: What each wrapper changes in its base's update rule (:mod:`paratrain.strategy.wrappers`).
+_COMPRESSION = (
+    "the base's mean gradient replaced by its compressed estimate: fp16/bf16 the mean of 16-bit casts; topk:R the "
+    "mean of each worker's R largest entries of gradient + residual (dgc:R: of its momentum-corrected velocity), "
+    "the rest kept as the next step's residual; powersgd:R the mean's rank-R factors P Q^T (two rounds). On the "
+    "parameter servers the pushes are compressed and the servers step on what they decode"
+)
+_RELIABLE = (
+    "the base's rule unchanged (the same w to the bit): each bucket averaged by one numbered, synchronous reliable "
+    "allreduce in step() instead of during backward, so that a restarted rank replays the step (Rabit's model) and "
+    "an elastic job (min_workers) regroups and resumes at the bucket it stopped at"
+)
+
+for _wrapper in (
+    WrapperUnit("compression", "compression", _COMPRESSION, compression_checks, "paratrain.torch.builders:compressed"),
+    WrapperUnit("reliable", "reliable", _RELIABLE, reliable_checks, "paratrain.torch.builders:reliable"),
+):
+    register_wrapper(_wrapper)
 
 #: The strategy names :func:`~paratrain.strategy.spec.parse_strategy` accepted at import (``S`` is SSP's
 #: staleness bound, an int >= 0; ``TOPOLOGY`` is ``ring``, ``torus``, ``exponential``, ``complete`` or the path

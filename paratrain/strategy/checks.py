@@ -9,19 +9,23 @@ from __future__ import annotations
 from paratrain.errors import ConfigError
 from paratrain.strategy.options import StrategyOptions
 from paratrain.strategy.spec import StrategySpec, kinds
+from paratrain.strategy.wrappers import wrappers_given
 
 __all__ = [
     "check_options",
+    "compression_checks",
     "hybrid_checks",
     "no_more_checks",
     "parameter_server_checks",
     "pipeline_checks",
+    "reliable_checks",
     "servers_of",
 ]
 
 
 def check_options(spec: StrategySpec, options: StrategyOptions) -> None:
-    """Refuses the options that do not go with ``spec`` (the common rules, then the kind's own).
+    """Refuses the options that do not go with ``spec`` (the common rules, the wrappers' asked for, then the
+    kind's own).
 
     Raises:
         ConfigError: the first rule broken, saying what to do.
@@ -35,7 +39,7 @@ def check_options(spec: StrategySpec, options: StrategyOptions) -> None:
         ...     print(e)
         --servers is for the parameter-server strategies (bsp, ssp:S, asp), not gossip
     """
-    flag, name = options.flag, str(spec) if spec.topology != "<given>" else spec.kind
+    flag, name = options.flag, _name(spec)
     if options.servers and not spec.uses_servers:
         raise ConfigError(
             f"{flag('servers')} is for the parameter-server strategies (bsp, ssp:S, asp), not {spec.kind}"
@@ -46,16 +50,14 @@ def check_options(spec: StrategySpec, options: StrategyOptions) -> None:
             f"{what} for poseidon, poseidon:allreduce and sfb (they choose how each layer travels); strategy "
             f"{name!r} sends every layer the same way"
         )
-    if not options.overlap and options.reliable:
-        raise ConfigError("overlap=False does not apply with reliable=: reliable steps never overlap backward")
     if options.staleness_lr and not spec.uses_servers:
         raise ConfigError(
             f"{flag('staleness_lr')} scales stale gradients on the parameter servers: use it with strategy 'ssp:S' "
             f"or 'asp', not {name!r}"
         )
     _check_recovery(spec, options, name)
-    if options.compression is not None:
-        _check_compression(spec, options, name)
+    for wrapper in wrappers_given(options):
+        wrapper.checks(spec, options)
     spec.info.checks(spec, options)
 
 
@@ -71,13 +73,6 @@ def _supporting(capability: str) -> str:
 
 def _check_recovery(spec: StrategySpec, options: StrategyOptions, name: str) -> None:
     recovery, flag = spec.info.recovery, options.flag
-    if options.reliable and "reliable" not in recovery:
-        raise ConfigError(
-            f"reliable= recovers synchronous {_supporting('reliable')} training; strategy {name!r} is not (replicate "
-            "the parameter servers for bsp/ssp/asp instead)"
-        )
-    if options.max_restarts < 0:
-        raise ConfigError(f"{flag('max_restarts')} must be >= 0, got {options.max_restarts}")
     restartable = "restarts" in recovery or ("replicas" in recovery and options.replicas >= 2)
     if options.max_restarts and not restartable:
         raise ConfigError(
@@ -97,13 +92,31 @@ def _check_recovery(spec: StrategySpec, options: StrategyOptions, name: str) -> 
         )
 
 
-def _check_compression(spec: StrategySpec, options: StrategyOptions, name: str) -> None:
-    flag, compressor = options.flag, options.compression
-    assert compressor is not None
+# -- the wrappers' checks (each wrapper unit's ``checks``) -----------------------------------------------------
+
+
+def _name(spec: StrategySpec) -> str:
+    return str(spec) if spec.topology != "<given>" else spec.kind
+
+
+def reliable_checks(spec: StrategySpec, options: StrategyOptions) -> None:
+    """``reliable=`` wraps the kinds that declare ``"reliable"`` recovery (synchronous allreduce)."""
+    if "reliable" not in spec.info.recovery:
+        raise ConfigError(
+            f"reliable= recovers synchronous {_supporting('reliable')} training; strategy {_name(spec)!r} is not "
+            "(replicate the parameter servers for bsp/ssp/asp instead)"
+        )
+    if not options.overlap:
+        raise ConfigError("overlap=False does not apply with reliable=: reliable steps never overlap backward")
+
+
+def compression_checks(spec: StrategySpec, options: StrategyOptions) -> None:
+    """``compression=`` wraps the compressible kinds, and not together with the recovery of allreduce."""
+    flag = options.flag
     if not spec.info.compressible:
         raise ConfigError(
             f"{flag('compression')} compresses gradients sent by allreduce or to the parameter servers; strategy "
-            f"{name!r} does not support it"
+            f"{_name(spec)!r} does not support it"
         )
     recovering = [
         flag(option)

@@ -1,7 +1,9 @@
-"""The torch builders the strategy units name (:mod:`paratrain.strategy.builtin`): each turns what
-:class:`~paratrain.torch.optimizer.DistributedOptimizer` planned (the buckets, a hybrid's SFB layers) into the
-fused buffers and the strategy that sends them. The options that change how a strategy sends (``reliable=``,
-``compression=``) wrap or replace its sending here; a job of one worker sends nothing (:func:`alone`)."""
+"""The torch builders and decorators the strategy units name (:mod:`paratrain.strategy.builtin`).
+
+A kind's builder turns what :class:`~paratrain.torch.optimizer.DistributedOptimizer` planned (the buckets, a
+hybrid's SFB layers) into the fused buffers and the base strategy that sends them; each wrapper the options ask
+for (``compression=``, ``reliable=``) then decorates that base (:func:`build`). A job of one worker sends
+nothing (:func:`alone`)."""
 
 from __future__ import annotations
 
@@ -15,16 +17,28 @@ from paratrain.compression import Compressor
 from paratrain.fusion.buckets import Bucket
 from paratrain.recovery.reliable import Reliable
 from paratrain.runtime.context import Context
-from paratrain.strategy import StrategySpec, parse_strategy
+from paratrain.strategy import StrategyOptions, StrategySpec, WrapperUnit, parse_strategy, resolve, wrappers_given
 from paratrain.torch.broadcast import broadcast_parameters
-from paratrain.torch.compressed import CompressedAllreduceStrategy
+from paratrain.torch.bucket_strategy import Strategy
 from paratrain.torch.fusion import FusedBucket
 from paratrain.torch.hybrid import HybridStrategy
 from paratrain.torch.resilient import ReliableAllreduceStrategy
 from paratrain.torch.sfb import SfbLayer, own_params
-from paratrain.torch.strategies import AllreduceStrategy, GossipStrategy, ParameterServerStrategy, Strategy
+from paratrain.torch.strategies import AllreduceStrategy, GossipStrategy, ParameterServerStrategy
 
-__all__ = ["BuildRequest", "Built", "allreduce", "alone", "device_engines", "gossip", "hybrid", "parameter_server"]
+__all__ = [
+    "BuildRequest",
+    "Built",
+    "allreduce",
+    "alone",
+    "build",
+    "compressed",
+    "device_engines",
+    "gossip",
+    "hybrid",
+    "parameter_server",
+    "reliable",
+]
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,12 @@ class BuildRequest:
     reliable: Reliable | None = None
     compressor: Compressor | None = None
 
+    @property
+    def wrappers(self) -> tuple[WrapperUnit, ...]:
+        """The wrappers this request's options ask for, in decoration order."""
+        options = StrategyOptions(compression=self.compressor, reliable=self.reliable is not None)
+        return wrappers_given(options)
+
     def fused(self, bucket: Bucket, *, flags: bool, on_device: bool = False) -> FusedBucket:
         """The fusion buffer of one planned bucket (``flags``: one used-flag per parameter travels with it)."""
         return FusedBucket(bucket, self.params, self.names, flags=flags, on_device=on_device, timeout=self.timeout)
@@ -84,27 +104,30 @@ def device_engines(context: Context, params: Sequence[torch.nn.Parameter]) -> di
     return {d: context.collectives.device_engine(d) for d in devices}
 
 
+def build(request: BuildRequest) -> Built:
+    """The kind's base strategy (its unit's builder), decorated by each wrapper the options ask for, in order."""
+    built: Built = resolve(request.spec.info.builder)(request)
+    for wrapper in request.wrappers:
+        built = resolve(wrapper.decorator)(request, built)
+    return built
+
+
 def alone(request: BuildRequest) -> Built:
     """One worker and a gradient strategy: the mean of one gradient is itself, so nothing is copied or sent."""
     return Built(AllreduceStrategy(request.context, []), [])
 
 
 def allreduce(request: BuildRequest) -> Built:
-    """Gradients averaged by allreduce; through reliable collectives with ``reliable=``, compressed with
-    ``compression=``. Plain allreduce keeps a device's buckets there when an engine (NCCL) reduces device
-    memory."""
+    """Gradients averaged by allreduce. A device's buckets stay there when an engine (NCCL) reduces device
+    memory, unless a wrapper reads them on the host."""
     engines = device_engines(request.context, request.params)
-    plain = request.reliable is None and request.compressor is None
-    on_device = plain and bool(engines) and all(e is not None for e in engines.values())
+    on_device = (
+        bool(engines)
+        and all(e is not None for e in engines.values())
+        and not any(w.host_buckets for w in request.wrappers)
+    )
     buckets = [request.fused(b, flags=True, on_device=on_device) for b in request.plan]
-    strategy: Strategy
-    if request.reliable is not None:
-        strategy = ReliableAllreduceStrategy(request.reliable, buckets)
-    elif request.compressor is not None:
-        strategy = CompressedAllreduceStrategy(request.context, buckets, request.compressor, request.optimizer)
-    else:
-        strategy = AllreduceStrategy(request.context, buckets)
-    return Built(strategy, list(buckets))
+    return Built(AllreduceStrategy(request.context, buckets), list(buckets))
 
 
 def parameter_server(request: BuildRequest) -> Built:
@@ -117,7 +140,6 @@ def parameter_server(request: BuildRequest) -> Built:
         spec=request.spec,
         optimizer=request.optimizer,
         staleness_lr=request.staleness_lr,
-        compressor=request.compressor,
     )
     return Built(strategy, list(buckets))
 
@@ -131,7 +153,7 @@ def gossip(request: BuildRequest) -> Built:
 
 def hybrid(request: BuildRequest) -> Built:
     """Poseidon's units: an :class:`SfbLayer` per SFB layer, fused buckets for the rest, sent by the dense scheme
-    (the bulk-synchronous parameter servers or allreduce, compressed with ``compression=``)."""
+    (the bulk-synchronous parameter servers or allreduce; ``compression=`` decorates the hybrid's dense part)."""
     device_engines(request.context, request.params)
     uses_servers = request.spec.uses_servers
     units: list[FusedBucket | SfbLayer] = []
@@ -147,28 +169,25 @@ def hybrid(request: BuildRequest) -> Built:
         params = [p for _, m in request.sfb_modules for p in own_params(m)]
         broadcast_parameters(params, context=request.context)
     dense: Strategy | None = None
-    if fused:
-        dense_spec = parse_strategy("bsp" if uses_servers else "allreduce")
-        dense_request = BuildRequest(
-            dense_spec,
-            request.context,
-            request.optimizer,
-            request.params,
-            request.names,
-            (),
-            timeout=request.timeout,
-            compressor=request.compressor,
-        )
-        dense = _dense(dense_request, fused)
+    if fused:  # the base: bulk-synchronous servers or allreduce (compression= decorates it as a whole)
+        if uses_servers:
+            bsp = parse_strategy("bsp")
+            dense = ParameterServerStrategy(request.context, fused, spec=bsp, optimizer=request.optimizer)
+        else:
+            dense = AllreduceStrategy(request.context, fused)
     return Built(HybridStrategy(units, dense), [u if isinstance(u, FusedBucket) else None for u in units])
 
 
-def _dense(request: BuildRequest, buckets: Sequence[FusedBucket]) -> Strategy:
-    """A hybrid's dense part over its fused buckets: the parameter servers or (compressed) allreduce."""
-    if request.spec.uses_servers:
-        return ParameterServerStrategy(
-            request.context, buckets, spec=request.spec, optimizer=request.optimizer, compressor=request.compressor
-        )
-    if request.compressor is not None:
-        return CompressedAllreduceStrategy(request.context, buckets, request.compressor, request.optimizer)
-    return AllreduceStrategy(request.context, buckets)
+# -- the wrappers' decorators (each wrapper unit's ``decorator``) -------------------------------------------------
+
+
+def compressed(request: BuildRequest, base: Built) -> Built:
+    """``compression=``: the base sending its buckets compressed (:meth:`Strategy.compressed`)."""
+    assert request.compressor is not None
+    return Built(base.strategy.compressed(request.compressor, request.optimizer), base.buckets)
+
+
+def reliable(request: BuildRequest, base: Built) -> Built:
+    """``reliable=``: the base's buckets each averaged by one numbered reliable allreduce in ``step()``."""
+    assert request.reliable is not None
+    return Built(ReliableAllreduceStrategy(base.strategy, request.reliable), base.buckets)

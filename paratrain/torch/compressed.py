@@ -1,5 +1,8 @@
 """Allreduce with a compressed wire format: each bucket leaves as 16-bit floats, top-k pairs or PowerSGD factors.
 
+A decorator of a built :class:`~paratrain.torch.strategies.AllreduceStrategy` (``compression=``'s wrapper,
+:mod:`paratrain.strategy.wrappers`): the base's buckets and its update (``apply``) stay; what travels changes.
+
 The update rule is the ``"allreduce"`` strategy's (the mean gradient, then the wrapped optimizer on every worker)
 with the mean replaced by its compressed estimate (:mod:`paratrain.compression`)::
 
@@ -28,19 +31,20 @@ import torch
 from paratrain.compression import BucketLayout, Compressor, Message
 from paratrain.errors import ConfigError
 from paratrain.runtime.context import Context
+from paratrain.torch.bucket_strategy import Strategy
 from paratrain.torch.fusion import FusedBucket
-from paratrain.torch.strategies import AllreduceStrategy
 from paratrain.transport.base import Handle
 
 __all__ = ["CompressedAllreduceStrategy"]
 
 
-class CompressedAllreduceStrategy(AllreduceStrategy):
-    """The ``"allreduce"`` strategy with ``compression=`` (see the module docstring).
+class CompressedAllreduceStrategy(Strategy):
+    """The ``"allreduce"`` strategy ``base`` with ``compression=`` (see the module docstring).
 
     Args:
+        base: the allreduce strategy decorated: its buckets (with used-flags, in plan order) are sent compressed,
+            its ``apply`` (the wrapped optimizer) and ``close`` are kept.
         context: this rank's context.
-        buckets: the fusion buffers (with used-flags), in plan order.
         compressor: a :class:`~paratrain.compression.Compressor` (its error-feedback state lives here, per bucket).
         optimizer: the wrapped optimizer; ``dgc:R`` reads its momentum and momentum buffers.
 
@@ -55,12 +59,15 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
 
     def __init__(
         self,
+        base: Strategy,
         context: Context,
-        buckets: Sequence[FusedBucket],
         compressor: Compressor,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
-        super().__init__(context, buckets)  # apply() (the wrapped optimizer) and close() are allreduce's
+        super().__init__(base.buckets)
+        self.base = base
+        self._context = context
+        self._handles: list[Handle[Any] | None] = [None] * len(self.buckets)
         self.compressor = compressor
         self._optimizer = optimizer
         #: per bucket, the momentum DGC corrects for (0: none, plain top-k)
@@ -120,6 +127,20 @@ class CompressedAllreduceStrategy(AllreduceStrategy):
             if self._momentum[k]:
                 self._replace_momentum(k)
             bucket.give(decoded)
+
+    def apply(self, optimizer: torch.optim.Optimizer) -> None:
+        """The base's update: the wrapped optimizer on the decoded means, identically on every rank."""
+        self.base.apply(optimizer)
+
+    def close(self) -> None:
+        """Waits for the messages still in flight (no rank leaves a collective half-done), then closes the base."""
+        handles, self._handles = self._handles, [None] * len(self.buckets)
+        try:
+            for handle in handles:
+                if handle is not None:
+                    handle.wait()
+        finally:
+            self.base.close()
 
     def _replace_momentum(self, k: int) -> None:
         """DGC: the mean ``s`` already holds the momentum; ``grad = s - m·buffer`` makes SGD's ``buffer = s``."""

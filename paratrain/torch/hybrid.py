@@ -24,9 +24,11 @@ from collections.abc import Sequence
 
 import torch
 
+from paratrain.compression import Compressor
+from paratrain.torch.bucket_strategy import Strategy
 from paratrain.torch.fusion import FusedBucket
 from paratrain.torch.sfb import SfbLayer
-from paratrain.torch.strategies import ParameterServerStrategy, Strategy
+from paratrain.torch.strategies import ParameterServerStrategy
 
 __all__ = ["HybridStrategy"]
 
@@ -52,6 +54,12 @@ class HybridStrategy(Strategy):
         if self._dense_index and dense is None:
             raise ValueError("internal error: fused buckets without a dense strategy")
         self._dense_params = [p for bucket in self.buckets for p in bucket.params]
+
+    def compressed(self, compressor: Compressor, optimizer: torch.optim.Optimizer) -> Strategy:
+        """This hybrid with its dense part compressed (the SFB layers' factors travel as they are)."""
+        if self.dense is not None:
+            self.dense = self.dense.compressed(compressor, optimizer)
+        return self
 
     def launch(self, k: int) -> None:
         """Starts unit ``k``: the allgather of an SFB layer's factors, or the dense strategy's bucket."""

@@ -41,7 +41,7 @@ from paratrain.launch.kills import kill_point
 from paratrain.recovery.reliable import RegroupedError, Reliable
 from paratrain.runtime.context import Context, current
 from paratrain.sfb.cost import HybridPlan
-from paratrain.strategy import StrategyOptions, StrategySpec, check_options, complete, parse_strategy, resolve
+from paratrain.strategy import StrategyOptions, StrategySpec, check_options, complete, parse_strategy
 from paratrain.torch import builders
 from paratrain.torch.builders import BuildRequest, Built
 from paratrain.torch.fusion import FusedBucket
@@ -296,7 +296,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             compressor=self.compressor,
         )
         alone = self._local and not self.spec.exchanges_parameters
-        built: Built = (builders.alone if alone else resolve(self.spec.info.builder))(request)
+        built: Built = (builders.alone if alone else builders.build)(request)
         self._buckets = built.buckets
         return built.strategy
 

@@ -1,6 +1,7 @@
 """Data parallelism that survives a crashed worker: gradients through :class:`~paratrain.recovery.Reliable`.
 
-Update rule: exactly ``"allreduce"``'s (each bucket's gradients averaged over the workers, then the wrapped
+A decorator of a built allreduce strategy (``reliable=``'s wrapper, :mod:`paratrain.strategy.wrappers`). Update
+rule: exactly ``"allreduce"``'s (each bucket's gradients averaged over the workers, then the wrapped
 optimizer's step on every rank), so a run with ``reliable=`` computes the same parameters as one without, to
 the bit, as long as the same allreduce algorithm runs. What differs is *when* the buckets travel: a reliable
 operation must be replayable, so each is one synchronous, numbered call made in ``step()``, after backward,
@@ -15,7 +16,7 @@ and the reliable twin of ``broadcast_parameters``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,7 @@ import numpy.typing as npt
 import torch
 
 from paratrain.recovery.reliable import Checkpoint, Reliable
-from paratrain.torch.fusion import FusedBucket
-from paratrain.torch.strategies import Strategy
+from paratrain.torch.bucket_strategy import Strategy
 
 __all__ = [
     "ReliableAllreduceStrategy",
@@ -36,15 +36,17 @@ __all__ = [
 
 
 class ReliableAllreduceStrategy(Strategy):
-    """``"allreduce"`` whose buckets go through a :class:`Reliable` (see the module docstring).
+    """The allreduce strategy ``base`` whose buckets go through a :class:`Reliable` (see the module docstring).
 
     Args:
+        base: the strategy decorated: its buckets (in plan order) are averaged here, its ``apply`` and ``close``
+            are kept (it never launches anything itself).
         reliable: the reliable collectives (they replace the context after a failure).
-        buckets: the fusion buffers, in plan order.
     """
 
-    def __init__(self, reliable: Reliable, buckets: Sequence[FusedBucket]) -> None:
-        super().__init__(buckets)
+    def __init__(self, base: Strategy, reliable: Reliable) -> None:
+        super().__init__(base.buckets)
+        self.base = base
         self.reliable = reliable
         self._done: list[torch.Tensor] = []  # this step's averaged buckets, kept across a RegroupedError
 
@@ -68,8 +70,12 @@ class ReliableAllreduceStrategy(Strategy):
         self._done = []
 
     def apply(self, optimizer: torch.optim.Optimizer) -> None:
-        """Runs the wrapped optimizer on the averaged gradients (identically on every rank)."""
-        optimizer.step()
+        """The base's update: the wrapped optimizer on the averaged gradients (identically on every rank)."""
+        self.base.apply(optimizer)
+
+    def close(self) -> None:
+        """Closes the base."""
+        self.base.close()
 
 
 def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

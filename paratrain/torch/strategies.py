@@ -1,14 +1,10 @@
 """How a step's fused gradients become new parameters: allreduce, a parameter server, or gossip (D-PSGD).
 
-Each is a thin adapter over its own algorithm package (collectives, ps, gossip); the hybrid and compressed
-strategies build on them in :mod:`.hybrid` and :mod:`.compressed`.
+Each is a thin adapter over its own algorithm package (collectives, ps, gossip); the hybrid strategy builds on
+them in :mod:`.hybrid`, and :meth:`~Strategy.compressed` decorates allreduce with :mod:`.compressed`.
 
-Every strategy sees the same three calls from :class:`~paratrain.torch.DistributedOptimizer`, always in this
-order on every rank::
-
-    launch(0) launch(1) ... launch(B-1)     during backward, from the hooks (bucket order, never hook order)
-    finish()                                 in step(): wait for what was launched
-    apply(optimizer)                         in step(): update the parameters
+Each follows the call order of :class:`~paratrain.torch.bucket_strategy.Strategy` (launch during backward,
+finish and apply in ``step()``):
 
 - ``"allreduce"`` (:class:`AllreduceStrategy`): each bucket is averaged over the workers with
   ``allreduce_async(buffer, op="mean")``; ``finish`` writes the means into ``param.grad``; ``apply`` runs the
@@ -27,7 +23,6 @@ so issuing buckets in plan order is what keeps the ranks' messages matched.
 
 from __future__ import annotations
 
-import abc
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +38,8 @@ from paratrain.gossip.mixing import neighbors, resolve_mixing
 from paratrain.ps.client import KVStore
 from paratrain.runtime.context import Context
 from paratrain.strategy import STRATEGIES, StrategyOptions, StrategySpec, check_options, parse_strategy
+from paratrain.torch.bucket_strategy import Strategy
+from paratrain.torch.compressed import CompressedAllreduceStrategy
 from paratrain.torch.fusion import FusedBucket
 from paratrain.transport.base import Handle
 
@@ -58,32 +55,6 @@ __all__ = [
 ]
 
 
-class Strategy(abc.ABC):
-    """What the optimizer does with the buckets of a step (see the module docstring for the call order)."""
-
-    #: :meth:`launch` leaves the bucket's buffer unread on the caller's thread and has its communication wait for
-    #: the bucket's CUDA copies (:meth:`FusedBucket.staged`) itself; otherwise the optimizer waits for them first
-    waits_for_staging = False
-
-    def __init__(self, buckets: Sequence[FusedBucket]) -> None:
-        self.buckets = list(buckets)
-
-    @abc.abstractmethod
-    def launch(self, k: int) -> None:
-        """Starts sending bucket ``k``, whose gradients are all taken. Must not block on the network."""
-
-    @abc.abstractmethod
-    def finish(self) -> None:
-        """Waits until every launched bucket is sent (and, for allreduce, writes the results into the grads)."""
-
-    @abc.abstractmethod
-    def apply(self, optimizer: torch.optim.Optimizer) -> None:
-        """Updates the parameters after :meth:`finish`."""
-
-    def close(self) -> None:  # noqa: B027 (a hook, empty by default)
-        """Releases what the strategy holds; the default has nothing to release."""
-
-
 class AllreduceStrategy(Strategy):
     """Synchronous data parallelism: gradients averaged over the workers, then the same local step everywhere.
 
@@ -96,7 +67,7 @@ class AllreduceStrategy(Strategy):
 
     def __init__(self, context: Context, buckets: Sequence[FusedBucket]) -> None:
         super().__init__(buckets)
-        self._context = context
+        self.context = context
         self._handles: list[Handle[Any] | None] = [None] * len(self.buckets)
 
     def launch(self, k: int) -> None:
@@ -105,7 +76,7 @@ class AllreduceStrategy(Strategy):
         raises); returns at once. A CUDA bucket's copies into the buffer may still run: the allreduce's thread
         waits for them (``ready=``), not the hook."""
         bucket = self.buckets[k]
-        self._handles[k] = self._context.allreduce_async_(bucket.buffer, op="mean", ready=bucket.staged())
+        self._handles[k] = self.context.allreduce_async_(bucket.buffer, op="mean", ready=bucket.staged())
 
     def finish(self) -> None:
         """Waits for every bucket, in order, and writes the means into ``param.grad``."""
@@ -125,6 +96,11 @@ class AllreduceStrategy(Strategy):
             if handle is not None:
                 handle.wait()
         self._handles = [None] * len(self.buckets)
+
+    def compressed(self, compressor: Compressor, optimizer: torch.optim.Optimizer) -> Strategy:
+        """This allreduce with each bucket's mean replaced by its compressed estimate
+        (:class:`~paratrain.torch.compressed.CompressedAllreduceStrategy` decorating it)."""
+        return CompressedAllreduceStrategy(self, self.context, compressor, optimizer)
 
 
 def _number(value: Any) -> float:
@@ -237,12 +213,10 @@ class ParameterServerStrategy(Strategy):
         optimizer: torch.optim.Optimizer,
         key_prefix: str = "paratrain.torch/bucket",
         staleness_lr: bool = False,
-        compressor: Compressor | None = None,
     ) -> None:
         super().__init__(buckets)
-        if compressor is not None:  # the servers' rules for compressors (DistributedOptimizer checked them first)
-            check_options(spec, StrategyOptions(compression=compressor))
-        self.compressor = compressor
+        self.spec = spec
+        self.compressor: Compressor | None = None  # compressed() sets one
         self._server_spec = server_optimizer_spec(optimizer)
         self._warned = False
         self._keys = [f"{key_prefix}{k}" for k in range(len(self.buckets))]
@@ -265,6 +239,13 @@ class ParameterServerStrategy(Strategy):
         except BaseException:
             self.kv.close()
             raise
+
+    def compressed(self, compressor: Compressor, optimizer: torch.optim.Optimizer) -> Strategy:
+        """These servers receiving each push compressed (:meth:`Compressor.encode_push`); they step on what they
+        decode. Refuses, like :func:`~paratrain.strategy.check_options`, the compressors the servers cannot run."""
+        check_options(self.spec, StrategyOptions(compression=compressor))
+        self.compressor = compressor
+        return self
 
     def _pull(self) -> None:
         for key, bucket in zip(self._keys, self.buckets, strict=True):

@@ -267,3 +267,32 @@ def test_top_k_refuses_half_precision_buckets() -> None:
         return str(info.value)
 
     assert "top-k compression sends float32 or float64 gradients, not torch.float16" in run_ranks(2, worker)[0]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "servers", "chain"),
+    [
+        ("allreduce", 0, ["CompressedAllreduceStrategy", "AllreduceStrategy"]),
+        ("bsp", 1, ["ParameterServerStrategy"]),
+    ],
+)
+def test_compression_decorates_the_base_strategy(strategy: str, servers: int, chain: list[str]) -> None:
+    """compression= is a wrapper: the kind's builder builds the base, the wrapper's decorator wraps it (allreduce)
+    or has its pushes compressed (the servers)."""
+
+    def worker(ctx: Context) -> tuple[list[str], str]:
+        net = make_net()
+        opt = ptt.DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.1), model=net, strategy=strategy, context=ctx, compression="fp16"
+        )
+        try:
+            built, names = opt._strategy, []
+            while built is not None:
+                names.append(type(built).__name__)
+                built = getattr(built, "base", None)
+            return names, str(opt._strategy.compressor.name)  # type: ignore[attr-defined]
+        finally:
+            opt.close()
+
+    for names, compressor in run_ranks(2, worker, servers=servers):
+        assert (names, compressor) == (chain, "fp16")

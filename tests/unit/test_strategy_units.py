@@ -12,6 +12,7 @@ import pytest
 
 import paratrain
 import paratrain.strategy.spec
+import paratrain.strategy.wrappers
 from paratrain.compression import parse_compression
 from paratrain.errors import ConfigError
 from paratrain.strategy import (
@@ -21,7 +22,10 @@ from paratrain.strategy import (
     kinds,
     parse_strategy,
     register_kind,
+    register_wrapper,
     resolve,
+    wrapper_units,
+    wrappers_given,
 )
 
 
@@ -168,3 +172,24 @@ def test_no_module_outside_the_strategy_package_compares_strategy_names() -> Non
             found[rel] = lines
     # the example script shows DDP's own path for DDP's own rule, as a user's script would
     assert found == {"examples/ddp_digits.py": [68]}
+
+
+def test_every_wrapper_has_its_parts_and_decorates_in_registration_order() -> None:
+    assert [w.name for w in wrapper_units()] == ["compression", "reliable"]
+    for wrapper in wrapper_units():
+        assert wrapper.update_rule.strip() and callable(wrapper.checks)
+        assert callable(resolve(wrapper.decorator))
+    both = StrategyOptions(compression=parse_compression("fp16"), reliable=True)
+    assert [w.name for w in wrappers_given(both)] == ["compression", "reliable"]
+    assert wrappers_given(StrategyOptions()) == ()
+
+
+@pytest.mark.parametrize(
+    ("part", "value"), [("decorator", ""), ("decorator", "no_colon"), ("update_rule", ""), ("option", "nothing")]
+)
+def test_a_wrapper_missing_a_part_does_not_register(part: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(paratrain.strategy.wrappers, "_WRAPPERS", {w.name: w for w in wrapper_units()})
+    unit = dataclasses.replace(wrapper_units()[0], name="test-incomplete", **{part: value})
+    with pytest.raises(ValueError, match=r"registers no|no option"):
+        register_wrapper(unit)
+    assert "test-incomplete" not in [w.name for w in wrapper_units()]
