@@ -5,26 +5,7 @@ interface (:class:`Compressor`); the torch front end (:mod:`paratrain.torch.comp
 collectives or the parameter server.
 """
 
-from paratrain.compression.compressors import (
-    COMPRESSIONS,
-    BucketLayout,
-    Cast,
-    Compressor,
-    LowRank,
-    Message,
-    Push,
-    TopK,
-    parse_compression,
-)
+from paratrain.compression import compressors
+from paratrain.compression.compressors import *  # noqa: F403 (the package's names are its module's)
 
-__all__ = [
-    "COMPRESSIONS",
-    "BucketLayout",
-    "Cast",
-    "Compressor",
-    "LowRank",
-    "Message",
-    "Push",
-    "TopK",
-    "parse_compression",
-]
+__all__ = compressors.__all__
