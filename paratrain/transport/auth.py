@@ -89,6 +89,12 @@ _PLAIN_USER = b"paratrain"
 _KDF_PREFIX = b"paratrain/auth/v1/"
 
 
+#: Seconds a connection has to complete its handshake before a listener drops it.
+HANDSHAKE_S = 4.0
+#: Bytes a frame may exceed the wire's longest by: CURVE's MESSAGE command wraps each frame (nonce, flags, MAC).
+_FRAMING_BYTES = 4096
+
+
 def new_secret() -> bytes:
     """A fresh job secret: :data:`SECRET_BYTES` bytes from the OS's cryptographic generator."""
     return secrets.token_bytes(SECRET_BYTES)
@@ -150,6 +156,14 @@ class JobKeys:
     def ipc_password(self, endpoint: str) -> bytes:
         """The PLAIN password of the ipc ``endpoint`` (differs per endpoint; see the module docstring)."""
         return hashlib.blake2b(endpoint.encode("utf-8"), key=self._ipc_key, digest_size=32).hexdigest().encode()
+
+    @staticmethod
+    def limit_strangers(sock: zmq.Socket[bytes], *, max_frame: int) -> None:
+        """Bounds what a connection to the endpoints ``sock`` binds from now on may cost before it authenticates:
+        a frame longer than ``max_frame`` (plus a mechanism's framing) cuts the connection off at its header, and
+        a handshake not complete within :data:`HANDSHAKE_S` is dropped (ZeroMQ's default waits 30 s)."""
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame + _FRAMING_BYTES)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
 
     def serve_curve(self, sock: zmq.Socket[bytes], *, domain: str) -> None:
         """Makes the endpoints ``sock`` binds from now on CURVE servers, checked by the Guard under ``domain``.

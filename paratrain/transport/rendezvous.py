@@ -29,9 +29,11 @@ at once with the job's table (its own entry replaced), connects to everyone and 
 
 Given the job's secret, the server's socket is a CURVE server and each rank a CURVE client with keys derived from
 it (:mod:`paratrain.transport.auth`): a process without the secret can neither register (take a rank's place in
-the table, or learn the endpoints) nor make the server read a byte; each refusal is counted in
-:attr:`RendezvousServer.refused` and logged (rate-limited), and :func:`register` fails at once, saying so, when the
-server refuses it.
+the table, or learn the endpoints); each refusal is counted in :attr:`RendezvousServer.refused` and logged
+(rate-limited), and :func:`register` fails at once, saying so, when the server refuses it. The others are told
+too: a round that misses no more ranks than connections were refused while it formed, and then sees nothing for
+:data:`REFUSAL_QUIET_S`, fails every registered rank with "rank K presented another secret" instead of waiting out
+its timeout.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ __all__ = ["Admission", "RendezvousServer", "admit", "meet", "register", "rejoin
 
 log = logging.getLogger("paratrain.rendezvous")
 _VERSION = 1
+
+#: The longest registration the server reads (a rank's endpoints and host: well under a KiB in practice).
+MAX_REQUEST_BYTES = 1 << 20
+
+#: Seconds without a registration or a refusal after which a round that misses only as many ranks as connections
+#: were refused while it formed fails everyone (those ranks hold another secret), rather than the whole timeout.
+REFUSAL_QUIET_S = 2.0
 
 
 def _pack(obj: Any) -> bytes:
@@ -122,6 +131,9 @@ class RendezvousServer:
         self.accepted = 0
         #: Connections refused for want of the job's secret (always 0 without a secret).
         self.refused = 0
+        # refusals while the round being formed waits (Guard thread -> serving thread, under _members_lock)
+        self._forming_refusals = 0
+        self._last_event = time.monotonic()  # the last registration or refusal
         self._ctx = zmq.Context(io_threads=1)
         self._guard: Guard | None = None
         keys = JobKeys.derive(secret) if secret is not None else None
@@ -129,6 +141,7 @@ class RendezvousServer:
             self._guard = Guard(self._ctx, keys, name="rendezvous", on_refused=self._count_refusal)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 2000)
+        JobKeys.limit_strangers(self._sock, max_frame=MAX_REQUEST_BYTES)
         if self._guard is not None and keys is not None:
             self._guard.watch(self._sock)
             keys.serve_curve(self._sock, domain="rendezvous")
@@ -162,6 +175,9 @@ class RendezvousServer:
 
     def _count_refusal(self) -> None:
         self.refused += 1
+        with self._members_lock:
+            self._forming_refusals += 1
+            self._last_event = time.monotonic()
 
     @property
     def members(self) -> list[int]:
@@ -254,6 +270,10 @@ class RendezvousServer:
                 registered.clear()
                 self.waiting = frozenset()
                 continue
+            if self._refused_ranks(registered, members):
+                if self.rounds:
+                    continue
+                return
             remaining = deadline - time.monotonic()
             if self.table is not None and self.rejoins:
                 remaining = 3600.0  # the job met: only rejoins are served, for as long as it runs
@@ -282,6 +302,30 @@ class RendezvousServer:
                 log.info("rendezvous: dropped the registration of removed member %d", member)
         self.waiting = frozenset(registered)
 
+    def _refused_ranks(self, registered: dict[int, tuple[bytes, Mapping[str, Any]]], members: list[int]) -> bool:
+        """Fails the round being formed when its missing ranks are no more than the connections refused meanwhile
+        and nothing happened for :data:`REFUSAL_QUIET_S`: those ranks hold another secret (a rank refused fails at
+        once; the others would otherwise wait the whole timeout). Answers every registered rank; True if it did."""
+        with self._members_lock:
+            refusals, quiet = self._forming_refusals, time.monotonic() - self._last_event
+        present = registered.keys() & set(members)
+        missing = sorted(set(members) - present)
+        if not refusals or not present or not missing or len(missing) > refusals or quiet < REFUSAL_QUIET_S:
+            return False
+        with self._members_lock:
+            self._forming_refusals = 0
+        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
+        self.error = (
+            f"{who} presented another secret: the rendezvous refused {refusals} connection(s) without this job's "
+            f"PARATRAIN_SECRET while {who} never registered ({len(present)} of {len(members)} did). Give every rank "
+            "the same PARATRAIN_SECRET (paratrain launch makes one per job)"
+        )
+        log.error("rendezvous: %s", self.error)
+        for member in [m for m in registered if m in members or not self.rounds]:
+            self._reply(registered.pop(member)[0], {"v": _VERSION, "error": self.error})
+        self.waiting = frozenset(registered)
+        return True
+
     def _time_out(self, registered: dict[int, tuple[bytes, Mapping[str, Any]]], members: list[int]) -> None:
         missing = sorted(set(members) - set(registered))
         self.error = (
@@ -300,6 +344,7 @@ class RendezvousServer:
             if self._purge:  # a member was removed meanwhile: do not re-admit its dead registration
                 return False
             self._members = list(admitted)
+            self._forming_refusals = 0  # the next round counts its own
         table = [registered[m][1] for m in admitted]
         self.table = table
         self.round += 1
@@ -387,6 +432,8 @@ class RendezvousServer:
             self._reply(ident, {"v": _VERSION, "over": True})
             return
         self._drop_removed(registered)  # before this registration: it may be a removed member's replacement
+        with self._members_lock:
+            self._last_event = time.monotonic()
         registered[rank] = (ident, info)
         self.waiting = frozenset(registered)
         self.accepted += 1

@@ -4,9 +4,14 @@ A message is ``[header, buf_0, ..., buf_k]``. The header frame is ``MAGIC`` (4 b
 msgpack array ``[src, tag, meta, descriptors]`` where ``meta`` is a map of small scalars chosen by the
 algorithm and each descriptor is ``[dtype_name, shape]`` of one buffer. Data frames are the raw bytes of
 C-contiguous arrays, so a sender hands its arrays' memory to the socket without copying, and a receiver wraps
-the received frames in numpy arrays without copying. Between processes of one host a message's arrays may
-instead lie in a shared-memory lane (:mod:`paratrain.transport.lane`): then the header is the only frame and a
-fifth element, ``[lane name, record offset]``, says where they are.
+the received frames in numpy arrays without copying. No frame is longer than :data:`MAX_FRAME_BYTES`: a larger
+array travels as consecutive frames of that length (the last shorter), which the receiver joins (one copy, for
+those arrays only), so that every socket can refuse longer frames before reading them (a stranger that declares a
+1 GiB frame in its handshake is cut off at its header, not buffered).
+
+Between processes of one host a message's arrays may instead lie in a shared-memory lane
+(:mod:`paratrain.transport.lane`): then the header is the only frame and a fifth element, ``[lane name, record
+offset]``, says where they are.
 
 Everything a peer sends is untrusted. :func:`decode` checks magic, version, types, dtype names, shapes and that
 each frame's length equals what its descriptor implies, and raises :class:`~paratrain.errors.MessageError`
@@ -32,6 +37,7 @@ __all__ = [
     "MAGIC",
     "MAX_DIMS",
     "MAX_FRAMES",
+    "MAX_FRAME_BYTES",
     "MAX_HEADER_BYTES",
     "VERSION",
     "Message",
@@ -39,13 +45,16 @@ __all__ = [
     "encode",
     "encode_header",
     "encode_prepared",
+    "frames_of",
     "prepare",
 ]
 
 MAGIC = b"PTRN"
-VERSION = 1
+VERSION = 2  # 2: arrays over MAX_FRAME_BYTES cut into frames
 MAX_HEADER_BYTES = 1 << 16
 MAX_FRAMES = 4096
+#: The longest data frame; the sockets refuse longer ones (with room for a mechanism's framing, ``ZmqTransport``).
+MAX_FRAME_BYTES = 16 << 20
 MAX_DIMS = 32
 _MAX_META_ITEMS = 256
 _PREFIX = len(MAGIC) + 1
@@ -120,8 +129,25 @@ def encode_prepared(
     dtype name: a bfloat16 tensor's view is uint16, and preparing the views again would send it as uint16)."""
     frames: list[bytes | memoryview] = [encode_header(src, tag, meta or {}, descriptors)]
     for view in views:
-        frames.append(memoryview(view.reshape(-1).view(np.uint8).data) if view.size else b"")
+        if not view.size:
+            frames.append(b"")
+            continue
+        data = memoryview(view.reshape(-1).view(np.uint8).data)
+        if data.nbytes <= MAX_FRAME_BYTES:
+            frames.append(data)
+        else:
+            frames.extend(data[i : i + MAX_FRAME_BYTES] for i in range(0, data.nbytes, MAX_FRAME_BYTES))
     return frames
+
+
+def frames_of(nbytes: int) -> int:
+    """The frames an array of ``nbytes`` travels in (one for an empty array).
+
+    Example:
+        >>> frames_of(0), frames_of(MAX_FRAME_BYTES), frames_of(MAX_FRAME_BYTES + 1)
+        (1, 1, 2)
+    """
+    return max(1, -(-nbytes // MAX_FRAME_BYTES))
 
 
 def prepare(arrays: Sequence[Any]) -> tuple[list[npt.NDArray[Any]], list[list[Any]]]:
@@ -163,6 +189,38 @@ def _check_meta(meta: Any, depth: int = 0) -> None:
             _check_meta(item, depth + 1)
     elif meta is not None and not isinstance(meta, (bool, int, float, str, bytes)):
         raise MessageError(f"message meta holds a value of type {type(meta).__name__}")
+
+
+def _buffer(frame: Any, index: int) -> memoryview:
+    try:
+        buf = memoryview(frame)
+    except TypeError:
+        raise MessageError(f"frame {index} does not expose a buffer") from None
+    if not buf.c_contiguous:
+        raise MessageError(f"frame {index} is not a contiguous buffer")
+    return buf.cast("B")
+
+
+def _array(
+    frames: Sequence[Any], first: int, storage: np.dtype[Any], desc: list[Any], expected: int
+) -> npt.NDArray[Any]:
+    """The array of descriptor ``desc`` (``[name, shape]``) from its frames (numbered from ``first``): a view of a
+    lone frame, or its frames joined (each but the last exactly :data:`MAX_FRAME_BYTES`)."""
+    name, shape = desc
+    bufs = [_buffer(f, first + k) for k, f in enumerate(frames)]
+    sizes = [b.nbytes for b in bufs]
+    whole = [MAX_FRAME_BYTES] * (len(bufs) - 1) + [expected - MAX_FRAME_BYTES * (len(bufs) - 1)]
+    if sizes != whole:
+        where = f"frame {first}" if len(bufs) == 1 else f"frames {first}-{first + len(bufs) - 1}"
+        raise MessageError(f"{where} hold {sizes} bytes but its descriptor {shape} {name} needs {whole}")
+    if expected == 0:
+        return np.empty(shape, dtype=storage)
+    if len(bufs) == 1:
+        return np.frombuffer(bufs[0], dtype=storage).reshape(shape)
+    joined = np.empty(expected, dtype=np.uint8)
+    for k, buf in enumerate(bufs):
+        joined[k * MAX_FRAME_BYTES : k * MAX_FRAME_BYTES + buf.nbytes] = np.frombuffer(buf, dtype=np.uint8)
+    return joined.view(storage).reshape(shape)
 
 
 def decode(frames: Sequence[bytes | memoryview | Any], lanes: LaneResolver | None = None) -> Message:
@@ -220,12 +278,14 @@ def decode(frames: Sequence[bytes | memoryview | Any], lanes: LaneResolver | Non
     _check_meta(meta)
     if not isinstance(descriptors, list):
         raise MessageError("header descriptors is not a list")
-    n_frames = 0 if lane is not None else len(descriptors)
-    if len(frames) - 1 != n_frames:
-        raise MessageError(f"header announces {n_frames} buffers but {len(frames) - 1} frames arrived")
+    if len(descriptors) > MAX_FRAMES:
+        raise MessageError(f"header announces {len(descriptors)} arrays, over {MAX_FRAMES}")
+    if lane is not None and len(frames) != 1:
+        raise MessageError(f"a lane message carries no data frames, but {len(frames) - 1} frames arrived")
     arrays: list[npt.NDArray[Any]] = []
     names: list[str] = []
     specs: list[tuple[np.dtype[Any], list[int], int]] = []
+    next_frame = 1
     for i, desc in enumerate(descriptors):
         if not (isinstance(desc, list) and len(desc) == 2):
             raise MessageError(f"descriptor {i} is not [dtype, shape]")
@@ -244,21 +304,13 @@ def decode(frames: Sequence[bytes | memoryview | Any], lanes: LaneResolver | Non
         if lane is not None:
             specs.append((storage, shape, expected))
             continue
-        try:
-            buf = memoryview(frames[i + 1])
-        except TypeError:
-            raise MessageError(f"frame {i + 1} does not expose a buffer") from None
-        if not buf.c_contiguous:
-            raise MessageError(f"frame {i + 1} is not a contiguous buffer")
-        if buf.nbytes != expected:
-            raise MessageError(
-                f"frame {i + 1} has {buf.nbytes} bytes but its descriptor {shape} {name} needs {expected}"
-            )
-        if expected == 0:
-            arr = np.empty(shape, dtype=storage)
-        else:
-            arr = np.frombuffer(buf.cast("B"), dtype=storage).reshape(shape)
-        arrays.append(arr)
+        count = frames_of(expected)
+        if next_frame + count > len(frames):
+            raise MessageError(f"descriptor {i} needs {count} frame(s) but the message ends before them")
+        arrays.append(_array(frames[next_frame : next_frame + count], next_frame, storage, desc, expected))
+        next_frame += count
+    if lane is None and next_frame != len(frames):
+        raise MessageError(f"header announces {next_frame - 1} data frames but {len(frames) - 1} arrived")
     if lane is not None:
         assert lanes is not None
         arrays = lanes(src, lane, specs)

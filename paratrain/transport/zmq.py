@@ -61,7 +61,15 @@ from paratrain.transport.auth import Guard, JobKeys
 from paratrain.transport.base import ANY_SOURCE, ANY_TAG, Handle
 from paratrain.transport.lane import LANE_THRESHOLD, LaneReader, LaneWriter, lanes_supported, safe_run_id
 from paratrain.transport.matching import Mailbox
-from paratrain.transport.wire import Message, decode, encode, encode_header, encode_prepared, prepare
+from paratrain.transport.wire import (
+    MAX_FRAME_BYTES,
+    Message,
+    decode,
+    encode,
+    encode_header,
+    encode_prepared,
+    prepare,
+)
 from paratrain.transport.zmq_peers import TAG_CONTROL, ZmqPeers
 
 __all__ = ["COPY_THRESHOLD", "TAG_CONTROL", "ZmqTransport"]
@@ -188,6 +196,7 @@ class ZmqTransport(ZmqPeers):
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
+        JobKeys.limit_strangers(self._pull, max_frame=MAX_FRAME_BYTES)
         if self._guard is not None and self._keys is not None:
             self._guard.watch(self._pull)
             self._keys.serve_curve(self._pull, domain="tcp")

@@ -450,3 +450,48 @@ def test_a_launched_job_refuses_an_intruder_at_its_rendezvous_and_server_and_fin
     # the server and the launcher's rendezvous said so (the server through the launcher's relay)
     assert "[server0]: rank 1: refused a connection to tcp://127.0.0.1:" in out.stderr, out.stderr
     assert "rendezvous: refused a connection to tcp://127.0.0.1:" in out.stderr, out.stderr
+
+
+WRONG_SECRET_RANK = """
+import time
+import paratrain as pt
+from paratrain.errors import RendezvousError
+
+start = time.monotonic()
+try:
+    pt.init(timeout=30)
+except RendezvousError as exc:
+    print(f"failed after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+    raise SystemExit(3) from None
+print("joined", flush=True)
+pt.shutdown()
+"""
+
+
+def test_a_wrong_secret_on_one_rank_fails_every_rank_at_once_naming_it(tmp_path: Path) -> None:
+    """Three ranks started by hand (as under torchrun): rank 1 holds another secret. It is refused at once, and
+    ranks 0 and 2 are told that rank 1 presented another secret, long before the rendezvous's timeout (60 s)."""
+    script = tmp_path / "rank.py"
+    script.write_text(WRONG_SECRET_RANK)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    secret, other = new_secret().hex(), new_secret().hex()
+    procs = []
+    for rank in range(3):
+        env = dict(os.environ, WORLD_SIZE="3", RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1))
+        env.update(PARATRAIN_SECRET=other if rank == 1 else secret, PARATRAIN_RDZV_TIMEOUT="60")
+        env.pop("PARATRAIN_INSECURE", None)
+        procs.append(
+            subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        )
+    try:
+        outs = [p.communicate(timeout=30)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [3, 3, 3], outs
+    assert "refused this rank" in outs[1], outs[1]
+    for rank in (0, 2):
+        assert "rank 1 presented another secret" in outs[rank], outs[rank]
+        assert "2 of 3 did" in outs[rank], outs[rank]

@@ -459,3 +459,20 @@ def test_decoder_survives_fuzzing_of_bfloat16_messages() -> None:
     rng = np.random.default_rng(7)
     decoded, _ = _fuzz(rng, _bfloat16_pool(rng), n_random=0, n_mutated=5_000)
     assert decoded > 100
+
+
+def test_an_array_over_the_frame_limit_travels_in_frames_of_the_limit_and_comes_back_whole() -> None:
+    from paratrain.transport.wire import MAX_FRAME_BYTES, frames_of
+
+    big = np.arange(2 * MAX_FRAME_BYTES // 4 + 5, dtype=np.float32)  # two full frames and 20 bytes
+    small = np.arange(3, dtype=np.int64)
+    frames, _ = encode(1, 7, [big, small])
+    assert [memoryview(f).nbytes for f in frames[1:]] == [MAX_FRAME_BYTES, MAX_FRAME_BYTES, 20, 24]
+    assert frames_of(big.nbytes) == 3
+    msg = decode([bytes(f) for f in frames])
+    assert np.array_equal(msg.arrays[0], big) and np.array_equal(msg.arrays[1], small)
+    # a frame of the wrong length in the middle, or one missing, is refused like any malformed message
+    with pytest.raises(MessageError, match="hold"):
+        decode([frames[0], frames[1], bytes(frames[2])[:-4], frames[3], frames[4]])
+    with pytest.raises(MessageError, match="hold .* needs"):
+        decode([frames[0], frames[1], frames[3], frames[4]])

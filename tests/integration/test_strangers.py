@@ -1,0 +1,125 @@
+"""What a stranger (a process without the job's secret) can cost a job's listeners before it authenticates: a frame
+longer than the wire's longest is cut off at its header, and a handshake that stalls is dropped. Real sockets (a
+rank's TCP and ipc endpoints, the rendezvous), raw bytes from the stranger's side, this process's memory read from
+/proc."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from paratrain.testing import zmq_transports
+from paratrain.transport.auth import HANDSHAKE_S, new_secret
+from paratrain.transport.rendezvous import RendezvousServer, register
+
+pytestmark = pytest.mark.timeout(120)
+
+_DECLARED = 1 << 30  # what the stranger's one handshake frame says it carries
+_SENDS = 64  # at most this many MiB are sent after it
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def _greeting(mechanism: bytes) -> bytes:
+    """ZMTP 3.0's greeting as a client naming ``mechanism`` (so the listener starts that handshake)."""
+    return b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + mechanism.ljust(20, b"\0") + b"\0" + b"\0" * 31
+
+
+def _connect(endpoint: str) -> socket.socket:
+    if endpoint.startswith("ipc://@"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect("\0" + endpoint.removeprefix("ipc://@"))
+        return sock
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)))
+
+
+def _oversized(endpoint: str, mechanism: bytes) -> tuple[int, float]:
+    """A stranger's greeting, then one command frame declaring 1 GiB, then up to 64 MiB of it: the MiB it got to
+    send before the listener cut it off, and the growth of this process's memory meanwhile (MiB)."""
+    before, peak, sent = _rss_mib(), 0.0, 0
+    sock = _connect(endpoint)
+    sock.settimeout(2.0)
+    chunk = bytes(1 << 20)
+    try:
+        sock.sendall(_greeting(mechanism) + bytes([0x06]) + struct.pack(">Q", _DECLARED))
+        for _ in range(_SENDS):
+            sock.sendall(chunk)
+            sent += 1
+            peak = max(peak, _rss_mib() - before)
+    except OSError:  # cut off (reset, broken pipe) or no longer read (timeout)
+        pass
+    finally:
+        peak = max(peak, _rss_mib() - before)
+        sock.close()
+    return sent, peak
+
+
+@contextmanager
+def _listeners() -> Iterator[dict[str, tuple[str, bytes]]]:
+    """A rank's TCP and ipc endpoints and a rendezvous, all guarded by one secret, as ``{name: (endpoint,
+    mechanism)}``."""
+    secret = new_secret()
+    a, b = zmq_transports(2, timeout=30, secret=secret)
+    server = RendezvousServer(world_size=1, bind_addr="127.0.0.1", port=0, timeout=60, secret=secret)
+    server.start()
+    try:
+        ends = b.endpoints()
+        yield {
+            "rank tcp": (ends["tcp"], b"CURVE"),
+            "rank ipc": (ends["ipc"], b"PLAIN"),
+            "rendezvous": (f"tcp://127.0.0.1:{server.port}", b"CURVE"),
+        }
+        # the job is unharmed: a message still crosses, and the rendezvous still meets its rank
+        a.send(1, 3, [np.arange(4.0)])
+        assert b.recv(0, 3).arrays[0].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert register("127.0.0.1", server.port, rank=0, world_size=1, info={"r": 0}, timeout=20, secret=secret)
+    finally:
+        server.close()
+        a.close()
+        b.close()
+
+
+def test_a_declared_gibibyte_frame_is_cut_off_at_its_header_on_every_listener() -> None:
+    with _listeners() as listeners:
+        for name, (endpoint, mechanism) in listeners.items():
+            sent, grew = _oversized(endpoint, mechanism)
+            # the listener stops reading at the frame's header: the stranger's bytes fill the kernel's socket
+            # buffers at most, never the process's memory
+            assert grew <= 16, f"{name}: this process grew by {grew:.0f} MiB while a stranger sent {sent} MiB"
+            assert sent < _SENDS, f"{name}: all {_SENDS} MiB of a declared 1 GiB frame were read"
+
+
+def test_a_stalled_handshake_is_dropped_after_the_handshake_interval() -> None:
+    with _listeners() as listeners:
+        socks = []
+        for endpoint, mechanism in listeners.values():
+            sock = _connect(endpoint)
+            sock.sendall(_greeting(mechanism))  # ... and nothing more
+            sock.settimeout(HANDSHAKE_S + 10)
+            socks.append(sock)
+        start = time.monotonic()
+        try:
+            for sock in socks:
+                while True:  # the listener's own greeting and handshake bytes, then EOF when it drops us
+                    try:
+                        if not sock.recv(4096):
+                            break
+                    except ConnectionResetError:
+                        break
+            assert time.monotonic() - start < HANDSHAKE_S + 10  # dropped, not left until our own timeout
+        finally:
+            for sock in socks:
+                sock.close()
