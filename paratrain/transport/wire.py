@@ -4,10 +4,11 @@ A message is ``[header, buf_0, ..., buf_k]``. The header frame is ``MAGIC`` (4 b
 msgpack array ``[src, tag, meta, descriptors]`` where ``meta`` is a map of small scalars chosen by the
 algorithm and each descriptor is ``[dtype_name, shape]`` of one buffer. Data frames are the raw bytes of
 C-contiguous arrays, so a sender hands its arrays' memory to the socket without copying, and a receiver wraps
-the received frames in numpy arrays without copying. No frame is longer than :data:`MAX_FRAME_BYTES`: a larger
-array travels as consecutive frames of that length (the last shorter), which the receiver joins (one copy, for
-those arrays only), so that every socket can refuse longer frames before reading them (a stranger that declares a
-1 GiB frame in its handshake is cut off at its header, not buffered).
+the received frames in numpy arrays without copying. On authenticated links no frame is longer than
+:data:`MAX_FRAME_BYTES`: a larger array travels as consecutive frames of that length (the last shorter), which the
+receiver joins (one copy, for those arrays only), so that every socket can refuse longer frames before reading them
+(a stranger that declares a 1 GiB frame in its handshake is cut off at its header, not buffered). Links without a
+secret let anyone in anyway, and keep one frame per array (``max_frame=None``).
 
 Between processes of one host a message's arrays may instead lie in a shared-memory lane
 (:mod:`paratrain.transport.lane`): then the header is the only frame and a fifth element, ``[lane name, record
@@ -123,31 +124,39 @@ def encode(
 
 
 def encode_prepared(
-    src: int, tag: int, meta: Mapping[str, Any] | None, views: Sequence[npt.NDArray[Any]], descriptors: list[list[Any]]
+    src: int,
+    tag: int,
+    meta: Mapping[str, Any] | None,
+    views: Sequence[npt.NDArray[Any]],
+    descriptors: list[list[Any]],
+    *,
+    max_frame: int | None = MAX_FRAME_BYTES,
 ) -> list[bytes | memoryview]:
     """The frames of :func:`encode` from what :func:`prepare` returned (the descriptors keep each array's wire
-    dtype name: a bfloat16 tensor's view is uint16, and preparing the views again would send it as uint16)."""
+    dtype name: a bfloat16 tensor's view is uint16, and preparing the views again would send it as uint16).
+    ``max_frame``: the longest data frame (None: one frame per array, for links that refuse no frame; the
+    receiver's :func:`decode` must be given the same)."""
     frames: list[bytes | memoryview] = [encode_header(src, tag, meta or {}, descriptors)]
     for view in views:
         if not view.size:
             frames.append(b"")
             continue
         data = memoryview(view.reshape(-1).view(np.uint8).data)
-        if data.nbytes <= MAX_FRAME_BYTES:
+        if max_frame is None or data.nbytes <= max_frame:
             frames.append(data)
         else:
-            frames.extend(data[i : i + MAX_FRAME_BYTES] for i in range(0, data.nbytes, MAX_FRAME_BYTES))
+            frames.extend(data[i : i + max_frame] for i in range(0, data.nbytes, max_frame))
     return frames
 
 
-def frames_of(nbytes: int) -> int:
-    """The frames an array of ``nbytes`` travels in (one for an empty array).
+def frames_of(nbytes: int, max_frame: int | None = MAX_FRAME_BYTES) -> int:
+    """The frames an array of ``nbytes`` travels in (one for an empty array, or without ``max_frame``).
 
     Example:
-        >>> frames_of(0), frames_of(MAX_FRAME_BYTES), frames_of(MAX_FRAME_BYTES + 1)
-        (1, 1, 2)
+        >>> frames_of(0), frames_of(MAX_FRAME_BYTES), frames_of(MAX_FRAME_BYTES + 1), frames_of(1 << 40, None)
+        (1, 1, 2, 1)
     """
-    return max(1, -(-nbytes // MAX_FRAME_BYTES))
+    return 1 if max_frame is None else max(1, -(-nbytes // max_frame))
 
 
 def prepare(arrays: Sequence[Any]) -> tuple[list[npt.NDArray[Any]], list[list[Any]]]:
@@ -202,14 +211,14 @@ def _buffer(frame: Any, index: int) -> memoryview:
 
 
 def _array(
-    frames: Sequence[Any], first: int, storage: np.dtype[Any], desc: list[Any], expected: int
+    frames: Sequence[Any], first: int, storage: np.dtype[Any], desc: list[Any], *, expected: int, max_frame: int
 ) -> npt.NDArray[Any]:
     """The array of descriptor ``desc`` (``[name, shape]``) from its frames (numbered from ``first``): a view of a
-    lone frame, or its frames joined (each but the last exactly :data:`MAX_FRAME_BYTES`)."""
+    lone frame, or its frames joined (each but the last exactly ``max_frame``)."""
     name, shape = desc
     bufs = [_buffer(f, first + k) for k, f in enumerate(frames)]
     sizes = [b.nbytes for b in bufs]
-    whole = [MAX_FRAME_BYTES] * (len(bufs) - 1) + [expected - MAX_FRAME_BYTES * (len(bufs) - 1)]
+    whole = [max_frame] * (len(bufs) - 1) + [expected - max_frame * (len(bufs) - 1)]
     if sizes != whole:
         where = f"frame {first}" if len(bufs) == 1 else f"frames {first}-{first + len(bufs) - 1}"
         raise MessageError(f"{where} hold {sizes} bytes but its descriptor {shape} {name} needs {whole}")
@@ -219,16 +228,22 @@ def _array(
         return np.frombuffer(bufs[0], dtype=storage).reshape(shape)
     joined = np.empty(expected, dtype=np.uint8)
     for k, buf in enumerate(bufs):
-        joined[k * MAX_FRAME_BYTES : k * MAX_FRAME_BYTES + buf.nbytes] = np.frombuffer(buf, dtype=np.uint8)
+        joined[k * max_frame : k * max_frame + buf.nbytes] = np.frombuffer(buf, dtype=np.uint8)
     return joined.view(storage).reshape(shape)
 
 
-def decode(frames: Sequence[bytes | memoryview | Any], lanes: LaneResolver | None = None) -> Message:
+def decode(
+    frames: Sequence[bytes | memoryview | Any],
+    lanes: LaneResolver | None = None,
+    *,
+    max_frame: int | None = MAX_FRAME_BYTES,
+) -> Message:
     """Validates and decodes received frames into a :class:`Message` without copying the data.
 
     Frames may be ``bytes``, ``memoryview`` or any object exposing the buffer protocol (e.g. ``zmq.Frame``).
     A header with a lane field (its arrays lie in a shared-memory lane, not in frames) is accepted only with
     ``lanes``, which maps the lane and wraps the arrays (and raises ``MessageError`` for bad offsets).
+    ``max_frame``: the sender's (see :func:`encode_prepared`).
 
     Raises:
         MessageError: for anything malformed; the message must then be dropped.
@@ -304,10 +319,12 @@ def decode(frames: Sequence[bytes | memoryview | Any], lanes: LaneResolver | Non
         if lane is not None:
             specs.append((storage, shape, expected))
             continue
-        count = frames_of(expected)
+        count = frames_of(expected, max_frame)
         if next_frame + count > len(frames):
             raise MessageError(f"descriptor {i} needs {count} frame(s) but the message ends before them")
-        arrays.append(_array(frames[next_frame : next_frame + count], next_frame, storage, desc, expected))
+        chunk = expected if max_frame is None else max_frame
+        mine = frames[next_frame : next_frame + count]
+        arrays.append(_array(mine, next_frame, storage, desc, expected=expected, max_frame=chunk))
         next_frame += count
     if lane is None and next_frame != len(frames):
         raise MessageError(f"header announces {next_frame - 1} data frames but {len(frames) - 1} arrived")

@@ -196,7 +196,11 @@ class ZmqTransport(ZmqPeers):
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
-        JobKeys.limit_strangers(self._pull, max_frame=MAX_FRAME_BYTES)
+        # authenticated links cut arrays into frames a listener refuses beyond; without a secret anyone may send
+        # whole messages anyway, so arrays keep one frame each (no join on receipt)
+        self._max_frame: int | None = MAX_FRAME_BYTES if self._keys is not None else None
+        if self._max_frame is not None:
+            JobKeys.limit_strangers(self._pull, max_frame=self._max_frame)
         if self._guard is not None and self._keys is not None:
             self._guard.watch(self._pull)
             self._keys.serve_curve(self._pull, domain="tcp")
@@ -316,8 +320,8 @@ class ZmqTransport(ZmqPeers):
         self.stats.messages_sent += 1
         self.stats.bytes_sent += nbytes
         if dst == self.rank:
-            frames = encode_prepared(self.rank, tag, meta, views, descriptors)
-            self._box.deliver(decode([bytes(f) for f in frames]))
+            frames = encode_prepared(self.rank, tag, meta, views, descriptors, max_frame=self._max_frame)
+            self._box.deliver(decode([bytes(f) for f in frames], max_frame=self._max_frame))
             return Handle.completed(None)
         error = self._lost_error(dst)
         if error is not None:
@@ -336,7 +340,7 @@ class ZmqTransport(ZmqPeers):
                     return Handle.completed(None)
                 if writer is not None:
                     self.stats.lane_full += 1
-            frames = encode_prepared(self.rank, tag, meta, views, descriptors)
+            frames = encode_prepared(self.rank, tag, meta, views, descriptors, max_frame=self._max_frame)
             if not big:
                 sock.send_multipart(frames, copy=True)
                 return Handle.completed(None)

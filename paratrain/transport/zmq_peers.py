@@ -56,6 +56,7 @@ class ZmqPeers(Transport):
     _endpoints: dict[str, Any]
     _ctx: zmq.Context[zmq.Socket[bytes]]
     _keys: JobKeys | None
+    _max_frame: int | None
     _box: Mailbox
     _closed: bool
     _grace: float
@@ -194,7 +195,7 @@ class ZmqPeers(Transport):
 
     def _handle_frames(self, frames: list[zmq.Frame]) -> None:
         try:
-            msg = decode(frames, self._resolve_lane)
+            msg = decode(frames, self._resolve_lane, max_frame=self._max_frame)
             if not 0 <= msg.src < self.world_size or msg.src == self.rank:
                 raise MessageError(f"sender rank {msg.src} is not a peer of rank {self.rank}")
         except _LaneError as exc:
@@ -386,7 +387,7 @@ class ZmqPeers(Transport):
             except zmq.Again:
                 return found
             try:
-                msg = decode(frames, refuse)
+                msg = decode(frames, refuse, max_frame=self._max_frame)
             except MessageError:
                 continue
             if msg.tag == TAG_CONTROL and msg.meta.get("ctl") == "bye" and 0 <= msg.src < self.world_size:

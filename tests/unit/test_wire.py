@@ -476,3 +476,16 @@ def test_an_array_over_the_frame_limit_travels_in_frames_of_the_limit_and_comes_
         decode([frames[0], frames[1], bytes(frames[2])[:-4], frames[3], frames[4]])
     with pytest.raises(MessageError, match="hold .* needs"):
         decode([frames[0], frames[1], frames[3], frames[4]])
+
+
+def test_without_a_frame_limit_every_array_is_one_frame() -> None:
+    """Links that refuse no frame (no secret) keep one zero-copy frame per array, however large."""
+    from paratrain.transport.wire import MAX_FRAME_BYTES, encode_prepared, prepare
+
+    big = np.ones(MAX_FRAME_BYTES // 4 + 1, dtype=np.float32)
+    views, descriptors = prepare([big])
+    frames = encode_prepared(0, 1, None, views, descriptors, max_frame=None)
+    assert len(frames) == 2
+    assert np.array_equal(decode(frames, max_frame=None).arrays[0], big)
+    with pytest.raises(MessageError):
+        decode(frames)  # a receiver expecting the limit refuses what the limit would have cut
