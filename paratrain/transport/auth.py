@@ -7,7 +7,7 @@ exchanging anything (:class:`JobKeys`):
 * **TCP** (between hosts, and the rendezvous): ZeroMQ's CURVE. Every bound socket (PULL, ROUTER) is a CURVE
   server with the job's server key pair, every connecting socket (PUSH, DEALER) a CURVE client with the job's
   client key pair. A client must know the server's public key to even start the handshake, and the
-  :class:`Guard` (this context's ZAP handler) accepts only the job's client public key. Without the secret a
+  :class:`Guard` (this context's ZAP handler) accepts only the job's client keys. Without the secret a
   peer's handshake fails and nothing it sends is ever delivered. CURVE also encrypts and authenticates every
   message (XSalsa20-Poly1305), so an on-path attacker can neither read nor inject: a password alone (PLAIN) would
   cross the wire in clear and a hijacked TCP stream would carry unauthenticated frames after it.
@@ -17,6 +17,11 @@ exchanging anything (:class:`JobKeys`):
   cryptography would cost bandwidth and buy nothing. The password differs per endpoint (a keyed hash of the
   endpoint's name), so even a client tricked into connecting to an impostor (one that bound the abstract name of
   a dead rank) gives away only the password of that dead endpoint.
+* **ranks**: a transport's links authenticate as their rank (:meth:`JobKeys.rank_client` on TCP, the user
+  ``rank-R`` with a password for the endpoint and rank on ipc); its Guard (``ranks=``) accepts only those, and the
+  rank becomes the connection's ``User-Id``, which ZeroMQ attaches to every message the connection delivers: the
+  receiver drops a message whose sender field says otherwise. Every rank's credentials derive from the one secret,
+  so this binds the peers that keep to their rank, not a malicious holder of the secret.
 * **shared memory** (collectives inside a host) is unchanged: it carries no crypto, and its segments are created
   by ranks that met through the authenticated rendezvous.
 
@@ -127,6 +132,7 @@ class JobKeys:
     client_public: bytes
     client_secret: bytes = field(repr=False)
     _ipc_key: bytes = field(repr=False)
+    _rank_key: bytes = field(repr=False)
 
     @classmethod
     def derive(cls, secret: bytes) -> JobKeys:
@@ -151,11 +157,20 @@ class JobKeys:
             client_public=zmq.curve_public(client_secret),
             client_secret=client_secret,
             _ipc_key=_derive(secret, b"ipc-password"),
+            _rank_key=_derive(secret, b"curve-rank-client"),
         )
 
-    def ipc_password(self, endpoint: str) -> bytes:
-        """The PLAIN password of the ipc ``endpoint`` (differs per endpoint; see the module docstring)."""
-        return hashlib.blake2b(endpoint.encode("utf-8"), key=self._ipc_key, digest_size=32).hexdigest().encode()
+    def ipc_password(self, endpoint: str, rank: int | None = None) -> bytes:
+        """The PLAIN password of the ipc ``endpoint`` (differs per endpoint; see the module docstring), for the
+        connections of ``rank`` (None: the rank-less password of older callers and tests)."""
+        label = endpoint if rank is None else f"{endpoint}#rank-{rank}"
+        return hashlib.blake2b(label.encode("utf-8"), key=self._ipc_key, digest_size=32).hexdigest().encode()
+
+    def rank_client(self, rank: int) -> tuple[bytes, bytes]:
+        """The CURVE key pair (public, secret; Z85) rank ``rank`` connects to its peers with: the Guard of a
+        transport accepts only these, and tells the receiver which rank each connection authenticated as."""
+        secret = z85.encode(hashlib.blake2b(f"rank-{rank}".encode(), key=self._rank_key, digest_size=32).digest())
+        return zmq.curve_public(secret), secret
 
     @staticmethod
     def limit_strangers(sock: zmq.Socket[bytes], *, max_frame: int) -> None:
@@ -181,15 +196,19 @@ class JobKeys:
         sock.setsockopt(zmq.PLAIN_SERVER, 1)
         sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
 
-    def authenticate_client(self, sock: zmq.Socket[bytes], address: str) -> None:
-        """Sets ``sock``'s credentials for connecting to ``address`` (CURVE on TCP, the password on ipc)."""
+    def authenticate_client(self, sock: zmq.Socket[bytes], address: str, *, rank: int | None = None) -> None:
+        """Sets ``sock``'s credentials for connecting to ``address`` (CURVE on TCP, the password on ipc): as
+        ``rank`` (a transport's links, whose receivers check every message's sender against it), or as a client
+        of no rank (the rendezvous)."""
         if address.startswith("ipc://"):
-            sock.setsockopt(zmq.PLAIN_USERNAME, _PLAIN_USER)
-            sock.setsockopt(zmq.PLAIN_PASSWORD, self.ipc_password(address))
-        else:
-            sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.client_public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, self.client_secret)
+            user = _PLAIN_USER if rank is None else f"rank-{rank}".encode()
+            sock.setsockopt(zmq.PLAIN_USERNAME, user)
+            sock.setsockopt(zmq.PLAIN_PASSWORD, self.ipc_password(address, rank))
+            return
+        public, secret = (self.client_public, self.client_secret) if rank is None else self.rank_client(rank)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
 
 
 def refusal_reason(event: int, value: int) -> str:
@@ -222,9 +241,15 @@ class RefusalLog:
     """
 
     def __init__(
-        self, emit: Callable[[str], None], *, interval: float = 10.0, clock: Callable[[], float] = time.monotonic
+        self,
+        emit: Callable[[str], None],
+        *,
+        interval: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        nouns: tuple[str, str] = ("refusals", "connections refused"),
     ) -> None:
         self._emit = emit
+        self._nouns = nouns  # what the held-back lines were, in a line's tail and in flush()
         self.interval = interval
         self._clock = clock
         self._last: float | None = None
@@ -237,7 +262,7 @@ class RefusalLog:
             self.held += 1
             return
         if self.held and self._last is not None:
-            text = f"{text} (and {self.held} more refusals in the last {now - self._last:.0f}s)"
+            text = f"{text} (and {self.held} more {self._nouns[0]} in the last {now - self._last:.0f}s)"
         self._emit(text)
         self._last, self.held = now, 0
 
@@ -250,7 +275,7 @@ class RefusalLog:
     def flush(self, what: str) -> None:
         """Writes how many refusals are held back, if any (``what``: whose, e.g. ``rank 3``)."""
         if self.held and self._last is not None:
-            self._emit(f"{what}: {self.held} more connections refused in the last {self._clock() - self._last:.0f}s")
+            self._emit(f"{what}: {self.held} more {self._nouns[1]} in the last {self._clock() - self._last:.0f}s")
             self._last, self.held = self._clock(), 0
 
 
@@ -268,8 +293,12 @@ class Guard:
         name: who is guarded, for log lines (``rank 3``, ``rendezvous``).
         on_refused: called (in the Guard's thread) once per refused connection, e.g. to count it.
         log_interval: seconds between two refusal lines (see :class:`RefusalLog`).
+        ranks: a transport's Guard: the job's world size now (called per request). Then only a rank's credentials
+            are accepted (:meth:`JobKeys.rank_client`, the ``rank-R`` password on ipc), and the connection's
+            ``User-Id`` (on every message it delivers) is that rank. None: the rank-less client (the rendezvous).
 
-    Thread safety: :meth:`allow_plain` and :meth:`watch` before :meth:`start`; :meth:`close` from any thread.
+    Thread safety: :meth:`allow_plain`, :meth:`allow_ipc` and :meth:`watch` before :meth:`start`; :meth:`close`
+    from any thread.
     """
 
     def __init__(
@@ -280,11 +309,16 @@ class Guard:
         name: str,
         on_refused: Callable[[], None] | None = None,
         log_interval: float = 10.0,
+        ranks: Callable[[], int] | None = None,
     ) -> None:
         self.name = name
         self.refused = 0
+        self._keys = keys
+        self._ranks = ranks
+        self._rank_keys: dict[bytes, int] = {}  # a rank's CURVE public key (raw) -> the rank (filled as needed)
         self._client_key = z85.decode(keys.client_public)
         self._passwords: dict[bytes, bytes] = {}
+        self._ipc_endpoints: dict[bytes, str] = {}
         self._on_refused = on_refused
         self._log = RefusalLog(lambda line: log.warning("%s", line), interval=log_interval)
         self._last_denied = ""
@@ -304,6 +338,10 @@ class Guard:
     def allow_plain(self, domain: str, password: bytes) -> None:
         """Accepts PLAIN connections under ``domain`` that give ``password``."""
         self._passwords[domain.encode()] = password
+
+    def allow_ipc(self, domain: str, endpoint: str) -> None:
+        """Accepts PLAIN connections under ``domain`` from a rank that gives its password for ``endpoint``."""
+        self._ipc_endpoints[domain.encode()] = endpoint
 
     def watch(self, sock: zmq.Socket[bytes]) -> None:
         """Counts and logs the refused handshakes of server socket ``sock``."""
@@ -357,17 +395,39 @@ class Guard:
             self._zap.send_multipart([b"1.0", request[1] if len(request) > 1 else b"", b"500", b"malformed", b"", b""])
             return
         version, request_id, domain, address, _identity, mechanism, *credentials = request
-        ok = False
-        if mechanism == b"CURVE" and len(credentials) == 1:
-            ok = hmac.compare_digest(credentials[0], self._client_key)
-        elif mechanism == b"PLAIN" and len(credentials) == 2 and domain in self._passwords:
-            user, password = credentials
-            ok = user == _PLAIN_USER and hmac.compare_digest(password, self._passwords[domain])
-        if not ok:
+        user = self._check(domain, mechanism, credentials)
+        if user is None:
             peer = address.decode("utf-8", "replace")
             self._last_denied = f" (peer {peer}, {mechanism.decode('ascii', 'replace')})"
-        status = (b"200", b"OK") if ok else (b"400", b"not this job's credentials")
-        self._zap.send_multipart([version, request_id, *status, b"paratrain" if ok else b"", b""])
+        status = (b"200", b"OK") if user is not None else (b"400", b"not this job's credentials")
+        self._zap.send_multipart([version, request_id, *status, user or b"", b""])
+
+    def _check(self, domain: bytes, mechanism: bytes, credentials: list[bytes]) -> bytes | None:
+        """The User-Id of valid credentials (a rank's number, or ``paratrain`` for the rank-less client), else
+        None."""
+        if self._ranks is None:
+            if mechanism == b"CURVE" and len(credentials) == 1:
+                return b"paratrain" if hmac.compare_digest(credentials[0], self._client_key) else None
+            if mechanism == b"PLAIN" and len(credentials) == 2 and domain in self._passwords:
+                user, password = credentials
+                ok = user == _PLAIN_USER and hmac.compare_digest(password, self._passwords[domain])
+                return b"paratrain" if ok else None
+            return None
+        world = self._ranks()
+        if mechanism == b"CURVE" and len(credentials) == 1:
+            for rank in range(len(self._rank_keys), world):  # derived once per rank, as the job grows
+                self._rank_keys[z85.decode(self._keys.rank_client(rank)[0])] = rank
+            rank = self._rank_keys.get(credentials[0], world)
+            return str(rank).encode() if rank < world else None
+        endpoint = self._ipc_endpoints.get(domain)
+        if mechanism != b"PLAIN" or len(credentials) != 2 or endpoint is None:
+            return None
+        user, password = credentials
+        digits = user.removeprefix(b"rank-")
+        if not (user.startswith(b"rank-") and digits.isdigit() and len(digits) <= 9 and int(digits) < world):
+            return None
+        expected = self._keys.ipc_password(endpoint, int(digits))
+        return digits if hmac.compare_digest(password, expected) else None
 
     def _drain(self, mon: zmq.Socket[bytes]) -> None:
         while True:

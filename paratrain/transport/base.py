@@ -102,8 +102,9 @@ class Handle(Generic[T]):
 
 class TransportStats:
     """Counters a transport keeps: messages and bytes sent/received, malformed messages dropped, connections
-    refused (a handshake without the job's secret: see :mod:`paratrain.transport.auth`), messages sent through a
-    shared-memory lane and those that found it full (:mod:`paratrain.transport.lane`)."""
+        refused (a handshake without the job's secret: see :mod:`paratrain.transport.auth`), messages sent through a
+        shared-memory lane and those that found it full (:mod:`paratrain.transport.lane`), and messages dropped because
+    their sender field was not the rank their connection authenticated as."""
 
     __slots__ = (
         "bytes_received",
@@ -114,6 +115,7 @@ class TransportStats:
         "messages_received",
         "messages_sent",
         "refused_connections",
+        "spoofed_senders",
     )
 
     def __init__(self) -> None:
@@ -123,6 +125,7 @@ class TransportStats:
         self.bytes_received = 0
         self.dropped_malformed = 0
         self.refused_connections = 0
+        self.spoofed_senders = 0
         self.lane_messages = 0
         self.lane_full = 0
 

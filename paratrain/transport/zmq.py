@@ -57,7 +57,7 @@ from typing import Any
 import zmq
 
 from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
-from paratrain.transport.auth import Guard, JobKeys
+from paratrain.transport.auth import Guard, JobKeys, RefusalLog
 from paratrain.transport.base import ANY_SOURCE, ANY_TAG, Handle
 from paratrain.transport.lane import LANE_THRESHOLD, LaneReader, LaneWriter, lanes_supported, safe_run_id
 from paratrain.transport.matching import Mailbox
@@ -192,13 +192,18 @@ class ZmqTransport(ZmqPeers):
             raise
         self._guard: Guard | None = None
         if self._keys is not None:
-            self._guard = Guard(self._ctx, self._keys, name=f"rank {rank}", on_refused=self._count_refusal)
+            self._guard = Guard(
+                self._ctx, self._keys, name=f"rank {rank}", on_refused=self._count_refusal, ranks=self._world
+            )
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         # authenticated links cut arrays into frames a listener refuses beyond; without a secret anyone may send
         # whole messages anyway, so arrays keep one frame each (no join on receipt)
         self._max_frame: int | None = MAX_FRAME_BYTES if self._keys is not None else None
+        # what a peer with the secret may still send wrong, logged rate-limited (the receiver thread's)
+        self._spoof_log = RefusalLog(lambda line: log.error("%s", line), nouns=("spoofed", "spoofed messages dropped"))
+        self._malformed_log = RefusalLog(lambda line: log.error("%s", line), nouns=("malformed", "malformed dropped"))
         if self._max_frame is not None:
             JobKeys.limit_strangers(self._pull, max_frame=self._max_frame)
         if self._guard is not None and self._keys is not None:
@@ -212,7 +217,7 @@ class ZmqTransport(ZmqPeers):
             ipc_endpoint = f"ipc://@paratrain-{safe_run}-{rank}-{os.getpid()}-{secrets.token_hex(4)}"
             if self._guard is not None and self._keys is not None:
                 self._keys.serve_plain(self._pull, domain="ipc")
-                self._guard.allow_plain("ipc", self._keys.ipc_password(ipc_endpoint))
+                self._guard.allow_ipc("ipc", ipc_endpoint)
             self._pull.bind(ipc_endpoint)
         if self._guard is not None:
             self._guard.start()
@@ -255,6 +260,10 @@ class ZmqTransport(ZmqPeers):
 
     def _count_refusal(self) -> None:
         self.stats.refused_connections += 1
+
+    def _world(self) -> int:
+        """The world size (the Guard's thread reads it: ranks at or above it are refused)."""
+        return self.world_size
 
     def host_ids(self) -> list[str]:
         """The host id of every rank (after :meth:`connect`); equal ids share a host."""
@@ -418,6 +427,8 @@ class ZmqTransport(ZmqPeers):
         self._release()
 
     def _release(self) -> None:
+        for held in (self._spoof_log, self._malformed_log):  # the receiver thread has stopped
+            held.flush(f"rank {self.rank}")
         for mon in self._monitors.values():
             mon.close(linger=0)
         for sock in self._push.values():

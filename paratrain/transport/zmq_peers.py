@@ -21,7 +21,7 @@ import zmq
 
 from paratrain._process import process_dead
 from paratrain.errors import CommTimeoutError, MessageError, PeerLostError, TransportClosedError
-from paratrain.transport.auth import REFUSAL_EVENTS, JobKeys, refusal_reason
+from paratrain.transport.auth import REFUSAL_EVENTS, JobKeys, RefusalLog, refusal_reason
 from paratrain.transport.base import Transport
 from paratrain.transport.lane import LaneReader, LaneWriter
 from paratrain.transport.matching import Mailbox
@@ -56,6 +56,8 @@ class ZmqPeers(Transport):
     _endpoints: dict[str, Any]
     _ctx: zmq.Context[zmq.Socket[bytes]]
     _keys: JobKeys | None
+    _spoof_log: RefusalLog
+    _malformed_log: RefusalLog
     _max_frame: int | None
     _box: Mailbox
     _closed: bool
@@ -93,7 +95,7 @@ class ZmqPeers(Transport):
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         if self._keys is not None:
-            self._keys.authenticate_client(sock, address)
+            self._keys.authenticate_client(sock, address, rank=self.rank)
         monitor = sock.get_monitor_socket(
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECT_RETRIED | REFUSAL_EVENTS
         )
@@ -193,20 +195,46 @@ class ZmqPeers(Transport):
             return True
         return not process_dead(pid)
 
+    def _sender(self, frames: list[zmq.Frame]) -> int | None:
+        """The rank the connection that delivered ``frames`` authenticated as (its Guard's ``User-Id``); None
+        without a secret (nobody authenticates); -1 if it carries none (the sender field then cannot be trusted)."""
+        if self._keys is None:
+            return None
+        try:
+            user = frames[0].get("User-Id")
+        except (zmq.ZMQError, AttributeError):  # not a frame of an authenticated connection
+            return -1
+        return int(user) if isinstance(user, str) and user.isdigit() else -1
+
+    def _spoofed(self, claimed: int, bound: int) -> None:
+        """Drops a message whose sender field is not the rank its connection authenticated as (rate-limited log)."""
+        self.stats.spoofed_senders += 1
+        self._spoof_log.refused(
+            f"rank {self.rank} dropped a message claiming to come from rank {claimed} on a connection that "
+            f"authenticated as rank {bound}"
+        )
+
     def _handle_frames(self, frames: list[zmq.Frame]) -> None:
+        bound = self._sender(frames)
         try:
             msg = decode(frames, self._resolve_lane, max_frame=self._max_frame)
             if not 0 <= msg.src < self.world_size or msg.src == self.rank:
                 raise MessageError(f"sender rank {msg.src} is not a peer of rank {self.rank}")
         except _LaneError as exc:
-            # a message this rank cannot read is one its sender waits on: fail that peer rather than hang
+            # a message this rank cannot read is one its sender waits on: fail that peer rather than hang, if the
+            # sender is who its connection authenticated as
             self.stats.dropped_malformed += 1
-            if 0 <= exc.src < self.world_size and exc.src != self.rank:
+            if bound is not None and exc.src != bound:
+                self._spoofed(exc.src, bound)
+            elif 0 <= exc.src < self.world_size and exc.src != self.rank:
                 self._declare_lost(exc.src, f"sent data through shared memory that this rank cannot read: {exc}")
             return
         except MessageError as exc:
             self.stats.dropped_malformed += 1
-            log.error("rank %d dropped a malformed message: %s", self.rank, exc)
+            self._malformed_log.refused(f"rank {self.rank} dropped a malformed message: {exc}")
+            return
+        if bound is not None and msg.src != bound:
+            self._spoofed(msg.src, bound)
             return
         self._last_heard[msg.src] = time.monotonic()
         if msg.tag == TAG_CONTROL:

@@ -14,6 +14,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import msgpack
@@ -352,7 +353,9 @@ def test_a_flood_from_clients_without_the_secret_changes_nothing(caplog: pytest.
             # a newcomer with the secret is still let in, on both endpoints (the guard answers after the flood)
             keys = JobKeys.derive(secret)
             for address in (tcp, ipc):
-                late = _intrude(ctx, address, keys.authenticate_client, [_forged(0, 8, {"late": address})])
+                late = _intrude(
+                    ctx, address, partial(keys.authenticate_client, rank=0), [_forged(0, 8, {"late": address})]
+                )
                 assert b.recv(0, 8, timeout=10).meta == {"late": address}
                 late.close()
             elapsed = time.monotonic() - started

@@ -27,7 +27,7 @@ def test_receiver_drops_garbage_and_keeps_serving(caplog: pytest.LogCaptureFixtu
     stray = ctx.socket(zmq.PUSH)
     stray.setsockopt(zmq.LINGER, 0)
     address = b.endpoints()["tcp"]  # type: ignore[attr-defined]
-    JobKeys.derive(secret).authenticate_client(stray, address)
+    JobKeys.derive(secret).authenticate_client(stray, address, rank=0)
     stray.connect(address)
     try:
         valid, _ = encode(0, 1, [np.arange(4)])

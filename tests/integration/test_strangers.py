@@ -123,3 +123,46 @@ def test_a_stalled_handshake_is_dropped_after_the_handshake_interval() -> None:
         finally:
             for sock in socks:
                 sock.close()
+
+
+def test_a_sender_field_that_is_not_the_connections_rank_is_dropped_and_no_peer_is_declared_lost() -> None:
+    """A process holding the secret connects as rank 2 and sends messages claiming to come from rank 1, one of them
+    naming a shared-memory lane that does not exist (which, from rank 1, would fail rank 1): each is dropped and
+    counted, and rank 1 stays a healthy peer whose messages still arrive."""
+    from functools import partial
+
+    import zmq
+
+    from paratrain.transport.auth import JobKeys
+    from paratrain.transport.wire import encode, encode_header
+
+    secret = new_secret()
+    a, b, c = zmq_transports(3, timeout=30, secret=secret)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        spoofs = [
+            [bytes(f) for f in encode(1, 5, [np.arange(4.0)])[0]],
+            [encode_header(1, 5, {}, [["float32", [4]]], ["paratrain-no-such-lane", 0])],
+        ]
+        for address in (a.endpoints()["tcp"], a.endpoints()["ipc"]):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            partial(JobKeys.derive(secret).authenticate_client, rank=2)(sock, address)
+            sock.connect(address)
+            for frames in spoofs:
+                sock.send_multipart(frames)
+            sock.close()
+        deadline = time.monotonic() + 20
+        while a.stats.spoofed_senders < 4:
+            assert time.monotonic() < deadline, f"only {a.stats.spoofed_senders} of 4 spoofed messages were seen"
+            b.send(0, 6)
+            a.recv(1, 6, timeout=10)
+        assert a.stats.spoofed_senders == 4 and not a.lost_peers()
+        b.send(0, 5, [np.arange(3.0)])  # the real rank 1's message is the one tag 5 delivers
+        assert a.recv(1, 5, timeout=10).arrays[0].tolist() == [0.0, 1.0, 2.0]
+        c.send(0, 7)
+        assert a.recv(2, 7, timeout=10).src == 2
+    finally:
+        ctx.destroy(linger=0)
+        for t in (a, b, c):
+            t.close()

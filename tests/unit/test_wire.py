@@ -474,7 +474,7 @@ def test_an_array_over_the_frame_limit_travels_in_frames_of_the_limit_and_comes_
     # a frame of the wrong length in the middle, or one missing, is refused like any malformed message
     with pytest.raises(MessageError, match="hold"):
         decode([frames[0], frames[1], bytes(frames[2])[:-4], frames[3], frames[4]])
-    with pytest.raises(MessageError, match="hold .* needs"):
+    with pytest.raises(MessageError, match=r"hold .* needs"):
         decode([frames[0], frames[1], frames[3], frames[4]])
 
 
