@@ -4,7 +4,7 @@ A launched job of two ranks (``paratrain launch -n 2``, each its own host id, so
 1 MiB arrays back and forth and prints a checksum of everything it received. With ``--strangers N``, N concurrent
 connections without the secret hammer rank 1's TCP and ipc endpoints for the whole run, each in turn declaring a
 1 GiB handshake frame, stalling after its greeting, and writing random bytes. Rounds alternate the flooded and the
-quiet run; prints JSON (every run's checksum and seconds) to stdout.
+quiet run; prints JSON (every run's checksum, seconds and each rank's peak resident memory) to stdout.
 
     python benchmarks/recovery/flood.py --strangers 500 --rounds 3 > flood.json
 """
@@ -52,7 +52,9 @@ for i in range(int(sys.argv[3])):
         got = t.recv(0, i).arrays[0]; t.send(0, i, [x])
     digest.update(got.tobytes())
 pt.barrier()
-print(json.dumps({"rank": ctx.rank, "seconds": time.monotonic() - start, "checksum": digest.hexdigest()}), flush=True)
+peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024
+line = {"rank": ctx.rank, "seconds": time.monotonic() - start, "checksum": digest.hexdigest(), "peak_rss_mib": peak}
+print(json.dumps(line), flush=True)
 pt.shutdown()
 """
 
@@ -142,6 +144,7 @@ def run_job(strangers: int, steps: int, workdir: Path) -> dict[str, object]:
         "connections": counts[0],
         "seconds": max(float(line["seconds"]) for line in lines),
         "checksums": sorted(str(line["checksum"]) for line in lines),
+        "peak_rss_mib": {int(line["rank"]): line["peak_rss_mib"] for line in lines},
     }
 
 
