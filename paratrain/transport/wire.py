@@ -4,11 +4,12 @@ A message is ``[header, buf_0, ..., buf_k]``. The header frame is ``MAGIC`` (4 b
 msgpack array ``[src, tag, meta, descriptors]`` where ``meta`` is a map of small scalars chosen by the
 algorithm and each descriptor is ``[dtype_name, shape]`` of one buffer. Data frames are the raw bytes of
 C-contiguous arrays, so a sender hands its arrays' memory to the socket without copying, and a receiver wraps
-the received frames in numpy arrays without copying. On authenticated links no frame is longer than
-:data:`MAX_FRAME_BYTES`: a larger array travels as consecutive frames of that length (the last shorter), which the
-receiver joins (one copy, for those arrays only), so that every socket can refuse longer frames before reading them
-(a stranger that declares a 1 GiB frame in its handshake is cut off at its header, not buffered). Links without a
-secret let anyone in anyway, and keep one frame per array (``max_frame=None``).
+the received frames in numpy arrays without copying. On authenticated links no frame is longer than the link's
+limit (at most :data:`MAX_FRAME_BYTES`): a larger array travels as consecutive frames of that length (the last
+shorter; its descriptor says the length: ``[dtype, shape, frame bytes]``), which the receiver joins (one copy, for
+those arrays only), so that every socket can refuse longer frames before reading them (a stranger that declares a
+1 GiB frame in its handshake is cut off at its header, not buffered). Links without a secret let anyone in anyway,
+and keep one frame per array (``max_frame=None``).
 
 Between processes of one host a message's arrays may instead lie in a shared-memory lane
 (:mod:`paratrain.transport.lane`): then the header is the only frame and a fifth element, ``[lane name, record
@@ -134,19 +135,19 @@ def encode_prepared(
 ) -> list[bytes | memoryview]:
     """The frames of :func:`encode` from what :func:`prepare` returned (the descriptors keep each array's wire
     dtype name: a bfloat16 tensor's view is uint16, and preparing the views again would send it as uint16).
-    ``max_frame``: the longest data frame (None: one frame per array, for links that refuse no frame; the
-    receiver's :func:`decode` must be given the same)."""
-    frames: list[bytes | memoryview] = [encode_header(src, tag, meta or {}, descriptors)]
-    for view in views:
-        if not view.size:
-            frames.append(b"")
-            continue
-        data = memoryview(view.reshape(-1).view(np.uint8).data)
+    ``max_frame``: the longest data frame on this link (None: one frame per array, for links that refuse no
+    frame). A cut array's descriptor says its frame length (``[dtype, shape, frame bytes]``)."""
+    frames: list[bytes | memoryview] = []
+    described: list[list[Any]] = []
+    for view, desc in zip(views, descriptors, strict=True):
+        data = memoryview(view.reshape(-1).view(np.uint8).data) if view.size else memoryview(b"")
         if max_frame is None or data.nbytes <= max_frame:
-            frames.append(data)
+            frames.append(data if view.size else b"")
+            described.append(desc)
         else:
             frames.extend(data[i : i + max_frame] for i in range(0, data.nbytes, max_frame))
-    return frames
+            described.append([*desc[:2], max_frame])
+    return [encode_header(src, tag, meta or {}, described), *frames]
 
 
 def frames_of(nbytes: int, max_frame: int | None = MAX_FRAME_BYTES) -> int:
@@ -215,7 +216,7 @@ def _array(
 ) -> npt.NDArray[Any]:
     """The array of descriptor ``desc`` (``[name, shape]``) from its frames (numbered from ``first``): a view of a
     lone frame, or its frames joined (each but the last exactly ``max_frame``)."""
-    name, shape = desc
+    name, shape = desc[:2]
     bufs = [_buffer(f, first + k) for k, f in enumerate(frames)]
     sizes = [b.nbytes for b in bufs]
     whole = [max_frame] * (len(bufs) - 1) + [expected - max_frame * (len(bufs) - 1)]
@@ -243,7 +244,8 @@ def decode(
     Frames may be ``bytes``, ``memoryview`` or any object exposing the buffer protocol (e.g. ``zmq.Frame``).
     A header with a lane field (its arrays lie in a shared-memory lane, not in frames) is accepted only with
     ``lanes``, which maps the lane and wraps the arrays (and raises ``MessageError`` for bad offsets).
-    ``max_frame``: the sender's (see :func:`encode_prepared`).
+    ``max_frame``: the longest frame a descriptor may announce (the receiving socket's limit; None:
+    :data:`MAX_FRAME_BYTES`).
 
     Raises:
         MessageError: for anything malformed; the message must then be dropped.
@@ -302,9 +304,12 @@ def decode(
     specs: list[tuple[np.dtype[Any], list[int], int]] = []
     next_frame = 1
     for i, desc in enumerate(descriptors):
-        if not (isinstance(desc, list) and len(desc) == 2):
-            raise MessageError(f"descriptor {i} is not [dtype, shape]")
-        name, shape = desc
+        if not (isinstance(desc, list) and len(desc) in (2, 3)):
+            raise MessageError(f"descriptor {i} is not [dtype, shape] or [dtype, shape, frame bytes]")
+        name, shape = desc[:2]
+        frame = desc[2] if len(desc) == 3 else None
+        if frame is not None and not (type(frame) is int and 1 <= frame <= (max_frame or MAX_FRAME_BYTES)):
+            raise MessageError(f"descriptor {i} cuts its array into frames of {frame!r} bytes")
         if not isinstance(name, str) or name not in DTYPE_NAMES:
             raise MessageError(f"descriptor {i} has an unsupported dtype {name!r}")
         if not isinstance(shape, list) or len(shape) > MAX_DIMS:
@@ -319,12 +324,11 @@ def decode(
         if lane is not None:
             specs.append((storage, shape, expected))
             continue
-        count = frames_of(expected, max_frame)
+        count = frames_of(expected, frame)
         if next_frame + count > len(frames):
             raise MessageError(f"descriptor {i} needs {count} frame(s) but the message ends before them")
-        chunk = expected if max_frame is None else max_frame
         mine = frames[next_frame : next_frame + count]
-        arrays.append(_array(mine, next_frame, storage, desc, expected=expected, max_frame=chunk))
+        arrays.append(_array(mine, next_frame, storage, desc, expected=expected, max_frame=frame or expected))
         next_frame += count
     if lane is None and next_frame != len(frames):
         raise MessageError(f"header announces {next_frame - 1} data frames but {len(frames) - 1} arrived")

@@ -78,6 +78,13 @@ log = logging.getLogger("paratrain.transport.zmq")
 
 #: Messages with at least this many data bytes are sent zero-copy (ZeroMQ's own crossover is 64 KiB).
 COPY_THRESHOLD = 1 << 16
+#: The longest frame on an authenticated TCP link: CURVE encrypts 1 MiB frames faster than longer ones (16 MiB
+#: messages 1.6-1.9x the bandwidth of one 16 MiB frame, joins included), and a stranger's handshake frame costs
+#: at most this much.
+TCP_FRAME_BYTES = 1 << 20
+#: The longest frame on an authenticated ipc link (same host: large messages usually take a lane; those that find
+#: it full keep long frames, joined rarely).
+IPC_FRAME_BYTES = MAX_FRAME_BYTES
 _DISCONNECT_GRACE = 0.5
 _RESILIENT_GRACE = 0.1
 
@@ -198,14 +205,16 @@ class ZmqTransport(ZmqPeers):
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
-        # authenticated links cut arrays into frames a listener refuses beyond; without a secret anyone may send
-        # whole messages anyway, so arrays keep one frame each (no join on receipt)
+        # authenticated links cut arrays into frames their listener refuses beyond (TCP_FRAME_BYTES, IPC_FRAME_BYTES);
+        # without a secret anyone may send whole messages anyway, so arrays keep one frame each (no join on receipt)
         self._max_frame: int | None = MAX_FRAME_BYTES if self._keys is not None else None
+        self._link_frame: dict[int, int | None] = {}  # per peer: the frame limit of the link to it
+        self._tcp_frame, self._ipc_frame = TCP_FRAME_BYTES, IPC_FRAME_BYTES
         # what a peer with the secret may still send wrong, logged rate-limited (the receiver thread's)
         self._spoof_log = RefusalLog(lambda line: log.error("%s", line), nouns=("spoofed", "spoofed messages dropped"))
         self._malformed_log = RefusalLog(lambda line: log.error("%s", line), nouns=("malformed", "malformed dropped"))
         if self._max_frame is not None:
-            JobKeys.limit_strangers(self._pull, max_frame=self._max_frame)
+            JobKeys.limit_strangers(self._pull, max_frame=TCP_FRAME_BYTES)
         if self._guard is not None and self._keys is not None:
             self._guard.watch(self._pull)
             self._keys.serve_curve(self._pull, domain="tcp")
@@ -218,6 +227,7 @@ class ZmqTransport(ZmqPeers):
             if self._guard is not None and self._keys is not None:
                 self._keys.serve_plain(self._pull, domain="ipc")
                 self._guard.allow_ipc("ipc", ipc_endpoint)
+                JobKeys.limit_strangers(self._pull, max_frame=IPC_FRAME_BYTES)
             self._pull.bind(ipc_endpoint)
         if self._guard is not None:
             self._guard.start()
@@ -302,7 +312,7 @@ class ZmqTransport(ZmqPeers):
         for peer, info in enumerate(table):
             if peer == self.rank:
                 continue
-            sock, monitor = self._open_push(info)
+            sock, monitor = self._open_push(peer, info)
             if hello is not None:
                 sock.send_multipart(hello, flags=zmq.NOBLOCK)  # queued: the first message on the link
             self._monitors[peer] = monitor
@@ -329,8 +339,8 @@ class ZmqTransport(ZmqPeers):
         self.stats.messages_sent += 1
         self.stats.bytes_sent += nbytes
         if dst == self.rank:
-            frames = encode_prepared(self.rank, tag, meta, views, descriptors, max_frame=self._max_frame)
-            self._box.deliver(decode([bytes(f) for f in frames], max_frame=self._max_frame))
+            frames = encode_prepared(self.rank, tag, meta, views, descriptors, max_frame=None)
+            self._box.deliver(decode([bytes(f) for f in frames]))
             return Handle.completed(None)
         error = self._lost_error(dst)
         if error is not None:
@@ -349,7 +359,7 @@ class ZmqTransport(ZmqPeers):
                     return Handle.completed(None)
                 if writer is not None:
                     self.stats.lane_full += 1
-            frames = encode_prepared(self.rank, tag, meta, views, descriptors, max_frame=self._max_frame)
+            frames = encode_prepared(self.rank, tag, meta, views, descriptors, max_frame=self._link_frame[dst])
             if not big:
                 sock.send_multipart(frames, copy=True)
                 return Handle.completed(None)

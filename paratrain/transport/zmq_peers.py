@@ -59,6 +59,9 @@ class ZmqPeers(Transport):
     _spoof_log: RefusalLog
     _malformed_log: RefusalLog
     _max_frame: int | None
+    _link_frame: dict[int, int | None]
+    _tcp_frame: int
+    _ipc_frame: int
     _box: Mailbox
     _closed: bool
     _grace: float
@@ -85,10 +88,13 @@ class ZmqPeers(Transport):
     _lane_writers: dict[int, LaneWriter | None]
     _lane_readers: dict[int, LaneReader]
 
-    def _open_push(self, info: Mapping[str, Any]) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
-        """A PUSH socket connected to the peer that published ``info`` (ipc on this host), and its monitor."""
+    def _open_push(self, peer: int, info: Mapping[str, Any]) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """A PUSH socket connected to ``peer``, which published ``info`` (ipc on this host), and its monitor; notes
+        the link's frame limit (its listener's)."""
         same_host = info.get("host") == self.host_id and bool(info.get("ipc")) and bool(self._endpoints["ipc"])
         address = str(info["ipc"] if same_host else info["tcp"])
+        limit = self._ipc_frame if same_host else self._tcp_frame
+        self._link_frame[peer] = limit if self._keys is not None else None
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
@@ -284,7 +290,7 @@ class ZmqPeers(Transport):
         if peer not in self.lost_peers():  # its death went unseen: whatever waits on the old process fails now
             self._declare_lost(peer, "was replaced by a new process (it rejoined)", expected=True)
         fresh = {"tcp": tcp, "ipc": ipc, "host": host, "pid": pid}
-        sock, monitor = self._open_push(fresh)
+        sock, monitor = self._open_push(peer, fresh)
         with self._push_locks[peer]:
             old, self._push[peer] = self._push[peer], sock
             writer = self._lane_writers.pop(peer, None)  # the old process's records are never released

@@ -487,5 +487,8 @@ def test_without_a_frame_limit_every_array_is_one_frame() -> None:
     frames = encode_prepared(0, 1, None, views, descriptors, max_frame=None)
     assert len(frames) == 2
     assert np.array_equal(decode(frames, max_frame=None).arrays[0], big)
-    with pytest.raises(MessageError):
-        decode(frames)  # a receiver expecting the limit refuses what the limit would have cut
+    # a cut array says its frame length, which may not exceed the receiver's limit
+    cut = encode_prepared(0, 1, None, views, descriptors, max_frame=1 << 20)
+    assert len(cut) == 1 + 17 and np.array_equal(decode(cut, max_frame=1 << 20).arrays[0], big)
+    with pytest.raises(MessageError, match="cuts its array into frames of"):
+        decode(cut, max_frame=1 << 19)
