@@ -166,3 +166,26 @@ def test_a_sender_field_that_is_not_the_connections_rank_is_dropped_and_no_peer_
         ctx.destroy(linger=0)
         for t in (a, b, c):
             t.close()
+
+
+def test_a_launched_job_flooded_by_500_strangers_computes_the_same_result() -> None:
+    """benchmarks/recovery/flood.py, one round of a short job: alone, then under 500 concurrent strangers on rank 1's
+    TCP and ipc endpoints; both runs finish and receive bitwise the same data (its timings are the benchmark's)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "recovery" / "flood.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--strangers", "500", "--rounds", "1", "--steps", "60"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = json.loads(out.stdout)["runs"]
+    assert [r["strangers"] for r in runs] == [0, 500]
+    assert runs[1]["connections"] > 0  # the strangers did connect while the job ran
+    assert runs[0]["checksums"] == runs[1]["checksums"]
