@@ -15,14 +15,14 @@ import argparse
 import json
 import os
 import random
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from paratrain.transport.probe import connect_raw, declared_frame, greeting
 
 JOB = """
 import hashlib, json, os, sys, time
@@ -59,19 +59,6 @@ pt.shutdown()
 """
 
 
-def _greeting(mechanism: bytes) -> bytes:
-    return b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + mechanism.ljust(20, b"\0") + b"\0" + b"\0" * 31
-
-
-def _connect(endpoint: str) -> socket.socket:
-    if endpoint.startswith("ipc://@"):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect("\0" + endpoint.removeprefix("ipc://@"))
-        return sock
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=5)
-
-
 def _stranger(endpoints: list[tuple[str, bytes]], stop: threading.Event, seed: int, counts: list[int]) -> None:
     """One stranger: connection after connection, each an oversized frame, a stalled greeting or random bytes."""
     rng = random.Random(seed)
@@ -79,18 +66,18 @@ def _stranger(endpoints: list[tuple[str, bytes]], stop: threading.Event, seed: i
     while not stop.is_set():
         endpoint, mechanism = rng.choice(endpoints)
         try:
-            sock = _connect(endpoint)
+            sock = connect_raw(endpoint)
         except OSError:
             continue
         sock.settimeout(5.0)
         try:
             kind = rng.randrange(3)
             if kind == 0:
-                sock.sendall(_greeting(mechanism) + bytes([0x06]) + struct.pack(">Q", 1 << 30))
+                sock.sendall(greeting(mechanism) + declared_frame(1 << 30))
                 while not stop.is_set():
                     sock.sendall(chunk)
             elif kind == 1:
-                sock.sendall(_greeting(mechanism))
+                sock.sendall(greeting(mechanism))
                 stop.wait(rng.uniform(0.5, 6.0))
             else:
                 sock.sendall(rng.randbytes(rng.randrange(1, 4096)))

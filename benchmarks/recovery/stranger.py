@@ -8,13 +8,12 @@ this process's memory grew by, how much the stranger got to send, and when each 
 from __future__ import annotations
 
 import json
-import socket
-import struct
 import sys
 import time
 
 from paratrain.testing import zmq_transports
 from paratrain.transport.auth import new_secret
+from paratrain.transport.probe import connect_raw, declared_frame, greeting
 from paratrain.transport.rendezvous import RendezvousServer
 
 
@@ -23,27 +22,14 @@ def rss_mib() -> float:
         return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmRSS:"))
 
 
-def greeting(mechanism: bytes) -> bytes:
-    return b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + mechanism.ljust(20, b"\0") + b"\0" + b"\0" * 31
-
-
-def connect(endpoint: str) -> socket.socket:
-    if endpoint.startswith("ipc://@"):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect("\0" + endpoint.removeprefix("ipc://@"))
-        return sock
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)))
-
-
 def oversized(endpoint: str, mechanism: bytes, limit_s: float = 60.0) -> dict[str, float]:
     before, peak, sent, start = rss_mib(), 0.0, 0, time.monotonic()
-    sock = connect(endpoint)
+    sock = connect_raw(endpoint)
     sock.settimeout(5.0)
     chunk = bytes(1 << 20)
     outcome = "sent all"
     try:
-        sock.sendall(greeting(mechanism) + bytes([0x06]) + struct.pack(">Q", 1 << 30))
+        sock.sendall(greeting(mechanism) + declared_frame(1 << 30))
         while sent < 1024 and time.monotonic() - start < limit_s:
             sock.sendall(chunk)
             sent += 1
@@ -57,7 +43,7 @@ def oversized(endpoint: str, mechanism: bytes, limit_s: float = 60.0) -> dict[st
 
 
 def stalled(endpoint: str, mechanism: bytes) -> float:
-    sock = connect(endpoint)
+    sock = connect_raw(endpoint)
     sock.sendall(greeting(mechanism))
     sock.settimeout(60.0)
     start = time.monotonic()

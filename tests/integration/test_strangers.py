@@ -5,8 +5,6 @@ rank's TCP and ipc endpoints, the rendezvous), raw bytes from the stranger's sid
 
 from __future__ import annotations
 
-import socket
-import struct
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +14,7 @@ import pytest
 
 from paratrain.testing import zmq_transports
 from paratrain.transport.auth import HANDSHAKE_S, new_secret
+from paratrain.transport.probe import connect_raw, declared_frame, greeting
 from paratrain.transport.rendezvous import RendezvousServer, register
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,29 +31,15 @@ def _rss_mib() -> float:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
-def _greeting(mechanism: bytes) -> bytes:
-    """ZMTP 3.0's greeting as a client naming ``mechanism`` (so the listener starts that handshake)."""
-    return b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + mechanism.ljust(20, b"\0") + b"\0" + b"\0" * 31
-
-
-def _connect(endpoint: str) -> socket.socket:
-    if endpoint.startswith("ipc://@"):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect("\0" + endpoint.removeprefix("ipc://@"))
-        return sock
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)))
-
-
 def _oversized(endpoint: str, mechanism: bytes) -> tuple[int, float]:
     """A stranger's greeting, then one command frame declaring 1 GiB, then up to 64 MiB of it: the MiB it got to
     send before the listener cut it off, and the growth of this process's memory meanwhile (MiB)."""
     before, peak, sent = _rss_mib(), 0.0, 0
-    sock = _connect(endpoint)
+    sock = connect_raw(endpoint)
     sock.settimeout(2.0)
     chunk = bytes(1 << 20)
     try:
-        sock.sendall(_greeting(mechanism) + bytes([0x06]) + struct.pack(">Q", _DECLARED))
+        sock.sendall(greeting(mechanism) + declared_frame(_DECLARED))
         for _ in range(_SENDS):
             sock.sendall(chunk)
             sent += 1
@@ -106,8 +91,8 @@ def test_a_stalled_handshake_is_dropped_after_the_handshake_interval() -> None:
     with _listeners() as listeners:
         socks = []
         for endpoint, mechanism in listeners.values():
-            sock = _connect(endpoint)
-            sock.sendall(_greeting(mechanism))  # ... and nothing more
+            sock = connect_raw(endpoint)
+            sock.sendall(greeting(mechanism))  # ... and nothing more
             sock.settimeout(HANDSHAKE_S + 10)
             socks.append(sock)
         start = time.monotonic()
