@@ -321,8 +321,7 @@ class RendezvousServer:
             "the same PARATRAIN_SECRET (paratrain launch makes one per job)"
         )
         log.error("rendezvous: %s", self.error)
-        for member in [m for m in registered if m in members or not self.rounds]:
-            self._reply(registered.pop(member)[0], {"v": _VERSION, "error": self.error})
+        self._fail_registered(registered, members)
         self.waiting = frozenset(registered)
         return True
 
@@ -333,6 +332,10 @@ class RendezvousServer:
             f"({len(registered.keys() & set(members))} of {len(members)} did). Did every rank start, with the same "
             "WORLD_SIZE and MASTER_ADDR/PARATRAIN_RDZV_PORT?"
         )
+        self._fail_registered(registered, members)
+
+    def _fail_registered(self, registered: dict[int, tuple[bytes, Mapping[str, Any]]], members: list[int]) -> None:
+        """Answers the round's registered ranks (in rounds, its members only) with :attr:`error`."""
         for member in [m for m in registered if m in members or not self.rounds]:
             self._reply(registered.pop(member)[0], {"v": _VERSION, "error": self.error})
 

@@ -70,7 +70,7 @@ from paratrain.transport.wire import (
     encode_prepared,
     prepare,
 )
-from paratrain.transport.zmq_peers import TAG_CONTROL, ZmqPeers
+from paratrain.transport.zmq_peers import IPC_FRAME_BYTES, TAG_CONTROL, TCP_FRAME_BYTES, ZmqPeers
 
 __all__ = ["COPY_THRESHOLD", "TAG_CONTROL", "ZmqTransport"]
 
@@ -78,13 +78,6 @@ log = logging.getLogger("paratrain.transport.zmq")
 
 #: Messages with at least this many data bytes are sent zero-copy (ZeroMQ's own crossover is 64 KiB).
 COPY_THRESHOLD = 1 << 16
-#: The longest frame on an authenticated TCP link: CURVE encrypts 1 MiB frames faster than longer ones (16 MiB
-#: messages 1.6-1.9x the bandwidth of one 16 MiB frame, joins included), and a stranger's handshake frame costs
-#: at most this much.
-TCP_FRAME_BYTES = 1 << 20
-#: The longest frame on an authenticated ipc link (same host: large messages usually take a lane; those that find
-#: it full keep long frames, joined rarely).
-IPC_FRAME_BYTES = MAX_FRAME_BYTES
 _DISCONNECT_GRACE = 0.5
 _RESILIENT_GRACE = 0.1
 
@@ -209,7 +202,6 @@ class ZmqTransport(ZmqPeers):
         # without a secret anyone may send whole messages anyway, so arrays keep one frame each (no join on receipt)
         self._max_frame: int | None = MAX_FRAME_BYTES if self._keys is not None else None
         self._link_frame: dict[int, int | None] = {}  # per peer: the frame limit of the link to it
-        self._tcp_frame, self._ipc_frame = TCP_FRAME_BYTES, IPC_FRAME_BYTES
         # what a peer with the secret may still send wrong, logged rate-limited (the receiver thread's)
         self._spoof_log = RefusalLog(lambda line: log.error("%s", line), nouns=("spoofed", "spoofed messages dropped"))
         self._malformed_log = RefusalLog(lambda line: log.error("%s", line), nouns=("malformed", "malformed dropped"))
