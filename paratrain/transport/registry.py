@@ -253,6 +253,7 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
         secret=secret,
         quick_failover=settings.ps_replicas > 1,
         lane_bytes=settings.lane_mb << 20,
+        rank_bound=settings.job_workers if settings.elastic else None,
     )
     server: RendezvousServer | None = None
     try:

@@ -148,6 +148,10 @@ class ZmqTransport(ZmqPeers):
             (see the module docstring). None: no authentication, anyone who reaches the sockets may send.
         quick_failover: a dropped connection without a goodbye is a lost peer after 0.1 s rather than 0.5 s
             (implied by ``resilient``; replicated parameter servers use it alone).
+        lane_bytes: shared-memory lane per peer inside a host (0: off).
+        rank_bound: ranks a connection may authenticate as until :meth:`renumber` (default ``world_size``). An
+            elastic member learns its rank and the job's size from its admission, which its peers receive too and
+            may connect on first: its listener must accept every rank the job can have (``job_workers``).
     """
 
     name = "zmq"
@@ -169,9 +173,11 @@ class ZmqTransport(ZmqPeers):
         secret: bytes | None = None,
         quick_failover: bool = False,
         lane_bytes: int = 64 << 20,
+        rank_bound: int | None = None,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, timeout=timeout)
         self._run_id = run_id
+        self._rank_bound = max(world_size, rank_bound or 0)
         self._lane_bytes = lane_bytes if lanes_supported() else 0
         self._lane_writers: dict[int, LaneWriter | None] = {}  # None: creating it failed, use the socket
         self._lane_readers: dict[int, LaneReader] = {}  # the receiver thread's
@@ -264,8 +270,9 @@ class ZmqTransport(ZmqPeers):
         self.stats.refused_connections += 1
 
     def _world(self) -> int:
-        """The world size (the Guard's thread reads it: ranks at or above it are refused)."""
-        return self.world_size
+        """The ranks a connection may authenticate as (the Guard's thread reads it: ranks at or above it are
+        refused): the world size, or the job's largest until an elastic member is renumbered."""
+        return self._rank_bound
 
     def host_ids(self) -> list[str]:
         """The host id of every rank (after :meth:`connect`); equal ids share a host."""
@@ -287,6 +294,7 @@ class ZmqTransport(ZmqPeers):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
         self.rank, self.world_size = rank, world_size
+        self._rank_bound = world_size
         self._box = Mailbox(rank=rank, world_size=world_size)
 
     def connect(self, table: Sequence[Mapping[str, Any]], *, rejoin: bool = False) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from paratrain.errors import PeerLostError
 from paratrain.launch.procs import ProcSpec, Supervisor
 from paratrain.launch.restarts import Membership, Restarts, spare_spec
 from paratrain.train.shards import step_share
@@ -160,6 +161,37 @@ def test_a_fixed_size_rank_is_refused_by_an_elastic_rendezvous() -> None:
             register("127.0.0.1", server.port, rank=0, world_size=2, info={}, timeout=10)
     finally:
         server.close()
+
+
+def test_a_member_not_yet_renumbered_accepts_the_grown_jobs_ranks_and_none_beyond() -> None:
+    """A job of 2 grows to 3: the new rank 2 may connect before member 0 has read its own admission (still rank 0
+    of 2). Its listener must take rank 2's credentials then (refused, rank 2 would declare it lost: the job
+    re-forms without the joiner), and after renumber() only the ranks of the job it now has."""
+    from paratrain.transport.auth import new_secret
+    from paratrain.transport.zmq import ZmqTransport
+
+    secret = new_secret()
+    early = ZmqTransport(rank=0, world_size=2, host_id="a", run_id="test", timeout=20, secret=secret, rank_bound=3)
+    others = [ZmqTransport(rank=r, world_size=3, host_id="a", run_id="test", timeout=20, secret=secret) for r in (1, 2)]
+    beyond = ZmqTransport(rank=3, world_size=4, host_id="a", run_id="test", timeout=20, secret=secret)
+    try:
+        table = [t.endpoints() for t in (early, *others)]
+        for t in others:
+            t.connect(table)
+        others[1].wait_linked(10)  # rank 2's handshake with member 0 completed before member 0's renumber()
+        early.renumber(0, 3)
+        early.connect(table)
+        early.wait_linked(10)
+        others[1].send(0, 4, [np.arange(3.0)])
+        assert early.recv(2, 4).arrays[0].tolist() == [0.0, 1.0, 2.0]
+        assert not any(t.lost_peers() for t in (early, *others))
+        # rank 3 is beyond the job of 3: refused, and the refusal counted
+        beyond.connect([*table, beyond.endpoints()])
+        with pytest.raises(PeerLostError, match="refused this rank's connection"):
+            beyond.recv(0, 9, timeout=10)
+    finally:
+        for t in (early, *others, beyond):
+            t.close()
 
 
 # -- the launcher's policy -----------------------------------------------------------------------------------
