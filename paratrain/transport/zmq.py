@@ -80,6 +80,8 @@ log = logging.getLogger("paratrain.transport.zmq")
 COPY_THRESHOLD = 1 << 16
 _DISCONNECT_GRACE = 0.5
 _RESILIENT_GRACE = 0.1
+#: Seconds a closing rank waits for the goodbyes of peers that close with it (see :meth:`ZmqTransport.close`).
+_GOODBYE_WAIT_S = 0.25
 
 
 class _SendHandle(Handle[None]):
@@ -245,6 +247,7 @@ class ZmqTransport(ZmqPeers):
         self._suspect: dict[int, float] = {}
         self._linked: set[int] = set()  # peers our PUSH has completed a handshake with
         self._linked_cond = threading.Condition()
+        self._left_cond = threading.Condition()  # notified when a peer is lost or says goodbye
         self._lost: dict[int, PeerLostError] = {}
         self._incarnations: dict[int, int] = {}
         self._state_lock = threading.Lock()
@@ -407,19 +410,28 @@ class ZmqTransport(ZmqPeers):
             self._thread.join(timeout=10)
 
     def close(self) -> None:
-        """Sends ``bye`` to every live peer, flushes queued sends (up to 2 s each), releases everything."""
+        """Sends ``bye`` to every live peer, flushes queued sends (up to 2 s each), releases everything.
+
+        A peer that left is gone for good: what is still queued for it can never be delivered, and lingering on it
+        holds the close for the full 2 s. Ranks that finish together close at once, each before the others'
+        goodbyes arrive (the end of 3 in 5 two-rank jobs took 2 s more); so a closing rank first waits up to
+        :data:`_GOODBYE_WAIT_S` for the goodbyes of the peers still in the job, and lingers only on the others. It
+        says goodbye to a peer that said it first as well: that peer may be waiting for it.
+        """
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
-        lost = self.lost_peers()
+        crashed = self.lost_peers() - self.departed_peers()
         for peer in self._push:
-            if peer not in lost:
+            if peer not in crashed:  # to those that said goodbye too: they may be waiting for this one
                 self._send_control(peer, "bye", blocking_lock=True)
+        if self._thread is not None and self._thread.is_alive():
+            deadline = time.monotonic() + _GOODBYE_WAIT_S
+            with self._left_cond:
+                while not set(self._push) <= self.lost_peers() and time.monotonic() < deadline:
+                    self._left_cond.wait(max(0.0, deadline - time.monotonic()))
         self._stop_thread()
-        # A peer that left is gone for good: what is still queued for it can never be delivered, and lingering on it
-        # held up the end of 3-4 in 10 four-rank jobs by the full 2 s (each rank closes while the others' goodbyes
-        # still wait, unread, in its socket). Read them now.
         gone = self.lost_peers() | self._unread_goodbyes()
         self._box.close()
         for peer, sock in self._push.items():

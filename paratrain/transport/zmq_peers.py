@@ -87,6 +87,7 @@ class ZmqPeers(Transport):
     _suspect: dict[int, float]
     _linked: set[int]
     _linked_cond: threading.Condition
+    _left_cond: threading.Condition
     _lost: dict[int, PeerLostError]
     _incarnations: dict[int, int]
     _state_lock: threading.Lock
@@ -182,6 +183,8 @@ class ZmqPeers(Transport):
             if peer in self._lost:
                 return
             self._lost[peer] = error
+        with self._left_cond:
+            self._left_cond.notify_all()
         if expected:
             log.debug("%s", error)
         else:

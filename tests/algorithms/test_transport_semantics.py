@@ -140,3 +140,26 @@ def test_zmq_close_drops_what_is_queued_for_a_peer_that_already_left() -> None:
     finally:
         a.abort()  # the goodbye is read already: close() would not know the peer left
         b.close()
+
+
+def test_zmq_close_waits_for_the_goodbye_of_a_peer_closing_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ranks that finish together: each one's goodbye reaches the other after it has closed (the end of 3 in 5
+    # two-rank jobs waited out the 2 s linger on it). A closing rank now waits for the goodbyes of the peers still
+    # in the job first; the wait is stretched here so that the order, not the machine's speed, decides.
+    import paratrain.transport.zmq as zmq_transport
+
+    monkeypatch.setattr(zmq_transport, "_GOODBYE_WAIT_S", 30.0)
+    a, b = zmq_transports(2)
+    closing = threading.Thread(target=a.close)
+    try:
+        closing.start()
+        deadline = threading.Event()
+        while 0 not in b.departed_peers():  # a's goodbye has reached b: a is in its wait
+            assert not deadline.wait(0.01) and closing.is_alive(), "rank 0 closed without waiting for rank 1"
+        b.close()
+        closing.join(20)
+        assert not closing.is_alive() and a.departed_peers() == frozenset({1})
+    finally:
+        closing.join(20)
+        a.abort()
+        b.abort()
