@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from paratrain._exit import exit_with
+
 
 def main(argv: list[str] | None = None) -> int:
     """Trains, evaluates after each epoch, writes the record on rank 0."""
@@ -118,4 +120,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_with(main)

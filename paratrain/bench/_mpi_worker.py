@@ -6,13 +6,13 @@ Started under ``mpirun`` by the benchmark; writes ``mpi-rank{r}.json`` into ``--
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from paratrain._exit import exit_with
 from paratrain.bench._timing import add_worker_args, progress_printer, record_result, run_sizes, start_watchdog
 
 
@@ -39,4 +39,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratrain._exit import exit_with
 from paratrain.bench._timing import start_watchdog, write_result
 
 __all__ = [
@@ -324,4 +325,4 @@ def _torch(args: argparse.Namespace, payload: dict[str, Any]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 from typing import Any
 
 import numpy as np
 
+from paratrain._exit import exit_with
 from paratrain.bench._ps_worker import Phases, add_args, time_iterations
 from paratrain.bench._timing import each_size, progress_printer, record_result, start_watchdog
 from paratrain.ps.sharding import plan_chunks
@@ -126,4 +126,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

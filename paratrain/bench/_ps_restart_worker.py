@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 import paratrain as pt
+from paratrain._exit import exit_with
 from paratrain.ps import KVStore
 
 __all__ = ["server_pid"]
@@ -120,4 +121,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

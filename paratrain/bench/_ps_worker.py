@@ -11,13 +11,13 @@ ceiling engine (:mod:`._ps_ceiling_worker`), so that the two differ only by what
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from paratrain._exit import exit_with
 from paratrain.bench._timing import add_worker_args, each_size, progress_printer, record_result, start_watchdog
 from paratrain.ps.sharding import plan_chunks
 from paratrain.strategy import parse_strategy
@@ -122,4 +122,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

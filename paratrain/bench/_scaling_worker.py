@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import time
 
 import numpy as np
+
+from paratrain._exit import exit_with
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,4 +56,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

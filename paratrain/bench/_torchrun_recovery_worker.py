@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from paratrain._exit import exit_with
+
 
 def main() -> None:
     """One torchrun worker (see the module docstring)."""
@@ -85,4 +87,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

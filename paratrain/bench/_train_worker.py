@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from paratrain._exit import exit_with
+
 
 def main(argv: list[str] | None = None) -> int:
     """Builds the model, runs warm-up then timed steps, writes the timing."""
@@ -191,4 +193,4 @@ def _shm_phases(mode: str) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_with(main)

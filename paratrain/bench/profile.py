@@ -20,12 +20,12 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from paratrain._exit import exit_with
 from paratrain.bench.profile_links import DEFAULT_SIZES, PATHS, emulated_spec, fit_hockney, links_main, measure_paths
 from paratrain.bench.profile_models import check_model, default_dataset, expected_max, model_main, profile_model
 from paratrain.bench.profile_run import WORKER_MODULE, ProfileError
@@ -152,4 +152,4 @@ def _worker_main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_worker_main())
+    exit_with(_worker_main)

@@ -7,9 +7,9 @@ Parses a rank's flags into its job (:mod:`paratrain.apps.jobs`), which builds th
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
+from paratrain._exit import exit_with
 from paratrain.apps.jobs import LassoJob, MFJob, PageRankJob, lasso_job, mf_job, pagerank_job
 
 __all__ = ["main"]
@@ -64,4 +64,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

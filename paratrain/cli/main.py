@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from paratrain._exit import exit_with
 from paratrain.cli import bench, compare, demo, launch, plan, profile, sched, topology, train
 
 __all__ = ["build_parser", "main"]
@@ -47,4 +48,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -6,6 +6,7 @@ does exactly that for a process whose role is ``server``.
 
 from __future__ import annotations
 
+from paratrain._exit import exit_with
 from paratrain.runtime.context import init
 
 
@@ -16,4 +17,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 import paratrain as pt
+from paratrain._exit import exit_with
 from paratrain.strategy import parse_strategy
 from paratrain.train.data import load_dataset
 from paratrain.train.job import JOB_FILE, PROBE_EXAMPLES, read_job, run_dir_of
@@ -200,4 +201,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 import paratrain as pt
+from paratrain._exit import exit_with
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.recovery import RegroupedError, Reliable
 from paratrain.strategy import parse_layer_schemes, parse_strategy
@@ -273,4 +274,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)
