@@ -24,6 +24,7 @@ LAYERS = {
     "_arrays": 0,
     "_current": 0,
     "_process": 0,
+    "_exit": 0,  # how paratrain's own processes exit (gc.freeze), used by every entry point
     "device": 0,  # device tensors (CUDA) staged through host memory: what every entry point of a tensor uses
     "plan": 0,
     "strategy": 0,
@@ -37,6 +38,7 @@ LAYERS = {
     "gossip": 3,
     "pipeline": 3,
     "sfb": 3,  # pure: what each scheme costs per layer and the per-layer choice; the torch front end executes it
+    "soap": 3,  # pure: FlexFlow's per-operator splits (layouts, moves, the worker grid); the torch front end runs them
     "compression": 3,  # pure numpy: what a compressed gradient is; the torch front end moves it
     "runtime": 4,
     "sim": 4,  # the simulator: replays the algorithms' own plans (collectives, ps, sfb); measuring lives in bench

@@ -1,0 +1,23 @@
+"""FlexFlow's SOAP dimensions for single operators: a layer split over workers, and the moves between layers.
+
+Pure plans (no torch): :mod:`.layout` says how an activation lies over a tensor-parallel group and which collective
+turns one layout into another, forward and backward; :mod:`.mesh` places workers on a tensor x data grid and
+checks a configuration against a model's layers. The torch front end (:mod:`paratrain.torch.soap`) executes them.
+"""
+
+from paratrain.soap.layout import SPLITS, ChainPlan, Layout, Move, OpSpec, move, plan_chain
+from paratrain.soap.mesh import LinearShape, Mesh, SoapConfigError, check_splits
+
+__all__ = [
+    "SPLITS",
+    "ChainPlan",
+    "Layout",
+    "LinearShape",
+    "Mesh",
+    "Move",
+    "OpSpec",
+    "SoapConfigError",
+    "check_splits",
+    "move",
+    "plan_chain",
+]

@@ -1,0 +1,220 @@
+"""Per-layer tensor parallelism for torch: a chain's linear layers split over a tensor-parallel group, data
+parallel across groups (FlexFlow's parameter and sample dimensions; Megatron-LM's column- and row-parallel layers).
+
+    mesh = Mesh.for_workers(ctx.world_size, tensor=2)
+    model = parallelize(build_model("mlp", side=8, classes=10), {"1": "column", "3": "row"}, ctx, mesh)
+    loss = loss_fn(model(x[model.rows(len(x))]), y[model.rows(len(y))])   # this data part's rows
+    loss.backward()
+    model.average_gradients()                                              # over the data-parallel group
+    optimizer.step()
+
+Each split layer keeps only its part of the weights (a column split: its output features' rows; a row split: its
+input features' columns, and the bias on the group's first worker). Between layers the moves of
+:func:`paratrain.soap.plan_chain` run as autograd functions: forward the move of the activation, backward the move
+of its gradient, both over the tensor-parallel group's collectives. Any configuration computes what the unsplit
+model computes, up to the order of float additions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+from paratrain.runtime.context import Context
+from paratrain.runtime.group import Group
+from paratrain.soap import ChainPlan, LinearShape, Mesh, Move, OpSpec, SoapConfigError, check_splits, plan_chain
+
+__all__ = ["SoapModel", "SplitLinear", "parallelize"]
+
+#: Modules that act on each feature alone: they may read a shard of the features.
+ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.Identity)
+
+
+def _part(total: int, parts: int, index: int) -> slice:
+    """Part ``index`` of ``parts`` equal parts of ``range(total)`` (``total`` divides by ``parts``)."""
+    size = total // parts
+    return slice(index * size, (index + 1) * size)
+
+
+def _run(step: Move, x: torch.Tensor, group: Group, index: int) -> torch.Tensor:
+    """``step`` applied to ``x`` (``[batch, features]``) over ``group``, whose member ``index`` this worker is."""
+    if step is Move.NONE:
+        return x
+    if step is Move.SLICE:
+        return x[:, _part(x.shape[1], group.world_size, index)].contiguous()
+    if step is Move.ALLREDUCE:
+        return group.allreduce(x.contiguous())
+    # the collectives split and join along axis 0: features go first for the trip
+    if step is Move.ALLGATHER:
+        return group.allgather(x.t().contiguous()).t().contiguous()
+    return group.reduce_scatter(x.t().contiguous()).t().contiguous()  # REDUCE_SCATTER
+
+
+@dataclass(frozen=True, slots=True)
+class _Boundary:
+    """The moves at one boundary of the chain, over ``group`` (this worker is its member ``index``)."""
+
+    forward: Move
+    backward: Move
+    group: Group
+    index: int
+
+    def cross(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` moved forward; its gradient moves backward."""
+        out: torch.Tensor = _Moved.apply(x, self)  # type: ignore[no-untyped-call]
+        return out
+
+
+class _Moved(torch.autograd.Function):
+    """The forward move of an activation, and the backward move of its gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, boundary: _Boundary) -> torch.Tensor:
+        ctx.boundary = boundary
+        return _run(boundary.forward, x, boundary.group, boundary.index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        b: _Boundary = ctx.boundary
+        return _run(b.backward, grad, b.group, b.index), None
+
+
+class SplitLinear(nn.Module):
+    """This worker's part of a linear layer split ``column`` (output features), ``row`` (input features) or kept
+    ``replicated``, over ``parts`` workers of which it is ``index``."""
+
+    def __init__(self, layer: nn.Linear, split: str, parts: int, index: int) -> None:
+        super().__init__()
+        self.split, self.parts, self.index = split, parts, index
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.has_bias = layer.bias is not None
+        weight = layer.weight.detach()
+        bias: torch.Tensor | None = layer.bias.detach() if layer.bias is not None else None
+        if split == "column":
+            rows = _part(layer.out_features, parts, index)
+            weight, bias = weight[rows], bias[rows] if bias is not None else None
+        elif split == "row":
+            weight = weight[:, _part(layer.in_features, parts, index)]
+            bias = bias if index == 0 else None  # added once, to the partial sums' total
+        self.weight = nn.Parameter(weight.clone())
+        self.bias = nn.Parameter(bias.clone()) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def whole(self, group: Group, *, grads: bool = False) -> dict[str, np.ndarray[Any, Any]]:
+        """The unsplit layer's ``weight`` and ``bias`` (or their gradients) from every part (collective over
+        ``group``, the parts' tensor group)."""
+        weight = self.weight.grad if grads else self.weight
+        bias = self.bias.grad if grads and self.bias is not None else self.bias
+        assert weight is not None, "no gradient yet"
+        w = weight.detach()
+        if self.split == "column":
+            whole = {"weight": group.allgather(w.contiguous())}
+            if bias is not None:
+                whole["bias"] = group.allgather(bias.detach().contiguous())
+        else:  # row: the weight's columns are split; the bias is the first part's
+            whole = {"weight": group.allgather(w.t().contiguous()).t()}
+            if self.has_bias:
+                mine = bias.detach() if bias is not None else torch.zeros(self.out_features, dtype=w.dtype)
+                whole["bias"] = group.broadcast(mine, root=0)
+        return {k: v.contiguous().numpy().copy() for k, v in whole.items()}
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, split={self.split}, part={self.index}/{self.parts}"
+
+
+class SoapModel(nn.Module):
+    """A chain of modules with its linear layers split, and the moves between them (see the module docstring).
+
+    Attributes:
+        plan: the chain's layouts and moves (:func:`paratrain.soap.plan_chain`).
+        mesh: the workers' grid; ``tensor_group`` and ``data_group`` are this worker's groups on it.
+    """
+
+    def __init__(self, steps: Sequence[nn.Module], plan: ChainPlan, mesh: Mesh, tensor: Group, data: Group) -> None:
+        super().__init__()
+        self.steps = nn.ModuleList(steps)
+        self.plan, self.mesh = plan, mesh
+        self.tensor_group, self.data_group = tensor, data
+        self._boundaries = [
+            _Boundary(f, b, tensor, tensor.rank) for f, b in zip(plan.forward, plan.backward, strict=True)
+        ]
+
+    def rows(self, batch: int) -> slice:
+        """The rows of a global batch of ``batch`` examples that this worker's data part computes."""
+        if batch % self.mesh.data:
+            raise SoapConfigError(f"a batch of {batch} does not split into {self.mesh.data} equal data parts")
+        return _part(batch, self.mesh.data, self.data_group.rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for boundary, step in zip(self._boundaries, self.steps, strict=False):
+            x = step(boundary.cross(x))
+        return self._boundaries[-1].cross(x)
+
+    def average_gradients(self) -> None:
+        """Averages every parameter's gradient over the data-parallel group (after ``backward``)."""
+        if self.data_group.world_size == 1:
+            return
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.copy_(self.data_group.allreduce(p.grad.contiguous(), op="mean"))
+
+    def full_state(self, *, grads: bool = False) -> dict[str, np.ndarray[Any, Any]]:
+        """Every parameter of the unsplit model (or its gradient, ``grads``), by its name there. Collective over
+        the tensor group."""
+        group = self.tensor_group
+        found: dict[str, np.ndarray[Any, Any]] = {}
+        for i, step in enumerate(self.steps):
+            for name, param in step.named_parameters():
+                value = param.grad if grads else param
+                assert value is not None, f"{i}.{name} has no gradient"
+                found[f"{i}.{name}"] = value.detach().numpy().copy()
+            if isinstance(step, SplitLinear) and step.split != "replicated":
+                found.update({f"{i}.{k}": v for k, v in step.whole(group, grads=grads).items()})
+        return found
+
+
+def parallelize(model: nn.Sequential, splits: Mapping[str, str], ctx: Context, mesh: Mesh) -> SoapModel:
+    """``model`` split as ``splits`` says (a linear layer's name in the chain -> ``column``, ``row`` or
+    ``replicated``; unnamed layers stay replicated) over ``mesh``. Collective over the workers: every worker calls
+    it with the same model (the same initial parameters) and configuration.
+
+    Raises:
+        SoapConfigError: the mesh is not the job's size, a named layer is missing or not linear, a degree does not
+            divide the dimension it splits, or a module that mixes features reads a split activation.
+    """
+    if mesh.workers != ctx.world_size:
+        raise SoapConfigError(
+            f"a {mesh.tensor} x {mesh.data} grid needs {mesh.workers} workers; the job has {ctx.world_size}"
+        )
+    modules = dict(model.named_children())
+    linear = {n: LinearShape(m.in_features, m.out_features) for n, m in modules.items() if isinstance(m, nn.Linear)}
+    for name in splits:
+        if name in modules and name not in linear:
+            raise SoapConfigError(f"layer {name} is a {type(modules[name]).__name__}; only linear layers split")
+    check_splits(linear, splits, mesh.tensor)
+    ops = [OpSpec(n, splits.get(n, "replicated") if n in linear else None) for n in modules]
+    plan = plan_chain(ops)
+    for op, read in zip(ops, plan.layouts, strict=True):
+        module = modules[op.name]
+        if op.split is None and read.value != "replicated" and not isinstance(module, ELEMENTWISE):
+            raise SoapConfigError(
+                f"layer {op.name} ({type(module).__name__}) mixes features but would read a {read.value} "
+                "activation; keep the linear layer before it whole (replicated) or row-split the one after"
+            )
+    tensor_part, data_part = mesh.coordinates(ctx.rank)
+    tensor = ctx.split(lambda r: mesh.coordinates(r)[1])
+    data = ctx.split(lambda r: mesh.coordinates(r)[0])
+    steps = [
+        SplitLinear(m, splits.get(n, "replicated"), mesh.tensor, tensor_part) if isinstance(m, nn.Linear) else m
+        for n, m in modules.items()
+    ]
+    del data_part
+    return SoapModel(steps, plan, mesh, tensor, data)

@@ -1,0 +1,177 @@
+"""Per-layer tensor parallelism (paratrain.soap's plans, paratrain.torch.soap's layers): any configuration of
+column, row and replicated linear layers, data parallel across tensor groups, computes what one process computes
+(forward outputs, gradients, parameters after momentum steps, float64 to 1e-12); bad configurations are refused
+before anything runs, saying what to change."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402, N812
+
+from paratrain.soap import Mesh, SoapConfigError  # noqa: E402
+from paratrain.testing import run_ranks  # noqa: E402
+from paratrain.torch.soap import parallelize  # noqa: E402
+from paratrain.train.models import build_model  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+_BATCH, _STEPS = 8, 3
+
+
+_MODELS: dict[str, nn.Sequential] = {}
+
+
+def _model(name: str) -> nn.Sequential:
+    """A fresh copy of the model (built once: torch's seed is global, and the ranks are threads)."""
+    if name not in _MODELS:
+        torch.manual_seed(0)
+        _MODELS[name] = build_model(name, side=8, classes=12).double()
+    return copy.deepcopy(_MODELS[name])
+
+
+def _data() -> tuple[Any, Any]:
+    rng = np.random.default_rng(1)
+    x = torch.from_numpy(rng.standard_normal((_STEPS, _BATCH, 1, 8, 8)))
+    y = torch.from_numpy(rng.integers(0, 12, size=(_STEPS, _BATCH)))
+    return x, y
+
+
+def _one_process(name: str) -> tuple[Any, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    model = _model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = _data()
+    first, grads = None, {}
+    for step in range(_STEPS):
+        out = model(x[step])
+        opt.zero_grad()
+        F.cross_entropy(out, y[step]).backward()
+        if step == 0:
+            first = out.detach().numpy().copy()
+            grads = {k: p.grad.numpy().copy() for k, p in model.named_parameters()}
+        opt.step()
+    return first, grads, {k: p.detach().numpy().copy() for k, p in model.named_parameters()}
+
+
+def _split_run(name: str, splits: dict[str, str], tensor: int, workers: int) -> list[Any]:
+    whole = _model(name)
+
+    def rank(ctx: Any) -> Any:
+        model = parallelize(copy.deepcopy(whole), splits, ctx, Mesh.for_workers(ctx.world_size, tensor))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        x, y = _data()
+        rows = model.rows(_BATCH)
+        first, grads = None, {}
+        for step in range(_STEPS):
+            out = model(x[step][rows])
+            opt.zero_grad()
+            F.cross_entropy(out, y[step][rows]).backward()
+            model.average_gradients()
+            if step == 0:
+                first = (rows, out.detach().numpy().copy())
+                grads = model.full_state(grads=True)
+            opt.step()
+        return first, grads, model.full_state()
+
+    return run_ranks(workers, rank, timeout=90)
+
+
+def _configs() -> list[tuple[str, dict[str, str], int, int]]:
+    """Random configurations (seeded): every linear layer column, row or replicated, on 2-4 workers."""
+    rng = np.random.default_rng(41)
+    linear = {"mlp": ["1", "3", "5"], "widemlp": ["1", "3", "5"], "lenet": ["7", "9", "11"]}
+    found = [
+        ("mlp", {"1": "column", "3": "row"}, 2, 2),  # Megatron's pair
+        ("mlp", {"1": "column", "3": "row"}, 2, 4),  # ... 2-way tensor x 2-way data
+        ("widemlp", {"1": "column", "3": "row", "5": "column"}, 2, 2),
+    ]
+    for name in ("mlp", "mlp", "mlp", "widemlp", "lenet", "lenet"):
+        tensor, workers = [(2, 2), (4, 4), (2, 4), (3, 3)][int(rng.integers(4))]
+        splits = {layer: str(rng.choice(["column", "row", "replicated"])) for layer in linear[name]}
+        found.append((name, splits, tensor, workers))
+    return found
+
+
+def _divides(name: str, splits: dict[str, str], tensor: int) -> bool:
+    model = _model(name)
+    layers = dict(model.named_children())
+    return all(
+        (layers[n].out_features if s == "column" else layers[n].in_features) % tensor == 0
+        for n, s in splits.items()
+        if s != "replicated"
+    )
+
+
+def _id(config: tuple[str, dict[str, str], int, int]) -> str:
+    name, splits, tensor, workers = config
+    return "-".join([name, *(f"{k}{v[:3]}" for k, v in splits.items()), f"t{tensor}", f"w{workers}"])
+
+
+@pytest.mark.parametrize(("name", "splits", "tensor", "workers"), _configs(), ids=[_id(c) for c in _configs()])
+def test_any_configuration_computes_what_one_process_computes(
+    name: str, splits: dict[str, str], tensor: int, workers: int
+) -> None:
+    if not _divides(name, splits, tensor):
+        with pytest.raises(SoapConfigError, match="divide"):
+            _split_run(name, splits, tensor, workers)
+        return
+    first, grads, params = _one_process(name)
+    for (rows, out), got_grads, got_params in _split_run(name, splits, tensor, workers):
+        np.testing.assert_allclose(out, first[rows], rtol=0, atol=1e-12)
+        assert got_grads.keys() == grads.keys() and got_params.keys() == params.keys()
+        for key in grads:
+            np.testing.assert_allclose(got_grads[key], grads[key], rtol=0, atol=1e-12, err_msg=key)
+            np.testing.assert_allclose(got_params[key], params[key], rtol=0, atol=1e-12, err_msg=key)
+
+
+def test_a_split_layer_holds_its_part_of_the_weights_only() -> None:
+    mlp = _model("mlp")
+
+    def rank(ctx: Any) -> list[int]:
+        model = parallelize(copy.deepcopy(mlp), {"1": "column", "3": "row"}, ctx, Mesh(tensor=2))
+        return [p.numel() for p in model.parameters()]
+
+    whole = [p.numel() for p in _model("mlp").parameters()]
+    sizes = run_ranks(2, rank)
+    # layer 1 (64x512 + 512) halves; layer 3 (512x512) halves its weight, and its bias lives on part 0 only
+    assert sizes[0] == [whole[0] // 2, whole[1] // 2, whole[2] // 2, whole[3], whole[4], whole[5]]
+    assert sizes[1] == [whole[0] // 2, whole[1] // 2, whole[2] // 2, whole[4], whole[5]]
+
+
+@pytest.mark.parametrize(
+    ("model", "splits", "mesh", "message"),
+    [
+        ("odd", {"0": "column"}, Mesh(tensor=2), "its 9 output features to divide by 2"),
+        ("mlp", {"9": "row"}, Mesh(tensor=2), "no linear layer '9'"),
+        ("mlp", {"2": "row"}, Mesh(tensor=2), "layer 2 is a ReLU; only linear layers split"),
+        ("mlp", {"1": "diagonal"}, Mesh(tensor=2), "unknown split 'diagonal'"),
+        ("mlp", {"1": "column"}, Mesh(tensor=2, data=2), "needs 4 workers; the job has 2"),
+        ("norm", {"0": "column"}, Mesh(tensor=2), "LayerNorm\\) mixes features but would read a sharded"),
+    ],
+)
+def test_a_bad_configuration_is_refused_saying_what_to_change(
+    model: str, splits: dict[str, str], mesh: Mesh, message: str
+) -> None:
+    chains = {
+        "odd": nn.Sequential(nn.Linear(8, 9), nn.ReLU(), nn.Linear(9, 4)),
+        "norm": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)),
+    }
+    whole = chains[model] if model in chains else _model(model)
+
+    def rank(ctx: Any) -> None:
+        parallelize(copy.deepcopy(whole), splits, ctx, mesh)
+
+    with pytest.raises(SoapConfigError, match=message):
+        run_ranks(2, rank)
+
+
+def test_workers_that_do_not_form_tensor_groups_are_refused() -> None:
+    with pytest.raises(SoapConfigError, match="tensor degree that divides"):
+        Mesh.for_workers(6, tensor=4)
