@@ -22,6 +22,7 @@ from paratrain.cli import (
     bench_sched,
     bench_sfb_bytes,
     bench_sim,
+    bench_soap,
     bench_train,
 )
 
@@ -34,6 +35,7 @@ BENCHMARKS: tuple[Callable[[Any], None], ...] = (
     bench_train.add_parsers,
     bench_consistency.add_parsers,
     bench_pipeline.add_parsers,
+    bench_soap.add_parsers,
     bench_recovery.add_parsers,
     bench_auth.add_parsers,
     bench_sfb_bytes.add_parsers,
