@@ -6,13 +6,13 @@ checks a configuration against a model's layers. The torch front end (:mod:`para
 """
 
 from paratrain.soap.layout import SPLITS, ChainPlan, Layout, Move, OpSpec, move, plan_chain
-from paratrain.soap.mesh import LinearShape, Mesh, SoapConfigError, check_splits
+from paratrain.soap.mesh import LayerShape, Mesh, SoapConfigError, check_splits
 
 __all__ = [
     "SPLITS",
     "ChainPlan",
+    "LayerShape",
     "Layout",
-    "LinearShape",
     "Mesh",
     "Move",
     "OpSpec",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from paratrain.errors import ConfigError
 from paratrain.soap.layout import SPLITS
 
-__all__ = ["LinearShape", "Mesh", "SoapConfigError", "check_splits"]
+__all__ = ["LayerShape", "Mesh", "SoapConfigError", "check_splits"]
 
 
 class SoapConfigError(ConfigError):
@@ -72,14 +72,14 @@ class Mesh:
 
 
 @dataclass(frozen=True, slots=True)
-class LinearShape:
-    """A linear layer's dimensions, as :func:`check_splits` needs them."""
+class LayerShape:
+    """The dimensions a split cuts: a linear layer's features, or a convolution's channels."""
 
     in_features: int
     out_features: int
 
 
-def check_splits(layers: Mapping[str, LinearShape], splits: Mapping[str, str], tensor: int) -> None:
+def check_splits(layers: Mapping[str, LayerShape], splits: Mapping[str, str], tensor: int) -> None:
     """Refuses a configuration that names a layer the model lacks, an unknown split, or a split degree that does
     not divide the dimension it splits.
 
@@ -89,13 +89,13 @@ def check_splits(layers: Mapping[str, LinearShape], splits: Mapping[str, str], t
     for name, split in splits.items():
         if name not in layers:
             known = ", ".join(sorted(layers)) or "none"
-            raise SoapConfigError(f"the model has no linear layer {name!r} to split (its linear layers: {known})")
+            raise SoapConfigError(f"the model has no layer {name!r} to split (the layers that split: {known})")
         if split not in SPLITS:
             raise SoapConfigError(f"layer {name}: unknown split {split!r}; give one of {', '.join(SPLITS)}")
         shape = layers[name]
-        dim, what = (shape.out_features, "output") if split == "column" else (shape.in_features, "input")
+        dim, what = (shape.out_features, "outputs") if split == "column" else (shape.in_features, "inputs")
         if split != "replicated" and dim % tensor:
             raise SoapConfigError(
-                f"layer {name}: a {tensor}-way {split} split needs its {dim} {what} features to divide by {tensor}; "
-                "choose another degree or leave this layer replicated"
+                f"layer {name}: a {tensor}-way {split} split needs its {dim} {what} (features or channels) to divide "
+                f"by {tensor}; choose another degree or leave this layer replicated"
             )

@@ -1,5 +1,6 @@
-"""Per-layer tensor parallelism for torch: a chain's linear layers split over a tensor-parallel group, data
-parallel across groups (FlexFlow's parameter and sample dimensions; Megatron-LM's column- and row-parallel layers).
+"""Per-layer tensor parallelism for torch: a chain's linear layers and convolutions split over a tensor-parallel
+group, data parallel across groups (FlexFlow's parameter and sample dimensions; Megatron-LM's column- and
+row-parallel layers).
 
     mesh = Mesh.for_workers(ctx.world_size, tensor=2)
     model = parallelize(build_model("mlp", side=8, classes=10), {"1": "column", "3": "row"}, ctx, mesh)
@@ -8,8 +9,8 @@ parallel across groups (FlexFlow's parameter and sample dimensions; Megatron-LM'
     model.average_gradients()                                              # over the data-parallel group
     optimizer.step()
 
-Each split layer keeps only its part of the weights (a column split: its output features' rows; a row split: its
-input features' columns, and the bias on the group's first worker). Between layers the moves of
+Each split layer keeps only its part of the weights (a column split: its output features' or channels' part; a
+row split: its input features' or channels' part, and the bias on the group's first worker). Between layers the moves of
 :func:`paratrain.soap.plan_chain` run as autograd functions: forward the move of the activation, backward the move
 of its gradient, both over the tensor-parallel group's collectives. Any configuration computes what the unsplit
 model computes, up to the order of float additions.
@@ -17,6 +18,7 @@ model computes, up to the order of float additions.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +30,32 @@ from torch.nn import functional as F  # noqa: N812
 
 from paratrain.runtime.context import Context
 from paratrain.runtime.group import Group
-from paratrain.soap import ChainPlan, LinearShape, Mesh, Move, OpSpec, SoapConfigError, check_splits, plan_chain
+from paratrain.soap import ChainPlan, LayerShape, Mesh, Move, OpSpec, SoapConfigError, check_splits, plan_chain
 
-__all__ = ["SoapModel", "SplitLinear", "parallelize"]
+__all__ = ["SoapModel", "SplitLayer", "parallelize"]
 
-#: Modules that act on each feature alone: they may read a shard of the features.
-ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.Identity)
+#: Modules that act on each feature (or channel) alone: they may read a shard of the features or channels.
+ELEMENTWISE = (
+    nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.Identity, nn.MaxPool2d, nn.AvgPool2d,
+)  # fmt: skip
+
+
+def _per_channel(module: nn.Module) -> bool:
+    """Whether ``module`` may read a shard of dimension 1: an element-wise or per-channel module, or a Flatten from
+    dimension 1 (equal channel shards flatten into equal, consecutive feature shards)."""
+    if isinstance(module, nn.Flatten):
+        return module.start_dim == 1 and module.end_dim == -1
+    return isinstance(module, ELEMENTWISE)
+
+
+def _splittable(module: nn.Module) -> LayerShape | None:
+    """The dimensions a split of ``module`` cuts (features, or a convolution's channels); None if it does not
+    split (only linear layers and ungrouped 2-d convolutions do)."""
+    if isinstance(module, nn.Linear):
+        return LayerShape(module.in_features, module.out_features)
+    if isinstance(module, nn.Conv2d) and module.groups == 1:
+        return LayerShape(module.in_channels, module.out_channels)
+    return None
 
 
 def _part(total: int, parts: int, index: int) -> slice:
@@ -42,18 +64,24 @@ def _part(total: int, parts: int, index: int) -> slice:
     return slice(index * size, (index + 1) * size)
 
 
+def _channels_first(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with dimension 1 (features, or a convolution's channels) first, contiguous: the collectives split
+    and join along axis 0."""
+    return x.transpose(0, 1).contiguous()
+
+
 def _run(step: Move, x: torch.Tensor, group: Group, index: int) -> torch.Tensor:
-    """``step`` applied to ``x`` (``[batch, features]``) over ``group``, whose member ``index`` this worker is."""
+    """``step`` applied to ``x`` (``[batch, features]`` or ``[batch, channels, ...]``, split along dimension 1) over
+    ``group``, whose member ``index`` this worker is."""
     if step is Move.NONE:
         return x
     if step is Move.SLICE:
         return x[:, _part(x.shape[1], group.world_size, index)].contiguous()
     if step is Move.ALLREDUCE:
         return group.allreduce(x.contiguous())
-    # the collectives split and join along axis 0: features go first for the trip
     if step is Move.ALLGATHER:
-        return group.allgather(x.t().contiguous()).t().contiguous()
-    return group.reduce_scatter(x.t().contiguous()).t().contiguous()  # REDUCE_SCATTER
+        return _channels_first(group.allgather(_channels_first(x)))
+    return _channels_first(group.reduce_scatter(_channels_first(x)))  # REDUCE_SCATTER
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,27 +113,41 @@ class _Moved(torch.autograd.Function):
         return _run(b.backward, grad, b.group, b.index), None
 
 
-class SplitLinear(nn.Module):
-    """This worker's part of a linear layer split ``column`` (output features), ``row`` (input features) or kept
-    ``replicated``, over ``parts`` workers of which it is ``index``."""
+class SplitLayer(nn.Module):
+    """This worker's part of a linear layer or 2-d convolution split ``column`` (output features or channels),
+    ``row`` (input features or channels) or kept ``replicated``, over ``parts`` workers of which it is ``index``.
 
-    def __init__(self, layer: nn.Linear, split: str, parts: int, index: int) -> None:
+    A weight is ``[out, in, ...]`` for both kinds, so a column part is a slice of its dimension 0, a row part of
+    its dimension 1; a row part's bias is added once, by part 0, to the partial sums' total.
+    """
+
+    def __init__(self, layer: nn.Module, split: str, parts: int, index: int) -> None:
         super().__init__()
+        if not isinstance(layer, nn.Linear | nn.Conv2d):
+            raise TypeError(f"only linear layers and 2-d convolutions split, not {type(layer).__name__}")
         self.split, self.parts, self.index = split, parts, index
-        self.in_features, self.out_features = layer.in_features, layer.out_features
         self.has_bias = layer.bias is not None
+        self._conv = (
+            functools.partial(F.conv2d, stride=layer.stride, padding=layer.padding, dilation=layer.dilation)
+            if isinstance(layer, nn.Conv2d)
+            else None
+        )
         weight = layer.weight.detach()
         bias: torch.Tensor | None = layer.bias.detach() if layer.bias is not None else None
         if split == "column":
-            rows = _part(layer.out_features, parts, index)
+            rows = _part(weight.shape[0], parts, index)
             weight, bias = weight[rows], bias[rows] if bias is not None else None
         elif split == "row":
-            weight = weight[:, _part(layer.in_features, parts, index)]
-            bias = bias if index == 0 else None  # added once, to the partial sums' total
+            weight = weight[:, _part(weight.shape[1], parts, index)]
+            bias = bias if index == 0 else None
         self.weight = nn.Parameter(weight.clone())
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
+        self._shape = tuple(layer.weight.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._conv is not None:
+            out: torch.Tensor = self._conv(x, self.weight, self.bias)
+            return out
         return F.linear(x, self.weight, self.bias)
 
     def whole(self, group: Group, *, grads: bool = False) -> dict[str, np.ndarray[Any, Any]]:
@@ -119,15 +161,15 @@ class SplitLinear(nn.Module):
             whole = {"weight": group.allgather(w.contiguous())}
             if bias is not None:
                 whole["bias"] = group.allgather(bias.detach().contiguous())
-        else:  # row: the weight's columns are split; the bias is the first part's
-            whole = {"weight": group.allgather(w.t().contiguous()).t()}
+        else:  # row: the weight's dimension 1 is split; the bias is the first part's
+            whole = {"weight": _channels_first(group.allgather(_channels_first(w)))}
             if self.has_bias:
-                mine = bias.detach() if bias is not None else torch.zeros(self.out_features, dtype=w.dtype)
+                mine = bias.detach() if bias is not None else torch.zeros(self._shape[0], dtype=w.dtype)
                 whole["bias"] = group.broadcast(mine, root=0)
         return {k: v.contiguous().numpy().copy() for k, v in whole.items()}
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, split={self.split}, part={self.index}/{self.parts}"
+        return f"{list(self._shape)}, split={self.split}, part={self.index}/{self.parts}"
 
 
 class SoapModel(nn.Module):
@@ -176,18 +218,18 @@ class SoapModel(nn.Module):
                 value = param.grad if grads else param
                 assert value is not None, f"{i}.{name} has no gradient"
                 found[f"{i}.{name}"] = value.detach().numpy().copy()
-            if isinstance(step, SplitLinear) and step.split != "replicated":
+            if isinstance(step, SplitLayer) and step.split != "replicated":
                 found.update({f"{i}.{k}": v for k, v in step.whole(group, grads=grads).items()})
         return found
 
 
 def parallelize(model: nn.Sequential, splits: Mapping[str, str], ctx: Context, mesh: Mesh) -> SoapModel:
-    """``model`` split as ``splits`` says (a linear layer's name in the chain -> ``column``, ``row`` or
-    ``replicated``; unnamed layers stay replicated) over ``mesh``. Collective over the workers: every worker calls
-    it with the same model (the same initial parameters) and configuration.
+    """``model`` split as ``splits`` says (the name in the chain of a linear layer or 2-d convolution -> ``column``,
+    ``row`` or ``replicated``; unnamed layers stay replicated) over ``mesh``. Collective over the workers: every
+    worker calls it with the same model (the same initial parameters) and configuration.
 
     Raises:
-        SoapConfigError: the mesh is not the job's size, a named layer is missing or not linear, a degree does not
+        SoapConfigError: the mesh is not the job's size, a named layer is missing or does not split, a degree does not
             divide the dimension it splits, or a module that mixes features reads a split activation.
     """
     if mesh.workers != ctx.world_size:
@@ -195,25 +237,27 @@ def parallelize(model: nn.Sequential, splits: Mapping[str, str], ctx: Context, m
             f"a {mesh.tensor} x {mesh.data} grid needs {mesh.workers} workers; the job has {ctx.world_size}"
         )
     modules = dict(model.named_children())
-    linear = {n: LinearShape(m.in_features, m.out_features) for n, m in modules.items() if isinstance(m, nn.Linear)}
+    layers = {n: shape for n, m in modules.items() if (shape := _splittable(m)) is not None}
     for name in splits:
-        if name in modules and name not in linear:
-            raise SoapConfigError(f"layer {name} is a {type(modules[name]).__name__}; only linear layers split")
-    check_splits(linear, splits, mesh.tensor)
-    ops = [OpSpec(n, splits.get(n, "replicated") if n in linear else None) for n in modules]
+        if name in modules and name not in layers:
+            raise SoapConfigError(
+                f"layer {name} is a {type(modules[name]).__name__}; only linear layers and 2-d convolutions split"
+            )
+    check_splits(layers, splits, mesh.tensor)
+    ops = [OpSpec(n, splits.get(n, "replicated") if n in layers else None) for n in modules]
     plan = plan_chain(ops)
     for op, read in zip(ops, plan.layouts, strict=True):
         module = modules[op.name]
-        if op.split is None and read.value != "replicated" and not isinstance(module, ELEMENTWISE):
+        if op.split is None and read.value != "replicated" and not _per_channel(module):
             raise SoapConfigError(
                 f"layer {op.name} ({type(module).__name__}) mixes features but would read a {read.value} "
-                "activation; keep the linear layer before it whole (replicated) or row-split the one after"
+                "activation; keep the layer before it whole (replicated) or row-split the one after"
             )
     tensor_part, data_part = mesh.coordinates(ctx.rank)
     tensor = ctx.split(lambda r: mesh.coordinates(r)[1])
     data = ctx.split(lambda r: mesh.coordinates(r)[0])
     steps = [
-        SplitLinear(m, splits.get(n, "replicated"), mesh.tensor, tensor_part) if isinstance(m, nn.Linear) else m
+        SplitLayer(m, splits.get(n, "replicated"), mesh.tensor, tensor_part) if n in layers else m
         for n, m in modules.items()
     ]
     del data_part

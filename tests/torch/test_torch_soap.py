@@ -1,7 +1,7 @@
 """Per-layer tensor parallelism (paratrain.soap's plans, paratrain.torch.soap's layers): any configuration of
-column, row and replicated linear layers, data parallel across tensor groups, computes what one process computes
-(forward outputs, gradients, parameters after momentum steps, float64 to 1e-12); bad configurations are refused
-before anything runs, saying what to change."""
+column, row and replicated linear layers and convolutions, data parallel across tensor groups, computes what one
+process computes (forward outputs, gradients, parameters after momentum steps, float64 to 1e-12); bad
+configurations are refused before anything runs, saying what to change."""
 
 from __future__ import annotations
 
@@ -86,27 +86,36 @@ def _split_run(name: str, splits: dict[str, str], tensor: int, workers: int) -> 
 def _configs() -> list[tuple[str, dict[str, str], int, int]]:
     """Random configurations (seeded): every linear layer column, row or replicated, on 2-4 workers."""
     rng = np.random.default_rng(41)
-    linear = {"mlp": ["1", "3", "5"], "widemlp": ["1", "3", "5"], "lenet": ["7", "9", "11"]}
+    layers = {
+        "mlp": ["1", "3", "5"],
+        "widemlp": ["1", "3", "5"],
+        "lenet": ["0", "3", "7", "9", "11"],
+        "cnn": ["0", "2", "5", "7", "10", "12", "16", "18"],
+    }
     found = [
         ("mlp", {"1": "column", "3": "row"}, 2, 2),  # Megatron's pair
         ("mlp", {"1": "column", "3": "row"}, 2, 4),  # ... 2-way tensor x 2-way data
         ("widemlp", {"1": "column", "3": "row", "5": "column"}, 2, 2),
-    ]
-    for name in ("mlp", "mlp", "mlp", "widemlp", "lenet", "lenet"):
+        ("lenet", {"0": "column", "3": "row"}, 2, 2),  # the pair on convolutions: channels out, then in
+        ("lenet", {"3": "column", "7": "row"}, 2, 4),  # channel shards flatten into the features' shards
+        ("cnn", {"0": "column", "2": "row", "5": "column", "7": "column", "10": "row", "16": "column", "18": "row"},
+         2, 2),
+    ]  # fmt: skip
+    for name in ("mlp", "mlp", "mlp", "widemlp", "lenet", "lenet", "cnn", "cnn"):
         tensor, workers = [(2, 2), (4, 4), (2, 4), (3, 3)][int(rng.integers(4))]
-        splits = {layer: str(rng.choice(["column", "row", "replicated"])) for layer in linear[name]}
+        splits = {layer: str(rng.choice(["column", "row", "replicated"])) for layer in layers[name]}
         found.append((name, splits, tensor, workers))
     return found
 
 
 def _divides(name: str, splits: dict[str, str], tensor: int) -> bool:
-    model = _model(name)
-    layers = dict(model.named_children())
-    return all(
-        (layers[n].out_features if s == "column" else layers[n].in_features) % tensor == 0
-        for n, s in splits.items()
-        if s != "replicated"
-    )
+    children = dict(_model(name).named_children())
+
+    def dims(n: str) -> tuple[int, int]:
+        m = children[n]
+        return (m.in_channels, m.out_channels) if isinstance(m, nn.Conv2d) else (m.in_features, m.out_features)
+
+    return all(dims(n)[1 if s == "column" else 0] % tensor == 0 for n, s in splits.items() if s != "replicated")
 
 
 def _id(config: tuple[str, dict[str, str], int, int]) -> str:
@@ -148,9 +157,9 @@ def test_a_split_layer_holds_its_part_of_the_weights_only() -> None:
 @pytest.mark.parametrize(
     ("model", "splits", "mesh", "message"),
     [
-        ("odd", {"0": "column"}, Mesh(tensor=2), "its 9 output features to divide by 2"),
-        ("mlp", {"9": "row"}, Mesh(tensor=2), "no linear layer '9'"),
-        ("mlp", {"2": "row"}, Mesh(tensor=2), "layer 2 is a ReLU; only linear layers split"),
+        ("odd", {"0": "column"}, Mesh(tensor=2), "its 9 outputs \\(features or channels\\) to divide by 2"),
+        ("mlp", {"9": "row"}, Mesh(tensor=2), "no layer '9' to split"),
+        ("mlp", {"2": "row"}, Mesh(tensor=2), "layer 2 is a ReLU; only linear layers and 2-d convolutions split"),
         ("mlp", {"1": "diagonal"}, Mesh(tensor=2), "unknown split 'diagonal'"),
         ("mlp", {"1": "column"}, Mesh(tensor=2, data=2), "needs 4 workers; the job has 2"),
         ("norm", {"0": "column"}, Mesh(tensor=2), "LayerNorm\\) mixes features but would read a sharded"),

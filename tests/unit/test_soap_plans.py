@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.soap import Layout, LinearShape, Mesh, Move, OpSpec, SoapConfigError, check_splits, move, plan_chain
+from paratrain.soap import LayerShape, Layout, Mesh, Move, OpSpec, SoapConfigError, check_splits, move, plan_chain
 
 R, S, P = Layout.REPLICATED, Layout.SHARDED, Layout.PARTIAL
 N, AG, AR, RS, SL = Move.NONE, Move.ALLGATHER, Move.ALLREDUCE, Move.REDUCE_SCATTER, Move.SLICE
@@ -68,12 +68,12 @@ def test_the_grid() -> None:
 
 
 def test_check_splits_says_what_to_change() -> None:
-    layers = {"1": LinearShape(64, 512), "3": LinearShape(512, 10)}
+    layers = {"1": LayerShape(64, 512), "3": LayerShape(512, 10)}
     check_splits(layers, {"1": "column", "3": "row"}, 2)
     check_splits(layers, {"3": "replicated"}, 3)  # a replicated layer splits nothing
-    with pytest.raises(SoapConfigError, match="its 10 output features to divide by 4"):
+    with pytest.raises(SoapConfigError, match=r"its 10 outputs \(features or channels\) to divide by 4"):
         check_splits(layers, {"3": "column"}, 4)
-    with pytest.raises(SoapConfigError, match="its 512 input features to divide by 3"):
+    with pytest.raises(SoapConfigError, match=r"its 512 inputs \(features or channels\) to divide by 3"):
         check_splits(layers, {"3": "row"}, 3)
-    with pytest.raises(SoapConfigError, match=r"no linear layer '2' to split \(its linear layers: 1, 3\)"):
+    with pytest.raises(SoapConfigError, match=r"no layer '2' to split \(the layers that split: 1, 3\)"):
         check_splits(layers, {"2": "row"}, 2)
