@@ -113,6 +113,7 @@ def init(comm: object = None, process_sets: object = None) -> None:
             timeline=timeline_for(ctx.settings.timeline, ctx.rank),
             fusion_bytes=fusion_bytes_from_env(os.environ),
             error=_internal,
+            stall_s=ctx.settings.timeout,
         )
         _state = _State(ctx, owns, int(np.searchsorted(peers, ctx.rank)), len(peers), group, engine)
 

@@ -31,6 +31,10 @@ rank submits something, else after a back-off of up to 50 ms, so that two ranks 
 requests do not spin. A rank with nothing pending does not cycle: its peers' cycles wait for it in the
 allgather (under the job's timeout, ``PARATRAIN_TIMEOUT``), which is how a rank that is ahead waits for one
 that is behind. A failed cycle (a lost peer, a timeout) fails every pending request and every later call.
+A request some ranks make and the others never do would keep every rank cycling forever (each cycle succeeds):
+when a cycle finds nothing ready and some rank's request has waited longer than the job's timeout, every rank
+fails in that same cycle (the flag travels in the cycle's small allreduce), naming each such request and the
+ranks that did and did not make it. Horovod's stall inspector only warns; here it is an error on every rank.
 
 Who runs a cycle: the engine thread, for requests nobody waits for yet (async handles, gradient hooks), or a
 caller blocked in :meth:`Engine.wait` while the engine thread is idle (one lock makes cycles exclusive): a
@@ -56,7 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from paratrain.errors import CollectiveMismatchError
+from paratrain.errors import CollectiveMismatchError, CommTimeoutError
 from paratrain.horovod.adasum import adasum_tree
 from paratrain.runtime.group import Group
 from paratrain.timeline import Timeline
@@ -85,6 +89,24 @@ def fusion_bytes_from_env(env: dict[str, str] | Any) -> int:
     if value < 0:
         raise ValueError(f"HOROVOD_FUSION_THRESHOLD={raw!r} must be >= 0")
     return value
+
+
+def _stall_report(tables: list[list[dict[str, Any]]], active: list[int], stall_s: float) -> str:
+    """Why the job stopped: the requests some ranks made and others did not, with the ranks on each side."""
+    asked: dict[str, list[int]] = {}
+    for r in active:
+        for m in tables[r]:
+            asked.setdefault(m["n"], []).append(r)
+    lines = [
+        f"{name} (asked for by ranks {ranks}, not by {sorted(set(active) - set(ranks))})"
+        for name, ranks in asked.items()
+        if len(ranks) < len(active)
+    ]
+    return (
+        f"Horovod requests waited more than {stall_s:.0f}s (PARATRAIN_TIMEOUT) for ranks that never made them: "
+        f"{'; '.join(lines[:8]) or 'none listed'}{' ...' if len(lines) > 8 else ''}. Every rank must make the same "
+        "collective calls (by name); a gradient some ranks do not produce is reduced by step() as zeros"
+    )
 
 
 @dataclass
@@ -192,8 +214,10 @@ class Engine:
         timeline: Timeline | None,
         fusion_bytes: int = DEFAULT_FUSION_BYTES,
         error: Callable[[BaseException], BaseException],
+        stall_s: float = 300.0,
     ) -> None:
         self.group = group
+        self.stall_s = stall_s
         self.timeline = timeline
         self.fusion_bytes = fusion_bytes
         self._error = error
@@ -352,9 +376,11 @@ class Engine:
         mine = json.dumps(metas, separators=(",", ":")).encode()
         digest = int.from_bytes(hashlib.blake2b(mine, digest_size=7).digest(), "little")
         joined_here = int(any(m["k"] == "join" for m in metas))
+        stalled_here = int(any(now - r.submitted > self.stall_s for r in self._pending.values()))
         # one small allreduce (the shared-memory path on one host): the largest and smallest digest of the
-        # ranks' pending lists, the longest list and whether any rank joined
-        top = np.asarray(group.allreduce(np.array([digest, -digest, len(mine), joined_here], dtype=np.int64), "max"))
+        # ranks' pending lists, the longest list, whether any rank joined, whether any rank's request is stalled
+        vector = np.array([digest, -digest, len(mine), joined_here, stalled_here], dtype=np.int64)
+        top = np.asarray(group.allreduce(vector, "max"))
         if top[0] == -top[1] and not top[3]:
             # every rank has the same requests pending, in the same order: all ready, nothing to compare
             self.stats["productive"] += 1
@@ -397,6 +423,8 @@ class Engine:
         if ready:
             self.stats["productive"] += 1
             self._execute(ready, decided=time.time())
+        elif top[4]:  # every rank decides alike: the tables and the flag are the same everywhere
+            raise CommTimeoutError(_stall_report(tables, active, self.stall_s))
         return bool(ready)
 
     def _finish_join(self, tables: list[list[dict[str, Any]]]) -> bool:

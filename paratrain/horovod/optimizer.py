@@ -106,17 +106,18 @@ class _Distributed:
         return compressed, handle, (p, ctx)
 
     def synchronize(self) -> None:
-        """Waits for every gradient's reduction and writes the results into the gradients (parameters whose
-        hook has not fired yet, e.g. unused in this step's graph, are reduced now so that ranks stay matched)."""
+        """Waits for every gradient's reduction and writes the results into the gradients.
+
+        A parameter whose hook has not fired (unused in this step's graph on this rank, or still accumulating) is
+        reduced now, as Horovod does: another rank may have produced its gradient (a model whose branches differ
+        by rank), and that rank waits for this one's part. Without a gradient, this rank's part is zeros.
+        """
         opt: Any = self
-        for group in opt.param_groups:
+        for group in opt.param_groups if self._hvd_op != Adasum else ():  # Adasum combines in step()
             for p in group["params"]:
-                if (
-                    p.requires_grad
-                    and id(p) not in self._hvd_handles
-                    and p.grad is not None
-                    and self._hvd_delay[id(p)] < self._hvd_passes
-                ):
+                if p.requires_grad and id(p) not in self._hvd_handles:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
                     self._hvd_handles[id(p)] = self._hvd_start(p)
         for key, (_, handle, (p, ctx)) in list(self._hvd_handles.items()):
             out = synchronize(handle)

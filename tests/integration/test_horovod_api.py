@@ -287,6 +287,34 @@ agree("synchronize, skip_synchronize", distributed(clip=True), reference(1, 1.0)
 agree("fp16 compression", distributed(compression=hvd.Compression.fp16), reference(1, 1.0), 1e-2)
 
 
+def branched():
+    """A model whose output head differs by rank (head r % 2): a head another rank used has no gradient here."""
+    torch.manual_seed(0)
+    return torch.nn.ModuleList([torch.nn.Linear(64, 16), torch.nn.Linear(16, 10), torch.nn.Linear(16, 10)])
+
+
+def branched_loss(m, rank, step):
+    xb, yb = batch(step, 0, rank)
+    return torch.nn.functional.cross_entropy(m[1 + rank % 2](torch.tanh(m[0](xb))), yb)
+
+
+def branched_run(distributed):
+    """Horovod's rule: a gradient a rank did not produce counts as zeros, so each head gets the mean over all
+    ranks; one process: the mean of every rank's loss."""
+    m = branched()
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=m.named_parameters()) if distributed else sgd
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = branched_loss(m, r, step) if distributed else sum(branched_loss(m, q, step) for q in range(n)) / n
+        loss.backward()
+        opt.step()
+    return torch.cat([p.detach().flatten() for p in m.parameters()])
+
+
+agree("heads by rank, missing gradients as zeros", branched_run(True), branched_run(False), 1e-12)
+
+
 def adasum_reference():
     """Each rank's SGD step from the same parameters on its own rows (its momentum its own), the changes
     combined pairwise by Adasum in a binary tree."""
@@ -378,7 +406,9 @@ def test_the_horovod_api_on_real_processes(tmp_path: Path, ranks: int) -> None:
 def test_distributed_optimizer_equals_one_process_with_the_same_total_batch(tmp_path: Path, ranks: int) -> None:
     """Horovod's DistributedOptimizer on digits (float64, SGD with momentum): averaged, predivided, summed,
     accumulated over 2 backward passes, synchronized by hand, and fp16-compressed reductions give the one-process
-    model of the same total batch (to 1e-12; fp16 to 1e-2), the same on every rank; Adasum equals its
+    model of the same total batch (to 1e-12; fp16 to 1e-2), the same on every rank, also when the ranks use
+    different output heads (a gradient a rank did not produce is reduced as zeros, as Horovod does, instead of
+    leaving the others waiting); Adasum equals its
     one-process replay; SyncBatchNorm over the ranks' rows equals BatchNorm over the whole batch (outputs,
     gradients, running statistics)."""
     out = _launch(tmp_path / "hvd_optimizer.py", OPTIMIZER_JOB, ranks)

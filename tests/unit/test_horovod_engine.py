@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from paratrain.horovod.controller import Engine, Request
@@ -196,3 +197,26 @@ def test_a_lost_peer_fails_pending_and_later_requests_instead_of_hanging() -> No
 
     first, later = run_ranks(2, fn)[0].split(" | ")
     assert "rank 1" in first and "crashed" in first and later == first, (first, later)
+
+
+def test_requests_that_never_match_fail_every_rank_after_the_stall_bound_naming_them() -> None:
+    # Rank 0 asks for "a", rank 1 for "b" (ranks whose code differs): neither can ever be ready. Once a request
+    # has waited past the bound, every rank fails in the same cycle, with the same message; later calls fail too.
+    def fn(ctx: Context) -> str:
+        group = ctx.new_group(range(ctx.world_size))
+        assert group is not None
+        engine = Engine(group, timeline=None, error=lambda e: RuntimeError(str(e)), stall_s=0.3)
+        name = "a" if ctx.rank == 0 else "b"
+        try:
+            engine.submit(Request(name, "allreduce", torch.ones(2), SUM)).result(30)
+            return "no error"
+        except RuntimeError as exc:
+            message = str(exc)
+        with pytest.raises(RuntimeError):
+            engine.submit(Request("c", "allreduce", torch.ones(2), SUM))
+        return message
+
+    messages = run_ranks(2, fn)
+    assert messages[0] == messages[1], messages
+    assert "waited more than 0s (PARATRAIN_TIMEOUT)" in messages[0]
+    assert "a (asked for by ranks [0], not by [1]); b (asked for by ranks [1], not by [0])" in messages[0]
