@@ -112,6 +112,10 @@ class ChainPlan:
     forward: tuple[Move, ...]
     backward: tuple[Move, ...]
 
+    def names(self) -> list[str]:
+        """The steps' names, in order."""
+        return [op.name for op in self.ops]
+
     def messages(self) -> int:
         """Collectives one training step runs over the tensor-parallel group (a SLICE sends nothing)."""
         moves = [*self.forward, *self.backward]

@@ -209,23 +209,35 @@ class SoapModel(nn.Module):
                 p.grad.copy_(self.data_group.allreduce(p.grad.contiguous(), op="mean"))
 
     def full_state(self, *, grads: bool = False) -> dict[str, np.ndarray[Any, Any]]:
-        """Every parameter of the unsplit model (or its gradient, ``grads``), by its name there. Collective over
-        the tensor group."""
+        """Every parameter of the unsplit model (or its gradient, ``grads``), by its name there (its
+        ``state_dict``'s keys). Collective over the tensor group."""
         group = self.tensor_group
         found: dict[str, np.ndarray[Any, Any]] = {}
-        for i, step in enumerate(self.steps):
+        for where, step in zip(self.plan.names(), self.steps, strict=True):
             for name, param in step.named_parameters():
                 value = param.grad if grads else param
-                assert value is not None, f"{i}.{name} has no gradient"
-                found[f"{i}.{name}"] = value.detach().numpy().copy()
+                assert value is not None, f"{where}.{name} has no gradient"
+                found[f"{where}.{name}"] = value.detach().numpy().copy()
             if isinstance(step, SplitLayer) and step.split != "replicated":
-                found.update({f"{i}.{k}": v for k, v in step.whole(group, grads=grads).items()})
+                found.update({f"{where}.{k}": v for k, v in step.whole(group, grads=grads).items()})
         return found
 
 
+def _chain(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """The modules of nested ``nn.Sequential``s in the order they run, by qualified name (``"features.0"``)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.Sequential):
+            found += _chain(child, f"{prefix}{name}.")
+        else:
+            found.append((f"{prefix}{name}", child))
+    return found
+
+
 def parallelize(model: nn.Sequential, splits: Mapping[str, str], ctx: Context, mesh: Mesh) -> SoapModel:
-    """``model`` split as ``splits`` says (the name in the chain of a linear layer or 2-d convolution -> ``column``,
-    ``row`` or ``replicated``; unnamed layers stay replicated) over ``mesh``. Collective over the workers: every
+    """``model`` split as ``splits`` says (the qualified name of a linear layer or 2-d convolution, as
+    ``named_modules`` gives it, ``"features.0"`` inside nested ``nn.Sequential`` modules -> ``column``, ``row`` or
+    ``replicated``; unnamed layers stay replicated) over ``mesh``. Collective over the workers: every
     worker calls it with the same model (the same initial parameters) and configuration.
 
     Raises:
@@ -236,7 +248,7 @@ def parallelize(model: nn.Sequential, splits: Mapping[str, str], ctx: Context, m
         raise SoapConfigError(
             f"a {mesh.tensor} x {mesh.data} grid needs {mesh.workers} workers; the job has {ctx.world_size}"
         )
-    modules = dict(model.named_children())
+    modules = dict(_chain(model))
     layers = {n: shape for n, m in modules.items() if (shape := _splittable(m)) is not None}
     for name in splits:
         if name in modules and name not in layers:

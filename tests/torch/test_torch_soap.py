@@ -6,6 +6,7 @@ configurations are refused before anything runs, saying what to change."""
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -138,6 +139,29 @@ def test_any_configuration_computes_what_one_process_computes(
         for key in grads:
             np.testing.assert_allclose(got_grads[key], grads[key], rtol=0, atol=1e-12, err_msg=key)
             np.testing.assert_allclose(got_params[key], params[key], rtol=0, atol=1e-12, err_msg=key)
+
+
+def test_layers_inside_nested_sequentials_are_named_as_the_model_names_them() -> None:
+    torch.manual_seed(0)
+    nested = nn.Sequential(
+        OrderedDict(
+            features=nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU()),
+            head=nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 12)),
+        )
+    ).double()
+    x, y = _data()
+
+    def rank(ctx: Any) -> Any:
+        model = parallelize(copy.deepcopy(nested), {"features.1": "column", "head.0": "row"}, ctx, Mesh(tensor=2))
+        F.cross_entropy(model(x[0]), y[0]).backward()
+        return model.full_state(grads=True)
+
+    whole = copy.deepcopy(nested)
+    F.cross_entropy(whole(x[0]), y[0]).backward()
+    for grads in run_ranks(2, rank):
+        assert grads.keys() == dict(whole.named_parameters()).keys()
+        for key, p in whole.named_parameters():
+            np.testing.assert_allclose(grads[key], p.grad.numpy(), rtol=0, atol=1e-12, err_msg=key)
 
 
 def test_a_split_layer_holds_its_part_of_the_weights_only() -> None:
