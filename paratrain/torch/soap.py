@@ -19,6 +19,8 @@ model computes, up to the order of float additions.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -234,22 +236,18 @@ def _chain(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
     return found
 
 
-def parallelize(model: nn.Sequential, splits: Mapping[str, str], ctx: Context, mesh: Mesh) -> SoapModel:
-    """``model`` split as ``splits`` says (the qualified name of a linear layer or 2-d convolution, as
-    ``named_modules`` gives it, ``"features.0"`` inside nested ``nn.Sequential`` modules -> ``column``, ``row`` or
-    ``replicated``; unnamed layers stay replicated) over ``mesh``. Collective over the workers: every
-    worker calls it with the same model (the same initial parameters) and configuration.
-
-    Raises:
-        SoapConfigError: the mesh is not the job's size, a named layer is missing or does not split, a degree does not
-            divide the dimension it splits, or a module that mixes features reads a split activation.
-    """
+def _checked(
+    modules: Mapping[str, nn.Module],
+    layers: Mapping[str, LayerShape],
+    splits: Mapping[str, str],
+    ctx: Context,
+    mesh: Mesh,
+) -> ChainPlan:
+    """The chain's plan, or :class:`SoapConfigError` saying what in the configuration cannot run."""
     if mesh.workers != ctx.world_size:
         raise SoapConfigError(
             f"a {mesh.tensor} x {mesh.data} grid needs {mesh.workers} workers; the job has {ctx.world_size}"
         )
-    modules = dict(_chain(model))
-    layers = {n: shape for n, m in modules.items() if (shape := _splittable(m)) is not None}
     for name in splits:
         if name in modules and name not in layers:
             raise SoapConfigError(
@@ -265,6 +263,55 @@ def parallelize(model: nn.Sequential, splits: Mapping[str, str], ctx: Context, m
                 f"layer {op.name} ({type(module).__name__}) mixes features but would read a {read.value} "
                 "activation; keep the layer before it whole (replicated) or row-split the one after"
             )
+    return plan
+
+
+def _agree(ctx: Context, mesh: Mesh, splits: Mapping[str, str], layers: Mapping[str, LayerShape], problem: str) -> None:
+    """Raises on every rank when any rank refused the configuration or the ranks were given different ones (a bad
+    argument on some ranks is an error on all, never a wait for the others)."""
+    described = json.dumps(
+        [sorted(splits.items()), [mesh.tensor, mesh.data], sorted((n, s.in_features, s.out_features) for n, s in
+         layers.items())]
+    )  # fmt: skip
+    digest = int.from_bytes(hashlib.blake2b(described.encode(), digest_size=7).digest(), "little")
+    seen = np.asarray(ctx.allgather(np.array([[digest, int(bool(problem))]], dtype=np.int64)))
+    if problem:
+        raise SoapConfigError(problem)
+    refused = [r for r in range(len(seen)) if seen[r, 1]]
+    if refused:
+        raise SoapConfigError(f"ranks {refused} refused this configuration (their errors say why)")
+    if len(set(seen[:, 0].tolist())) > 1:
+        groups: dict[int, list[int]] = {}
+        for r, d in enumerate(seen[:, 0].tolist()):
+            groups.setdefault(d, []).append(r)
+        raise SoapConfigError(
+            f"the ranks were given different configurations or models (ranks {sorted(groups.values())} agree "
+            "among themselves); give every rank the same model and splits"
+        )
+
+
+def parallelize(model: nn.Sequential, splits: Mapping[str, str], ctx: Context, mesh: Mesh) -> SoapModel:
+    """``model`` split as ``splits`` says (the qualified name of a linear layer or 2-d convolution, as
+    ``named_modules`` gives it, ``"features.0"`` inside nested ``nn.Sequential`` modules -> ``column``, ``row`` or
+    ``replicated``; unnamed layers stay replicated) over ``mesh``. Collective over the workers: every
+    worker calls it with the same model (the same initial parameters) and configuration.
+
+    Raises:
+        SoapConfigError: on every rank: the mesh is not the job's size, a named layer is missing or does not
+            split, a degree does not divide the dimension it splits, a module that mixes features reads a split
+            activation, or the ranks were given different models or configurations.
+    """
+    modules = dict(_chain(model))
+    layers = {n: shape for n, m in modules.items() if (shape := _splittable(m)) is not None}
+    plan: ChainPlan | None = None
+    try:
+        plan = _checked(modules, layers, splits, ctx, mesh)
+    except SoapConfigError as exc:
+        problem = str(exc)
+    else:
+        problem = ""
+    _agree(ctx, mesh, splits, layers, problem)
+    assert plan is not None  # else _agree raised
     tensor_part, data_part = mesh.coordinates(ctx.rank)
     tensor = ctx.split(lambda r: mesh.coordinates(r)[1])
     data = ctx.split(lambda r: mesh.coordinates(r)[0])

@@ -6,6 +6,7 @@ configurations are refused before anything runs, saying what to change."""
 from __future__ import annotations
 
 import copy
+import re
 from collections import OrderedDict
 from typing import Any
 
@@ -65,7 +66,10 @@ def _split_run(name: str, splits: dict[str, str], tensor: int, workers: int) -> 
     whole = _model(name)
 
     def rank(ctx: Any) -> Any:
-        model = parallelize(copy.deepcopy(whole), splits, ctx, Mesh.for_workers(ctx.world_size, tensor))
+        try:
+            model = parallelize(copy.deepcopy(whole), splits, ctx, Mesh.for_workers(ctx.world_size, tensor))
+        except SoapConfigError as exc:  # every rank's, returned: one rank's raise would tear the others down
+            return str(exc)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         x, y = _data()
         rows = model.rows(_BATCH)
@@ -128,9 +132,9 @@ def _id(config: tuple[str, dict[str, str], int, int]) -> str:
 def test_any_configuration_computes_what_one_process_computes(
     name: str, splits: dict[str, str], tensor: int, workers: int
 ) -> None:
-    if not _divides(name, splits, tensor):
-        with pytest.raises(SoapConfigError, match="divide"):
-            _split_run(name, splits, tensor, workers)
+    if not _divides(name, splits, tensor):  # refused on every rank, before anything runs
+        refusals = _split_run(name, splits, tensor, workers)
+        assert all(isinstance(r, str) and "to divide by" in r for r in refusals), refusals
         return
     first, grads, params = _one_process(name)
     for (rows, out), got_grads, got_params in _split_run(name, splits, tensor, workers):
@@ -198,11 +202,39 @@ def test_a_bad_configuration_is_refused_saying_what_to_change(
     }
     whole = chains[model] if model in chains else _model(model)
 
-    def rank(ctx: Any) -> None:
-        parallelize(copy.deepcopy(whole), splits, ctx, mesh)
+    def rank(ctx: Any) -> str:
+        try:
+            parallelize(copy.deepcopy(whole), splits, ctx, mesh)
+        except SoapConfigError as exc:
+            return str(exc)
+        return "accepted"
 
-    with pytest.raises(SoapConfigError, match=message):
-        run_ranks(2, rank)
+    for refusal in run_ranks(2, rank):
+        assert re.search(message, refusal), refusal
+
+
+@pytest.mark.parametrize(
+    ("rank1", "messages"),
+    [
+        ({"1": "row"}, ["given different configurations", "given different configurations"]),
+        ({"2": "row"}, ["ranks [1] refused this configuration", "layer 2 is a ReLU"]),
+    ],
+)
+def test_ranks_given_different_or_bad_configurations_all_fail_at_once(
+    rank1: dict[str, str], messages: list[str]
+) -> None:
+    mlp = _model("mlp")
+
+    def rank(ctx: Any) -> str:
+        splits = {"1": "column"} if ctx.rank == 0 else rank1
+        try:
+            parallelize(copy.deepcopy(mlp), splits, ctx, Mesh(tensor=2))
+        except SoapConfigError as exc:
+            return str(exc)
+        return "accepted"
+
+    got = run_ranks(2, rank, timeout=30)
+    assert all(want in message for want, message in zip(messages, got, strict=True)), got
 
 
 def test_workers_that_do_not_form_tensor_groups_are_refused() -> None:
