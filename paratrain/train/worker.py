@@ -93,25 +93,27 @@ class _Traffic:
         return {k: v + self._before[k] for k, v in self._last.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Trains this rank's part of the job and records everything in the job's run directory."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--job", required=True, help=f"the job's description ({JOB_FILE} in its run directory)")
-    parser.add_argument(
-        "--quiet", action="store_true", help="no line per epoch from rank 0 (paratrain train prints them itself)"
-    )
-    args = parser.parse_args(argv)
-    job = read_job(args.job)
+@dataclasses.dataclass
+class _Setup:
+    """What a worker trains with, built before its first step."""
 
+    data: Any
+    model: Any
+    optimizer: Any
+    device: Any
+    ctx: pt.Context
+    reliable: Reliable | None
+    dopt: Any
+    resumed: Any
+
+
+def _setup(job: Any) -> _Setup:
+    """The data, model and optimizer, the job joined, and the parameters every rank starts from (rank 0's, or the
+    checkpoint a restarted or resumed job continues from)."""
     import torch
 
     import paratrain.torch as ptt
-    from paratrain.torch.resilient import (
-        parameters_digest,
-        reliable_broadcast_parameters,
-        restore_training_state,
-        training_state,
-    )
+    from paratrain.torch.resilient import reliable_broadcast_parameters, restore_training_state
 
     check_model_dataset(job.model, job.dataset)  # before init: a mismatch fails every rank alike, at once
 
@@ -158,16 +160,104 @@ def main(argv: list[str] | None = None) -> None:
         reliable_broadcast_parameters(model, reliable)
     else:
         ptt.broadcast_parameters(model, root=0)
-    # files are named by member: in an elastic job ranks are renumbered when workers leave or join
-    rec = Recorder(run_dir_of(job), rank=ctx.settings.member_id)
-    straggler = stragglers.parse(job.straggler, seed=job.seed) if job.straggler else None
-    shards, batch = ctx.settings.job_workers, job.batch_size  # an elastic job keeps its launched size's batches
-    per_rank = len(data.y_train) // shards
+    return _Setup(data, model, optimizer, device, ctx, reliable, dopt, resumed)
+
+
+def _steps_per_epoch(job: Any, examples: int, shards: int) -> int:
+    """Steps of an epoch: each of the launched workers' shares in batches, at most ``--steps-per-epoch``."""
+    per_rank, batch = examples // shards, int(job.batch_size)
     steps = per_rank // batch
     if job.steps_per_epoch > 0:
         steps = min(steps, job.steps_per_epoch)
     if steps == 0:
         raise SystemExit(f"batch size {batch} is larger than this worker's {per_rank} examples; lower --batch-size")
+    return steps
+
+
+def _evaluate_epoch(
+    run: _Setup, job: Any, rec: Recorder, *, epoch: int, step: int, train_loss: float, evaluating: float, quiet: bool
+) -> float:
+    """The epoch's test accuracy and loss recorded (gossip's average model too, after the last epoch), the line
+    printed by rank 0; returns the seconds spent evaluating so far."""
+    t4 = time.time()
+    accuracy, test_loss = tasks.evaluate(run.model, run.data.x_test, run.data.y_test)
+    rec.add_span("evaluate", "eval", t4, time.time())
+    eval_before, evaluating = evaluating, evaluating + time.time() - t4
+    extra: dict[str, float] = {}
+    if parse_strategy(job.strategy).exchanges_parameters and epoch == job.epochs - 1:
+        # once, at the end: on a slow network the allreduce it needs would cost gossip's throughput
+        extra = consensus_eval(run.ctx, run.model, run.data.x_test, run.data.y_test)
+    rec.log(
+        kind="eval",
+        epoch=epoch + 1,
+        epochs=job.epochs,
+        step=step,
+        train_loss=train_loss,
+        test_accuracy=accuracy,
+        test_loss=test_loss,
+        eval_s=evaluating - eval_before,
+        eval_before_s=eval_before,
+        **extra,
+    )
+    if _live(run).rank == 0 and not quiet:
+        print(epoch_line(epoch + 1, job.epochs, train_loss, accuracy, test_loss), flush=True)
+    return evaluating
+
+
+def _probe(run: _Setup, rec: Recorder, step: int, evaluating: float) -> float:
+    """``--eval-every``: the accuracy on the first test examples, recorded; returns the seconds spent evaluating."""
+    t5 = time.time()
+    x, y = run.data.x_test[:PROBE_EXAMPLES], run.data.y_test[:PROBE_EXAMPLES]
+    probe, _ = tasks.evaluate(run.model, x, y)
+    spent = time.time() - t5
+    rec.add_span("probe accuracy", "eval", t5, t5 + spent)
+    rec.log(kind="probe", step=step, test_accuracy=probe, eval_s=spent, eval_before_s=evaluating)
+    return evaluating + spent
+
+
+def _live(run: _Setup) -> pt.Context:
+    """The context in use now (a recovering job's is a new one)."""
+    return run.reliable.ctx if run.reliable is not None else run.ctx
+
+
+def _finish(run: _Setup, job: Any, rec: Recorder, step: int) -> None:
+    """The final parameters' digest recorded, the model saved by rank 0, everything closed."""
+    import torch
+
+    from paratrain.torch.resilient import parameters_digest
+
+    rec.log(kind="final", step=step, parameters_sha256=parameters_digest(run.model))
+    if _live(run).rank == 0:  # every data-parallel replica holds this model
+        torch.save(run.model.state_dict(), os.path.join(run_dir_of(job), "model.pt"))
+    close = getattr(run.dopt, "close", None)
+    if callable(close):
+        close()
+    rec.close()
+    pt.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Trains this rank's part of the job and records everything in the job's run directory."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--job", required=True, help=f"the job's description ({JOB_FILE} in its run directory)")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no line per epoch from rank 0 (paratrain train prints them itself)"
+    )
+    args = parser.parse_args(argv)
+    job = read_job(args.job)
+
+    import torch
+
+    from paratrain.torch.resilient import training_state
+
+    run = _setup(job)
+    data, model, optimizer, device, ctx = run.data, run.model, run.optimizer, run.device, run.ctx
+    reliable, dopt, resumed = run.reliable, run.dopt, run.resumed
+    # files are named by member: in an elastic job ranks are renumbered when workers leave or join
+    rec = Recorder(run_dir_of(job), rank=ctx.settings.member_id)
+    straggler = stragglers.parse(job.straggler, seed=job.seed) if job.straggler else None
+    shards, batch = ctx.settings.job_workers, job.batch_size  # an elastic job keeps its launched size's batches
+    steps = _steps_per_epoch(job, len(data.y_train), shards)
     step = int(resumed.meta["step"]) if resumed is not None else 0
     evaluating = float(resumed.meta["evaluating"]) if resumed is not None else 0.0  # excluded from time-to-accuracy
     if resumed is None:
@@ -232,45 +322,20 @@ def main(argv: list[str] | None = None) -> None:
             if replaying:
                 continue
             if job.eval_every > 0 and step % job.eval_every == 0:
-                t5 = time.time()
-                probe, _ = tasks.evaluate(model, data.x_test[:PROBE_EXAMPLES], data.y_test[:PROBE_EXAMPLES])
-                spent = time.time() - t5
-                rec.add_span("probe accuracy", "eval", t5, t5 + spent)
-                rec.log(kind="probe", step=step, test_accuracy=probe, eval_s=spent, eval_before_s=evaluating)
-                evaluating += spent
+                evaluating = _probe(run, rec, step, evaluating)
         if replaying:
             continue  # the epoch ended while this rank replayed: the process it replaces evaluated it
-        t4 = time.time()
-        accuracy, test_loss = tasks.evaluate(model, data.x_test, data.y_test)
-        rec.add_span("evaluate", "eval", t4, time.time())
-        eval_before, evaluating = evaluating, evaluating + time.time() - t4
-        extra: dict[str, float] = {}
-        if parse_strategy(job.strategy).exchanges_parameters and epoch == job.epochs - 1:
-            # once, at the end: on a slow network the allreduce it needs would cost gossip's throughput
-            extra = consensus_eval(ctx, model, data.x_test, data.y_test)
-        train_loss = epoch_loss / steps
-        rec.log(
-            kind="eval",
-            epoch=epoch + 1,
-            epochs=job.epochs,
+        evaluating = _evaluate_epoch(
+            run,
+            job,
+            rec,
+            epoch=epoch,
             step=step,
-            train_loss=train_loss,
-            test_accuracy=accuracy,
-            test_loss=test_loss,
-            eval_s=evaluating - eval_before,
-            eval_before_s=eval_before,
-            **extra,
+            train_loss=epoch_loss / steps,
+            evaluating=evaluating,
+            quiet=args.quiet,
         )
-        if (reliable.ctx if reliable is not None else ctx).rank == 0 and not args.quiet:
-            print(epoch_line(epoch + 1, job.epochs, train_loss, accuracy, test_loss), flush=True)
-    rec.log(kind="final", step=step, parameters_sha256=parameters_digest(model))
-    if (reliable.ctx if reliable is not None else ctx).rank == 0:  # every data-parallel replica holds this model
-        torch.save(model.state_dict(), os.path.join(run_dir_of(job), "model.pt"))
-    close = getattr(dopt, "close", None)
-    if callable(close):
-        close()
-    rec.close()
-    pt.shutdown()
+    _finish(run, job, rec, step)
 
 
 if __name__ == "__main__":
