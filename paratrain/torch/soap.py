@@ -204,11 +204,14 @@ class SoapModel(nn.Module):
 
     def average_gradients(self) -> None:
         """Averages every parameter's gradient over the data-parallel group (after ``backward``)."""
-        if self.data_group.world_size == 1:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if self.data_group.world_size == 1 or not grads:
             return
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.copy_(self.data_group.allreduce(p.grad.contiguous(), op="mean"))
+        mean = self.data_group.allreduce(torch.cat([g.reshape(-1) for g in grads]), op="mean")  # one call
+        offset = 0
+        for g in grads:
+            g.copy_(mean[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def full_state(self, *, grads: bool = False) -> dict[str, np.ndarray[Any, Any]]:
         """Every parameter of the unsplit model (or its gradient, ``grads``), by its name there (its
@@ -312,12 +315,11 @@ def parallelize(model: nn.Sequential, splits: Mapping[str, str], ctx: Context, m
         problem = ""
     _agree(ctx, mesh, splits, layers, problem)
     assert plan is not None  # else _agree raised
-    tensor_part, data_part = mesh.coordinates(ctx.rank)
+    tensor_part, _ = mesh.coordinates(ctx.rank)
     tensor = ctx.split(lambda r: mesh.coordinates(r)[1])
     data = ctx.split(lambda r: mesh.coordinates(r)[0])
     steps = [
         SplitLayer(m, splits.get(n, "replicated"), mesh.tensor, tensor_part) if n in layers else m
         for n, m in modules.items()
     ]
-    del data_part
     return SoapModel(steps, plan, mesh, tensor, data)
