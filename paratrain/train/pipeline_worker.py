@@ -32,7 +32,7 @@ import paratrain as pt
 from paratrain._exit import exit_with
 from paratrain.strategy import parse_strategy
 from paratrain.train.data import load_dataset
-from paratrain.train.job import JOB_FILE, PROBE_EXAMPLES, read_job, run_dir_of
+from paratrain.train.job import JOB_FILE, PROBE_EXAMPLES, TrainJob, read_job, run_dir_of
 from paratrain.train.models import build_model
 from paratrain.train.record import Recorder
 from paratrain.train.worker import epoch_line
@@ -66,6 +66,87 @@ def _evaluate(pipe: Any, x: np.ndarray, y: np.ndarray, batch: int = 1024) -> tup
     return (correct / count, loss_sum / count) if pipe.is_last else None
 
 
+def _build_pipe(job: TrainJob, data: Any, spans: list[tuple[str, str, float, float]]) -> Any:
+    """This rank's stage of the job's pipeline (its trace spans go to ``spans``); the loss is the mean over the
+    step's targets across every pipeline replica, as data parallelism takes it."""
+    import torch
+
+    from paratrain.torch.pipeline import Pipe
+    from paratrain.train import tasks
+
+    layers = flat_layers(build_model(job.model, side=data.side, classes=data.classes))
+    global_batch = job.replicas * job.batch_size
+    per_target = int(np.prod(data.y_train.shape[1:], dtype=np.int64))  # 1 per image, T per text window
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        summed: torch.Tensor = tasks.loss(out, y, reduction="sum")
+        return summed.div(global_batch * per_target)
+
+    balance: list[int] | str = "auto" if job.balance == "auto" else [int(b) for b in job.balance.split(",")]
+    return Pipe(
+        layers,
+        balance=balance,
+        microbatches=job.microbatches,
+        schedule=str(parse_strategy(job.strategy).options["schedule"]),
+        optimizer=lambda params: torch.optim.SGD(params, lr=job.lr, momentum=0.9),
+        loss_fn=loss_fn,
+        sample=torch.from_numpy(data.x_train[: max(1, job.batch_size // job.microbatches)]),
+        checkpoint=job.checkpoint,
+        replicas=job.replicas,
+        trace=lambda name, category, t0, t1: spans.append((name, category, t0, t1)),
+    )
+
+
+def _steps_per_epoch(job: TrainJob, examples: int) -> int:
+    """Steps of an epoch: a pipeline replica's share in batches, at most ``--steps-per-epoch``."""
+    per_replica, batch = examples // job.replicas, job.batch_size
+    steps = per_replica // batch
+    if steps == 0:
+        raise SystemExit(f"batch size {batch} is larger than a pipeline's {per_replica} examples; lower --batch-size")
+    if job.steps_per_epoch > 0:  # as the data-parallel worker: each epoch cut to its first N steps
+        steps = min(steps, job.steps_per_epoch)
+    if batch < job.microbatches:
+        raise SystemExit(f"--batch-size {batch} cannot be cut into {job.microbatches} micro-batches; raise it")
+    return steps
+
+
+def _evaluate_epoch(
+    pipe: Any,
+    data: Any,
+    job: TrainJob,
+    rec: Recorder,
+    *,
+    epoch: int,
+    step: int,
+    train_loss: float,
+    evaluating: float,
+    quiet: bool,
+) -> float:
+    """Pipeline 0's test accuracy and loss, recorded by its last stage (which prints the epoch's line); returns
+    the seconds spent evaluating so far."""
+    t4 = time.time()
+    scored = _evaluate(pipe, data.x_test, data.y_test)
+    rec.add_span("evaluate", "eval", t4, time.time())
+    eval_before, evaluating = evaluating, evaluating + time.time() - t4
+    if scored is None:
+        return evaluating
+    accuracy, test_loss = scored
+    rec.log(
+        kind="eval",
+        epoch=epoch + 1,
+        epochs=job.epochs,
+        step=step,
+        train_loss=train_loss,
+        test_accuracy=accuracy,
+        test_loss=test_loss,
+        eval_s=evaluating - eval_before,
+        eval_before_s=eval_before,
+    )
+    if pipe.is_last and not quiet:
+        print(epoch_line(epoch + 1, job.epochs, train_loss, accuracy, test_loss), flush=True)
+    return evaluating
+
+
 def main(argv: list[str] | None = None) -> None:
     """Trains this rank's stage and records everything in the job's run directory."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -76,47 +157,18 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from paratrain.torch.pipeline import Pipe
-    from paratrain.train import tasks
-
     ctx = pt.init()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     torch.manual_seed(job.seed)
     data = load_dataset(job.dataset, data_dir=job.data_dir)
-    layers = flat_layers(build_model(job.model, side=data.side, classes=data.classes))
     replicas, microbatches, batch = job.replicas, job.microbatches, job.batch_size
-    global_batch = replicas * batch
-    per_target = int(np.prod(data.y_train.shape[1:], dtype=np.int64))  # 1 per image, T per text window
-
-    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        summed: torch.Tensor = tasks.loss(out, y, reduction="sum")
-        return summed.div(global_batch * per_target)
-
     rec = Recorder(run_dir_of(job), rank=ctx.rank)
     spans: list[tuple[str, str, float, float]] = []
-    balance: list[int] | str = "auto" if job.balance == "auto" else [int(b) for b in job.balance.split(",")]
-    pipe = Pipe(
-        layers,
-        balance=balance,
-        microbatches=microbatches,
-        schedule=str(parse_strategy(job.strategy).options["schedule"]),
-        optimizer=lambda params: torch.optim.SGD(params, lr=job.lr, momentum=0.9),
-        loss_fn=loss_fn,
-        sample=torch.from_numpy(data.x_train[: max(1, batch // microbatches)]),
-        checkpoint=job.checkpoint,
-        replicas=replicas,
-        trace=lambda name, category, t0, t1: spans.append((name, category, t0, t1)),
-    )
+    pipe = _build_pipe(job, data, spans)
     stages = pipe.num_stages
     reporting = pipe.replica == 0 and pipe.is_last
     per_replica = len(data.y_train) // replicas
-    steps = per_replica // batch
-    if steps == 0:
-        raise SystemExit(f"batch size {batch} is larger than a pipeline's {per_replica} examples; lower --batch-size")
-    if job.steps_per_epoch > 0:  # as the data-parallel worker: each epoch cut to its first N steps
-        steps = min(steps, job.steps_per_epoch)
-    if batch < microbatches:
-        raise SystemExit(f"--batch-size {batch} cannot be cut into {microbatches} micro-batches; raise it")
+    steps = _steps_per_epoch(job, len(data.y_train))
     rec.log(
         kind="start",
         epochs=job.epochs,
@@ -175,26 +227,17 @@ def main(argv: list[str] | None = None) -> None:
                 evaluating += spent
         if pipe.replica != 0:
             continue
-        t4 = time.time()
-        scored = _evaluate(pipe, data.x_test, data.y_test)
-        rec.add_span("evaluate", "eval", t4, time.time())
-        eval_before, evaluating = evaluating, evaluating + time.time() - t4
-        if scored is None:
-            continue
-        accuracy, test_loss = scored
-        rec.log(
-            kind="eval",
-            epoch=epoch + 1,
-            epochs=job.epochs,
+        evaluating = _evaluate_epoch(
+            pipe,
+            data,
+            job,
+            rec,
+            epoch=epoch,
             step=step,
             train_loss=epoch_loss / steps,
-            test_accuracy=accuracy,
-            test_loss=test_loss,
-            eval_s=evaluating - eval_before,
-            eval_before_s=eval_before,
+            evaluating=evaluating,
+            quiet=args.quiet,
         )
-        if reporting and not args.quiet:
-            print(epoch_line(epoch + 1, job.epochs, epoch_loss / steps, accuracy, test_loss), flush=True)
     rec.log(kind="memory", stage=pipe.stage_index, peak_held_bytes=pipe.peak_held_bytes)
     rec.close()
     pt.shutdown()

@@ -25,7 +25,7 @@ from paratrain.recovery import RegroupedError, Reliable
 from paratrain.strategy import parse_layer_schemes, parse_strategy
 from paratrain.train import stragglers, tasks
 from paratrain.train.data import load_dataset
-from paratrain.train.job import JOB_FILE, PROBE_EXAMPLES, read_job, run_dir_of
+from paratrain.train.job import JOB_FILE, PROBE_EXAMPLES, TrainJob, read_job, run_dir_of
 from paratrain.train.models import build_model, check_model_dataset
 from paratrain.train.record import Recorder
 from paratrain.train.shards import step_share
@@ -107,7 +107,7 @@ class _Setup:
     resumed: Any
 
 
-def _setup(job: Any) -> _Setup:
+def _setup(job: TrainJob) -> _Setup:
     """The data, model and optimizer, the job joined, and the parameters every rank starts from (rank 0's, or the
     checkpoint a restarted or resumed job continues from)."""
     import torch
@@ -163,9 +163,9 @@ def _setup(job: Any) -> _Setup:
     return _Setup(data, model, optimizer, device, ctx, reliable, dopt, resumed)
 
 
-def _steps_per_epoch(job: Any, examples: int, shards: int) -> int:
+def _steps_per_epoch(job: TrainJob, examples: int, shards: int) -> int:
     """Steps of an epoch: each of the launched workers' shares in batches, at most ``--steps-per-epoch``."""
-    per_rank, batch = examples // shards, int(job.batch_size)
+    per_rank, batch = examples // shards, job.batch_size
     steps = per_rank // batch
     if job.steps_per_epoch > 0:
         steps = min(steps, job.steps_per_epoch)
@@ -175,7 +175,15 @@ def _steps_per_epoch(job: Any, examples: int, shards: int) -> int:
 
 
 def _evaluate_epoch(
-    run: _Setup, job: Any, rec: Recorder, *, epoch: int, step: int, train_loss: float, evaluating: float, quiet: bool
+    run: _Setup,
+    job: TrainJob,
+    rec: Recorder,
+    *,
+    epoch: int,
+    step: int,
+    train_loss: float,
+    evaluating: float,
+    quiet: bool,
 ) -> float:
     """The epoch's test accuracy and loss recorded (gossip's average model too, after the last epoch), the line
     printed by rank 0; returns the seconds spent evaluating so far."""
@@ -220,7 +228,7 @@ def _live(run: _Setup) -> pt.Context:
     return run.reliable.ctx if run.reliable is not None else run.ctx
 
 
-def _finish(run: _Setup, job: Any, rec: Recorder, step: int) -> None:
+def _finish(run: _Setup, job: TrainJob, rec: Recorder, step: int) -> None:
     """The final parameters' digest recorded, the model saved by rank 0, everything closed."""
     import torch
 
