@@ -35,7 +35,7 @@ from paratrain.train.data import load_dataset
 from paratrain.train.job import JOB_FILE, PROBE_EXAMPLES, TrainJob, read_job, run_dir_of
 from paratrain.train.models import build_model
 from paratrain.train.record import Recorder
-from paratrain.train.worker import epoch_line
+from paratrain.train.worker import record_epoch
 
 __all__ = ["flat_layers", "main"]
 
@@ -131,19 +131,9 @@ def _evaluate_epoch(
     if scored is None:
         return evaluating
     accuracy, test_loss = scored
-    rec.log(
-        kind="eval",
-        epoch=epoch + 1,
-        epochs=job.epochs,
-        step=step,
-        train_loss=train_loss,
-        test_accuracy=accuracy,
-        test_loss=test_loss,
-        eval_s=evaluating - eval_before,
-        eval_before_s=eval_before,
-    )
-    if pipe.is_last and not quiet:
-        print(epoch_line(epoch + 1, job.epochs, train_loss, accuracy, test_loss), flush=True)
+    times = {"eval_s": evaluating - eval_before, "eval_before_s": eval_before}
+    scores = {"train_loss": train_loss, "test_accuracy": accuracy, "test_loss": test_loss}
+    record_epoch(rec, job, epoch, step, scores | times, printing=pipe.is_last and not quiet)
     return evaluating
 
 

@@ -30,7 +30,7 @@ from paratrain.train.models import build_model, check_model_dataset
 from paratrain.train.record import Recorder
 from paratrain.train.shards import step_share
 
-__all__ = ["epoch_line", "main", "worker_device"]
+__all__ = ["epoch_line", "main", "record_epoch", "worker_device"]
 
 
 def epoch_line(epoch: int, epochs: int, train_loss: float, accuracy: float, test_loss: float) -> str:
@@ -195,21 +195,21 @@ def _evaluate_epoch(
     if parse_strategy(job.strategy).exchanges_parameters and epoch == job.epochs - 1:
         # once, at the end: on a slow network the allreduce it needs would cost gossip's throughput
         extra = consensus_eval(run.ctx, run.model, run.data.x_test, run.data.y_test)
-    rec.log(
-        kind="eval",
-        epoch=epoch + 1,
-        epochs=job.epochs,
-        step=step,
-        train_loss=train_loss,
-        test_accuracy=accuracy,
-        test_loss=test_loss,
-        eval_s=evaluating - eval_before,
-        eval_before_s=eval_before,
-        **extra,
-    )
-    if _live(run).rank == 0 and not quiet:
-        print(epoch_line(epoch + 1, job.epochs, train_loss, accuracy, test_loss), flush=True)
+    scores = {"train_loss": train_loss, "test_accuracy": accuracy, "test_loss": test_loss, **extra}
+    times = {"eval_s": evaluating - eval_before, "eval_before_s": eval_before}
+    record_epoch(rec, job, epoch, step, scores | times, printing=_live(run).rank == 0 and not quiet)
     return evaluating
+
+
+def record_epoch(
+    rec: Recorder, job: TrainJob, epoch: int, step: int, values: dict[str, float], *, printing: bool
+) -> None:
+    """An epoch's ``eval`` record (``values``: train and test loss, test accuracy, evaluation times and any
+    more), and its line if ``printing``; for every worker kind, so that ``paratrain train`` reads them alike."""
+    rec.log(kind="eval", epoch=epoch + 1, epochs=job.epochs, step=step, **values)
+    if printing:
+        line = epoch_line(epoch + 1, job.epochs, values["train_loss"], values["test_accuracy"], values["test_loss"])
+        print(line, flush=True)
 
 
 def _probe(run: _Setup, rec: Recorder, step: int, evaluating: float) -> float:
