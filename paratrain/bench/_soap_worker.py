@@ -41,19 +41,15 @@ def build(model: str) -> nn.Sequential:
 
 
 def megatron_pairs(model: nn.Sequential, tensor: int) -> dict[str, str]:
-    """Megatron-LM's split of a chain: consecutive Linear layers paired, the first of a pair split by output
-    features (column), the second by input features (row); a layer whose split dimension does not divide by
-    ``tensor`` (the classifier's 10 outputs) ends a pair unsplit."""
-    splits: dict[str, str] = {}
-    pending: str | None = None
-    for name, module in model.named_children():
-        if not isinstance(module, nn.Linear):
-            continue
-        if pending is None and module.out_features % tensor == 0:
-            pending = name
-        elif pending is not None and module.in_features % tensor == 0:
-            splits[pending], splits[name], pending = "column", "row", None
-    return splits
+    """Megatron-LM's pairs (:func:`paratrain.soap.megatron_splits`) over the chain's Linear layers only: what
+    torch's ``ColwiseParallel``/``RowwiseParallel`` split."""
+    from paratrain.soap import LayerShape, megatron_splits
+
+    return megatron_splits(
+        [(n, LayerShape(m.in_features, m.out_features) if isinstance(m, nn.Linear) else None)
+         for n, m in model.named_children()],
+        tensor,
+    )  # fmt: skip
 
 
 def batches(batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -217,6 +217,7 @@ def _profile_here(
             "out_features": linear[name].out_features if name in linear else 0,
             "in_features": linear[name].in_features if name in linear else 0,
             "module": module_of[name],
+            "channels": _channels(model.get_submodule(name)) if name != "(root)" else (0, 0),
         }
         for name in names
     ]
@@ -229,6 +230,15 @@ def _profile_here(
         "input_bytes": x.numel() * x.element_size(),
         "threads": torch.get_num_threads(),
     }
+
+
+def _channels(module: Any) -> tuple[int, int]:
+    """(in, out) channels of an ungrouped 2-d convolution (what a split cuts), (0, 0) for anything else."""
+    from torch import nn
+
+    if isinstance(module, nn.Conv2d) and module.groups == 1:
+        return module.in_channels, module.out_channels
+    return 0, 0
 
 
 def _combine(model: str, batch_size: int, runs: Sequence[Mapping[str, Any]]) -> ModelProfile:
@@ -248,6 +258,7 @@ def _combine(model: str, batch_size: int, runs: Sequence[Mapping[str, Any]]) -> 
             out_features=int(first.get("out_features", 0)),
             in_features=int(first.get("in_features", 0)),
             module=int(first.get("module", -1)),
+            channels=(int(first.get("channels", (0, 0))[0]), int(first.get("channels", (0, 0))[1])),
         )
         for i, first in enumerate(runs[0]["layers"])
     )

@@ -21,7 +21,9 @@ __all__ = ["add_parser"]
 
 STRATEGIES_HELP = (
     "allreduce, bsp, ssp:S (S = staleness bound), asp, gossip:ring|torus|exponential|complete|FILE (a graph, or a "
-    "JSON mixing matrix), pipeline:gpipe|1f1b|pipedream|pipedream-vsync (--stages, --microbatches, --replicas)"
+    "JSON mixing matrix), pipeline:gpipe|1f1b|pipedream|pipedream-vsync (--stages, --microbatches, --replicas), "
+    "poseidon[:allreduce], sfb, tp:N (linear layers split N-ways in Megatron's pairs; --workers a multiple of N) "
+    "and soap:FILE (each layer split as the JSON file says)"
 )
 
 

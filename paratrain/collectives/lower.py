@@ -57,6 +57,7 @@ __all__ = [
     "direct_allreduce_into",
     "hierarchical_allreduce_into",
     "reduce_plan",
+    "reduce_scatter_parts",
     "reduce_scatter_plan",
     "ring_into",
     "segment_bounds",
@@ -507,9 +508,22 @@ def reduce_scatter_plan(
     agreement: bool = True,
 ) -> Plan:
     """The plan of one ring reduce-scatter over the flat chunks ``bounds`` (rank r keeps chunk r)."""
-    return _ring_parts(
-        "reduce_scatter", n, bounds, itemsize, segment_bytes, aliased=aliased, agreement=agreement
+    return reduce_scatter_parts(
+        n, bounds, itemsize, segment_bytes=segment_bytes, aliased=aliased, agreement=agreement
     ).plan()
+
+
+def reduce_scatter_parts(
+    n: int,
+    bounds: tuple[tuple[int, int], ...],
+    itemsize: int,
+    *,
+    segment_bytes: int | None = None,
+    aliased: bool = False,
+    agreement: bool = True,
+) -> PlanParts:
+    """:func:`reduce_scatter_plan` a rank at a time (see :class:`PlanParts`)."""
+    return _ring_parts("reduce_scatter", n, bounds, itemsize, segment_bytes, aliased=aliased, agreement=agreement)
 
 
 @functools.lru_cache(maxsize=256)

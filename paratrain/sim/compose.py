@@ -23,8 +23,10 @@ from paratrain.sim.predict import (
 )
 from paratrain.sim.replay import Cores, Network, Replay, replay
 from paratrain.sim.step import STRATEGIES, StepJob, gossip_steps, repeat_steps, stale_bound, step_plan, symmetric_step
+from paratrain.sim.tensor import TensorJob, profile_splits, tensor_step
+from paratrain.soap import Move
 
-__all__ = ["ALLREDUCE", "GOSSIP", "HYBRID", "PARAMETER_SERVER", "PIPELINE"]
+__all__ = ["ALLREDUCE", "GOSSIP", "HYBRID", "PARAMETER_SERVER", "PIPELINE", "TENSOR"]
 
 
 @dataclass
@@ -297,9 +299,47 @@ class _Pipeline:
         return (m + workers - 1) / m * model.compute_s * scale / workers + 2 * (workers - 1) * (alpha + a * beta)
 
 
+class _Tensor:
+    """Split layers (``tp:N``, ``soap:FILE``): the chain's moves over each tensor group, split layers' compute
+    divided, and the data groups' allreduce of what each worker holds (:mod:`paratrain.sim.tensor`)."""
+
+    def _job(self, request: JobRequest, model: ModelProfile, choose: Callable[[int, int], str]) -> TensorJob:
+        from paratrain.soap import Mesh, SoapConfig
+
+        config = SoapConfig.named(request.spec.options).workers(request.workers)
+        splits = profile_splits(model, config)
+        return TensorJob(model, Mesh.for_workers(request.workers, config.tensor), splits, request.batch_size, choose)
+
+    def predict(self, request: JobRequest) -> Prediction:
+        setting = _setting(request)
+        job = self._job(request, setting.model, setting.recorded)
+        cores = shared_cores(setting.model, world_size=request.workers, hosts=request.hosts)
+        out = _replay(request, setting.network, tensor_step(job), cores=cores)
+        step_job = StepJob(setting.model, workers=request.workers, strategy=str(request.spec))
+        compute = job.compute_s()
+        settings = {"splits": ",".join(f"{n}={s}" for n, s in job.splits.items() if s != "replicated") or "none"}
+        return Prediction(
+            step_s=max(out.finish), compute_s=compute, replay=out, job=step_job, algorithms=setting.used,
+            settings=settings,
+        )  # fmt: skip
+
+    def estimate(self, request: JobRequest, alpha: float, beta: float) -> float:
+        model = _model(request)
+        job = self._job(request, model, lambda nbytes, n: "ring")
+        t, d = job.mesh.tensor, job.mesh.data
+        comm = 0.0
+        for kind, items in job.moves():
+            rounds = 2 * (t - 1) if kind is Move.ALLREDUCE else t - 1
+            comm += rounds * (alpha + items * job.itemsize * beta / t)
+        held = job.held_items(0) * job.itemsize
+        comm += 2 * (d - 1) * (alpha + held * beta / d) if d > 1 else 0.0
+        return job.compute_s() + comm
+
+
 #: The composers the strategy units name.
 ALLREDUCE = _Allreduce()
 PARAMETER_SERVER = _ParameterServer()
 HYBRID = _Hybrid()
 GOSSIP = _Gossip()
 PIPELINE = _Pipeline()
+TENSOR = _Tensor()

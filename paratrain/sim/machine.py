@@ -91,6 +91,8 @@ class LayerCost:
         module: its position in the model's flat list of modules (nested ``nn.Sequential`` opened up, as a
             pipeline cuts the model), -1 where unknown; with :attr:`ModelProfile.modules` it places pipeline
             stage boundaries.
+        channels: (in, out) channels of a 2-d convolution, (0, 0) for any other kind: what a split of it cuts
+            (:mod:`paratrain.sim.tensor`).
     """
 
     name: str
@@ -102,6 +104,7 @@ class LayerCost:
     out_features: int = 0
     in_features: int = 0
     module: int = -1
+    channels: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         if len(self.params) != len(self.param_bytes):
@@ -325,6 +328,7 @@ class MachineProfile:
                         out_features=layer.get("out_features", 0),
                         in_features=layer.get("in_features", 0),
                         module=layer.get("module", -1),
+                        channels=tuple(layer.get("channels", (0, 0))),
                     )
                     for layer in v["layers"]
                 )

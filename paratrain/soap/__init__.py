@@ -2,9 +2,11 @@
 
 Pure plans (no torch): :mod:`.layout` says how an activation lies over a tensor-parallel group and which collective
 turns one layout into another, forward and backward; :mod:`.mesh` places workers on a tensor x data grid and
-checks a configuration against a model's layers. The torch front end (:mod:`paratrain.torch.soap`) executes them.
+checks a configuration against a model's layers; :mod:`.config` is a configuration as a job carries it
+(``tp:N``, ``soap:FILE``). The torch front end (:mod:`paratrain.torch.soap`) executes them.
 """
 
+from paratrain.soap.config import SoapConfig, megatron_splits
 from paratrain.soap.layout import SPLITS, ChainPlan, Layout, Move, OpSpec, move, plan_chain
 from paratrain.soap.mesh import LayerShape, Mesh, SoapConfigError, check_splits
 
@@ -16,8 +18,10 @@ __all__ = [
     "Mesh",
     "Move",
     "OpSpec",
+    "SoapConfig",
     "SoapConfigError",
     "check_splits",
+    "megatron_splits",
     "move",
     "plan_chain",
 ]

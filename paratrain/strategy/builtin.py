@@ -17,6 +17,7 @@ from paratrain.strategy.checks import (
     parameter_server_checks,
     pipeline_checks,
     reliable_checks,
+    tensor_checks,
 )
 from paratrain.strategy.options import StrategyOptions
 from paratrain.strategy.spec import GOSSIP_TOPOLOGIES, Family, StrategySpec, StrategyUnit, kinds, register_kind
@@ -79,6 +80,24 @@ def _parse_sfb(name: str, argument: str | None) -> StrategySpec:
     return StrategySpec(kind="sfb", options=MappingProxyType({"dense": "allreduce"}))
 
 
+def _parse_tp(name: str, argument: str | None) -> StrategySpec:
+    if argument is None or not re.fullmatch(r"\d+", argument) or int(argument) < 1:
+        raise ConfigError(
+            f"strategy {name!r}: tp needs its tensor-parallel degree N >= 1, e.g. 'tp:2' (every pair of linear "
+            "layers split N-ways, Megatron-style; data parallel across the other workers)"
+        )
+    return StrategySpec(kind="tp", options=MappingProxyType({"tensor": str(int(argument))}))
+
+
+def _parse_soap(name: str, argument: str | None) -> StrategySpec:
+    if not argument:
+        raise ConfigError(
+            f"strategy {name!r}: soap needs the per-layer configuration's file, e.g. 'soap:best.json' (what "
+            "`paratrain plan --search soap` writes)"
+        )
+    return StrategySpec(kind="soap", options=MappingProxyType({"file": argument}))
+
+
 _WORKER = "paratrain.train.worker"
 
 #: What one step of each kind computes, with w the parameters, g_i worker i's gradient of this step, N the
@@ -108,6 +127,12 @@ _PIPELINE = (
 _POSEIDON = (
     "as bsp (or allreduce) on the mean gradient, each layer sent by the cheaper of its sufficient factors "
     "(u_i v_i^T rebuilt by every worker, then summed) or the dense parameter servers; the same w as bsp"
+)
+_TENSOR = (
+    "as allreduce on the mean gradient of the global batch (the data groups' batches), with each split layer "
+    "held in parts over its tensor group: a column part computes its output features, a row part its input "
+    "features' partial sums (reduced before the next non-linear step); the activations' moves between layers "
+    "make every step compute what the unsplit layer computes, so w is allreduce's up to the order of float sums"
 )
 _SFB = (
     "as allreduce on the mean gradient; each Linear layer's gradient sent as its sufficient factors and rebuilt "
@@ -139,6 +164,8 @@ def _unit(  # noqa: PLR0917 (a row of the table below)
 _HOMES = ("paratrain.torch.builders", "paratrain.sim.compose")
 _PS = ("parameter_server", "PARAMETER_SERVER")
 _SERVERS = {"recovery": frozenset({"replicas"}), "compressible": True}
+_TP = ("paratrain.torch.soap:parallelize", "TENSOR")
+_SPLIT = {"worker": "paratrain.train.tensor_worker"}
 _ALLREDUCE_RECOVERY = frozenset({"restarts", "checkpoint", "elastic", "reliable"})
 
 for _registered in (
@@ -160,6 +187,10 @@ for _registered in (
           _parse_poseidon, _POSEIDON, hybrid_checks, ("hybrid", "HYBRID"), compressible=True),
     _unit("sfb", "sfb", "collective", "every Linear layer by sufficient factors, the rest by allreduce", _parse_sfb,
           _SFB, no_more_checks, ("hybrid", "HYBRID"), compressible=True),
+    _unit("tp", "tp:N", "tensor", "Megatron-style: linear layers split N-ways in column/row pairs, data parallel "
+          "across the rest", _parse_tp, _TENSOR, tensor_checks, _TP, **_SPLIT),
+    _unit("soap", "soap:FILE", "tensor", "each layer split as a configuration file says (paratrain plan --search "
+          "soap writes one)", _parse_soap, _TENSOR, tensor_checks, _TP, **_SPLIT),
 ):  # fmt: skip
     register_kind(_registered)
 

@@ -20,6 +20,7 @@ __all__ = [
     "pipeline_checks",
     "reliable_checks",
     "servers_of",
+    "tensor_checks",
 ]
 
 
@@ -182,4 +183,26 @@ def pipeline_checks(spec: StrategySpec, options: StrategyOptions) -> None:
         raise ConfigError(
             f"{options.flag('no_overlap') if options.front == 'cli' else 'overlap=False'} is for the data-parallel "
             "strategies; a pipeline overlaps by its schedule"
+        )
+
+
+def tensor_checks(spec: StrategySpec, options: StrategyOptions) -> None:
+    """Split layers run on the CPU, exchange activations during forward and backward (no gradient buckets to
+    overlap) and need whole tensor groups of workers."""
+    no_more_checks(spec, options)
+    if options.device == "cuda":
+        raise ConfigError(
+            f"--device cuda is not yet for split layers ({_name(spec)!r}); train on the CPU, or use a data-parallel "
+            "strategy on GPUs"
+        )
+    if not options.overlap:
+        raise ConfigError(
+            f"{options.flag('no_overlap') if options.front == 'cli' else 'overlap=False'} is for the data-parallel "
+            f"strategies; {_name(spec)!r} moves activations between split layers inside forward and backward"
+        )
+    tensor = spec.options.get("tensor")
+    if tensor is not None and options.workers is not None and options.workers % int(tensor):
+        raise ConfigError(
+            f"{_name(spec)!r} splits layers over groups of {tensor} workers; give {options.flag('workers')} a "
+            f"multiple of {tensor} (now {options.workers}; the groups train data parallel)"
         )

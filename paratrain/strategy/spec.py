@@ -40,9 +40,9 @@ __all__ = [
 ]
 
 #: How a strategy keeps workers in step: a collective among replicas, parameter servers, neighbour averaging,
-#: or (for model parallelism) stages that are not replicas at all.
-Family = Literal["collective", "parameter-server", "decentralised", "pipeline"]
-FAMILIES: tuple[Family, ...] = ("collective", "parameter-server", "decentralised", "pipeline")
+#: or (for model parallelism) stages that are not replicas at all, or layers split over workers ("tensor").
+Family = Literal["collective", "parameter-server", "decentralised", "pipeline", "tensor"]
+FAMILIES: tuple[Family, ...] = ("collective", "parameter-server", "decentralised", "pipeline", "tensor")
 
 #: The named gossip graphs (any other argument is a graph file's path); see :mod:`paratrain.gossip.topology`.
 GOSSIP_TOPOLOGIES = ("ring", "torus", "exponential", "complete")
@@ -129,6 +129,11 @@ class StrategySpec:
         return self.family == "pipeline"
 
     @property
+    def splits_layers(self) -> bool:
+        """True for per-operator parallelism (``tp:N``, ``soap:FILE``): single layers split over workers."""
+        return self.family == "tensor"
+
+    @property
     def exchanges_parameters(self) -> bool:
         """True when workers exchange parameters rather than gradients (gossip): their replicas differ."""
         return self.family == "decentralised"
@@ -136,8 +141,9 @@ class StrategySpec:
     def __str__(self) -> str:
         if self.kind == "poseidon" and self.dense == "allreduce":
             return "poseidon:allreduce"
-        if "schedule" in self.options:
-            return f"{self.kind}:{self.options['schedule']}"
+        for argument in ("schedule", "tensor", "file"):
+            if argument in self.options:
+                return f"{self.kind}:{self.options[argument]}"
         if self.staleness is not None:
             return f"{self.kind}:{self.staleness}"
         if self.topology is not None:

@@ -32,9 +32,20 @@ from torch.nn import functional as F  # noqa: N812
 
 from paratrain.runtime.context import Context
 from paratrain.runtime.group import Group
-from paratrain.soap import ChainPlan, LayerShape, Mesh, Move, OpSpec, SoapConfigError, check_splits, plan_chain
+from paratrain.soap import (
+    ChainPlan,
+    LayerShape,
+    Mesh,
+    Move,
+    OpSpec,
+    SoapConfig,
+    SoapConfigError,
+    check_splits,
+    megatron_splits,
+    plan_chain,
+)
 
-__all__ = ["SoapModel", "SplitLayer", "parallelize"]
+__all__ = ["SoapModel", "SplitLayer", "chain_layers", "check_configuration", "parallelize", "splits_of"]
 
 #: Modules that act on each feature (or channel) alone: they may read a shard of the features or channels.
 ELEMENTWISE = (
@@ -191,6 +202,14 @@ class SoapModel(nn.Module):
             _Boundary(f, b, tensor, tensor.rank) for f, b in zip(plan.forward, plan.backward, strict=True)
         ]
 
+    def plan_splits(self) -> dict[str, str]:
+        """The layers split over the tensor group, by name, and how (``column`` or ``row``)."""
+        return {
+            name: step.split
+            for name, step in zip(self.plan.names(), self.steps, strict=True)
+            if isinstance(step, SplitLayer) and step.split != "replicated"
+        }
+
     def rows(self, batch: int) -> slice:
         """The rows of a global batch of ``batch`` examples that this worker's data part computes."""
         if batch % self.mesh.data:
@@ -239,24 +258,36 @@ def _chain(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _checked(
-    modules: Mapping[str, nn.Module],
-    layers: Mapping[str, LayerShape],
-    splits: Mapping[str, str],
-    ctx: Context,
-    mesh: Mesh,
-) -> ChainPlan:
-    """The chain's plan, or :class:`SoapConfigError` saying what in the configuration cannot run."""
-    if mesh.workers != ctx.world_size:
-        raise SoapConfigError(
-            f"a {mesh.tensor} x {mesh.data} grid needs {mesh.workers} workers; the job has {ctx.world_size}"
-        )
+def chain_layers(model: nn.Module) -> list[tuple[str, LayerShape | None]]:
+    """The steps of ``model`` in the order they run (nested ``nn.Sequential``s flattened), each with the shape a
+    split cuts, or None for a step that does not split: what :func:`paratrain.soap.megatron_splits` takes."""
+    return [(name, _splittable(module)) for name, module in _chain(model)]
+
+
+def splits_of(model: nn.Module, config: SoapConfig) -> dict[str, str]:
+    """The splits ``config`` gives ``model``: its own, or Megatron's pairs (``tp:N``)."""
+    if config.splits is not None:
+        return dict(config.splits)
+    return megatron_splits(chain_layers(model), config.tensor)
+
+
+def check_configuration(model: nn.Module, splits: Mapping[str, str], tensor: int) -> ChainPlan:
+    """The chain's plan of ``model`` split as ``splits`` says over ``tensor`` workers, or
+    :class:`SoapConfigError` saying what cannot run (what :func:`parallelize` checks, without workers: for the
+    CLI before anything starts).
+
+    Raises:
+        SoapConfigError: a named layer is missing or does not split, a degree does not divide the dimension it
+            splits, or a module that mixes features would read a split activation.
+    """
+    modules = dict(_chain(model))
+    layers = {n: shape for n, m in modules.items() if (shape := _splittable(m)) is not None}
     for name in splits:
         if name in modules and name not in layers:
             raise SoapConfigError(
                 f"layer {name} is a {type(modules[name]).__name__}; only linear layers and 2-d convolutions split"
             )
-    check_splits(layers, splits, mesh.tensor)
+    check_splits(layers, splits, tensor)
     ops = [OpSpec(n, splits.get(n, "replicated") if n in layers else None) for n in modules]
     plan = plan_chain(ops)
     for op, read in zip(ops, plan.layouts, strict=True):
@@ -308,7 +339,11 @@ def parallelize(model: nn.Sequential, splits: Mapping[str, str], ctx: Context, m
     layers = {n: shape for n, m in modules.items() if (shape := _splittable(m)) is not None}
     plan: ChainPlan | None = None
     try:
-        plan = _checked(modules, layers, splits, ctx, mesh)
+        if mesh.workers != ctx.world_size:
+            raise SoapConfigError(
+                f"a {mesh.tensor} x {mesh.data} grid needs {mesh.workers} workers; the job has {ctx.world_size}"
+            )
+        plan = check_configuration(model, splits, mesh.tensor)
     except SoapConfigError as exc:
         problem = str(exc)
     else:

@@ -49,6 +49,8 @@ def validate(job: TrainJob) -> TrainJob:
         raise ConfigError(f"--strategy {job.strategy!r}: {exc} (the forms: {strategies_help()})") from None
     if spec.pipelined:
         job = _resolve_pipeline(job)
+    elif spec.splits_layers:
+        job = _resolve_tensor(job)
     elif job.workers is None:
         job = job.replace(workers=2)
     assert job.workers is not None
@@ -100,6 +102,43 @@ def options_of(job: TrainJob, compressor: CompressionTraits | None = None) -> St
         device=job.device,
         overlap=not job.no_overlap,
     )
+
+
+def _resolve_tensor(job: TrainJob) -> TrainJob:
+    """Fills in ``--workers`` (one tensor group, or the ``tensor x data`` a configuration file fixes) and checks
+    the per-layer configuration against the model: every layer it names exists and splits, every degree divides
+    what it splits."""
+    from paratrain.soap import SoapConfigError
+    from paratrain.torch.soap import check_configuration, splits_of
+    from paratrain.train.models import build_model
+    from paratrain.train.tensor_worker import configuration
+
+    try:
+        config = configuration(job)
+        if config.model is not None and config.model != job.model:
+            raise SoapConfigError(
+                f"the configuration was made for --model {config.model}, not {job.model}: give --model {config.model}"
+                " or make one for this model (paratrain plan --search soap)"
+            )
+        if job.workers is None:
+            job = job.replace(workers=config.tensor * (config.data or 1))
+        assert job.workers is not None
+        config = config.workers(job.workers)
+        side = {"fashion-mnist": 28, "digits": 8}.get(job.dataset, 16)  # only the layers' widths matter here
+        model = build_model(job.model, side=side, classes=10 if job.model != "transformer" else 96)
+        splits = splits_of(model, config)
+        check_configuration(model, splits, config.tensor)
+    except SoapConfigError as exc:
+        raise ConfigError(f"--strategy {job.strategy}: {exc}") from None
+    if config.tensor > 1 and not any(split != "replicated" for split in splits.values()):
+        raise ConfigError(
+            f"--strategy {job.strategy} splits no layer of --model {job.model}: no linear layer or convolution in "
+            f"its top-level chain has widths that divide by {config.tensor} (the transformer's attention blocks do "
+            "not split yet); use a data-parallel strategy or pipeline, or another degree"
+        )
+    if job.straggler or job.servers:
+        raise ConfigError(f"--straggler and --servers are not for split layers ({job.strategy})")
+    return job
 
 
 def _resolve_pipeline(job: TrainJob) -> TrainJob:

@@ -90,11 +90,14 @@ class TrainJob:
     data_dir: str | None = _option(None, "directory of the Fashion-MNIST IDX files or of the fortunes files")
     strategy: str = _option(
         "allreduce",
-        "allreduce, bsp, ssp:S, asp, gossip:TOPOLOGY or pipeline:gpipe|1f1b|pipedream[-vsync] (default allreduce)",
+        "allreduce, bsp, ssp:S, asp, gossip:TOPOLOGY, pipeline:gpipe|1f1b|pipedream[-vsync], poseidon[:allreduce], "
+        "sfb, tp:N or soap:FILE (default allreduce)",
         commands=_TRAIN,  # compare takes --strategies
     )
     epochs: int = _option(10, "passes over the training set (default 10)")
-    batch_size: int = _option(64, "examples per worker (a pipeline: per pipeline) per step (default 64)")
+    batch_size: int = _option(
+        64, "examples per worker (a pipeline: per pipeline; split layers: per tensor group) per step (default 64)"
+    )
     steps_per_epoch: int = _option(
         0,
         "cut each epoch to its first N steps (a fresh shuffle each epoch), for slow networks and wide models: "
@@ -141,7 +144,9 @@ class TrainJob:
         action="append",
         metavar="LAYER=SCHEME",
     )
-    workers: int | None = _option(None, "worker processes (default 2; for pipelines stages x replicas)")
+    workers: int | None = _option(
+        None, "worker processes (default 2; for pipelines stages x replicas; tp:N: N, or a multiple of it)"
+    )
     servers: int | None = _option(None, "parameter servers for bsp/ssp/asp (default 1)")
     straggler: str | None = _option(None, stragglers.HELP)
     faults: str | None = _option(None, "emulated network and faults, e.g. latency=2ms,bandwidth=100Mbit,drop=0.01")

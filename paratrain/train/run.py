@@ -95,7 +95,8 @@ def run_training(
     job = validate(job)
     spec = parse_strategy(job.strategy)
     servers = servers_of(job.servers, spec)
-    run_dir = Path(job.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{job.strategy.replace(':', '')}")
+    named = job.strategy.replace(":", "").replace("/", "-")  # soap:FILE names a path
+    run_dir = Path(job.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{named}")
     run_dir.mkdir(parents=True, exist_ok=True)
     for old in run_dir.glob("rank*.*"):
         old.unlink()

@@ -59,9 +59,29 @@ def summarise(
         "per_rank": {str(k): v for k, v in sorted(per_rank.items())},
         "run_dir": str(run_dir),
     }
-    if parse_strategy(job.strategy).pipelined:
+    spec = parse_strategy(job.strategy)
+    if spec.pipelined:
         summary["pipeline"] = _pipeline_summary(records, job)
+    if spec.splits_layers:
+        summary["tensor"] = _tensor_summary(records)
     return summary
+
+
+def _tensor_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Split layers: the grid, the splits, and the parameter bytes each worker holds against the unsplit model's
+    (read from the workers' tensors)."""
+    starts = {int(r["rank"]): r for r in records if r.get("kind") == "start"}
+    first = starts.get(0, {})
+    held = {str(rank): int(r["params_bytes"]) for rank, r in sorted(starts.items())}
+    whole = int(first.get("whole_params_bytes", 0))
+    return {
+        "tensor": first.get("tensor"),
+        "data": first.get("data"),
+        "splits": first.get("splits"),
+        "params_bytes_per_rank": held,
+        "whole_params_bytes": whole,
+        "params_share": max(held.values()) / whole if held and whole else None,
+    }
 
 
 def _pipeline_summary(records: list[dict[str, Any]], job: TrainJob) -> dict[str, Any]:
@@ -128,6 +148,16 @@ def print_summary(summary: dict[str, Any]) -> None:
             )
         print(f"  run directory: {summary['run_dir']} (metrics.jsonl, timeline.json, loss.png, accuracy.png)")
         return
+    split = summary.get("tensor")
+    if split is not None:
+        layers = ", ".join(f"{name}={how}" for name, how in (split["splits"] or {}).items()) or "none"
+        held = max(split["params_bytes_per_rank"].values(), default=0)
+        share = split["params_share"]
+        print(
+            f"  split layers: {split['tensor']}-way tensor x {split['data']} data group"
+            f"{'s' if split['data'] != 1 else ''} ({layers}); parameters per worker {held / 1e6:.2f} MB of the "
+            f"model's {split['whole_params_bytes'] / 1e6:.2f} MB ({'-' if share is None else f'{share:.0%}'})"
+        )
     for rank, entry in summary["per_rank"].items():
         total = entry["compute_s"] + entry["wait_s"]
         share = entry["wait_s"] / total if total else 0.0

@@ -29,7 +29,9 @@ from paratrain.strategy import (
 )
 
 
-@pytest.mark.parametrize("kind", ["allreduce", "bsp", "ssp", "asp", "gossip", "pipeline", "poseidon", "sfb"])
+@pytest.mark.parametrize(
+    "kind", ["allreduce", "bsp", "ssp", "asp", "gossip", "pipeline", "poseidon", "sfb", "tp", "soap"]
+)
 def test_every_built_in_kind_has_all_its_parts_and_they_resolve(kind: str) -> None:
     unit = kinds()[kind]
     assert unit.update_rule.strip() and callable(unit.checks)

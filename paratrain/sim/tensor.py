@@ -1,0 +1,241 @@
+"""One training step of split layers (``tp:N``, ``soap:FILE``) as a plan of the runtime's own collectives, for the
+simulator to replay.
+
+The chain's moves come from the plan the torch front end executes (:func:`paratrain.soap.plan_chain`), each
+lowered to the collective the runtime runs over the tensor group (an allreduce by the job's policy, a ring
+allgather or reduce-scatter), its peers renumbered to the group's ranks; a split layer computes ``1/tensor`` of
+its profiled time; after backward one allreduce of every gradient a worker holds runs over its data group, then
+the optimizer over its share of the parameters (:meth:`paratrain.torch.soap.SoapModel.average_gradients`).
+
+The profile names only layers with parameters (and their places in the model's flat list of modules): the
+modules between two of them are element-wise steps, as the bundled chains have (ReLU, pooling, Flatten). An
+activation's size at a boundary is what the next linear layer reads (``batch x in_features``) or, before any
+other step, what the last profiled layer wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from paratrain.collectives.lower import PlanParts, allgather_parts, allreduce_parts, reduce_scatter_parts
+from paratrain.collectives.plans import chunk_bounds
+from paratrain.collectives.shm import plan_args as shm_plan_args
+from paratrain.errors import ConfigError
+from paratrain.plan.ir import Action, Plan
+from paratrain.sim.machine import LayerCost, ModelProfile
+from paratrain.sim.step import TAG_STRIDE
+from paratrain.soap import ChainPlan, LayerShape, Mesh, Move, OpSpec, SoapConfig, megatron_splits, plan_chain
+
+__all__ = ["TensorJob", "profile_splits", "tensor_step"]
+
+
+def profile_splits(model: ModelProfile, config: SoapConfig) -> dict[str, str]:
+    """The splits ``config`` gives the profiled ``model``: its own, or Megatron's pairs over the profiled linear
+    layers and convolutions (the rule the runtime applies to the model itself, :func:`megatron_splits`)."""
+    if config.splits is not None:
+        return dict(config.splits)
+    at = {layer.module: layer for layer in model.layers}
+    chain = []
+    for i in range(model.modules):
+        layer = at.get(i)
+        shape = None
+        if layer is not None and layer.out_features:
+            shape = LayerShape(layer.in_features, layer.out_features)
+        elif layer is not None and layer.channels[1]:
+            shape = LayerShape(*layer.channels)
+        chain.append((layer.name if layer is not None else f"#{i}", shape))
+    return megatron_splits(chain, config.tensor)
+
+
+@dataclass(frozen=True)
+class TensorJob:
+    """A job of split layers, as far as one step's timing depends on it.
+
+    Attributes:
+        model: the profiled model at ``batch_size`` examples (per tensor group) and the job's processes at once.
+        mesh: the workers' ``tensor x data`` grid.
+        splits: layer name -> ``column``, ``row`` or ``replicated`` (unnamed layers stay whole).
+        batch_size: examples per tensor group and step.
+        choose: the allreduce policy, ``(nbytes, world_size) -> algorithm``.
+        itemsize: bytes per activation and gradient element.
+    """
+
+    model: ModelProfile
+    mesh: Mesh
+    splits: Mapping[str, str]
+    batch_size: int
+    choose: Callable[[int, int], str] = dataclasses.field(default=lambda nbytes, n: "ring")
+    itemsize: int = 4
+
+    def __post_init__(self) -> None:
+        names = {layer.name for layer in self.model.layers}
+        missing = sorted(set(self.splits) - names)
+        if missing:
+            raise ConfigError(f"the profile of {self.model.model!r} has no layer {', '.join(missing)} to split")
+        if self.model.modules <= 0 or any(layer.module < 0 for layer in self.model.layers):
+            raise ConfigError(
+                f"the profile of {self.model.model!r} does not place its layers in the model's modules; profile it "
+                "again with this version (paratrain profile)"
+            )
+
+    def chain(self) -> tuple[list[LayerCost | None], ChainPlan]:
+        """The model's flat modules (a profiled layer, or None for an element-wise step) and their moves."""
+        at = {layer.module: layer for layer in self.model.layers}
+        steps = [at.get(i) for i in range(self.model.modules)]
+        ops = [
+            OpSpec(step.name, self.splits.get(step.name, "replicated")) if step is not None else OpSpec(f"#{i}", None)
+            for i, step in enumerate(steps)
+        ]
+        return steps, plan_chain(ops)
+
+    def boundary_items(self, steps: Sequence[LayerCost | None]) -> list[int]:
+        """Elements of the activation at each boundary (before step i; the last: the output), per tensor group."""
+        items, written = [], self.model.input_bytes // self.itemsize
+        for step in [*steps, None]:
+            if step is not None and step.in_features:
+                items.append(self.batch_size * step.in_features)
+            else:
+                items.append(written)
+            if step is not None:
+                written = step.output_bytes // self.itemsize
+        return items
+
+    def events(self, part: int) -> list[Event]:
+        """What tensor part ``part`` does in one step, in order: the one schedule that :func:`tensor_step` lowers
+        and the alpha-beta estimate sums."""
+        model, tensor = self.model, self.mesh.tensor
+        steps, plan = self.chain()
+        items = self.boundary_items(steps)
+
+        def share(step: LayerCost) -> float:
+            return 1 / tensor if self.splits.get(step.name, "replicated") != "replicated" else 1.0
+
+        out = [Event("overhead", seconds=model.overhead_s)] if model.overhead_s else []
+
+        def moved(label: str, move: Move, size: int) -> None:
+            if move not in (Move.NONE, Move.SLICE):  # a slice is local
+                out.append(Event(label, move=move, items=size))
+
+        for i, step in enumerate(steps):
+            moved(f"move {i}", plan.forward[i], items[i])
+            if step is not None:
+                out.append(Event(f"F {step.name}", seconds=step.forward_s * share(step)))
+        moved("move output", plan.forward[-1], items[-1])
+        moved("move output gradient", plan.backward[-1], items[-1])
+        for i in reversed(range(len(steps))):
+            step = steps[i]
+            if step is not None:
+                out.append(Event(f"B {step.name}", seconds=step.backward_s * share(step)))
+            moved(f"move gradient {i}", plan.backward[i], items[i])
+        out.append(Event("average gradients", move=Move.ALLREDUCE, items=self.held_items(part), data_group=True))
+        out.append(Event("optimizer", seconds=model.optimizer_s * self.held_share()))
+        return out
+
+    def compute_s(self) -> float:
+        """Seconds of one step's computation on tensor part 0."""
+        return sum(e.seconds for e in self.events(0))
+
+    def moves(self) -> list[tuple[Move, int]]:
+        """The tensor group's collectives of one step: (move, elements of the activation)."""
+        return [(e.move, e.items) for e in self.events(0) if e.move is not Move.NONE and not e.data_group]
+
+    def held_items(self, part: int) -> int:
+        """Gradient elements tensor part ``part`` holds (a row split's bias on part 0 only)."""
+        total = 0
+        for layer in self.model.layers:
+            split, sizes = self.splits.get(layer.name, "replicated"), [b // self.itemsize for b in layer.param_bytes]
+            if split == "column":
+                total += sum(size // self.mesh.tensor for size in sizes)
+            elif split == "row":
+                total += sizes[0] // self.mesh.tensor + (sum(sizes[1:]) if part == 0 else 0)
+            else:
+                total += sum(sizes)
+        return total
+
+    def held_share(self) -> float:
+        """The share of the parameters part 0 holds (what the optimizer steps)."""
+        whole = sum(sum(layer.param_bytes) for layer in self.model.layers) // self.itemsize
+        return self.held_items(0) / whole if whole else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One thing a worker does in a step: compute for ``seconds``, or ``move`` an activation (or its gradient)
+    of ``items`` elements over its tensor group (over its data group: ``data_group``)."""
+
+    label: str
+    seconds: float = 0.0
+    move: Move = Move.NONE
+    items: int = 0
+    data_group: bool = False
+
+
+def _call(move: Move, n: int, items: int, itemsize: int, choose: Callable[[int, int], str]) -> PlanParts | None:
+    """The runtime's collective for ``move`` of an activation of ``items`` elements over ``n`` workers."""
+    if move in (Move.NONE, Move.SLICE) or n == 1:
+        return None
+    bounds = tuple(chunk_bounds(items, n))
+    if move is Move.ALLGATHER:
+        return allgather_parts(n, bounds, itemsize)
+    if move is Move.REDUCE_SCATTER:
+        return reduce_scatter_parts(n, bounds, itemsize)
+    algorithm = choose(items * itemsize, n)
+    return allreduce_parts(
+        algorithm, n, items, itemsize, aliased=True, shm=shm_plan_args(n, itemsize) if algorithm == "shm" else None
+    )
+
+
+class _Lane:
+    """One rank's actions being composed: a call's actions appended in order after the rank's last one, their
+    peers renumbered from the group's to the job's ranks and their tags offset."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+
+    def compute(self, seconds: float, label: str) -> None:
+        self.actions.append(Action("compute", seconds=seconds, label=label, deps=self._last()))
+
+    def call(self, part: Sequence[Action], members: Sequence[int], tag: int) -> None:
+        base, after = len(self.actions), self._last()
+        for j, a in enumerate(part):
+            deps = tuple(base + d for d in a.deps) + (after if j == 0 else ())
+            peer = members[a.peer] if a.peer >= 0 else a.peer
+            self.actions.append(dataclasses.replace(a, deps=tuple(sorted(set(deps))), peer=peer, tag=a.tag + tag))
+        if part:  # the rank goes on when the whole call is done
+            self.actions.append(Action("compute", label="collective done", deps=tuple(range(base, len(self.actions)))))
+
+    def _last(self) -> tuple[int, ...]:
+        return (len(self.actions) - 1,) if self.actions else ()
+
+
+def tensor_step(job: TensorJob) -> Plan:
+    """Every worker's actions in one step of ``job`` (see the module docstring).
+
+    Example:
+        >>> from paratrain.sim.machine import LayerCost, ModelProfile
+        >>> fc = lambda name, i, n, o, at: LayerCost(name, 0.002, 0.004, (f"{name}.weight",), (4 * n * o,),
+        ...                                          output_bytes=4 * 8 * o, out_features=o, in_features=n, module=at)
+        >>> model = ModelProfile("m", 8, (fc("0", 0, 16, 32, 0), fc("2", 0, 32, 4, 2)), modules=3, input_bytes=512)
+        >>> plan = tensor_step(TensorJob(model, Mesh(2), {"0": "column", "2": "row"}, batch_size=8))
+        >>> [a.label for a in plan.ranks[0] if a.kind == "compute" and a.label != "collective done"]
+        ['F 0', 'F 2', 'B 2', 'B 0', 'optimizer']
+        >>> sum(m.nbytes for m in plan.sends(0)) >= 4 * 8 * 4 // 2  # the row layer's partial sums, allreduced
+        True
+    """
+    mesh, ranks = job.mesh, []
+    for worker in range(mesh.workers):
+        part, _ = mesh.coordinates(worker)
+        lane, calls = _Lane(), 0
+        for event in job.events(part):
+            if event.move is Move.NONE:
+                lane.compute(event.seconds, event.label)
+                continue
+            members = mesh.data_group(worker) if event.data_group else mesh.tensor_group(worker)
+            call = _call(event.move, len(members), event.items, job.itemsize, job.choose)
+            if call is not None:
+                lane.call(call.rank(members.index(worker)), members, calls * TAG_STRIDE)
+                calls += 1
+        ranks.append(tuple(lane.actions))
+    return Plan(f"step/tensor{mesh.tensor}x{mesh.data}", tuple(ranks))
