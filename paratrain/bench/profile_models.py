@@ -161,6 +161,7 @@ def _profile_here(
     steps: int,
     warmup: int,
     barrier: Callable[[], None] | None = None,
+    splits: bool = False,
 ) -> dict[str, Any]:
     """Times ``steps`` training steps after ``warmup`` in this process (threads as they are); medians, as JSON."""
     import torch
@@ -206,6 +207,9 @@ def _profile_here(
                     layer_times[name].append(times[name])
     finally:
         clock.remove()
+    from paratrain.bench.profile_splits import split_ratios
+
+    ratios = split_ratios(model, x, repeats=max(steps, 10)) if splits else {}
     layers = [
         {
             "name": name,
@@ -218,6 +222,7 @@ def _profile_here(
             "in_features": linear[name].in_features if name in linear else 0,
             "module": module_of[name],
             "channels": _channels(model.get_submodule(name)) if name != "(root)" else (0, 0),
+            "split_ratios": ratios.get(name, {}),
         }
         for name in names
     ]
@@ -247,11 +252,22 @@ def _combine(model: str, batch_size: int, runs: Sequence[Mapping[str, Any]]) -> 
     def median(values: Sequence[float]) -> float:
         return float(statistics.median(values))
 
+    from paratrain.bench.profile_splits import combined_split_s
+
+    def timed(i: int, first: Mapping[str, Any]) -> dict[str, Any]:
+        forward_s = median([run["layers"][i]["forward_s"] for run in runs])
+        backward_s = median([run["layers"][i]["backward_s"] for run in runs])
+        ratios = [run["layers"][i].get("split_ratios", {}) for run in runs]
+        return {
+            "forward_s": forward_s,
+            "backward_s": backward_s,
+            "split_s": combined_split_s(forward_s, backward_s, ratios),
+        }
+
     layers = tuple(
         LayerCost(
             name=first["name"],
-            forward_s=median([run["layers"][i]["forward_s"] for run in runs]),
-            backward_s=median([run["layers"][i]["backward_s"] for run in runs]),
+            **timed(i, first),
             params=tuple(first["params"]),
             param_bytes=tuple(int(b) for b in first["param_bytes"]),
             output_bytes=int(first["output_bytes"]),
@@ -277,6 +293,7 @@ def _combine(model: str, batch_size: int, runs: Sequence[Mapping[str, Any]]) -> 
         straggle_s=max(0.0, straggle_s),
         modules=int(runs[0].get("modules", 0)),
         input_bytes=int(runs[0].get("input_bytes", 0)),
+        call_s=median([float(run["call_s"]) for run in runs]) if all("call_s" in run for run in runs) else 0.0,
     )
 
 
@@ -348,6 +365,9 @@ def profile_model(
         argv += ["--data-dir", data_dir] if data_dir else []
         run_job(argv, nproc=concurrency, faults=None, timeout=timeout, what=what)
         runs = [read_json(pathlib.Path(tmp) / f"model-rank{r}.json", what) for r in range(concurrency)]
+    for run in runs:  # the split layers' ratios as timed alone (the processes end their steps at different times)
+        for layer, timed_alone in zip(run["layers"], alone["layers"], strict=True):
+            layer["split_ratios"] = timed_alone["split_ratios"]
     return dataclasses.replace(_combine(model_name, batch_size, runs), alone_s=float(alone["step_s"]))
 
 
@@ -366,7 +386,9 @@ def _profile_alone(
     torch.set_num_threads(max(1, int(env["OMP_NUM_THREADS"])))
     try:
         warmup, timed = steps
-        return _profile_here(model_name, batch_size, dataset=dataset, data_dir=data_dir, steps=timed, warmup=warmup)
+        return _profile_here(
+            model_name, batch_size, dataset=dataset, data_dir=data_dir, steps=timed, warmup=warmup, splits=True
+        )
     finally:
         torch.set_num_threads(before)
 
@@ -393,6 +415,9 @@ def model_main(args: argparse.Namespace) -> None:
             warmup=args.warmup,
             barrier=ctx.barrier,
         )
+        from paratrain.bench.profile_splits import call_seconds
+
+        run["call_s"] = call_seconds(ctx, repeats=max(args.steps, 10) * 5)
         write_json(pathlib.Path(args.out) / f"model-rank{ctx.rank}.json", run)
     finally:
         ctx.shutdown()

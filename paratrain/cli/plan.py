@@ -16,7 +16,8 @@ from paratrain.strategy import parse_strategy
 #: What ``--strategies`` searches by default: :data:`paratrain.sim.search.SEARCHED` (a test keeps them equal;
 #: written out so that ``paratrain --help`` does not import the simulator).
 DEFAULT_STRATEGIES = (
-    "allreduce,bsp,ssp:2,asp,sfb,poseidon:allreduce,gossip:ring,gossip:exponential,pipeline:gpipe,pipeline:1f1b"
+    "allreduce,bsp,ssp:2,asp,sfb,poseidon:allreduce,gossip:ring,gossip:exponential,pipeline:gpipe,pipeline:1f1b,"
+    "tp:2,tp:4"
 )
 
 __all__ = ["add_parser"]
@@ -30,8 +31,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description=(
             "Search strategies (allreduce with or without fp16 compression, the BSP, SSP or ASP parameter server with "
             "1-4 servers, SFB, the Poseidon hybrid, gossip on the ring or exponential graph, GPipe and 1F1B "
-            "pipelines of one stage per worker), bucket sizes and "
-            "overlap for a data-parallel job, predicting "
+            "pipelines of one stage per worker, linear layers split 2- or 4-ways in Megatron's pairs), bucket sizes "
+            "and overlap for a data-parallel job, predicting "
             "each with the simulator from a machine profile (paratrain profile), and print them ranked with the "
             "reason for the pick; the 'update' column marks those whose step is not synchronous SGD's (--exact "
             "leaves them out). --run trains the top candidates and the default allreduce for a few steps to confirm."

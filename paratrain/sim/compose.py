@@ -23,7 +23,7 @@ from paratrain.sim.predict import (
 )
 from paratrain.sim.replay import Cores, Network, Replay, replay
 from paratrain.sim.step import STRATEGIES, StepJob, gossip_steps, repeat_steps, stale_bound, step_plan, symmetric_step
-from paratrain.sim.tensor import TensorJob, profile_splits, tensor_step
+from paratrain.sim.tensor import TensorJob, profile_splits, scaled, tensor_step
 from paratrain.soap import Move
 
 __all__ = ["ALLREDUCE", "GOSSIP", "HYBRID", "PARAMETER_SERVER", "PIPELINE", "TENSOR"]
@@ -307,6 +307,7 @@ class _Tensor:
         from paratrain.soap import Mesh, SoapConfig
 
         config = SoapConfig.named(request.spec.options).workers(request.workers)
+        model = scaled(model, request.batch_size)  # a tensor group's examples (the planner gives it T x a worker's)
         splits = profile_splits(model, config)
         return TensorJob(model, Mesh.for_workers(request.workers, config.tensor), splits, request.batch_size, choose)
 
@@ -315,7 +316,7 @@ class _Tensor:
         job = self._job(request, setting.model, setting.recorded)
         cores = shared_cores(setting.model, world_size=request.workers, hosts=request.hosts)
         out = _replay(request, setting.network, tensor_step(job), cores=cores)
-        step_job = StepJob(setting.model, workers=request.workers, strategy=str(request.spec))
+        step_job = StepJob(job.model, workers=request.workers, strategy=str(request.spec))
         compute = job.compute_s()
         settings = {"splits": ",".join(f"{n}={s}" for n, s in job.splits.items() if s != "replicated") or "none"}
         return Prediction(

@@ -93,6 +93,8 @@ class LayerCost:
             stage boundaries.
         channels: (in, out) channels of a 2-d convolution, (0, 0) for any other kind: what a split of it cuts
             (:mod:`paratrain.sim.tensor`).
+        split_s: (forward, backward) seconds of a worker's part of the layer split ``"column/2"``, ``"row/4"``...
+            (:mod:`paratrain.bench.profile_splits`); a split not measured is costed at 1/N of the layer.
     """
 
     name: str
@@ -105,6 +107,7 @@ class LayerCost:
     in_features: int = 0
     module: int = -1
     channels: tuple[int, int] = (0, 0)
+    split_s: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.params) != len(self.param_bytes):
@@ -133,6 +136,9 @@ class ModelProfile:
             says how the processes share the cores (:meth:`cores`).
         input_bytes: bytes of one batch's input, 0 where not recorded: what a pipeline's first stage sends on
             when its modules keep the size (a Flatten).
+        call_s: seconds of one collective call on a torch tensor through the public API among ``concurrency``
+            processes, a one-element allreduce (its checks and agreement; what split layers pay per move), 0
+            where not measured.
     """
 
     model: str
@@ -145,6 +151,7 @@ class ModelProfile:
     modules: int = 0
     alone_s: float = 0.0
     input_bytes: int = 0
+    call_s: float = 0.0
 
     @property
     def param_bytes(self) -> int:
@@ -329,6 +336,7 @@ class MachineProfile:
                         in_features=layer.get("in_features", 0),
                         module=layer.get("module", -1),
                         channels=tuple(layer.get("channels", (0, 0))),
+                        split_s={k: (float(f), float(b)) for k, (f, b) in layer.get("split_s", {}).items()},
                     )
                     for layer in v["layers"]
                 )
@@ -343,6 +351,7 @@ class MachineProfile:
                     modules=v.get("modules", 0),
                     alone_s=v.get("alone_s", 0.0),
                     input_bytes=v.get("input_bytes", 0),
+                    call_s=v.get("call_s", 0.0),
                 )
             return MachineProfile(
                 name=data["name"],

@@ -27,6 +27,8 @@ from typing import Any
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.machine import MachineProfile, ModelProfile
 from paratrain.sim.predict import Prediction, predict
+from paratrain.sim.tensor import profile_splits
+from paratrain.soap import SoapConfig
 from paratrain.strategy import StrategySpec, parse_strategy
 
 __all__ = ["BUCKET_SIZES", "COMPRESSIONS", "SEARCHED", "Candidate", "Scored", "candidates", "reason", "search"]
@@ -46,6 +48,8 @@ SEARCHED = (
     "gossip:exponential",
     "pipeline:gpipe",
     "pipeline:1f1b",
+    "tp:2",
+    "tp:4",
 )
 #: Compressions the planner tries with allreduce ("" is none).
 COMPRESSIONS = ("", "fp16")
@@ -67,7 +71,8 @@ class Candidate:
         compression: ``--compression`` (allreduce), "" for none.
         microbatches: a pipeline's ``--microbatches`` (one stage per worker).
         batch_size: a pipeline's examples per step (``--batch-size``: the data-parallel candidates' examples
-            per step, workers x their batch, so that every candidate trains on as many examples per step).
+            per step, workers x their batch, so that every candidate trains on as many examples per step); split
+            layers' examples per tensor group (N x a data-parallel worker's batch, for ``tp:N``).
     """
 
     strategy: str = "allreduce"
@@ -95,6 +100,8 @@ class Candidate:
             return self.strategy
         if self.spec.pipelined:
             return f"{self.strategy}, {self.microbatches} micro-batches of {self.batch_size // self.microbatches}"
+        if self.spec.splits_layers:
+            return f"{self.strategy}, {self.batch_size} examples per tensor group"
         servers = f" x{self.servers}" if self.uses_servers else ""
         compression = f"+{self.compression}" if self.compression else ""
         overlap = "" if self.overlap else ", no overlap"
@@ -118,6 +125,8 @@ class Candidate:
             return {"strategy": self.strategy}
         if self.spec.pipelined:
             return {"strategy": self.strategy, "microbatches": self.microbatches, "batch_size": self.batch_size}
+        if self.spec.splits_layers:
+            return {"strategy": self.strategy, "batch_size": self.batch_size}
         settings: dict[str, Any] = {"strategy": self.strategy, "bucket_bytes": self.bucket_bytes}
         if self.uses_servers:
             settings["servers"] = self.servers
@@ -181,7 +190,8 @@ def candidates(
     """Every point of the space (see the module docstring); SFB strategies only for a model with
     fully-connected layers, compression only with allreduce, pipelines (one stage per worker, ``workers`` and
     2 x ``workers`` micro-batches, ``workers x batch_size`` examples per step) only when ``workers`` >= 2 and the
-    profile knows the model's modules."""
+    profile knows the model's modules; ``tp:N`` when N divides ``workers``, the profile knows the modules and
+    Megatron's pairs split some layer of the model."""
     linear = any(layer.out_features for layer in model.layers)
     cuttable = model.modules >= workers >= 2 and all(layer.module >= 0 for layer in model.layers)
     out = []
@@ -191,6 +201,12 @@ def candidates(
             continue
         if spec.exchanges_parameters:  # no buckets on the wire (the whole model, as the step ends)
             out.append(Candidate(strategy))
+            continue
+        if spec.splits_layers:
+            tensor = int(spec.options.get("tensor", "0"))
+            placed = model.modules > 0 and all(layer.module >= 0 for layer in model.layers)
+            if tensor >= 2 and workers % tensor == 0 and placed and profile_splits(model, SoapConfig(tensor)):
+                out.append(Candidate(strategy, batch_size=tensor * batch_size))
             continue
         if spec.pipelined:
             if cuttable:

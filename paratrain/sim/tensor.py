@@ -3,9 +3,13 @@ simulator to replay.
 
 The chain's moves come from the plan the torch front end executes (:func:`paratrain.soap.plan_chain`), each
 lowered to the collective the runtime runs over the tensor group (an allreduce by the job's policy, a ring
-allgather or reduce-scatter), its peers renumbered to the group's ranks; a split layer computes ``1/tensor`` of
-its profiled time; after backward one allreduce of every gradient a worker holds runs over its data group, then
-the optimizer over its share of the parameters (:meth:`paratrain.torch.soap.SoapModel.average_gradients`).
+allgather or reduce-scatter), its peers renumbered to the group's ranks; a split layer computes its part's
+profiled time (:attr:`~paratrain.sim.machine.LayerCost.split_s`; 1/tensor of the layer where not measured); after
+backward one allreduce of every gradient a worker holds runs over its data group, then the optimizer over its
+share of the parameters (:meth:`paratrain.torch.soap.SoapModel.average_gradients`). Each call first costs the
+profile's measured call (:attr:`~paratrain.sim.machine.ModelProfile.call_s`: checks, agreement and the API's
+handling of a torch tensor, which split layers pay per move) and then its messages; without a measured call, the
+agreement's messages are replayed instead.
 
 The profile names only layers with parameters (and their places in the model's flat list of modules): the
 modules between two of them are element-wise steps, as the bundled chains have (ReLU, pooling, Flatten). An
@@ -28,7 +32,40 @@ from paratrain.sim.machine import LayerCost, ModelProfile
 from paratrain.sim.step import TAG_STRIDE
 from paratrain.soap import ChainPlan, LayerShape, Mesh, Move, OpSpec, SoapConfig, megatron_splits, plan_chain
 
-__all__ = ["TensorJob", "profile_splits", "tensor_step"]
+__all__ = ["TensorJob", "profile_splits", "scaled", "tensor_step"]
+
+
+def scaled(model: ModelProfile, batch_size: int) -> ModelProfile:
+    """``model`` at another batch size: every layer's times (whole and split) and activation bytes, the input and
+    the overhead in proportion to the examples; the optimizer's time unchanged (it steps the same parameters).
+    What the planner uses when a tensor group trains on ``tensor`` times a data-parallel worker's examples.
+
+    Example:
+        >>> m = ModelProfile("m", 64, (LayerCost("0", 0.01, 0.02, output_bytes=256),), optimizer_s=0.005)
+        >>> s = scaled(m, 128)
+        >>> s.layers[0].forward_s, s.layers[0].output_bytes, s.optimizer_s, s.batch_size
+        (0.02, 512, 0.005, 128)
+    """
+    if batch_size == model.batch_size:
+        return model
+    k = batch_size / model.batch_size
+    layers = tuple(
+        dataclasses.replace(
+            layer,
+            forward_s=layer.forward_s * k,
+            backward_s=layer.backward_s * k,
+            output_bytes=round(layer.output_bytes * k),
+            split_s={key: (f * k, b * k) for key, (f, b) in layer.split_s.items()},
+        )
+        for layer in model.layers
+    )
+    return dataclasses.replace(
+        model,
+        batch_size=batch_size,
+        layers=layers,
+        overhead_s=model.overhead_s * k,
+        input_bytes=round(model.input_bytes * k),
+    )
 
 
 def profile_splits(model: ModelProfile, config: SoapConfig) -> dict[str, str]:
@@ -109,8 +146,13 @@ class TensorJob:
         steps, plan = self.chain()
         items = self.boundary_items(steps)
 
-        def share(step: LayerCost) -> float:
-            return 1 / tensor if self.splits.get(step.name, "replicated") != "replicated" else 1.0
+        def timed(step: LayerCost, backward: bool) -> float:
+            whole = step.backward_s if backward else step.forward_s
+            split = self.splits.get(step.name, "replicated")
+            if split == "replicated" or tensor == 1:
+                return whole
+            measured = step.split_s.get(f"{split}/{tensor}")
+            return measured[backward] if measured is not None else whole / tensor
 
         out = [Event("overhead", seconds=model.overhead_s)] if model.overhead_s else []
 
@@ -121,13 +163,13 @@ class TensorJob:
         for i, step in enumerate(steps):
             moved(f"move {i}", plan.forward[i], items[i])
             if step is not None:
-                out.append(Event(f"F {step.name}", seconds=step.forward_s * share(step)))
+                out.append(Event(f"F {step.name}", seconds=timed(step, backward=False)))
         moved("move output", plan.forward[-1], items[-1])
         moved("move output gradient", plan.backward[-1], items[-1])
         for i in reversed(range(len(steps))):
             step = steps[i]
             if step is not None:
-                out.append(Event(f"B {step.name}", seconds=step.backward_s * share(step)))
+                out.append(Event(f"B {step.name}", seconds=timed(step, backward=True)))
             moved(f"move gradient {i}", plan.backward[i], items[i])
         out.append(Event("average gradients", move=Move.ALLREDUCE, items=self.held_items(part), data_group=True))
         out.append(Event("optimizer", seconds=model.optimizer_s * self.held_share()))
@@ -172,19 +214,21 @@ class Event:
     data_group: bool = False
 
 
-def _call(move: Move, n: int, items: int, itemsize: int, choose: Callable[[int, int], str]) -> PlanParts | None:
-    """The runtime's collective for ``move`` of an activation of ``items`` elements over ``n`` workers."""
+def _call(
+    move: Move, n: int, items: int, itemsize: int, choose: Callable[[int, int], str], *, agreement: bool
+) -> PlanParts | None:
+    """The runtime's collective for ``move`` of an activation of ``items`` elements over ``n`` workers (its
+    agreement's messages too, unless the profile's measured call cost stands for them)."""
     if move in (Move.NONE, Move.SLICE) or n == 1:
         return None
     bounds = tuple(chunk_bounds(items, n))
     if move is Move.ALLGATHER:
-        return allgather_parts(n, bounds, itemsize)
+        return allgather_parts(n, bounds, itemsize, agreement=agreement)
     if move is Move.REDUCE_SCATTER:
-        return reduce_scatter_parts(n, bounds, itemsize)
+        return reduce_scatter_parts(n, bounds, itemsize, agreement=agreement)
     algorithm = choose(items * itemsize, n)
-    return allreduce_parts(
-        algorithm, n, items, itemsize, aliased=True, shm=shm_plan_args(n, itemsize) if algorithm == "shm" else None
-    )
+    shm = shm_plan_args(n, itemsize) if algorithm == "shm" else None
+    return allreduce_parts(algorithm, n, items, itemsize, aliased=True, shm=shm, agreement=agreement)
 
 
 class _Lane:
@@ -233,8 +277,11 @@ def tensor_step(job: TensorJob) -> Plan:
                 lane.compute(event.seconds, event.label)
                 continue
             members = mesh.data_group(worker) if event.data_group else mesh.tensor_group(worker)
-            call = _call(event.move, len(members), event.items, job.itemsize, job.choose)
+            measured = job.model.call_s
+            call = _call(event.move, len(members), event.items, job.itemsize, job.choose, agreement=not measured)
             if call is not None:
+                if measured:
+                    lane.compute(measured, f"{event.label}: the call")
                 lane.call(call.rank(members.index(worker)), members, calls * TAG_STRIDE)
                 calls += 1
         ranks.append(tuple(lane.actions))

@@ -1,0 +1,115 @@
+"""The simulator's step of split layers (tp:N, soap:FILE): the plan the runtime executes (the same moves, the
+same Megatron pairs as the runtime applies to the model), lowered to collectives over the right groups; measured
+part times and call costs used where the profile has them; the planner offers tp:N beside whole-model strategies."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+
+from paratrain.sim.machine import LayerCost, LinkCost, MachineProfile, ModelProfile
+from paratrain.sim.predict import alpha_beta_step, predict
+from paratrain.sim.search import candidates, search
+from paratrain.sim.tensor import TensorJob, profile_splits, tensor_step
+from paratrain.soap import Mesh, SoapConfig, plan_chain
+
+
+def _fc(name: str, at: int, n: int, m: int, *, split_s: dict[str, tuple[float, float]] | None = None) -> LayerCost:
+    return LayerCost(name, 0.002 * m / 512, 0.004 * m / 512, (f"{name}.weight", f"{name}.bias"), (4 * n * m, 4 * m),
+                     4 * 64 * m, m, n, at, split_s=split_s or {})  # fmt: skip
+
+
+def _mlp(**extra: object) -> ModelProfile:
+    """The digits mlp as ``paratrain profile`` records it: Flatten, 1, ReLU, 3, ReLU, 5."""
+    layers = (_fc("1", 1, 64, 512), _fc("3", 3, 512, 512), _fc("5", 5, 512, 10))
+    return ModelProfile("mlp", 64, layers, optimizer_s=0.001, concurrency=4, modules=6, input_bytes=4 * 64 * 64,
+                        **extra)  # type: ignore[arg-type]  # fmt: skip
+
+
+def _machine(model: ModelProfile) -> MachineProfile:
+    paths = {"ipc": LinkCost(300e-6, 0.3e-9), "shm": LinkCost(10e-6, 0.1e-9), "tcp": LinkCost(350e-6, 3e-9)}
+    return MachineProfile("test", paths, gamma=1e-10, copy=5e-11).with_model(model)
+
+
+def test_the_profile_gets_the_pairs_the_runtime_gives_the_model() -> None:
+    torch = pytest.importorskip("torch")
+    from paratrain.torch.soap import splits_of
+    from paratrain.train.models import build_model
+
+    for name in ("mlp", "lenet", "cnn", "deepmlp"):
+        model = build_model(name, side=28, classes=10)
+        steps = list(model)
+        layers = tuple(
+            LayerCost(str(i), 0.001, 0.002, (f"{i}.weight",), (4,), 4,
+                      m.out_features if isinstance(m, torch.nn.Linear) else 0,
+                      m.in_features if isinstance(m, torch.nn.Linear) else 0, i,
+                      (m.in_channels, m.out_channels) if isinstance(m, torch.nn.Conv2d) else (0, 0))
+            for i, m in enumerate(steps) if isinstance(m, torch.nn.Linear | torch.nn.Conv2d)
+        )  # fmt: skip
+        profile = ModelProfile(name, 64, layers, modules=len(steps))
+        for tensor in (2, 4):
+            assert profile_splits(profile, SoapConfig(tensor)) == splits_of(model, SoapConfig(tensor)), (name, tensor)
+
+
+def _collectives(plan_ranks: tuple[object, ...]) -> int:
+    labels = Counter(a.label for a in plan_ranks if a.label == "collective done")  # type: ignore[attr-defined]
+    return labels["collective done"]
+
+
+@pytest.mark.parametrize(
+    ("splits", "tensor", "data"),
+    [({"1": "column", "3": "row"}, 2, 1), ({"1": "column", "3": "row"}, 2, 2), ({"1": "column", "3": "column"}, 4, 1),
+     ({"3": "row"}, 2, 2), ({}, 1, 4)],
+)  # fmt: skip
+def test_the_step_runs_the_chains_moves_over_each_tensor_group_and_one_average_over_each_data_group(
+    splits: dict[str, str], tensor: int, data: int
+) -> None:
+    model = _mlp()
+    job = TensorJob(model, Mesh(tensor, data), splits, batch_size=64)
+    plan = tensor_step(job)
+    plan.validate()
+    _, chain = job.chain()
+    moves = chain.messages() if tensor > 1 else 0
+    for worker in range(tensor * data):
+        assert _collectives(plan.ranks[worker]) == moves + (data > 1)
+        peers = {a.peer for a in plan.ranks[worker] if a.kind in ("send", "recv")}
+        assert peers <= set(Mesh(tensor, data).tensor_group(worker)) | set(Mesh(tensor, data).data_group(worker))
+    # Megatron's pair only allreduces; a column-column chain allgathers forward and reduce-scatters backward
+    kinds = {m.value for m in [*chain.forward, *chain.backward]} - {"none", "slice"}
+    pair, columns = splits == {"1": "column", "3": "row"}, splits == {"1": "column", "3": "column"}
+    assert chain == plan_chain(chain.ops)
+    if pair:
+        assert kinds == {"allreduce"}
+    if columns:
+        assert kinds >= {"allgather", "reduce_scatter"}
+
+
+def test_measured_part_times_and_the_call_cost_are_used() -> None:
+    halves = {"column/2": (0.0009, 0.0018), "row/2": (0.0011, 0.0022)}
+    plain = _mlp()
+    layers = (plain.layers[0], _fc("3", 3, 512, 512, split_s=halves), plain.layers[2])
+    measured = dataclasses.replace(plain, layers=layers, call_s=50e-6)
+    splits = {"1": "column", "3": "row"}
+    guessed = TensorJob(plain, Mesh(2), splits, 64).events(0)
+    timed = TensorJob(measured, Mesh(2), splits, 64).events(0)
+    seconds = {e.label: e.seconds for e in timed}
+    assert seconds["F 3"] == 0.0011 and seconds["B 3"] == 0.0022  # the row part, as measured
+    assert {e.label: e.seconds for e in guessed}["F 3"] == pytest.approx(0.002 / 2)  # not measured: 1/N
+    calls = [a for a in tensor_step(TensorJob(measured, Mesh(2), splits, 64)).ranks[0] if a.label.endswith("the call")]
+    assert len(calls) == 2 and all(a.seconds == 50e-6 for a in calls)  # the pair's allreduce, forward and backward
+
+
+def test_predict_and_the_formula_take_tp_and_the_planner_offers_it() -> None:
+    model = _mlp()
+    machine = _machine(model)
+    tp = predict(machine, "mlp", workers=4, strategy="tp:2")
+    assert tp.settings == {"splits": "1=column,3=row"} and tp.step_s > 0
+    assert alpha_beta_step(machine, model, workers=4, strategy="tp:2") > 0
+    offered = [c for c in candidates(model, workers=4, batch_size=64) if c.spec.splits_layers]
+    assert [(c.strategy, c.batch_size) for c in offered] == [("tp:2", 128), ("tp:4", 256)]
+    assert offered[0].train_flags() == ["--strategy", "tp:2", "--batch-size", "128"]
+    assert not [c for c in candidates(model, workers=3, batch_size=64) if c.spec.splits_layers]
+    ranked = search(machine, model, workers=4, batch_size=64, space=offered)
+    assert {s.candidate.strategy for s in ranked} == {"tp:2", "tp:4"}
