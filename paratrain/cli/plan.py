@@ -72,6 +72,26 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--dataset", default="fashion-mnist", help="with --run: the dataset (default fashion-mnist)")
     p.add_argument("--trace", default=None, help="write the pick's simulated step as a Chrome trace to this file")
     p.add_argument("--json", default=None, help="also write the ranking (and confirmations) to this JSON file")
+    p.add_argument(
+        "--search",
+        choices=("strategies", "soap"),
+        default="strategies",
+        help="what to search: whole-model strategies (default), or soap: which layers to split over how many "
+        "workers (FlexFlow's per-operator configurations), against the best whole-model strategy",
+    )
+    p.add_argument("--budget", default="30s", help="--search soap: time budget, e.g. 30s (default 30s)")
+    p.add_argument("--proposals", type=int, default=0, help="--search soap: also stop after N proposals (0: off)")
+    p.add_argument(
+        "--alpha", type=float, default=20.0, help="--search soap: the chain's reluctance to move to a slower point (20)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="--search soap: the chain's random seed (default 0)")
+    p.add_argument(
+        "--soap-out",
+        default=None,
+        metavar="FILE",
+        help="--search soap: where to write the pick (default runs/soap-MODEL-wWORKERS.json), for train's "
+        "--strategy soap:FILE",
+    )
     p.set_defaults(func=_plan)
 
 
@@ -84,6 +104,11 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.workers < 1 or args.batch_size < 1 or args.hosts < 1:
         raise ConfigError("--workers, --batch-size and --hosts must be >= 1")
+    if args.search == "soap":
+        from paratrain.cli.plan_soap import plan_soap
+
+        bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
+        return plan_soap(args, bandwidth=bandwidth, latency=parse_duration(args.latency) if args.latency else 0.0)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in SEARCHED]
     if unknown:

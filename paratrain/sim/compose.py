@@ -24,7 +24,7 @@ from paratrain.sim.predict import (
 from paratrain.sim.replay import Cores, Network, Replay, replay
 from paratrain.sim.step import STRATEGIES, StepJob, gossip_steps, repeat_steps, stale_bound, step_plan, symmetric_step
 from paratrain.sim.tensor import TensorJob, profile_splits, scaled, tensor_step
-from paratrain.soap import Move
+from paratrain.soap import Mesh, Move, SoapConfig
 
 __all__ = ["ALLREDUCE", "GOSSIP", "HYBRID", "PARAMETER_SERVER", "PIPELINE", "TENSOR"]
 
@@ -303,24 +303,32 @@ class _Tensor:
     """Split layers (``tp:N``, ``soap:FILE``): the chain's moves over each tensor group, split layers' compute
     divided, and the data groups' allreduce of what each worker holds (:mod:`paratrain.sim.tensor`)."""
 
-    def _job(self, request: JobRequest, model: ModelProfile, choose: Callable[[int, int], str]) -> TensorJob:
-        from paratrain.soap import Mesh, SoapConfig
-
-        config = SoapConfig.named(request.spec.options).workers(request.workers)
+    def _job(
+        self,
+        request: JobRequest,
+        model: ModelProfile,
+        choose: Callable[[int, int], str],
+        config: SoapConfig | None = None,
+    ) -> TensorJob:
+        given = config if config is not None else SoapConfig.named(request.spec.options)
+        given = given.workers(request.workers)
         model = scaled(model, request.batch_size)  # a tensor group's examples (the planner gives it T x a worker's)
-        splits = profile_splits(model, config)
-        return TensorJob(model, Mesh.for_workers(request.workers, config.tensor), splits, request.batch_size, choose)
+        splits = profile_splits(model, given)
+        return TensorJob(model, Mesh.for_workers(request.workers, given.tensor), splits, request.batch_size, choose)
 
     def predict(self, request: JobRequest) -> Prediction:
+        return self.predict_config(request, None)
+
+    def predict_config(self, request: JobRequest, config: SoapConfig | None) -> Prediction:
+        """The step of ``config`` (None: the one the request's strategy names), as :meth:`predict`."""
         setting = _setting(request)
-        job = self._job(request, setting.model, setting.recorded)
+        job = self._job(request, setting.model, setting.recorded, config)
         cores = shared_cores(setting.model, world_size=request.workers, hosts=request.hosts)
         out = _replay(request, setting.network, tensor_step(job), cores=cores)
         step_job = StepJob(job.model, workers=request.workers, strategy=str(request.spec))
-        compute = job.compute_s()
         settings = {"splits": ",".join(f"{n}={s}" for n, s in job.splits.items() if s != "replicated") or "none"}
         return Prediction(
-            step_s=max(out.finish), compute_s=compute, replay=out, job=step_job, algorithms=setting.used,
+            step_s=max(out.finish), compute_s=job.compute_s(), replay=out, job=step_job, algorithms=setting.used,
             settings=settings,
         )  # fmt: skip
 
