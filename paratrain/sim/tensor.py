@@ -113,8 +113,9 @@ class TensorJob:
             raise ConfigError(f"the profile of {self.model.model!r} has no layer {', '.join(missing)} to split")
         if self.model.modules <= 0 or any(layer.module < 0 for layer in self.model.layers):
             raise ConfigError(
-                f"the profile of {self.model.model!r} does not place its layers in the model's modules; profile it "
-                "again with this version (paratrain profile)"
+                f"the simulator composes split layers of chains whose layers are top-level modules; the profile of "
+                f"{self.model.model!r} places some inside others (a transformer's blocks), or predates module "
+                "places (then profile it again)"
             )
 
     def chain(self) -> tuple[list[LayerCost | None], ChainPlan]:

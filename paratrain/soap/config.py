@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from paratrain.soap.layout import SPLITS
-from paratrain.soap.mesh import LayerShape, SoapConfigError
+from paratrain.soap.mesh import BLOCK_SPLIT, LayerShape, SoapConfigError
 
 __all__ = ["SoapConfig", "megatron_splits"]
 
@@ -53,8 +53,9 @@ class SoapConfig:
             raise SoapConfigError(f"the tensor and data degrees must be at least 1, got {self.tensor} and {self.data}")
         if self.splits is not None:
             for name, split in self.splits.items():
-                if split not in SPLITS:
-                    raise SoapConfigError(f"layer {name}: unknown split {split!r}; give one of {', '.join(SPLITS)}")
+                if split not in (*SPLITS, BLOCK_SPLIT):
+                    known = ", ".join((*SPLITS, BLOCK_SPLIT))
+                    raise SoapConfigError(f"layer {name}: unknown split {split!r}; give one of {known}")
             object.__setattr__(self, "splits", MappingProxyType(dict(self.splits)))
 
     @classmethod
@@ -151,7 +152,7 @@ def megatron_splits(layers: Sequence[tuple[str, LayerShape | None]], tensor: int
     """Megatron-LM's splits of a chain (its steps in order, a splittable layer's shape or None): consecutive
     splittable layers paired, the first by output features (column), the second by input features (row). A
     layer whose split dimension does not divide by ``tensor`` (a classifier's 10 outputs) stays whole, and a
-    pair is broken by it.
+    pair is broken by it. A transformer block (``kind="block"``) is split by its heads where they divide.
 
     Example:
         >>> mlp = [("0", None), ("1", LayerShape(64, 512)), ("2", None), ("3", LayerShape(512, 512)),
@@ -163,6 +164,11 @@ def megatron_splits(layers: Sequence[tuple[str, LayerShape | None]], tensor: int
     pending: str | None = None
     for name, shape in layers:
         if shape is None:
+            continue
+        if shape.kind == "block":  # a whole Megatron layer in itself
+            pending = None
+            if shape.in_features % tensor == 0 and shape.out_features % tensor == 0:
+                splits[name] = BLOCK_SPLIT
             continue
         if pending is None:
             pending = name if shape.out_features % tensor == 0 else None

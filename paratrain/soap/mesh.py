@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from paratrain.errors import ConfigError
 from paratrain.soap.layout import SPLITS
 
-__all__ = ["LayerShape", "Mesh", "SoapConfigError", "check_splits"]
+__all__ = ["BLOCK_SPLIT", "LayerShape", "Mesh", "SoapConfigError", "check_splits"]
+
+#: How a transformer block splits: its attention heads (the query, key and value projections by output, the
+#: attention per head, the output projection by input) and its MLP (first layer by output, second by input), one
+#: allreduce each forward (Megatron-LM's transformer layer).
+BLOCK_SPLIT = "heads"
 
 
 class SoapConfigError(ConfigError):
@@ -73,10 +78,12 @@ class Mesh:
 
 @dataclass(frozen=True, slots=True)
 class LayerShape:
-    """The dimensions a split cuts: a linear layer's features, or a convolution's channels."""
+    """The dimensions a split cuts: a linear layer's features, or a convolution's channels; for a transformer
+    block (``kind="block"``), its attention heads (``in_features``) and its MLP's width (``out_features``)."""
 
     in_features: int
     out_features: int
+    kind: str = "layer"
 
 
 def check_splits(layers: Mapping[str, LayerShape], splits: Mapping[str, str], tensor: int) -> None:
@@ -90,12 +97,32 @@ def check_splits(layers: Mapping[str, LayerShape], splits: Mapping[str, str], te
         if name not in layers:
             known = ", ".join(sorted(layers)) or "none"
             raise SoapConfigError(f"the model has no layer {name!r} to split (the layers that split: {known})")
+        shape = layers[name]
+        if shape.kind == "block" or split == BLOCK_SPLIT:
+            _check_block(name, shape, split, tensor)
+            continue
         if split not in SPLITS:
             raise SoapConfigError(f"layer {name}: unknown split {split!r}; give one of {', '.join(SPLITS)}")
-        shape = layers[name]
         dim, what = (shape.out_features, "outputs") if split == "column" else (shape.in_features, "inputs")
         if split != "replicated" and dim % tensor:
             raise SoapConfigError(
                 f"layer {name}: a {tensor}-way {split} split needs its {dim} {what} (features or channels) to divide "
                 f"by {tensor}; choose another degree or leave this layer replicated"
             )
+
+
+def _check_block(name: str, shape: LayerShape, split: str, tensor: int) -> None:
+    """A transformer block splits by heads (Megatron's attention and MLP) or stays whole; nothing else does."""
+    if shape.kind != "block":
+        raise SoapConfigError(f"layer {name}: only transformer blocks split by {BLOCK_SPLIT!r}; give column, row or "
+                              "replicated")  # fmt: skip
+    if split not in ("replicated", BLOCK_SPLIT):
+        raise SoapConfigError(
+            f"layer {name} is a transformer block: split it {BLOCK_SPLIT!r} (its attention heads and its MLP's "
+            "width) or leave it replicated"
+        )
+    if split == BLOCK_SPLIT and (shape.in_features % tensor or shape.out_features % tensor):
+        raise SoapConfigError(
+            f"layer {name}: a {tensor}-way split by heads needs its {shape.in_features} heads (and its MLP's "
+            f"{shape.out_features} width) to divide by {tensor}; choose another degree or leave it replicated"
+        )

@@ -22,7 +22,6 @@ import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,10 +32,10 @@ from torch.nn import functional as F  # noqa: N812
 from paratrain.runtime.context import Context
 from paratrain.runtime.group import Group
 from paratrain.soap import (
+    BLOCK_SPLIT,
     ChainPlan,
     LayerShape,
     Mesh,
-    Move,
     OpSpec,
     SoapConfig,
     SoapConfigError,
@@ -44,6 +43,8 @@ from paratrain.soap import (
     megatron_splits,
     plan_chain,
 )
+from paratrain.torch.soap_blocks import SplitBlock, block_shape
+from paratrain.torch.soap_moves import _Boundary, _channels_first, _part
 
 __all__ = ["SoapModel", "SplitLayer", "chain_layers", "check_configuration", "parallelize", "splits_of"]
 
@@ -62,68 +63,13 @@ def _per_channel(module: nn.Module) -> bool:
 
 
 def _splittable(module: nn.Module) -> LayerShape | None:
-    """The dimensions a split of ``module`` cuts (features, or a convolution's channels); None if it does not
-    split (only linear layers and ungrouped 2-d convolutions do)."""
+    """The dimensions a split of ``module`` cuts (features, a convolution's channels, a transformer block's heads);
+    None if it does not split (only linear layers, ungrouped 2-d convolutions and transformer blocks do)."""
     if isinstance(module, nn.Linear):
         return LayerShape(module.in_features, module.out_features)
     if isinstance(module, nn.Conv2d) and module.groups == 1:
         return LayerShape(module.in_channels, module.out_channels)
-    return None
-
-
-def _part(total: int, parts: int, index: int) -> slice:
-    """Part ``index`` of ``parts`` equal parts of ``range(total)`` (``total`` divides by ``parts``)."""
-    size = total // parts
-    return slice(index * size, (index + 1) * size)
-
-
-def _channels_first(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with dimension 1 (features, or a convolution's channels) first, contiguous: the collectives split
-    and join along axis 0."""
-    return x.transpose(0, 1).contiguous()
-
-
-def _run(step: Move, x: torch.Tensor, group: Group, index: int) -> torch.Tensor:
-    """``step`` applied to ``x`` (``[batch, features]`` or ``[batch, channels, ...]``, split along dimension 1) over
-    ``group``, whose member ``index`` this worker is."""
-    if step is Move.NONE:
-        return x
-    if step is Move.SLICE:
-        return x[:, _part(x.shape[1], group.world_size, index)].contiguous()
-    if step is Move.ALLREDUCE:
-        return group.allreduce(x.contiguous())
-    if step is Move.ALLGATHER:
-        return _channels_first(group.allgather(_channels_first(x)))
-    return _channels_first(group.reduce_scatter(_channels_first(x)))  # REDUCE_SCATTER
-
-
-@dataclass(frozen=True, slots=True)
-class _Boundary:
-    """The moves at one boundary of the chain, over ``group`` (this worker is its member ``index``)."""
-
-    forward: Move
-    backward: Move
-    group: Group
-    index: int
-
-    def cross(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` moved forward; its gradient moves backward."""
-        out: torch.Tensor = _Moved.apply(x, self)  # type: ignore[no-untyped-call]
-        return out
-
-
-class _Moved(torch.autograd.Function):
-    """The forward move of an activation, and the backward move of its gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, boundary: _Boundary) -> torch.Tensor:
-        ctx.boundary = boundary
-        return _run(boundary.forward, x, boundary.group, boundary.index)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        b: _Boundary = ctx.boundary
-        return _run(b.backward, grad, b.group, b.index), None
+    return block_shape(module)
 
 
 class SplitLayer(nn.Module):
@@ -208,7 +154,8 @@ class SoapModel(nn.Module):
             name: step.split
             for name, step in zip(self.plan.names(), self.steps, strict=True)
             if isinstance(step, SplitLayer) and step.split != "replicated"
-        }
+        } | {name: BLOCK_SPLIT for name, step in zip(self.plan.names(), self.steps, strict=True) if isinstance(
+            step, SplitBlock)}  # fmt: skip
 
     def rows(self, batch: int) -> slice:
         """The rows of a global batch of ``batch`` examples that this worker's data part computes."""
@@ -238,6 +185,9 @@ class SoapModel(nn.Module):
         group = self.tensor_group
         found: dict[str, np.ndarray[Any, Any]] = {}
         for where, step in zip(self.plan.names(), self.steps, strict=True):
+            if isinstance(step, SplitBlock):
+                found.update({f"{where}.{k}": v for k, v in step.whole(grads=grads).items()})
+                continue
             for name, param in step.named_parameters():
                 value = param.grad if grads else param
                 assert value is not None, f"{where}.{name} has no gradient"
@@ -245,6 +195,12 @@ class SoapModel(nn.Module):
             if isinstance(step, SplitLayer) and step.split != "replicated":
                 found.update({f"{where}.{k}": v for k, v in step.whole(group, grads=grads).items()})
         return found
+
+
+def _layout_split(split: str, shape: LayerShape) -> str:
+    """How a step lies in the chain's layouts: a transformer block, split or not, reads and writes the whole
+    activation (its moves are inside it) and a whole block's input must be whole, as a replicated layer's."""
+    return "replicated" if shape.kind == "block" else split
 
 
 def _chain(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
@@ -285,10 +241,11 @@ def check_configuration(model: nn.Module, splits: Mapping[str, str], tensor: int
     for name in splits:
         if name in modules and name not in layers:
             raise SoapConfigError(
-                f"layer {name} is a {type(modules[name]).__name__}; only linear layers and 2-d convolutions split"
+                f"layer {name} is a {type(modules[name]).__name__}; only linear layers, 2-d convolutions and "
+                "transformer blocks split"
             )
     check_splits(layers, splits, tensor)
-    ops = [OpSpec(n, splits.get(n, "replicated") if n in layers else None) for n in modules]
+    ops = [OpSpec(n, _layout_split(splits.get(n, "replicated"), layers[n]) if n in layers else None) for n in modules]
     plan = plan_chain(ops)
     for op, read in zip(ops, plan.layouts, strict=True):
         module = modules[op.name]
@@ -324,6 +281,15 @@ def _agree(ctx: Context, mesh: Mesh, splits: Mapping[str, str], layers: Mapping[
         )
 
 
+def _part_of(module: nn.Module, split: str, shape: LayerShape | None, group: Group) -> nn.Module:
+    """This worker's step for ``module`` (its part over ``group``), or the module itself where it does not split."""
+    if shape is None:
+        return module
+    if shape.kind == "block":
+        return SplitBlock(module, group) if split == BLOCK_SPLIT else module
+    return SplitLayer(module, split, group.world_size, group.rank)
+
+
 def parallelize(model: nn.Sequential, splits: Mapping[str, str], ctx: Context, mesh: Mesh) -> SoapModel:
     """``model`` split as ``splits`` says (the qualified name of a linear layer or 2-d convolution, as
     ``named_modules`` gives it, ``"features.0"`` inside nested ``nn.Sequential`` modules -> ``column``, ``row`` or
@@ -350,11 +316,7 @@ def parallelize(model: nn.Sequential, splits: Mapping[str, str], ctx: Context, m
         problem = ""
     _agree(ctx, mesh, splits, layers, problem)
     assert plan is not None  # else _agree raised
-    tensor_part, _ = mesh.coordinates(ctx.rank)
     tensor = ctx.split(lambda r: mesh.coordinates(r)[1])
     data = ctx.split(lambda r: mesh.coordinates(r)[0])
-    steps = [
-        SplitLayer(m, splits.get(n, "replicated"), mesh.tensor, tensor_part) if n in layers else m
-        for n, m in modules.items()
-    ]
+    steps = [_part_of(m, splits.get(n, "replicated"), layers.get(n), tensor) for n, m in modules.items()]
     return SoapModel(steps, plan, mesh, tensor, data)

@@ -132,9 +132,9 @@ def _resolve_tensor(job: TrainJob) -> TrainJob:
         raise ConfigError(f"--strategy {job.strategy}: {exc}") from None
     if config.tensor > 1 and not any(split != "replicated" for split in splits.values()):
         raise ConfigError(
-            f"--strategy {job.strategy} splits no layer of --model {job.model}: no linear layer or convolution in "
-            f"its top-level chain has widths that divide by {config.tensor} (the transformer's attention blocks do "
-            "not split yet); use a data-parallel strategy or pipeline, or another degree"
+            f"--strategy {job.strategy} splits no layer of --model {job.model}: no linear layer, convolution or "
+            f"transformer block in its top-level chain has widths (or heads) that divide by {config.tensor}; use "
+            "another degree, or a data-parallel strategy or pipeline"
         )
     if job.straggler or job.servers:
         raise ConfigError(f"--straggler and --servers are not for split layers ({job.strategy})")

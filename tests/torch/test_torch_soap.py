@@ -187,7 +187,12 @@ def test_a_split_layer_holds_its_part_of_the_weights_only() -> None:
     [
         ("odd", {"0": "column"}, Mesh(tensor=2), "its 9 outputs \\(features or channels\\) to divide by 2"),
         ("mlp", {"9": "row"}, Mesh(tensor=2), "no layer '9' to split"),
-        ("mlp", {"2": "row"}, Mesh(tensor=2), "layer 2 is a ReLU; only linear layers and 2-d convolutions split"),
+        (
+            "mlp",
+            {"2": "row"},
+            Mesh(tensor=2),
+            "layer 2 is a ReLU; only linear layers, 2-d convolutions and transformer blocks split",
+        ),
         ("mlp", {"1": "diagonal"}, Mesh(tensor=2), "unknown split 'diagonal'"),
         ("mlp", {"1": "column"}, Mesh(tensor=2, data=2), "needs 4 workers; the job has 2"),
         ("norm", {"0": "column"}, Mesh(tensor=2), "LayerNorm\\) mixes features but would read a sharded"),
@@ -240,3 +245,92 @@ def test_ranks_given_different_or_bad_configurations_all_fail_at_once(
 def test_workers_that_do_not_form_tensor_groups_are_refused() -> None:
     with pytest.raises(SoapConfigError, match="tensor degree that divides"):
         Mesh.for_workers(6, tensor=4)
+
+
+def _tiny_transformer() -> nn.Sequential:
+    from paratrain.train.transformer import transformer
+
+    torch.manual_seed(0)
+    return transformer(vocab=12, context=8, width=16, heads=4, depth=3).double()
+
+
+@pytest.mark.parametrize(
+    ("splits", "tensor", "workers"),
+    [
+        ({"1": "heads", "2": "heads", "3": "heads"}, 2, 2),  # Megatron's transformer layers, 2-way
+        ({"1": "heads", "3": "heads"}, 4, 4),  # one head per worker; block 2 whole
+        ({"2": "heads"}, 2, 4),  # 2-way tensor x 2-way data
+    ],
+)
+def test_transformer_blocks_split_by_heads_compute_what_one_process_computes(
+    splits: dict[str, str], tensor: int, workers: int
+) -> None:
+    from paratrain.train import tasks
+
+    whole = _tiny_transformer()
+    rng = np.random.default_rng(2)
+    tokens = torch.from_numpy(rng.integers(0, 12, size=(_STEPS, _BATCH, 8)))
+    targets = torch.from_numpy(rng.integers(0, 12, size=(_STEPS, _BATCH, 8)))
+
+    def train(model: Any, rows: Any, reduce: Any) -> tuple[Any, Any, Any]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        first = grads = None
+        for step in range(_STEPS):
+            out = model(tokens[step][rows])
+            opt.zero_grad()
+            tasks.loss(out, targets[step][rows]).backward()
+            reduce(model)
+            if step == 0:
+                first = out.detach().numpy().copy()
+                grads = _state(model, grads=True)
+            opt.step()
+        return first, grads, _state(model)
+
+    def _state(model: Any, grads: bool = False) -> dict[str, np.ndarray]:
+        if hasattr(model, "full_state"):
+            return model.full_state(grads=grads)  # type: ignore[no-any-return]
+        return {k: (p.grad if grads else p).detach().numpy().copy() for k, p in model.named_parameters()}
+
+    def rank(ctx: Any) -> Any:
+        model = parallelize(copy.deepcopy(whole), splits, ctx, Mesh.for_workers(ctx.world_size, tensor))
+        rows = model.rows(_BATCH)
+        return rows, model.plan_splits(), train(model, rows, lambda m: m.average_gradients())
+
+    first, grads, params = train(copy.deepcopy(whole), slice(None), lambda m: None)
+    for rows, applied, (out, got_grads, got_params) in run_ranks(workers, rank, timeout=90):
+        assert applied == splits
+        np.testing.assert_allclose(out, first[rows], rtol=0, atol=1e-12)
+        assert got_grads.keys() == grads.keys() and got_params.keys() == params.keys()
+        for key in grads:
+            np.testing.assert_allclose(got_grads[key], grads[key], rtol=0, atol=1e-12, err_msg=key)
+            np.testing.assert_allclose(got_params[key], params[key], rtol=0, atol=1e-12, err_msg=key)
+
+
+def test_a_split_block_holds_its_heads_only() -> None:
+    whole = _tiny_transformer()
+
+    def rank(ctx: Any) -> int:
+        model = parallelize(copy.deepcopy(whole), {"1": "heads"}, ctx, Mesh(tensor=2))
+        return sum(p.numel() for p in model.steps[1].parameters())
+
+    block = sum(p.numel() for p in whole[1].parameters())
+    d = 16
+    ln, halved = 4 * d, 3 * d * d + 3 * d + d * d + 4 * d * d + 4 * d + 4 * d * d  # layer norms; the split weights
+    first, second = run_ranks(2, rank)
+    assert first == ln + halved // 2 + 2 * d and second == ln + halved // 2  # the two output biases on part 0
+    assert block == ln + halved + 2 * d
+
+
+@pytest.mark.parametrize(
+    ("splits", "tensor", "message"),
+    [
+        ({"1": "heads"}, 3, "needs its 4 heads (and its MLP's 64 width) to divide by 3"),
+        ({"1": "column"}, 2, "layer 1 is a transformer block: split it 'heads'"),
+        ({"0": "heads"}, 2, "layer 0 is a Embed; only linear layers, 2-d convolutions and transformer blocks split"),
+    ],
+)
+def test_a_bad_block_configuration_is_refused(splits: dict[str, str], tensor: int, message: str) -> None:
+    from paratrain.torch.soap import check_configuration
+
+    with pytest.raises(SoapConfigError, match=re.escape(message)):
+        check_configuration(_tiny_transformer(), splits, tensor)

@@ -113,3 +113,23 @@ def test_predict_and_the_formula_take_tp_and_the_planner_offers_it() -> None:
     assert not [c for c in candidates(model, workers=3, batch_size=64) if c.spec.splits_layers]
     ranked = search(machine, model, workers=4, batch_size=64, space=offered)
     assert {s.candidate.strategy for s in ranked} == {"tp:2", "tp:4"}
+
+
+def test_the_profile_times_each_split_part_of_the_layers_of_a_chain_and_skips_blocks() -> None:
+    torch = pytest.importorskip("torch")
+    from paratrain.bench.profile_splits import split_ratios
+    from paratrain.train.models import build_model
+    from paratrain.train.transformer import transformer
+
+    torch.manual_seed(0)
+    mlp = build_model("mlp", side=8, classes=10)
+    ratios = split_ratios(mlp, torch.rand(64, 1, 8, 8), repeats=3)
+    assert set(ratios) == {"1", "3", "5"}
+    assert set(ratios["3"]) == {"column/2", "row/2", "column/4", "row/4"} and set(ratios["5"]) == {
+        "column/2",
+        "row/2",
+        "row/4",
+    }
+    assert all(f > 0 and b > 0 for layer in ratios.values() for f, b in layer.values())
+    blocks = split_ratios(transformer(vocab=12, context=8, width=16, heads=4, depth=1), torch.zeros(2, 8).long(), 3)
+    assert blocks == {}  # a block splits inside itself, with its group: not a part alone

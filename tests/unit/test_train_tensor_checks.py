@@ -33,7 +33,11 @@ def test_tp_fills_in_one_tensor_group_and_a_file_its_grid(tmp_path: Path) -> Non
     [
         ("tp:2", {"workers": 3}, "give --workers a multiple of 2"),
         ("tp:3", {"workers": 3}, "splits no layer of --model mlp"),
-        ("tp:2", {"model": "transformer", "dataset": "fortunes"}, "attention blocks do not split yet"),
+        (
+            "tp:3",
+            {"model": "transformer", "dataset": "fortunes", "workers": 3},
+            "splits no layer of --model transformer",
+        ),
         (
             '{"tensor": 3, "splits": {"1": "column"}}',
             {"workers": 3},
@@ -43,7 +47,7 @@ def test_tp_fills_in_one_tensor_group_and_a_file_its_grid(tmp_path: Path) -> Non
         (
             '{"tensor": 2, "splits": {"2": "row"}}',
             {},
-            "layer 2 is a ReLU; only linear layers and 2-d convolutions split",
+            "layer 2 is a ReLU; only linear layers, 2-d convolutions and transformer blocks split",
         ),
         ('{"tensor": 2, "splits": {"1": "diagonal"}}', {}, "unknown split 'diagonal'"),
         ('{"tensor": 2, "data": 1, "splits": {"1": "column", "3": "row"}}', {"workers": 4}, "give --workers 2"),

@@ -1,0 +1,70 @@
+"""The moves between split layers as autograd functions: forward the move of an activation over a tensor group
+(:class:`paratrain.soap.Move`), backward the move of its gradient. What :mod:`paratrain.torch.soap` runs between
+steps of a chain and :mod:`paratrain.torch.soap_blocks` inside a transformer block (Megatron's ``f`` and ``g``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from paratrain.runtime.group import Group
+from paratrain.soap import Move
+
+__all__ = ["_Boundary", "_channels_first", "_part"]
+
+
+def _part(total: int, parts: int, index: int) -> slice:
+    """Part ``index`` of ``parts`` equal parts of ``range(total)`` (``total`` divides by ``parts``)."""
+    size = total // parts
+    return slice(index * size, (index + 1) * size)
+
+
+def _channels_first(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with dimension 1 (features, or a convolution's channels) first, contiguous: the collectives split
+    and join along axis 0."""
+    return x.transpose(0, 1).contiguous()
+
+
+def _run(step: Move, x: torch.Tensor, group: Group, index: int) -> torch.Tensor:
+    """``step`` applied to ``x`` (``[batch, features]`` or ``[batch, channels, ...]``, split along dimension 1) over
+    ``group``, whose member ``index`` this worker is."""
+    if step is Move.NONE:
+        return x
+    if step is Move.SLICE:
+        return x[:, _part(x.shape[1], group.world_size, index)].contiguous()
+    if step is Move.ALLREDUCE:
+        return group.allreduce(x.contiguous())
+    if step is Move.ALLGATHER:
+        return _channels_first(group.allgather(_channels_first(x)))
+    return _channels_first(group.reduce_scatter(_channels_first(x)))  # REDUCE_SCATTER
+
+
+@dataclass(frozen=True, slots=True)
+class _Boundary:
+    """The moves at one boundary of the chain, over ``group`` (this worker is its member ``index``)."""
+
+    forward: Move
+    backward: Move
+    group: Group
+    index: int
+
+    def cross(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` moved forward; its gradient moves backward."""
+        out: torch.Tensor = _Moved.apply(x, self)  # type: ignore[no-untyped-call]
+        return out
+
+
+class _Moved(torch.autograd.Function):
+    """The forward move of an activation, and the backward move of its gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, boundary: _Boundary) -> torch.Tensor:
+        ctx.boundary = boundary
+        return _run(boundary.forward, x, boundary.group, boundary.index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        b: _Boundary = ctx.boundary
+        return _run(b.backward, grad, b.group, b.index), None
