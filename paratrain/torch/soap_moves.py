@@ -51,7 +51,10 @@ class _Boundary:
     index: int
 
     def cross(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` moved forward; its gradient moves backward."""
+        """``x`` moved forward; its gradient moves backward (``x`` itself where neither moves: no autograd node,
+        which costs tens of microseconds a step per boundary)."""
+        if self.forward is Move.NONE and self.backward is Move.NONE:
+            return x
         out: torch.Tensor = _Moved.apply(x, self)  # type: ignore[no-untyped-call]
         return out
 
