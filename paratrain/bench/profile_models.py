@@ -181,7 +181,7 @@ def _profile_here(
     shapes, linear = model_layers(model)  # linear: the fully-connected layers SFB can carry, by name
     names = [shape.name for shape in shapes]
     flat = {id(m): i for i, m in enumerate(flat_layers(model))}  # where a pipeline can cut, in order
-    module_of = {n: flat.get(id(model.get_submodule(n)), -1) if n != "(root)" else -1 for n in names}
+    module_of = {n: _place(model, n, flat) for n in names}
     qualified = [(q, p) for q, p in model.named_parameters() if p.requires_grad]
     owner = {q: (q.rpartition(".")[0] or "(root)") for q, _ in qualified}
     params = {name: [(q, p) for q, p in qualified if owner[q] == name] for name in names}
@@ -223,6 +223,7 @@ def _profile_here(
             "module": module_of[name],
             "channels": _channels(model.get_submodule(name)) if name != "(root)" else (0, 0),
             "split_ratios": ratios.get(name, {}),
+            "heads": _heads(model, name, flat),
         }
         for name in names
     ]
@@ -235,6 +236,33 @@ def _profile_here(
         "input_bytes": x.numel() * x.element_size(),
         "threads": torch.get_num_threads(),
     }
+
+
+def _ancestor(model: Any, name: str, flat: Mapping[int, int]) -> str | None:
+    """The module of the model's flat list that holds layer ``name`` (itself, or the block it sits in)."""
+    if name == "(root)":
+        return None
+    parts = name.split(".")
+    for k in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:k])
+        if id(model.get_submodule(prefix)) in flat:
+            return prefix
+    return None
+
+
+def _place(model: Any, name: str, flat: Mapping[int, int]) -> int:
+    """Layer ``name``'s place in the flat list of modules: its own, or that of the block it sits in (-1: none)."""
+    holder = _ancestor(model, name, flat)
+    return flat[id(model.get_submodule(holder))] if holder is not None else -1
+
+
+def _heads(model: Any, name: str, flat: Mapping[int, int]) -> int:
+    """The heads of the transformer block that holds layer ``name`` (0 outside a block)."""
+    from paratrain.torch.soap_blocks import block_shape
+
+    holder = _ancestor(model, name, flat)
+    shape = block_shape(model.get_submodule(holder)) if holder is not None and holder != name else None
+    return shape.in_features if shape is not None else 0
 
 
 def _channels(module: Any) -> tuple[int, int]:
@@ -275,6 +303,7 @@ def _combine(model: str, batch_size: int, runs: Sequence[Mapping[str, Any]]) -> 
             in_features=int(first.get("in_features", 0)),
             module=int(first.get("module", -1)),
             channels=(int(first.get("channels", (0, 0))[0]), int(first.get("channels", (0, 0))[1])),
+            heads=int(first.get("heads", 0)),
         )
         for i, first in enumerate(runs[0]["layers"])
     )

@@ -95,6 +95,8 @@ class LayerCost:
             (:mod:`paratrain.sim.tensor`).
         split_s: (forward, backward) seconds of a worker's part of the layer split ``"column/2"``, ``"row/4"``...
             (:mod:`paratrain.bench.profile_splits`); a split not measured is costed at 1/N of the layer.
+        heads: the attention heads of the transformer block whose part this layer is (``module`` is then the
+            block's place), 0 for a layer outside a block.
     """
 
     name: str
@@ -108,6 +110,7 @@ class LayerCost:
     module: int = -1
     channels: tuple[int, int] = (0, 0)
     split_s: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    heads: int = 0
 
     def __post_init__(self) -> None:
         if len(self.params) != len(self.param_bytes):
@@ -337,6 +340,7 @@ class MachineProfile:
                         module=layer.get("module", -1),
                         channels=tuple(layer.get("channels", (0, 0))),
                         split_s={k: (float(f), float(b)) for k, (f, b) in layer.get("split_s", {}).items()},
+                        heads=layer.get("heads", 0),
                     )
                     for layer in v["layers"]
                 )

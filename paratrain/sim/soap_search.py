@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from paratrain.errors import ConfigError
 from paratrain.sim.machine import MachineProfile, ModelProfile
-from paratrain.soap import LayerShape, SoapConfig
+from paratrain.soap import BLOCK_SPLIT, LayerShape, SoapConfig
 
 __all__ = ["SoapPoint", "SoapSearch", "search_soap", "soap_cost", "split_options", "splittable"]
 
@@ -80,23 +80,26 @@ def split_options(layers: Mapping[str, LayerShape], tensor: int) -> dict[str, tu
     """
     if tensor == 1:
         return {name: ("replicated",) for name in layers}
-    return {
-        name: ("replicated",)
-        + (("column",) if shape.out_features % tensor == 0 else ())
-        + (("row",) if shape.in_features % tensor == 0 else ())
-        for name, shape in layers.items()
-    }
+    found: dict[str, tuple[str, ...]] = {}
+    for name, shape in layers.items():
+        if shape.kind == "block":
+            divides = shape.in_features % tensor == 0 and shape.out_features % tensor == 0
+            found[name] = ("replicated", BLOCK_SPLIT) if divides else ("replicated",)
+            continue
+        found[name] = (
+            ("replicated",)
+            + (("column",) if shape.out_features % tensor == 0 else ())
+            + (("row",) if shape.in_features % tensor == 0 else ())
+        )
+    return found
 
 
 def splittable(model: ModelProfile) -> dict[str, LayerShape]:
-    """The profiled layers that split (linear layers and convolutions), by name, with what a split cuts."""
-    found = {}
-    for layer in model.layers:
-        if layer.out_features:
-            found[layer.name] = LayerShape(layer.in_features, layer.out_features)
-        elif layer.channels[1]:
-            found[layer.name] = LayerShape(*layer.channels)
-    return found
+    """The profiled model's modules that split (linear layers, convolutions, transformer blocks), by name, with
+    what a split cuts."""
+    from paratrain.sim.tensor import steps_of
+
+    return {step.name: shape for step in steps_of(model) if (shape := step.shape) is not None}
 
 
 def _space(layers: Mapping[str, LayerShape], degrees: tuple[int, ...]) -> int:

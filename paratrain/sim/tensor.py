@@ -30,9 +30,19 @@ from paratrain.errors import ConfigError
 from paratrain.plan.ir import Action, Plan
 from paratrain.sim.machine import LayerCost, ModelProfile
 from paratrain.sim.step import TAG_STRIDE
-from paratrain.soap import ChainPlan, LayerShape, Mesh, Move, OpSpec, SoapConfig, megatron_splits, plan_chain
+from paratrain.soap import (
+    BLOCK_SPLIT,
+    ChainPlan,
+    LayerShape,
+    Mesh,
+    Move,
+    OpSpec,
+    SoapConfig,
+    megatron_splits,
+    plan_chain,
+)
 
-__all__ = ["TensorJob", "profile_splits", "scaled", "tensor_step"]
+__all__ = ["Step", "TensorJob", "profile_splits", "scaled", "steps_of", "tensor_step"]
 
 
 def scaled(model: ModelProfile, batch_size: int) -> ModelProfile:
@@ -68,22 +78,74 @@ def scaled(model: ModelProfile, batch_size: int) -> ModelProfile:
     )
 
 
+@dataclass(frozen=True)
+class Step:
+    """A module of the model's flat list as the profile saw it: its layers (none: an element-wise step such as a
+    ReLU; several: a module that holds layers, such as a transformer block or an embedding).
+
+    Attributes:
+        name: the module's name in the model (``"3"``).
+        layers: its profiled layers, in forward order.
+    """
+
+    name: str
+    layers: tuple[LayerCost, ...] = ()
+
+    @property
+    def heads(self) -> int:
+        """A transformer block's heads (0 for any other module)."""
+        return max((layer.heads for layer in self.layers), default=0)
+
+    @property
+    def shape(self) -> LayerShape | None:
+        """What a split of it cuts (None: it does not split): a linear layer's features, a convolution's
+        channels, a block's heads and MLP width."""
+        if self.heads:
+            fc1 = next((la for la in self.layers if la.name.endswith(".fc1")), None)
+            return LayerShape(self.heads, fc1.out_features if fc1 else 0, kind="block")
+        if len(self.layers) != 1 or self.layers[0].name != self.name:
+            return None
+        layer = self.layers[0]
+        if layer.out_features:
+            return LayerShape(layer.in_features, layer.out_features)
+        if layer.channels[1]:
+            return LayerShape(*layer.channels)
+        return None
+
+    def part(self, layer: LayerCost) -> str:
+        """Which part of a block ``layer`` is (``"qkv"``, ``"ln1"``...), or its name outside a block."""
+        return layer.name.rpartition(".")[2] if self.heads else layer.name
+
+
+def steps_of(model: ModelProfile) -> list[Step]:
+    """The model's flat modules with their profiled layers (see :class:`Step`).
+
+    Raises:
+        ConfigError: the profile does not place its layers among the model's modules.
+    """
+    if model.modules <= 0 or any(layer.module < 0 for layer in model.layers):
+        raise ConfigError(
+            f"the profile of {model.model!r} does not place its layers among the model's modules (profiled before "
+            "paratrain recorded them): profile it again"
+        )
+    held: dict[int, list[LayerCost]] = {}
+    for layer in model.layers:
+        held.setdefault(layer.module, []).append(layer)
+    steps = []
+    for i in range(model.modules):
+        layers = held.get(i, [])
+        name = layers[0].name.partition(".")[0] if layers and "." in layers[0].name else None
+        steps.append(Step(name or (layers[0].name if layers else f"#{i}"), tuple(layers)))
+    return steps
+
+
 def profile_splits(model: ModelProfile, config: SoapConfig) -> dict[str, str]:
-    """The splits ``config`` gives the profiled ``model``: its own, or Megatron's pairs over the profiled linear
-    layers and convolutions (the rule the runtime applies to the model itself, :func:`megatron_splits`)."""
+    """The splits ``config`` gives the profiled ``model``: its own, or Megatron's over the profiled linear layers,
+    convolutions and transformer blocks (the rule the runtime applies to the model itself, :func:`megatron_splits`).
+    """
     if config.splits is not None:
         return dict(config.splits)
-    at = {layer.module: layer for layer in model.layers}
-    chain = []
-    for i in range(model.modules):
-        layer = at.get(i)
-        shape = None
-        if layer is not None and layer.out_features:
-            shape = LayerShape(layer.in_features, layer.out_features)
-        elif layer is not None and layer.channels[1]:
-            shape = LayerShape(*layer.channels)
-        chain.append((layer.name if layer is not None else f"#{i}", shape))
-    return megatron_splits(chain, config.tensor)
+    return megatron_splits([(step.name, step.shape) for step in steps_of(model)], config.tensor)
 
 
 @dataclass(frozen=True)
@@ -107,54 +169,50 @@ class TensorJob:
     itemsize: int = 4
 
     def __post_init__(self) -> None:
-        names = {layer.name for layer in self.model.layers}
+        names = {step.name for step in steps_of(self.model) if step.shape is not None}
         missing = sorted(set(self.splits) - names)
         if missing:
             raise ConfigError(f"the profile of {self.model.model!r} has no layer {', '.join(missing)} to split")
-        if self.model.modules <= 0 or any(layer.module < 0 for layer in self.model.layers):
-            raise ConfigError(
-                f"the simulator composes split layers of chains whose layers are top-level modules; the profile of "
-                f"{self.model.model!r} places some inside others (a transformer's blocks), or predates module "
-                "places (then profile it again)"
-            )
 
-    def chain(self) -> tuple[list[LayerCost | None], ChainPlan]:
-        """The model's flat modules (a profiled layer, or None for an element-wise step) and their moves."""
-        at = {layer.module: layer for layer in self.model.layers}
-        steps = [at.get(i) for i in range(self.model.modules)]
-        ops = [
-            OpSpec(step.name, self.splits.get(step.name, "replicated")) if step is not None else OpSpec(f"#{i}", None)
-            for i, step in enumerate(steps)
-        ]
+    def chain(self) -> tuple[list[Step], ChainPlan]:
+        """The model's flat modules and their moves (a block reads and writes whole activations: its moves are
+        inside it)."""
+        steps = steps_of(self.model)
+        ops = []
+        for step in steps:
+            shape = step.shape
+            if shape is None:
+                ops.append(OpSpec(step.name, None))
+            else:
+                split = "replicated" if shape.kind == "block" else self.splits.get(step.name, "replicated")
+                ops.append(OpSpec(step.name, split))
         return steps, plan_chain(ops)
 
-    def boundary_items(self, steps: Sequence[LayerCost | None]) -> list[int]:
+    def boundary_items(self, steps: Sequence[Step]) -> list[int]:
         """Elements of the activation at each boundary (before step i; the last: the output), per tensor group."""
         items, written = [], self.model.input_bytes // self.itemsize
         for step in [*steps, None]:
-            if step is not None and step.in_features:
-                items.append(self.batch_size * step.in_features)
+            first = step.layers[0] if step is not None and step.layers else None
+            if (
+                step is not None
+                and step.shape is not None
+                and step.shape.kind != "block"
+                and first
+                and first.in_features
+            ):
+                items.append(self.batch_size * first.in_features)
             else:
                 items.append(written)
-            if step is not None:
-                written = step.output_bytes // self.itemsize
+            if step is not None and step.layers:
+                written = step.layers[-1].output_bytes // self.itemsize
         return items
 
     def events(self, part: int) -> list[Event]:
         """What tensor part ``part`` does in one step, in order: the one schedule that :func:`tensor_step` lowers
         and the alpha-beta estimate sums."""
-        model, tensor = self.model, self.mesh.tensor
+        model = self.model
         steps, plan = self.chain()
         items = self.boundary_items(steps)
-
-        def timed(step: LayerCost, backward: bool) -> float:
-            whole = step.backward_s if backward else step.forward_s
-            split = self.splits.get(step.name, "replicated")
-            if split == "replicated" or tensor == 1:
-                return whole
-            measured = step.split_s.get(f"{split}/{tensor}")
-            return measured[backward] if measured is not None else whole / tensor
-
         out = [Event("overhead", seconds=model.overhead_s)] if model.overhead_s else []
 
         def moved(label: str, move: Move, size: int) -> None:
@@ -163,18 +221,40 @@ class TensorJob:
 
         for i, step in enumerate(steps):
             moved(f"move {i}", plan.forward[i], items[i])
-            if step is not None:
-                out.append(Event(f"F {step.name}", seconds=timed(step, backward=False)))
+            self._compute(step, out, items[i + 1], backward=False)
         moved("move output", plan.forward[-1], items[-1])
         moved("move output gradient", plan.backward[-1], items[-1])
         for i in reversed(range(len(steps))):
-            step = steps[i]
-            if step is not None:
-                out.append(Event(f"B {step.name}", seconds=timed(step, backward=True)))
+            self._compute(steps[i], out, items[i + 1], backward=True)
             moved(f"move gradient {i}", plan.backward[i], items[i])
         out.append(Event("average gradients", move=Move.ALLREDUCE, items=self.held_items(part), data_group=True))
         out.append(Event("optimizer", seconds=model.optimizer_s * self.held_share()))
         return out
+
+    def _split_of(self, step: Step) -> str:
+        return self.splits.get(step.name, "replicated") if self.mesh.tensor > 1 else "replicated"
+
+    def _compute(self, step: Step, out: list[Event], written: int, *, backward: bool) -> None:
+        """A step's compute (forward or backward) into ``out``; a block split by heads with its two allreduces
+        (Megatron's g forward, after the attention's and the MLP's output projections; f backward, before the
+        layer norms), of the block's output (``written`` elements)."""
+        tensor, split = self.mesh.tensor, self._split_of(step)
+        heads = split == BLOCK_SPLIT
+        order = list(reversed(step.layers)) if backward else list(step.layers)
+        for layer in order:
+            whole = layer.backward_s if backward else layer.forward_s
+            if split == "replicated" or (heads and step.part(layer).startswith("ln")):
+                seconds = whole
+            elif heads:
+                seconds = whole / tensor
+            else:
+                measured = layer.split_s.get(f"{split}/{tensor}")
+                seconds = measured[backward] if measured is not None else whole / tensor
+            if heads and backward and step.part(layer) in ("ln1", "ln2"):  # f: the normalised input's gradient
+                out.append(Event(f"f {layer.name}", move=Move.ALLREDUCE, items=written))
+            out.append(Event(f"{'B' if backward else 'F'} {layer.name}", seconds=seconds))
+            if heads and not backward and step.part(layer) in ("proj", "fc2"):  # g: the partial output
+                out.append(Event(f"g {layer.name}", move=Move.ALLREDUCE, items=written))
 
     def compute_s(self) -> float:
         """Seconds of one step's computation on tensor part 0."""
@@ -185,16 +265,28 @@ class TensorJob:
         return [(e.move, e.items) for e in self.events(0) if e.move is not Move.NONE and not e.data_group]
 
     def held_items(self, part: int) -> int:
-        """Gradient elements tensor part ``part`` holds (a row split's bias on part 0 only)."""
-        total = 0
-        for layer in self.model.layers:
-            split, sizes = self.splits.get(layer.name, "replicated"), [b // self.itemsize for b in layer.param_bytes]
-            if split == "column":
-                total += sum(size // self.mesh.tensor for size in sizes)
-            elif split == "row":
-                total += sizes[0] // self.mesh.tensor + (sum(sizes[1:]) if part == 0 else 0)
-            else:
-                total += sum(sizes)
+        """Gradient elements tensor part ``part`` holds (a row split's bias, and a block's output projections'
+        biases, on part 0 only)."""
+        total, tensor = 0, self.mesh.tensor
+        for step in steps_of(self.model):
+            split = self._split_of(step)
+            for layer in step.layers:
+                sizes = [b // self.itemsize for b in layer.param_bytes]
+                kind = step.part(layer)
+                if split == BLOCK_SPLIT and kind in ("qkv", "fc1"):
+                    split_layer = "column"
+                elif split == BLOCK_SPLIT and kind in ("proj", "fc2"):
+                    split_layer = "row"
+                elif split == BLOCK_SPLIT:
+                    split_layer = "replicated"
+                else:
+                    split_layer = split
+                if split_layer == "column":
+                    total += sum(size // tensor for size in sizes)
+                elif split_layer == "row":
+                    total += sizes[0] // tensor + (sum(sizes[1:]) if part == 0 else 0)
+                else:
+                    total += sum(sizes)
         return total
 
     def held_share(self) -> float:

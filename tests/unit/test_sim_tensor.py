@@ -13,7 +13,7 @@ from paratrain.sim.machine import LayerCost, LinkCost, MachineProfile, ModelProf
 from paratrain.sim.predict import alpha_beta_step, predict
 from paratrain.sim.search import candidates, search
 from paratrain.sim.tensor import TensorJob, profile_splits, tensor_step
-from paratrain.soap import Mesh, SoapConfig, plan_chain
+from paratrain.soap import Mesh, Move, SoapConfig, plan_chain
 
 
 def _fc(name: str, at: int, n: int, m: int, *, split_s: dict[str, tuple[float, float]] | None = None) -> LayerCost:
@@ -133,3 +133,44 @@ def test_the_profile_times_each_split_part_of_the_layers_of_a_chain_and_skips_bl
     assert all(f > 0 and b > 0 for layer in ratios.values() for f, b in layer.values())
     blocks = split_ratios(transformer(vocab=12, context=8, width=16, heads=4, depth=1), torch.zeros(2, 8).long(), 3)
     assert blocks == {}  # a block splits inside itself, with its group: not a part alone
+
+
+def _transformer_profile() -> ModelProfile:
+    """An embedding, two blocks of 4 heads (width 16) and a head, as ``paratrain profile`` places them."""
+    d, batch, ctx = 16, 8, 8
+    act = 4 * batch * ctx * d
+
+    def part(block: int, name: str, n: int, m: int) -> LayerCost:
+        sizes = (4 * n * m, 4 * m) if not name.startswith("ln") else (4 * d, 4 * d)
+        return LayerCost(f"{block}.{name}", 1e-4, 2e-4, (f"{block}.{name}.weight", f"{block}.{name}.bias"), sizes,
+                         4 * batch * ctx * m, m if not name.startswith("ln") else 0, n, block, heads=4)  # fmt: skip
+
+    blocks = [
+        part(b, name, n, m)
+        for b in (1, 2)
+        for name, n, m in (("ln1", d, d), ("qkv", d, 3 * d), ("proj", d, d), ("ln2", d, d), ("fc1", d, 4 * d),
+                           ("fc2", 4 * d, d))
+    ]  # fmt: skip
+    embed = LayerCost("0", 1e-4, 1e-4, ("0.position",), (4 * ctx * d,), act, module=0)
+    head = LayerCost("3.out", 1e-4, 2e-4, ("3.out.weight",), (4 * d * 12,), 4 * batch * ctx * 12, 12, d, 3)
+    return ModelProfile("transformer", batch, (embed, *blocks, head), optimizer_s=1e-3, modules=4, input_bytes=512)
+
+
+def test_a_transformer_block_split_by_heads_moves_its_output_twice_each_way() -> None:
+    model = _transformer_profile()
+    assert profile_splits(model, SoapConfig(2)) == {"1": "heads", "2": "heads"}
+    assert profile_splits(model, SoapConfig(8)) == {}  # 4 heads do not split 8 ways
+    job = TensorJob(model, Mesh(2), {"1": "heads"}, batch_size=8)
+    events = job.events(0)
+    labels = [e.label for e in events if e.move is not Move.NONE and not e.data_group]
+    assert labels == ["g 1.proj", "g 1.fc2", "f 1.ln2", "f 1.ln1"]  # block 2 whole: no moves
+    assert {e.items for e in events if e.label.startswith(("g", "f"))} == {8 * 8 * 16}
+    seconds = {e.label: e.seconds for e in events}
+    assert seconds["F 1.qkv"] == pytest.approx(0.5e-4) and seconds["F 1.ln1"] == 1e-4 and seconds["F 2.qkv"] == 1e-4
+    plan = tensor_step(job)
+    plan.validate()
+    assert _collectives(plan.ranks[0]) == 4
+    items = {la.name: [n // 4 for n in la.param_bytes] for la in model.layers}
+    whole = sum(sum(sizes) for sizes in items.values())
+    split = sum(items["1.qkv"]) + sum(items["1.fc1"]) + items["1.proj"][0] + items["1.fc2"][0]
+    assert job.held_items(1) == whole - split // 2 - 2 * 16

@@ -63,7 +63,7 @@ def test_the_chain_starts_from_data_parallelism_and_keeps_to_its_budget() -> Non
 
 
 def test_a_profile_without_layers_that_split_or_a_budget_is_refused() -> None:
-    empty = ModelProfile("m", 64, (LayerCost("emb", 0.001, 0.001),))
+    empty = ModelProfile("m", 64, (LayerCost("emb", 0.001, 0.001, module=0),), modules=1)
     with pytest.raises(ConfigError, match="no layer that splits"):
         search_soap(lambda p: 1.0, empty, 2, budget_s=1)
     with pytest.raises(ConfigError, match="give the search a budget"):
