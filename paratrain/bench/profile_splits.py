@@ -66,7 +66,7 @@ def split_ratios(model: torch.nn.Module, x: torch.Tensor, repeats: int) -> dict[
     handles = [
         modules[name].register_forward_pre_hook(lambda m, a, n=name: inputs.__setitem__(n, a[0].detach()))
         for name, shape in chain_layers(model)
-        if shape is not None and shape.kind != "block"
+        if shape is not None and shape.kind == "layer"
     ]
     try:
         with torch.no_grad():
@@ -76,7 +76,7 @@ def split_ratios(model: torch.nn.Module, x: torch.Tensor, repeats: int) -> dict[
             handle.remove()
     found: dict[str, dict[str, list[float]]] = {}
     for name, shape in chain_layers(model):
-        if shape is None or shape.kind == "block":  # a block's part moves inside it: timed with its group only
+        if shape is None or shape.kind != "layer":  # a block or vocabulary part moves inside it: timed with its group
             continue
         layer, seen = modules[name], inputs[name]
         whole_in = seen.clone().requires_grad_(True)

@@ -32,6 +32,7 @@ from paratrain.sim.machine import LayerCost, ModelProfile
 from paratrain.sim.step import TAG_STRIDE
 from paratrain.soap import (
     BLOCK_SPLIT,
+    VOCAB_SPLIT,
     ChainPlan,
     LayerShape,
     Mesh,
@@ -169,6 +170,11 @@ class TensorJob:
     itemsize: int = 4
 
     def __post_init__(self) -> None:
+        by_vocab = sorted(name for name, split in self.splits.items() if split == VOCAB_SPLIT)
+        if by_vocab:
+            raise ConfigError(
+                f"the simulator does not compose embeddings or heads split by vocabulary yet ({', '.join(by_vocab)})"
+            )
         names = {step.name for step in steps_of(self.model) if step.shape is not None}
         missing = sorted(set(self.splits) - names)
         if missing:

@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from paratrain.soap.layout import SPLITS
-from paratrain.soap.mesh import BLOCK_SPLIT, LayerShape, SoapConfigError
+from paratrain.soap.mesh import BLOCK_SPLIT, KIND_SPLITS, LayerShape, SoapConfigError
 
 __all__ = ["SoapConfig", "megatron_splits"]
 
@@ -53,8 +53,8 @@ class SoapConfig:
             raise SoapConfigError(f"the tensor and data degrees must be at least 1, got {self.tensor} and {self.data}")
         if self.splits is not None:
             for name, split in self.splits.items():
-                if split not in (*SPLITS, BLOCK_SPLIT):
-                    known = ", ".join((*SPLITS, BLOCK_SPLIT))
+                if split not in (*SPLITS, *KIND_SPLITS.values()):
+                    known = ", ".join((*SPLITS, *KIND_SPLITS.values()))
                     raise SoapConfigError(f"layer {name}: unknown split {split!r}; give one of {known}")
             object.__setattr__(self, "splits", MappingProxyType(dict(self.splits)))
 
@@ -165,9 +165,9 @@ def megatron_splits(layers: Sequence[tuple[str, LayerShape | None]], tensor: int
     for name, shape in layers:
         if shape is None:
             continue
-        if shape.kind == "block":  # a whole Megatron layer in itself
+        if shape.kind != "layer":  # a block is a whole Megatron layer in itself; an embedding or head stays whole
             pending = None
-            if shape.in_features % tensor == 0 and shape.out_features % tensor == 0:
+            if shape.kind == "block" and shape.in_features % tensor == 0 and shape.out_features % tensor == 0:
                 splits[name] = BLOCK_SPLIT
             continue
         if pending is None:

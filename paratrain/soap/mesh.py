@@ -15,12 +15,16 @@ from dataclasses import dataclass
 from paratrain.errors import ConfigError
 from paratrain.soap.layout import SPLITS
 
-__all__ = ["BLOCK_SPLIT", "LayerShape", "Mesh", "SoapConfigError", "check_splits"]
+__all__ = ["BLOCK_SPLIT", "KIND_SPLITS", "VOCAB_SPLIT", "LayerShape", "Mesh", "SoapConfigError", "check_splits"]
 
 #: How a transformer block splits: its attention heads (the query, key and value projections by output, the
 #: attention per head, the output projection by input) and its MLP (first layer by output, second by input), one
 #: allreduce each forward (Megatron-LM's transformer layer).
 BLOCK_SPLIT = "heads"
+#: How a token embedding or an output head splits: by vocabulary (each worker holds its tokens' rows).
+VOCAB_SPLIT = "vocab"
+#: The split each kind of module other than a layer takes (beside ``replicated``).
+KIND_SPLITS = {"block": BLOCK_SPLIT, "vocab": VOCAB_SPLIT}
 
 
 class SoapConfigError(ConfigError):
@@ -98,8 +102,8 @@ def check_splits(layers: Mapping[str, LayerShape], splits: Mapping[str, str], te
             known = ", ".join(sorted(layers)) or "none"
             raise SoapConfigError(f"the model has no layer {name!r} to split (the layers that split: {known})")
         shape = layers[name]
-        if shape.kind == "block" or split == BLOCK_SPLIT:
-            _check_block(name, shape, split, tensor)
+        if shape.kind in KIND_SPLITS or split in KIND_SPLITS.values():
+            _check_kind(name, shape, split, tensor)
             continue
         if split not in SPLITS:
             raise SoapConfigError(f"layer {name}: unknown split {split!r}; give one of {', '.join(SPLITS)}")
@@ -111,18 +115,24 @@ def check_splits(layers: Mapping[str, LayerShape], splits: Mapping[str, str], te
             )
 
 
-def _check_block(name: str, shape: LayerShape, split: str, tensor: int) -> None:
-    """A transformer block splits by heads (Megatron's attention and MLP) or stays whole; nothing else does."""
-    if shape.kind != "block":
-        raise SoapConfigError(f"layer {name}: only transformer blocks split by {BLOCK_SPLIT!r}; give column, row or "
-                              "replicated")  # fmt: skip
-    if split not in ("replicated", BLOCK_SPLIT):
-        raise SoapConfigError(
-            f"layer {name} is a transformer block: split it {BLOCK_SPLIT!r} (its attention heads and its MLP's "
-            "width) or leave it replicated"
+def _check_kind(name: str, shape: LayerShape, split: str, tensor: int) -> None:
+    """A transformer block splits by heads, an embedding or head by vocabulary, or stays whole; nothing else
+    splits their ways."""
+    own = KIND_SPLITS.get(shape.kind)
+    what = {"block": "a transformer block", "vocab": "an embedding or output head"}.get(shape.kind, "")
+    if own is None:
+        raise SoapConfigError(f"layer {name}: only transformer blocks split by {BLOCK_SPLIT!r} and embeddings or "
+                              f"heads by {VOCAB_SPLIT!r}; give column, row or replicated")  # fmt: skip
+    if split not in ("replicated", own):
+        detail = "its attention heads and its MLP's width" if own == BLOCK_SPLIT else "its tokens' rows"
+        raise SoapConfigError(f"layer {name} is {what}: split it {own!r} ({detail}) or leave it replicated")
+    if split == own and (shape.in_features % tensor or shape.out_features % tensor):
+        count = (
+            f"{shape.in_features} heads (and its MLP's {shape.out_features} width)"
+            if own == BLOCK_SPLIT
+            else f"vocabulary of {shape.in_features}"
         )
-    if split == BLOCK_SPLIT and (shape.in_features % tensor or shape.out_features % tensor):
         raise SoapConfigError(
-            f"layer {name}: a {tensor}-way split by heads needs its {shape.in_features} heads (and its MLP's "
-            f"{shape.out_features} width) to divide by {tensor}; choose another degree or leave it replicated"
+            f"layer {name}: a {tensor}-way split by {own} needs its {count} to divide by {tensor}; choose another "
+            "degree or leave it replicated"
         )

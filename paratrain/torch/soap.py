@@ -33,6 +33,7 @@ from paratrain.runtime.context import Context
 from paratrain.runtime.group import Group
 from paratrain.soap import (
     BLOCK_SPLIT,
+    VOCAB_SPLIT,
     ChainPlan,
     LayerShape,
     Mesh,
@@ -43,7 +44,7 @@ from paratrain.soap import (
     megatron_splits,
     plan_chain,
 )
-from paratrain.torch.soap_blocks import SplitBlock, block_shape
+from paratrain.torch.soap_blocks import SplitBlock, SplitEmbed, SplitHead, block_shape, vocab_shape
 from paratrain.torch.soap_moves import _Boundary, _channels_first, _part
 
 __all__ = ["SoapModel", "SplitLayer", "chain_layers", "check_configuration", "parallelize", "splits_of"]
@@ -69,7 +70,7 @@ def _splittable(module: nn.Module) -> LayerShape | None:
         return LayerShape(module.in_features, module.out_features)
     if isinstance(module, nn.Conv2d) and module.groups == 1:
         return LayerShape(module.in_channels, module.out_channels)
-    return block_shape(module)
+    return block_shape(module) or vocab_shape(module)
 
 
 class SplitLayer(nn.Module):
@@ -154,8 +155,11 @@ class SoapModel(nn.Module):
             name: step.split
             for name, step in zip(self.plan.names(), self.steps, strict=True)
             if isinstance(step, SplitLayer) and step.split != "replicated"
-        } | {name: BLOCK_SPLIT for name, step in zip(self.plan.names(), self.steps, strict=True) if isinstance(
-            step, SplitBlock)}  # fmt: skip
+        } | {
+            name: BLOCK_SPLIT if isinstance(step, SplitBlock) else VOCAB_SPLIT
+            for name, step in zip(self.plan.names(), self.steps, strict=True)
+            if isinstance(step, SplitBlock | SplitEmbed | SplitHead)
+        }
 
     def rows(self, batch: int) -> slice:
         """The rows of a global batch of ``batch`` examples that this worker's data part computes."""
@@ -185,7 +189,7 @@ class SoapModel(nn.Module):
         group = self.tensor_group
         found: dict[str, np.ndarray[Any, Any]] = {}
         for where, step in zip(self.plan.names(), self.steps, strict=True):
-            if isinstance(step, SplitBlock):
+            if isinstance(step, SplitBlock | SplitEmbed | SplitHead):
                 found.update({f"{where}.{k}": v for k, v in step.whole(grads=grads).items()})
                 continue
             for name, param in step.named_parameters():
@@ -200,7 +204,7 @@ class SoapModel(nn.Module):
 def _layout_split(split: str, shape: LayerShape) -> str:
     """How a step lies in the chain's layouts: a transformer block, split or not, reads and writes the whole
     activation (its moves are inside it) and a whole block's input must be whole, as a replicated layer's."""
-    return "replicated" if shape.kind == "block" else split
+    return "replicated" if shape.kind != "layer" else split
 
 
 def _chain(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
@@ -241,8 +245,8 @@ def check_configuration(model: nn.Module, splits: Mapping[str, str], tensor: int
     for name in splits:
         if name in modules and name not in layers:
             raise SoapConfigError(
-                f"layer {name} is a {type(modules[name]).__name__}; only linear layers, 2-d convolutions and "
-                "transformer blocks split"
+                f"layer {name} is a {type(modules[name]).__name__}; only linear layers, 2-d convolutions, "
+                "transformer blocks, embeddings and output heads split"
             )
     check_splits(layers, splits, tensor)
     ops = [OpSpec(n, _layout_split(splits.get(n, "replicated"), layers[n]) if n in layers else None) for n in modules]
@@ -287,6 +291,11 @@ def _part_of(module: nn.Module, split: str, shape: LayerShape | None, group: Gro
         return module
     if shape.kind == "block":
         return SplitBlock(module, group) if split == BLOCK_SPLIT else module
+    if shape.kind == "vocab":
+        if split != VOCAB_SPLIT:
+            return module
+        return SplitEmbed(module, group) if isinstance(getattr(module, "token", None), nn.Module) else SplitHead(
+            module, group)  # fmt: skip
     return SplitLayer(module, split, group.world_size, group.rank)
 
 

@@ -1,4 +1,5 @@
-"""A transformer block split over a tensor group by its heads: Megatron-LM's tensor-parallel transformer layer.
+"""A transformer's modules split over a tensor group: blocks by their heads (Megatron-LM's tensor-parallel
+transformer layer), and the token embedding and output head by vocabulary.
 
 A pre-norm block (``x + proj(attention(qkv(ln1(x))))``, then ``x + fc2(gelu(fc1(ln2(x))))``) keeps on each of N
 workers its N-th of the attention heads (their rows of the query, key and value projections, the attention of
@@ -7,7 +8,8 @@ those heads, the matching columns of the output projection) and of the MLP's wid
 the split part as it is and its gradient is all-reduced (``f``); the part's partial output is all-reduced and its
 gradient passes as it is (``g``). The biases of the two layers whose outputs are all-reduced live on the group's
 first worker. Recognised by shape (``heads``, ``ln1``, ``qkv``, ``proj``, ``ln2``, ``fc1``, ``fc2``), as
-:class:`paratrain.train.transformer.Block` has them.
+:class:`paratrain.train.transformer.Block` has them; an embedding (``token``, ``position``) and a head (``ln``,
+``out``) as :class:`~paratrain.train.transformer.Embed` and :class:`~paratrain.train.transformer.Head` have them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from paratrain.runtime.group import Group
 from paratrain.soap import LayerShape, Move
 from paratrain.torch.soap_moves import _Boundary
 
-__all__ = ["SplitBlock", "block_shape"]
+__all__ = ["SplitBlock", "SplitEmbed", "SplitHead", "block_shape", "vocab_shape"]
 
 _PARTS = ("ln1", "qkv", "proj", "ln2", "fc1", "fc2")
 
@@ -128,3 +130,88 @@ class SplitBlock(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads {self.heads} of {self.heads * self.parts}, part={self.index}/{self.parts}"
+
+
+def vocab_shape(module: nn.Module) -> LayerShape | None:
+    """The vocabulary of a token embedding (a module with ``token``, an ``nn.Embedding``, and ``position``) or an
+    output head (exactly ``ln`` and ``out``, a LayerNorm and a Linear), what a split by vocabulary cuts; None for
+    another module."""
+    token = getattr(module, "token", None)
+    if isinstance(token, nn.Embedding) and isinstance(getattr(module, "position", None), nn.Parameter):
+        return LayerShape(token.num_embeddings, token.num_embeddings, kind="vocab")
+    children = dict(module.named_children())
+    out = children.get("out")
+    if set(children) == {"ln", "out"} and isinstance(children["ln"], nn.LayerNorm) and isinstance(out, nn.Linear):
+        return LayerShape(out.out_features, out.out_features, kind="vocab")
+    return None
+
+
+class SplitEmbed(nn.Module):
+    """This worker's rows of a token embedding split by vocabulary over ``group`` (Megatron's vocabulary-parallel
+    embedding): a token outside its rows looks up zeros, the parts' sum (one allreduce forward) is every
+    token's row; the position embedding stays whole."""
+
+    def __init__(self, embed: nn.Module, group: Group) -> None:
+        super().__init__()
+        token = cast(nn.Embedding, embed.token)
+        rows = _rows(token.num_embeddings, group.world_size, group.rank)
+        self.start, self.stop, self.group = rows.start, rows.stop, group
+        self.context = int(getattr(embed, "context", 0))
+        self.token_weight = nn.Parameter(token.weight[rows].detach().clone())
+        self.position = nn.Parameter(cast(nn.Parameter, embed.position).detach().clone())
+        self._g = _Boundary(Move.ALLREDUCE, Move.NONE, group, group.rank)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[-1]
+        if self.context and length > self.context:
+            raise ValueError(f"a window of {length} tokens is longer than the model's context of {self.context}")
+        mine = (tokens >= self.start) & (tokens < self.stop)
+        local = F.embedding(torch.where(mine, tokens - self.start, 0), self.token_weight) * mine.unsqueeze(-1)
+        out: torch.Tensor = self._g.cross(local) + self.position[:length]
+        return out
+
+    def whole(self, *, grads: bool = False) -> dict[str, np.ndarray[Any, Any]]:
+        """The unsplit embedding's ``token.weight`` and ``position`` (or gradients); collective over the group."""
+        token = self.token_weight.grad if grads else self.token_weight
+        position = self.position.grad if grads else self.position
+        assert token is not None and position is not None, "no gradient yet"
+        full = self.group.allgather(token.detach().contiguous())
+        return {"token.weight": full.numpy().copy(), "position": position.detach().numpy().copy()}
+
+    def extra_repr(self) -> str:
+        return f"tokens {self.start}..{self.stop - 1}, part={self.group.rank}/{self.group.world_size}"
+
+
+class SplitHead(nn.Module):
+    """This worker's part of an output head (``ln``, then ``out`` to the vocabulary) split by vocabulary over
+    ``group``: the layer norm whole, the output layer's rows for this part's tokens (a column split), its scores
+    gathered along the last dimension; the normalised input's gradient all-reduced (Megatron's ``f``)."""
+
+    def __init__(self, head: nn.Module, group: Group) -> None:
+        super().__init__()
+        out = cast(nn.Linear, head.out)
+        rows = _rows(out.out_features, group.world_size, group.rank)
+        self.group = group
+        self.ln = copy.deepcopy(cast(nn.Module, head.ln))
+        self.out_weight = nn.Parameter(out.weight[rows].detach().clone())
+        self.out_bias = nn.Parameter(out.bias[rows].detach().clone()) if out.bias is not None else None
+        self._f = _Boundary(Move.NONE, Move.ALLREDUCE, group, group.rank)
+        self._gather = _Boundary(Move.ALLGATHER, Move.SLICE, group, group.rank, dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores: torch.Tensor = self._gather.cross(F.linear(self._f.cross(self.ln(x)), self.out_weight, self.out_bias))
+        return scores
+
+    def whole(self, *, grads: bool = False) -> dict[str, np.ndarray[Any, Any]]:
+        """The unsplit head's parameters (or gradients) under its names; collective over the group."""
+        found: dict[str, torch.Tensor] = {}
+        for name, param in (("out.weight", self.out_weight), ("out.bias", self.out_bias)):
+            if param is not None:
+                value = param.grad if grads else param
+                assert value is not None, "no gradient yet"
+                found[name] = self.group.allgather(value.detach().contiguous())
+        for name, param in self.ln.named_parameters():
+            value = param.grad if grads else param
+            assert value is not None, "no gradient yet"
+            found[f"ln.{name}"] = value.detach()
+        return {k: v.contiguous().numpy().copy() for k, v in found.items()}

@@ -21,24 +21,30 @@ def _part(total: int, parts: int, index: int) -> slice:
     return slice(index * size, (index + 1) * size)
 
 
-def _channels_first(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with dimension 1 (features, or a convolution's channels) first, contiguous: the collectives split
-    and join along axis 0."""
-    return x.transpose(0, 1).contiguous()
+def _channels_first(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """``x`` with dimension ``dim`` (features, or a convolution's channels) first, contiguous: the collectives
+    split and join along axis 0."""
+    return x.movedim(dim, 0).contiguous()
 
 
-def _run(step: Move, x: torch.Tensor, group: Group, index: int) -> torch.Tensor:
-    """``step`` applied to ``x`` (``[batch, features]`` or ``[batch, channels, ...]``, split along dimension 1) over
-    ``group``, whose member ``index`` this worker is."""
+def _back(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """:func:`_channels_first` undone."""
+    return x.movedim(0, dim).contiguous()
+
+
+def _run(step: Move, x: torch.Tensor, group: Group, index: int, dim: int = 1) -> torch.Tensor:
+    """``step`` applied to ``x`` (``[batch, features]`` or ``[batch, channels, ...]``, split along dimension
+    ``dim``: 1, or -1 for the last) over ``group``, whose member ``index`` this worker is."""
+    dim %= x.dim()
     if step is Move.NONE:
         return x
     if step is Move.SLICE:
-        return x[:, _part(x.shape[1], group.world_size, index)].contiguous()
+        return x.narrow(dim, index * (x.shape[dim] // group.world_size), x.shape[dim] // group.world_size).contiguous()
     if step is Move.ALLREDUCE:
         return group.allreduce(x.contiguous())
     if step is Move.ALLGATHER:
-        return _channels_first(group.allgather(_channels_first(x)))
-    return _channels_first(group.reduce_scatter(_channels_first(x)))  # REDUCE_SCATTER
+        return _back(group.allgather(_channels_first(x, dim)), dim)
+    return _back(group.reduce_scatter(_channels_first(x, dim)), dim)  # REDUCE_SCATTER
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,7 @@ class _Boundary:
     backward: Move
     group: Group
     index: int
+    dim: int = 1
 
     def cross(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` moved forward; its gradient moves backward (``x`` itself where neither moves: no autograd node,
@@ -65,9 +72,9 @@ class _Moved(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, boundary: _Boundary) -> torch.Tensor:
         ctx.boundary = boundary
-        return _run(boundary.forward, x, boundary.group, boundary.index)
+        return _run(boundary.forward, x, boundary.group, boundary.index, boundary.dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         b: _Boundary = ctx.boundary
-        return _run(b.backward, grad, b.group, b.index), None
+        return _run(b.backward, grad, b.group, b.index, b.dim), None

@@ -191,7 +191,7 @@ def test_a_split_layer_holds_its_part_of_the_weights_only() -> None:
             "mlp",
             {"2": "row"},
             Mesh(tensor=2),
-            "layer 2 is a ReLU; only linear layers, 2-d convolutions and transformer blocks split",
+            "layer 2 is a ReLU; only linear layers, 2-d convolutions, transformer blocks",
         ),
         ("mlp", {"1": "diagonal"}, Mesh(tensor=2), "unknown split 'diagonal'"),
         ("mlp", {"1": "column"}, Mesh(tensor=2, data=2), "needs 4 workers; the job has 2"),
@@ -258,6 +258,8 @@ def _tiny_transformer() -> nn.Sequential:
     ("splits", "tensor", "workers"),
     [
         ({"1": "heads", "2": "heads", "3": "heads"}, 2, 2),  # Megatron's transformer layers, 2-way
+        ({"0": "vocab", "1": "heads", "4": "vocab"}, 2, 2),  # ... with the embedding and the head by vocabulary
+        ({"0": "vocab", "2": "heads", "4": "vocab"}, 4, 4),
         ({"1": "heads", "3": "heads"}, 4, 4),  # one head per worker; block 2 whole
         ({"2": "heads"}, 2, 4),  # 2-way tensor x 2-way data
     ],
@@ -326,7 +328,9 @@ def test_a_split_block_holds_its_heads_only() -> None:
     [
         ({"1": "heads"}, 3, "needs its 4 heads (and its MLP's 64 width) to divide by 3"),
         ({"1": "column"}, 2, "layer 1 is a transformer block: split it 'heads'"),
-        ({"0": "heads"}, 2, "layer 0 is a Embed; only linear layers, 2-d convolutions and transformer blocks split"),
+        ({"0": "heads"}, 2, "layer 0 is an embedding or output head: split it 'vocab'"),
+        ({"0": "vocab"}, 5, "a 5-way split by vocab needs its vocabulary of 12 to divide by 5"),
+        ({"1": "vocab"}, 2, "layer 1 is a transformer block: split it 'heads'"),
     ],
 )
 def test_a_bad_block_configuration_is_refused(splits: dict[str, str], tensor: int, message: str) -> None:

@@ -132,7 +132,7 @@ def test_the_profile_times_each_split_part_of_the_layers_of_a_chain_and_skips_bl
     }
     assert all(f > 0 and b > 0 for layer in ratios.values() for f, b in layer.values())
     blocks = split_ratios(transformer(vocab=12, context=8, width=16, heads=4, depth=1), torch.zeros(2, 8).long(), 3)
-    assert blocks == {}  # a block splits inside itself, with its group: not a part alone
+    assert blocks == {}  # blocks, the embedding and the head split inside themselves, with their group
 
 
 def _transformer_profile() -> ModelProfile:

@@ -47,7 +47,7 @@ def test_tp_fills_in_one_tensor_group_and_a_file_its_grid(tmp_path: Path) -> Non
         (
             '{"tensor": 2, "splits": {"2": "row"}}',
             {},
-            "layer 2 is a ReLU; only linear layers, 2-d convolutions and transformer blocks split",
+            "layer 2 is a ReLU; only linear layers, 2-d convolutions, transformer blocks",
         ),
         ('{"tensor": 2, "splits": {"1": "diagonal"}}', {}, "unknown split 'diagonal'"),
         ('{"tensor": 2, "data": 1, "splits": {"1": "column", "3": "row"}}', {"workers": 4}, "give --workers 2"),
