@@ -1,7 +1,8 @@
 """FlexFlow's search over per-operator configurations: which layers to split, and how, on how many workers.
 
 A point of the space is a tensor-parallel degree T (a divisor of the workers; T = 1 is data parallelism) and,
-for every layer that splits, ``replicated``, ``column`` (its outputs divide by T) or ``row`` (its inputs do); at
+for every layer that splits, ``replicated``, ``column`` (its outputs divide by T) or ``row`` (its inputs do), and
+for a transformer block ``heads`` or ``sequence`` (its heads divide by T); at
 T > 1 at least one layer splits (a tensor group that splits nothing repeats one worker's work T times: the job
 with fewer workers, which is not a strategy of this job).
 The cost of a point is the simulator's step (:class:`paratrain.sim.compose` replays the runtime's own moves), given
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 from paratrain.errors import ConfigError
 from paratrain.sim.machine import MachineProfile, ModelProfile
-from paratrain.soap import BLOCK_SPLIT, LayerShape, SoapConfig
+from paratrain.soap import BLOCK_SPLIT, SEQUENCE_SPLIT, LayerShape, SoapConfig
 
 __all__ = ["SoapPoint", "SoapSearch", "search_soap", "soap_cost", "split_options", "splittable"]
 
@@ -84,7 +85,7 @@ def split_options(layers: Mapping[str, LayerShape], tensor: int) -> dict[str, tu
     for name, shape in layers.items():
         if shape.kind == "block":
             divides = shape.in_features % tensor == 0 and shape.out_features % tensor == 0
-            found[name] = ("replicated", BLOCK_SPLIT) if divides else ("replicated",)
+            found[name] = ("replicated", BLOCK_SPLIT, SEQUENCE_SPLIT) if divides else ("replicated",)
             continue
         found[name] = (
             ("replicated",)

@@ -32,6 +32,7 @@ from paratrain.sim.machine import LayerCost, ModelProfile
 from paratrain.sim.step import TAG_STRIDE
 from paratrain.soap import (
     BLOCK_SPLIT,
+    SEQUENCE_SPLIT,
     VOCAB_SPLIT,
     ChainPlan,
     LayerShape,
@@ -233,6 +234,15 @@ class TensorJob:
         for i in reversed(range(len(steps))):
             self._compute(steps[i], out, items[i + 1], backward=True)
             moved(f"move gradient {i}", plan.backward[i], items[i])
+        shared = sum(
+            sum(layer.param_bytes) // self.itemsize
+            for step in steps
+            if self._split_of(step) == SEQUENCE_SPLIT
+            for layer in step.layers
+            if step.part(layer).startswith("ln")
+        )
+        if shared:  # layer norms split along the sequence: each worker's gradient is its positions' share
+            out.append(Event("sum the layer norms' gradients", move=Move.ALLREDUCE, items=shared))
         out.append(Event("average gradients", move=Move.ALLREDUCE, items=self.held_items(part), data_group=True))
         out.append(Event("optimizer", seconds=model.optimizer_s * self.held_share()))
         return out
@@ -241,26 +251,44 @@ class TensorJob:
         return self.splits.get(step.name, "replicated") if self.mesh.tensor > 1 else "replicated"
 
     def _compute(self, step: Step, out: list[Event], written: int, *, backward: bool) -> None:
-        """A step's compute (forward or backward) into ``out``; a block split by heads with its two allreduces
-        (Megatron's g forward, after the attention's and the MLP's output projections; f backward, before the
-        layer norms), of the block's output (``written`` elements)."""
+        """A step's compute (forward or backward) into ``out``. A block split by heads with Megatron's f and g of
+        its output (``written`` elements): an allreduce forward after the attention's and the MLP's output
+        projections, and backward before the layer norms; split along the sequence too, a reduce-scatter and an
+        allgather in their places, its layer norms on 1/N of the positions, and the block's output gathered
+        (an allgather forward, and its gradient's backward)."""
         tensor, split = self.mesh.tensor, self._split_of(step)
-        heads = split == BLOCK_SPLIT
+        seq = split == SEQUENCE_SPLIT
+        heads = split == BLOCK_SPLIT or seq
+        f_move, g_move = (Move.REDUCE_SCATTER, Move.ALLGATHER) if seq and backward else (Move.ALLREDUCE, Move.NONE)
+        if not backward:
+            f_move, g_move = (Move.ALLGATHER, Move.REDUCE_SCATTER) if seq else (Move.NONE, Move.ALLREDUCE)
         order = list(reversed(step.layers)) if backward else list(step.layers)
+
+        def move(label: str, kind: Move) -> None:
+            if kind is not Move.NONE:
+                out.append(Event(label, move=kind, items=written))
+
         for layer in order:
+            part = step.part(layer)
             whole = layer.backward_s if backward else layer.forward_s
-            if split == "replicated" or (heads and step.part(layer).startswith("ln")):
+            if split == "replicated" or (heads and part.startswith("ln") and not seq):
                 seconds = whole
             elif heads:
-                seconds = whole / tensor
+                seconds = whole / tensor  # heads; with the sequence, the layer norms' positions too
             else:
                 measured = layer.split_s.get(f"{split}/{tensor}")
                 seconds = measured[backward] if measured is not None else whole / tensor
-            if heads and backward and step.part(layer) in ("ln1", "ln2"):  # f: the normalised input's gradient
-                out.append(Event(f"f {layer.name}", move=Move.ALLREDUCE, items=written))
+            if heads and backward and part in ("proj", "fc2"):
+                move(f"g {layer.name}", g_move)
+            if heads and backward and part in ("ln1", "ln2"):
+                move(f"f {layer.name}", f_move)
             out.append(Event(f"{'B' if backward else 'F'} {layer.name}", seconds=seconds))
-            if heads and not backward and step.part(layer) in ("proj", "fc2"):  # g: the partial output
-                out.append(Event(f"g {layer.name}", move=Move.ALLREDUCE, items=written))
+            if heads and not backward and part in ("ln1", "ln2"):
+                move(f"f {layer.name}", f_move)
+            if heads and not backward and part in ("proj", "fc2"):
+                move(f"g {layer.name}", g_move)
+        if seq:  # forward: the block's output from every position; backward: its input's gradient
+            move(f"gather {step.name}{' (backward)' if backward else ''}", Move.ALLGATHER)
 
     def compute_s(self) -> float:
         """Seconds of one step's computation on tensor part 0."""
@@ -279,11 +307,11 @@ class TensorJob:
             for layer in step.layers:
                 sizes = [b // self.itemsize for b in layer.param_bytes]
                 kind = step.part(layer)
-                if split == BLOCK_SPLIT and kind in ("qkv", "fc1"):
+                if split in (BLOCK_SPLIT, SEQUENCE_SPLIT) and kind in ("qkv", "fc1"):
                     split_layer = "column"
-                elif split == BLOCK_SPLIT and kind in ("proj", "fc2"):
+                elif split in (BLOCK_SPLIT, SEQUENCE_SPLIT) and kind in ("proj", "fc2"):
                     split_layer = "row"
-                elif split == BLOCK_SPLIT:
+                elif split in (BLOCK_SPLIT, SEQUENCE_SPLIT):
                     split_layer = "replicated"
                 else:
                     split_layer = split

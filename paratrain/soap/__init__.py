@@ -8,11 +8,21 @@ checks a configuration against a model's layers; :mod:`.config` is a configurati
 
 from paratrain.soap.config import SoapConfig, megatron_splits
 from paratrain.soap.layout import SPLITS, ChainPlan, Layout, Move, OpSpec, move, plan_chain
-from paratrain.soap.mesh import BLOCK_SPLIT, KIND_SPLITS, VOCAB_SPLIT, LayerShape, Mesh, SoapConfigError, check_splits
+from paratrain.soap.mesh import (
+    BLOCK_SPLIT,
+    KIND_SPLITS,
+    SEQUENCE_SPLIT,
+    VOCAB_SPLIT,
+    LayerShape,
+    Mesh,
+    SoapConfigError,
+    check_splits,
+)
 
 __all__ = [
     "BLOCK_SPLIT",
     "KIND_SPLITS",
+    "SEQUENCE_SPLIT",
     "SPLITS",
     "VOCAB_SPLIT",
     "ChainPlan",

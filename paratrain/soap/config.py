@@ -53,8 +53,9 @@ class SoapConfig:
             raise SoapConfigError(f"the tensor and data degrees must be at least 1, got {self.tensor} and {self.data}")
         if self.splits is not None:
             for name, split in self.splits.items():
-                if split not in (*SPLITS, *KIND_SPLITS.values()):
-                    known = ", ".join((*SPLITS, *KIND_SPLITS.values()))
+                others = [name for own in KIND_SPLITS.values() for name in own]
+                if split not in (*SPLITS, *others):
+                    known = ", ".join((*SPLITS, *others))
                     raise SoapConfigError(f"layer {name}: unknown split {split!r}; give one of {known}")
             object.__setattr__(self, "splits", MappingProxyType(dict(self.splits)))
 

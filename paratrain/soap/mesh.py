@@ -15,16 +15,28 @@ from dataclasses import dataclass
 from paratrain.errors import ConfigError
 from paratrain.soap.layout import SPLITS
 
-__all__ = ["BLOCK_SPLIT", "KIND_SPLITS", "VOCAB_SPLIT", "LayerShape", "Mesh", "SoapConfigError", "check_splits"]
+__all__ = [
+    "BLOCK_SPLIT",
+    "KIND_SPLITS",
+    "SEQUENCE_SPLIT",
+    "VOCAB_SPLIT",
+    "LayerShape",
+    "Mesh",
+    "SoapConfigError",
+    "check_splits",
+]
 
 #: How a transformer block splits: its attention heads (the query, key and value projections by output, the
 #: attention per head, the output projection by input) and its MLP (first layer by output, second by input), one
 #: allreduce each forward (Megatron-LM's transformer layer).
 BLOCK_SPLIT = "heads"
+#: A transformer block split by heads whose layer norms and residuals also split along the sequence (the
+#: attribute dimension; Megatron-LM's sequence parallelism): each worker normalises its N-th of the positions.
+SEQUENCE_SPLIT = "sequence"
 #: How a token embedding or an output head splits: by vocabulary (each worker holds its tokens' rows).
 VOCAB_SPLIT = "vocab"
-#: The split each kind of module other than a layer takes (beside ``replicated``).
-KIND_SPLITS = {"block": BLOCK_SPLIT, "vocab": VOCAB_SPLIT}
+#: The splits each kind of module other than a layer takes (beside ``replicated``).
+KIND_SPLITS = {"block": (BLOCK_SPLIT, SEQUENCE_SPLIT), "vocab": (VOCAB_SPLIT,)}
 
 
 class SoapConfigError(ConfigError):
@@ -102,7 +114,7 @@ def check_splits(layers: Mapping[str, LayerShape], splits: Mapping[str, str], te
             known = ", ".join(sorted(layers)) or "none"
             raise SoapConfigError(f"the model has no layer {name!r} to split (the layers that split: {known})")
         shape = layers[name]
-        if shape.kind in KIND_SPLITS or split in KIND_SPLITS.values():
+        if shape.kind in KIND_SPLITS or any(split in own for own in KIND_SPLITS.values()):
             _check_kind(name, shape, split, tensor)
             continue
         if split not in SPLITS:
@@ -121,18 +133,24 @@ def _check_kind(name: str, shape: LayerShape, split: str, tensor: int) -> None:
     own = KIND_SPLITS.get(shape.kind)
     what = {"block": "a transformer block", "vocab": "an embedding or output head"}.get(shape.kind, "")
     if own is None:
-        raise SoapConfigError(f"layer {name}: only transformer blocks split by {BLOCK_SPLIT!r} and embeddings or "
-                              f"heads by {VOCAB_SPLIT!r}; give column, row or replicated")  # fmt: skip
-    if split not in ("replicated", own):
-        detail = "its attention heads and its MLP's width" if own == BLOCK_SPLIT else "its tokens' rows"
-        raise SoapConfigError(f"layer {name} is {what}: split it {own!r} ({detail}) or leave it replicated")
-    if split == own and (shape.in_features % tensor or shape.out_features % tensor):
+        raise SoapConfigError(f"layer {name}: only transformer blocks split by {BLOCK_SPLIT!r} or "
+                              f"{SEQUENCE_SPLIT!r} and embeddings or heads by {VOCAB_SPLIT!r}; give column, row or "
+                              "replicated")  # fmt: skip
+    if split not in ("replicated", *own):
+        detail = (
+            f"{BLOCK_SPLIT!r} (its attention heads and its MLP's width) or {SEQUENCE_SPLIT!r} (and its layer norms "
+            "along the sequence)"
+            if shape.kind == "block"
+            else f"{VOCAB_SPLIT!r} (its tokens' rows)"
+        )
+        raise SoapConfigError(f"layer {name} is {what}: split it {detail} or leave it replicated")
+    if split != "replicated" and (shape.in_features % tensor or shape.out_features % tensor):
         count = (
             f"{shape.in_features} heads (and its MLP's {shape.out_features} width)"
-            if own == BLOCK_SPLIT
+            if shape.kind == "block"
             else f"vocabulary of {shape.in_features}"
         )
         raise SoapConfigError(
-            f"layer {name}: a {tensor}-way split by {own} needs its {count} to divide by {tensor}; choose another "
+            f"layer {name}: a {tensor}-way split by {split} needs its {count} to divide by {tensor}; choose another "
             "degree or leave it replicated"
         )

@@ -33,6 +33,7 @@ from paratrain.runtime.context import Context
 from paratrain.runtime.group import Group
 from paratrain.soap import (
     BLOCK_SPLIT,
+    SEQUENCE_SPLIT,
     VOCAB_SPLIT,
     ChainPlan,
     LayerShape,
@@ -156,7 +157,7 @@ class SoapModel(nn.Module):
             for name, step in zip(self.plan.names(), self.steps, strict=True)
             if isinstance(step, SplitLayer) and step.split != "replicated"
         } | {
-            name: BLOCK_SPLIT if isinstance(step, SplitBlock) else VOCAB_SPLIT
+            name: (SEQUENCE_SPLIT if step.sequence else BLOCK_SPLIT) if isinstance(step, SplitBlock) else VOCAB_SPLIT
             for name, step in zip(self.plan.names(), self.steps, strict=True)
             if isinstance(step, SplitBlock | SplitEmbed | SplitHead)
         }
@@ -173,7 +174,16 @@ class SoapModel(nn.Module):
         return self._boundaries[-1].cross(x)
 
     def average_gradients(self) -> None:
-        """Averages every parameter's gradient over the data-parallel group (after ``backward``)."""
+        """Sums the gradients that are shares of the whole over the tensor group (the layer norms of blocks split
+        along the sequence), then averages every parameter's gradient over the data-parallel group (after
+        ``backward``)."""
+        shares = [g for step in self.steps if isinstance(step, SplitBlock) for g in step.partial_gradients()]
+        if shares:
+            total = self.tensor_group.allreduce(torch.cat([g.reshape(-1) for g in shares]))
+            offset = 0
+            for g in shares:
+                g.copy_(total[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if self.data_group.world_size == 1 or not grads:
             return
@@ -290,7 +300,7 @@ def _part_of(module: nn.Module, split: str, shape: LayerShape | None, group: Gro
     if shape is None:
         return module
     if shape.kind == "block":
-        return SplitBlock(module, group) if split == BLOCK_SPLIT else module
+        return SplitBlock(module, group, sequence=split == SEQUENCE_SPLIT) if split != "replicated" else module
     if shape.kind == "vocab":
         if split != VOCAB_SPLIT:
             return module

@@ -51,7 +51,7 @@ class SplitBlock(nn.Module):
     """This worker's part of ``block`` split by heads over ``group`` (the tensor group; this worker is its
     ``group.rank``)."""
 
-    def __init__(self, block: nn.Module, group: Group) -> None:
+    def __init__(self, block: nn.Module, group: Group, *, sequence: bool = False) -> None:
         super().__init__()
         shape = block_shape(block)
         if shape is None:
@@ -77,21 +77,42 @@ class SplitBlock(nn.Module):
         self.fc1_weight, self.fc1_bias = keep(fc1.weight[hidden]), keep(fc1.bias[hidden])
         self.fc2_weight = keep(fc2.weight[:, hidden])
         self.fc2_bias = keep(fc2.bias) if first else None
-        self._f = _Boundary(Move.NONE, Move.ALLREDUCE, group, index)  # Megatron's f
-        self._g = _Boundary(Move.ALLREDUCE, Move.NONE, group, index)  # Megatron's g
+        self.sequence = sequence
+        if sequence:  # the f and g of Megatron's sequence parallelism: along the positions (dimension 1)
+            self._f = _Boundary(Move.ALLGATHER, Move.REDUCE_SCATTER, group, index)
+            self._g = _Boundary(Move.REDUCE_SCATTER, Move.ALLGATHER, group, index)
+            self._enter = _Boundary(Move.SLICE, Move.ALLGATHER, group, index)
+            self._leave = _Boundary(Move.ALLGATHER, Move.SLICE, group, index)
+        else:
+            self._f = _Boundary(Move.NONE, Move.ALLREDUCE, group, index)  # Megatron's f
+            self._g = _Boundary(Move.ALLREDUCE, Move.NONE, group, index)  # Megatron's g
         self._width = width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, t, _ = x.shape
+        if self.sequence:
+            if t % self.parts:
+                raise ValueError(
+                    f"a block split by {self.parts} along the sequence needs windows whose length divides by "
+                    f"{self.parts}, got {t}"
+                )
+            x = self._enter.cross(x)  # this worker's positions: its layer norms and residuals see only them
         h = self._f.cross(self.ln1(x))
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).view(n, t, 3, self.heads, self.head_width)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).view(n, h.shape[1], 3, self.heads, self.head_width)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(n, t, -1)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(n, h.shape[1], -1)
         x = x + self._g.cross(F.linear(attended, self.proj_weight, self.proj_bias))
         h = self._f.cross(self.ln2(x))
         mlp = F.linear(F.gelu(F.linear(h, self.fc1_weight, self.fc1_bias)), self.fc2_weight, self.fc2_bias)
         out: torch.Tensor = x + self._g.cross(mlp)
-        return out
+        return self._leave.cross(out) if self.sequence else out
+
+    def partial_gradients(self) -> list[torch.Tensor]:
+        """The gradients that are each worker's share of the whole (split along the sequence: the layer norms'),
+        to be summed over the tensor group before the optimizer steps."""
+        if not self.sequence:
+            return []
+        return [p.grad for p in (*self.ln1.parameters(), *self.ln2.parameters()) if p.grad is not None]
 
     def whole(self, *, grads: bool = False) -> dict[str, np.ndarray[Any, Any]]:
         """The unsplit block's parameters (or their gradients) under its own names (``qkv.weight``...), from every
@@ -129,7 +150,8 @@ class SplitBlock(nn.Module):
         return {k: v.contiguous().numpy().copy() for k, v in found.items()}
 
     def extra_repr(self) -> str:
-        return f"heads {self.heads} of {self.heads * self.parts}, part={self.index}/{self.parts}"
+        along = ", and the sequence" if self.sequence else ""
+        return f"heads {self.heads} of {self.heads * self.parts}{along}, part={self.index}/{self.parts}"
 
 
 def vocab_shape(module: nn.Module) -> LayerShape | None:

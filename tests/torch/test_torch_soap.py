@@ -260,6 +260,9 @@ def _tiny_transformer() -> nn.Sequential:
         ({"1": "heads", "2": "heads", "3": "heads"}, 2, 2),  # Megatron's transformer layers, 2-way
         ({"0": "vocab", "1": "heads", "4": "vocab"}, 2, 2),  # ... with the embedding and the head by vocabulary
         ({"0": "vocab", "2": "heads", "4": "vocab"}, 4, 4),
+        ({"1": "sequence", "2": "heads", "3": "sequence"}, 2, 2),  # layer norms along the positions too
+        ({"0": "vocab", "1": "sequence", "2": "sequence", "3": "sequence", "4": "vocab"}, 4, 4),
+        ({"2": "sequence"}, 2, 4),
         ({"1": "heads", "3": "heads"}, 4, 4),  # one head per worker; block 2 whole
         ({"2": "heads"}, 2, 4),  # 2-way tensor x 2-way data
     ],
@@ -331,6 +334,8 @@ def test_a_split_block_holds_its_heads_only() -> None:
         ({"0": "heads"}, 2, "layer 0 is an embedding or output head: split it 'vocab'"),
         ({"0": "vocab"}, 5, "a 5-way split by vocab needs its vocabulary of 12 to divide by 5"),
         ({"1": "vocab"}, 2, "layer 1 is a transformer block: split it 'heads'"),
+        ({"1": "sequence"}, 3, "a 3-way split by sequence needs its 4 heads"),
+        ({"5": "sequence"}, 2, "no layer '5' to split"),
     ],
 )
 def test_a_bad_block_configuration_is_refused(splits: dict[str, str], tensor: int, message: str) -> None:
@@ -338,3 +343,20 @@ def test_a_bad_block_configuration_is_refused(splits: dict[str, str], tensor: in
 
     with pytest.raises(SoapConfigError, match=re.escape(message)):
         check_configuration(_tiny_transformer(), splits, tensor)
+
+
+def test_a_window_that_does_not_divide_along_the_sequence_is_refused_on_every_rank() -> None:
+    whole = _tiny_transformer()
+
+    def rank(ctx: Any) -> str:
+        model = parallelize(copy.deepcopy(whole), {"1": "sequence"}, ctx, Mesh(tensor=2))
+        try:
+            model(torch.zeros(2, 7, dtype=torch.long))
+        except ValueError as exc:
+            return str(exc)
+        return "accepted"
+
+    assert (
+        run_ranks(2, rank)
+        == ["a block split by 2 along the sequence needs windows whose length divides by 2, got 7"] * 2
+    )

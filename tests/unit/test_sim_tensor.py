@@ -174,3 +174,22 @@ def test_a_transformer_block_split_by_heads_moves_its_output_twice_each_way() ->
     whole = sum(sum(sizes) for sizes in items.values())
     split = sum(items["1.qkv"]) + sum(items["1.fc1"]) + items["1.proj"][0] + items["1.fc2"][0]
     assert job.held_items(1) == whole - split // 2 - 2 * 16
+
+
+def test_a_block_split_along_the_sequence_gathers_and_scatters_instead_of_allreducing() -> None:
+    model = _transformer_profile()
+    job = TensorJob(model, Mesh(2), {"1": "sequence"}, batch_size=8)
+    events = job.events(0)
+    moves = [(e.label, e.move.value) for e in events if e.move is not Move.NONE and not e.data_group]
+    assert moves == [
+        ("f 1.ln1", "allgather"), ("g 1.proj", "reduce_scatter"), ("f 1.ln2", "allgather"),
+        ("g 1.fc2", "reduce_scatter"), ("gather 1", "allgather"),  # forward
+        ("g 1.fc2", "allgather"), ("f 1.ln2", "reduce_scatter"), ("g 1.proj", "allgather"),
+        ("f 1.ln1", "reduce_scatter"), ("gather 1 (backward)", "allgather"),  # backward
+        ("sum the layer norms' gradients", "allreduce"),
+    ]  # fmt: skip
+    seconds = {e.label: e.seconds for e in events}
+    assert seconds["F 1.ln1"] == pytest.approx(0.5e-4)  # the layer norm on half the positions
+    plan = tensor_step(job)
+    plan.validate()
+    assert _collectives(plan.ranks[0]) == len(moves)
