@@ -226,13 +226,18 @@ class TensorJob:
             if move not in (Move.NONE, Move.SLICE):  # a slice is local
                 out.append(Event(label, move=move, items=size))
 
+        seq = [self._split_of(step) == SEQUENCE_SPLIT for step in steps]
+        # consecutive blocks split along the sequence pass their shards on: no gather between them, either way
+        joined = [
+            (i > 0 and seq[i - 1] and seq[i], i + 1 < len(seq) and seq[i] and seq[i + 1]) for i in range(len(seq))
+        ]
         for i, step in enumerate(steps):
             moved(f"move {i}", plan.forward[i], items[i])
-            self._compute(step, out, items[i + 1], backward=False)
+            self._compute(step, out, items[i + 1], backward=False, gathers=not joined[i][1])
         moved("move output", plan.forward[-1], items[-1])
         moved("move output gradient", plan.backward[-1], items[-1])
         for i in reversed(range(len(steps))):
-            self._compute(steps[i], out, items[i + 1], backward=True)
+            self._compute(steps[i], out, items[i + 1], backward=True, gathers=not joined[i][0])
             moved(f"move gradient {i}", plan.backward[i], items[i])
         shared = sum(
             sum(layer.param_bytes) // self.itemsize
@@ -250,12 +255,13 @@ class TensorJob:
     def _split_of(self, step: Step) -> str:
         return self.splits.get(step.name, "replicated") if self.mesh.tensor > 1 else "replicated"
 
-    def _compute(self, step: Step, out: list[Event], written: int, *, backward: bool) -> None:
+    def _compute(self, step: Step, out: list[Event], written: int, *, backward: bool, gathers: bool = True) -> None:
         """A step's compute (forward or backward) into ``out``. A block split by heads with Megatron's f and g of
         its output (``written`` elements): an allreduce forward after the attention's and the MLP's output
         projections, and backward before the layer norms; split along the sequence too, a reduce-scatter and an
         allgather in their places, its layer norms on 1/N of the positions, and the block's output gathered
-        (an allgather forward, and its gradient's backward)."""
+        (an allgather forward, and its input's gradient backward) unless ``gathers`` is False (the next block
+        forward, the one before backward, takes the shards as they are)."""
         tensor, split = self.mesh.tensor, self._split_of(step)
         seq = split == SEQUENCE_SPLIT
         heads = split == BLOCK_SPLIT or seq
@@ -287,7 +293,7 @@ class TensorJob:
                 move(f"f {layer.name}", f_move)
             if heads and not backward and part in ("proj", "fc2"):
                 move(f"g {layer.name}", g_move)
-        if seq:  # forward: the block's output from every position; backward: its input's gradient
+        if seq and gathers:  # forward: the block's output from every position; backward: its input's gradient
             move(f"gather {step.name}{' (backward)' if backward else ''}", Move.ALLGATHER)
 
     def compute_s(self) -> float:

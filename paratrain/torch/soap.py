@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -338,4 +339,7 @@ def parallelize(model: nn.Sequential, splits: Mapping[str, str], ctx: Context, m
     tensor = ctx.split(lambda r: mesh.coordinates(r)[1])
     data = ctx.split(lambda r: mesh.coordinates(r)[0])
     steps = [_part_of(m, splits.get(n, "replicated"), layers.get(n), tensor) for n, m in modules.items()]
+    for before, after in itertools.pairwise(steps):  # consecutive blocks split along the sequence pass shards
+        if isinstance(before, SplitBlock) and isinstance(after, SplitBlock) and before.sequence and after.sequence:
+            before.sharded_out = after.sharded_in = True
     return SoapModel(steps, plan, mesh, tensor, data)

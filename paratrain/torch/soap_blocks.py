@@ -78,6 +78,9 @@ class SplitBlock(nn.Module):
         self.fc2_weight = keep(fc2.weight[:, hidden])
         self.fc2_bias = keep(fc2.bias) if first else None
         self.sequence = sequence
+        # set by the chain when the block before (after) is split along the sequence too: the activation between
+        # them stays split along the positions, and neither gathers it (Megatron's sequence parallelism)
+        self.sharded_in = self.sharded_out = False
         if sequence:  # the f and g of Megatron's sequence parallelism: along the positions (dimension 1)
             self._f = _Boundary(Move.ALLGATHER, Move.REDUCE_SCATTER, group, index)
             self._g = _Boundary(Move.REDUCE_SCATTER, Move.ALLGATHER, group, index)
@@ -90,7 +93,7 @@ class SplitBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, t, _ = x.shape
-        if self.sequence:
+        if self.sequence and not self.sharded_in:
             if t % self.parts:
                 raise ValueError(
                     f"a block split by {self.parts} along the sequence needs windows whose length divides by "
@@ -105,7 +108,7 @@ class SplitBlock(nn.Module):
         h = self._f.cross(self.ln2(x))
         mlp = F.linear(F.gelu(F.linear(h, self.fc1_weight, self.fc1_bias)), self.fc2_weight, self.fc2_bias)
         out: torch.Tensor = x + self._g.cross(mlp)
-        return self._leave.cross(out) if self.sequence else out
+        return self._leave.cross(out) if self.sequence and not self.sharded_out else out
 
     def partial_gradients(self) -> list[torch.Tensor]:
         """The gradients that are each worker's share of the whole (split along the sequence: the layer norms'),

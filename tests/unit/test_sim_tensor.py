@@ -193,3 +193,25 @@ def test_a_block_split_along_the_sequence_gathers_and_scatters_instead_of_allred
     plan = tensor_step(job)
     plan.validate()
     assert _collectives(plan.ranks[0]) == len(moves)
+
+
+def test_consecutive_blocks_split_along_the_sequence_pass_their_shards_on() -> None:
+    job = TensorJob(_transformer_profile(), Mesh(2), {"1": "sequence", "2": "sequence"}, batch_size=8)
+    gathers = [e.label for e in job.events(0) if e.label.startswith("gather")]
+    assert gathers == ["gather 2", "gather 1 (backward)"]  # out of the last block, and into the first's input
+    tensor_step(job).validate()
+
+
+def test_the_runtime_passes_shards_between_consecutive_sequence_blocks() -> None:
+    pytest.importorskip("torch")
+    from paratrain.testing import run_ranks
+    from paratrain.torch.soap import parallelize
+    from paratrain.train.transformer import transformer
+
+    model = transformer(vocab=12, context=8, width=16, heads=4, depth=3)
+
+    def rank(ctx: object) -> list[tuple[bool, bool]]:
+        split = parallelize(model, {"1": "sequence", "2": "sequence", "3": "heads"}, ctx, Mesh(2))  # type: ignore[arg-type]
+        return [(step.sharded_in, step.sharded_out) for step in list(split.steps)[1:4]]
+
+    assert run_ranks(2, rank) == [[(False, True), (True, False), (False, False)]] * 2
