@@ -37,11 +37,16 @@ def plan_soap(args: argparse.Namespace, *, bandwidth: float | None, latency: flo
     space = candidates(model, strategies=whole, workers=args.workers, batch_size=args.batch_size)
     ranked = search(profile, model, space=space, hosts=args.hosts, **job)
     rival = ranked[0]
-    how = "all of them" if found.exhaustive else f"Metropolis-Hastings, alpha {args.alpha}, {found.accepted} accepted"
     network = f", {args.bandwidth} links" if args.bandwidth else ""
+    how = (
+        f"{found.proposals} of {found.size} configurations simulated (all of them)"
+        if found.exhaustive
+        else f"{found.proposals} proposals over {found.size} configurations (Metropolis-Hastings, alpha {args.alpha}, "
+        f"{found.accepted} accepted)"
+    )
     print(
-        f"{args.model}, {args.workers} workers x batch {args.batch_size}{network} on {profile.name!r}: "
-        f"{found.proposals} of {found.size} configurations simulated ({how}) in {found.seconds:.1f} s"
+        f"{args.model}, {args.workers} workers x batch {args.batch_size}{network} on {profile.name!r}: {how} in "
+        f"{found.seconds:.1f} s"
     )
     splits = dict(found.best.splits)
     print("| layer | shape | split |")

@@ -127,7 +127,7 @@ def search_soap(
     proposals: int = 0,
     alpha: float = 20.0,
     seed: int = 0,
-    exhaustive_up_to: int = 512,
+    exhaustive_up_to: int = 100_000,
 ) -> SoapSearch:
     """The fastest configuration of ``model`` on ``workers`` workers that the budget finds (module docstring).
 
@@ -137,7 +137,8 @@ def search_soap(
         proposals: stop after this many proposals (0: only the time budget).
         alpha: how reluctantly the chain moves to a slower point.
         seed: the chain's random numbers.
-        exhaustive_up_to: enumerate spaces of at most this many points.
+        exhaustive_up_to: enumerate spaces of at most this many points, when the budget allows it (the first
+            point's time, times the space's size, within the seconds of ``budget_s``); else the chain.
 
     Raises:
         ConfigError: the profile places no layer that splits, or a bad budget.
@@ -152,12 +153,14 @@ def search_soap(
     started = time.perf_counter()
     start = SoapPoint(1)
     start_s = cost(start)
+    per_point = time.perf_counter() - started
     best, best_s, history, tried, accepted = start, start_s, [start_s], 1, 0
 
     def spent() -> bool:
         return (budget_s > 0 and time.perf_counter() - started >= budget_s) or (0 < proposals <= tried)
 
-    if size <= exhaustive_up_to:
+    affordable = budget_s <= 0 or size * per_point * 1.5 <= budget_s
+    if size <= exhaustive_up_to and affordable and (proposals <= 0 or proposals >= size):
         for point in _every(layers, degrees):
             if point == start:
                 continue
