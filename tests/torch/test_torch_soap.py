@@ -136,13 +136,19 @@ def test_any_configuration_computes_what_one_process_computes(
         refusals = _split_run(name, splits, tensor, workers)
         assert all(isinstance(r, str) and "to divide by" in r for r in refusals), refusals
         return
-    first, grads, params = _one_process(name)
+    reference = _one_process(name)
     for (rows, out), got_grads, got_params in _split_run(name, splits, tensor, workers):
-        np.testing.assert_allclose(out, first[rows], rtol=0, atol=1e-12)
-        assert got_grads.keys() == grads.keys() and got_params.keys() == params.keys()
-        for key in grads:
-            np.testing.assert_allclose(got_grads[key], grads[key], rtol=0, atol=1e-12, err_msg=key)
-            np.testing.assert_allclose(got_params[key], params[key], rtol=0, atol=1e-12, err_msg=key)
+        _assert_as_one_process(reference, rows, (out, got_grads, got_params))
+
+
+def _assert_as_one_process(reference: tuple[Any, Any, Any], rows: Any, got: tuple[Any, Any, Any]) -> None:
+    """A worker's first output (its rows), first gradients and last parameters equal one process's to 1e-12."""
+    (first, grads, params), (out, got_grads, got_params) = reference, got
+    np.testing.assert_allclose(out, first[rows], rtol=0, atol=1e-12)
+    assert got_grads.keys() == grads.keys() and got_params.keys() == params.keys()
+    for key in grads:
+        np.testing.assert_allclose(got_grads[key], grads[key], rtol=0, atol=1e-12, err_msg=key)
+        np.testing.assert_allclose(got_params[key], params[key], rtol=0, atol=1e-12, err_msg=key)
 
 
 def test_layers_inside_nested_sequentials_are_named_as_the_model_names_them() -> None:
@@ -301,14 +307,10 @@ def test_transformer_blocks_split_by_heads_compute_what_one_process_computes(
         rows = model.rows(_BATCH)
         return rows, model.plan_splits(), train(model, rows, lambda m: m.average_gradients())
 
-    first, grads, params = train(copy.deepcopy(whole), slice(None), lambda m: None)
-    for rows, applied, (out, got_grads, got_params) in run_ranks(workers, rank, timeout=90):
+    reference = train(copy.deepcopy(whole), slice(None), lambda m: None)
+    for rows, applied, got in run_ranks(workers, rank, timeout=90):
         assert applied == splits
-        np.testing.assert_allclose(out, first[rows], rtol=0, atol=1e-12)
-        assert got_grads.keys() == grads.keys() and got_params.keys() == params.keys()
-        for key in grads:
-            np.testing.assert_allclose(got_grads[key], grads[key], rtol=0, atol=1e-12, err_msg=key)
-            np.testing.assert_allclose(got_params[key], params[key], rtol=0, atol=1e-12, err_msg=key)
+        _assert_as_one_process(reference, rows, got)
 
 
 def test_a_split_block_holds_its_heads_only() -> None:
