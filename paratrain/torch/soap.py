@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from paratrain.launch.kills import kill_point
 from paratrain.runtime.context import Context
 from paratrain.runtime.group import Group
 from paratrain.soap import (
@@ -150,6 +151,7 @@ class SoapModel(nn.Module):
         self._boundaries = [
             _Boundary(f, b, tensor, tensor.rank) for f, b in zip(plan.forward, plan.backward, strict=True)
         ]
+        self._steps = 0
 
     def plan_splits(self) -> dict[str, str]:
         """The layers split over the tensor group, by name, and how (``column`` or ``row``)."""
@@ -177,7 +179,9 @@ class SoapModel(nn.Module):
     def average_gradients(self) -> None:
         """Sums the gradients that are shares of the whole over the tensor group (the layer norms of blocks split
         along the sequence), then averages every parameter's gradient over the data-parallel group (after
-        ``backward``)."""
+        ``backward``, once a step: ``paratrain launch --kill RANK@step=K`` fires here)."""
+        self._steps += 1
+        kill_point(self._steps)  # paratrain launch --kill RANK@step=K: an injected failure, at each step's end
         shares = [g for step in self.steps if isinstance(step, SplitBlock) for g in step.partial_gradients()]
         if shares:
             total = self.tensor_group.allreduce(torch.cat([g.reshape(-1) for g in shares]))

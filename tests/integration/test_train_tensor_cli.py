@@ -57,3 +57,15 @@ def test_a_configuration_file_on_a_2x2_grid_trains_as_two_data_parallel_workers(
     assert (
         held["0"] == held["2"] and held["1"] == held["3"] and held["0"] - held["1"] == 10 * 4
     )  # the row part's bias: 10 classes
+
+
+def test_a_worker_killed_mid_step_fails_the_job_at_once_naming_the_cause(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [*CLI, "--strategy", "tp:2", "--kill", "1@step=3", "--run-dir", str(tmp_path / "killed")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    # the launcher names the death (its partner, waiting in a split layer's collective, learns it there too,
+    # unless the launcher stops it first)
+    assert "rank 1 (pid" in text and "was killed by signal SIGKILL" in text, text
