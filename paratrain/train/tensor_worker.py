@@ -30,7 +30,7 @@ from paratrain.soap import Mesh, SoapConfig
 from paratrain.strategy import parse_strategy
 from paratrain.train import tasks
 from paratrain.train.data import load_dataset
-from paratrain.train.job import JOB_FILE, TrainJob, read_job, run_dir_of
+from paratrain.train.job import JOB_FILE, PROBE_EXAMPLES, TrainJob, read_job, run_dir_of
 from paratrain.train.models import build_model
 from paratrain.train.record import Recorder
 from paratrain.train.shards import step_share
@@ -119,6 +119,13 @@ def main(argv: list[str] | None = None) -> None:
                 wait_s=t3 - t2, bytes_sent=ctx.transport.stats.bytes_sent,
                 allreduce_bytes=ctx.collectives.allreduce_bytes,
             )  # fmt: skip
+            if job.eval_every > 0 and step % job.eval_every == 0:  # every rank: the split layers' moves
+                t5 = time.time()
+                probe, _ = tasks.evaluate(model, data.x_test[:PROBE_EXAMPLES], data.y_test[:PROBE_EXAMPLES])
+                spent = time.time() - t5
+                rec.add_span("probe accuracy", "eval", t5, t5 + spent)
+                rec.log(kind="probe", step=step, test_accuracy=probe, eval_s=spent, eval_before_s=evaluating)
+                evaluating += spent
         t4 = time.time()
         accuracy, test_loss = tasks.evaluate(model, data.x_test, data.y_test)  # every rank: its group's moves
         rec.add_span("evaluate", "eval", t4, time.time())

@@ -37,7 +37,7 @@ def _furthest(a: dict[str, object], b: dict[str, object]) -> float:
 
 
 def test_tp2_splits_convolutions_and_linear_layers_and_trains_as_one_process(tmp_path: Path) -> None:
-    split, model = _train(tmp_path, "tp", "--strategy", "tp:2", "--model", "lenet")
+    split, model = _train(tmp_path, "tp", "--strategy", "tp:2", "--model", "lenet", "--eval-every", "4")
     _, reference = _train(tmp_path, "one", "--strategy", "allreduce", "--workers", "1", "--model", "lenet")
     assert _furthest(model, reference) < 1e-5
     tensor = split["tensor"]
@@ -45,6 +45,9 @@ def test_tp2_splits_convolutions_and_linear_layers_and_trains_as_one_process(tmp
     assert (tensor["tensor"], tensor["data"]) == (2, 1)  # type: ignore[index]
     assert 0.5 <= tensor["params_share"] < 0.55  # type: ignore[index]  # the last layer and row biases stay whole
     assert "split layers: 2-way tensor x 1 data group (0=column, 3=row, 7=column, 9=row)" in split["stdout"]
+    records = [json.loads(line) for line in (tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()]
+    probes = sorted((r["rank"], r["step"]) for r in records if r["kind"] == "probe")
+    assert probes == [(0, 4), (0, 8), (1, 4), (1, 8)]  # --eval-every: every rank evaluates (the moves need both)
 
 
 def test_a_configuration_file_on_a_2x2_grid_trains_as_two_data_parallel_workers(tmp_path: Path) -> None:
