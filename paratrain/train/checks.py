@@ -138,6 +138,11 @@ def _resolve_tensor(job: TrainJob) -> TrainJob:
         )
     if job.straggler or job.servers:
         raise ConfigError(f"--straggler and --servers are not for split layers ({job.strategy})")
+    if job.bucket_bytes is not None:
+        raise ConfigError(
+            f"--bucket-bytes sizes the data-parallel strategies' gradient buckets; split layers ({job.strategy}) "
+            "average all their gradients over the data groups in one allreduce after backward"
+        )
     return job
 
 

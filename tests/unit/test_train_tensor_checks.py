@@ -58,6 +58,7 @@ def test_tp_fills_in_one_tensor_group_and_a_file_its_grid(tmp_path: Path) -> Non
         ("tp:2", {"max_restarts": 1}, "does not support it"),
         ("tp:2", {"no_overlap": True}, "moves activations between split layers"),
         ("tp:2", {"replicas": 2}, "for pipelines (R pipelines)"),
+        ("tp:2", {"bucket_bytes": 1 << 20}, "--bucket-bytes sizes the data-parallel strategies' gradient buckets"),
         ("tp:0", {}, "tp needs its tensor-parallel degree N >= 1"),
     ],
 )
