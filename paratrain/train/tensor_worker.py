@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             rec.log(
                 kind="step", epoch=epoch + 1, step=step, loss=value, samples=len(share.indices), compute_s=t2 - t0,
                 wait_s=t3 - t2, bytes_sent=ctx.transport.stats.bytes_sent,
-                allreduce_bytes=ctx.collectives.allreduce_bytes,
+                allreduce_bytes=sum(g.collectives.allreduce_bytes for g in (model.tensor_group, model.data_group)),
             )  # fmt: skip
             if job.eval_every > 0 and step % job.eval_every == 0:  # every rank: the split layers' moves
                 t5 = time.time()
