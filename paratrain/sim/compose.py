@@ -23,7 +23,7 @@ from paratrain.sim.predict import (
 )
 from paratrain.sim.replay import Cores, Network, Replay, replay
 from paratrain.sim.step import STRATEGIES, StepJob, gossip_steps, repeat_steps, stale_bound, step_plan, symmetric_step
-from paratrain.sim.tensor import TensorJob, profile_splits, scaled, tensor_step
+from paratrain.sim.tensor import TensorJob, data_average_s, profile_splits, scaled, tensor_step
 from paratrain.soap import Mesh, Move, SoapConfig
 
 __all__ = ["ALLREDUCE", "GOSSIP", "HYBRID", "PARAMETER_SERVER", "PIPELINE", "TENSOR"]
@@ -323,8 +323,14 @@ class _Tensor:
         """The step of ``config`` (None: the one the request's strategy names), as :meth:`predict`."""
         setting = _setting(request)
         job = self._job(request, setting.model, setting.recorded, config)
-        cores = shared_cores(setting.model, world_size=request.workers, hosts=request.hosts)
-        out = _replay(request, setting.network, tensor_step(job), cores=cores)
+        if request.workers > SYMMETRIC_FROM and job.mesh.data > 1 and request.slowdown is None:
+            # every group alike: one tensor group replayed, its data-group averages as a ring replayed apart
+            link = setting.network.route(0, job.mesh.tensor)[0]
+            data_s = data_average_s(job, link, gamma=request.profile.gamma, copy=request.profile.copy)
+            out = _replay(request, setting.network, tensor_step(job, data_s=data_s), cores=None)
+        else:
+            cores = shared_cores(setting.model, world_size=request.workers, hosts=request.hosts)
+            out = _replay(request, setting.network, tensor_step(job), cores=cores)
         step_job = StepJob(job.model, workers=request.workers, strategy=str(request.spec))
         settings = {"splits": ",".join(f"{n}={s}" for n, s in job.splits.items() if s != "replicated") or "none"}
         return Prediction(

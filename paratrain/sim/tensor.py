@@ -28,7 +28,8 @@ from paratrain.collectives.plans import chunk_bounds
 from paratrain.collectives.shm import plan_args as shm_plan_args
 from paratrain.errors import ConfigError
 from paratrain.plan.ir import Action, Plan
-from paratrain.sim.machine import LayerCost, ModelProfile
+from paratrain.sim.machine import LayerCost, LinkCost, ModelProfile
+from paratrain.sim.replay import Network, replay
 from paratrain.sim.step import TAG_STRIDE
 from paratrain.soap import (
     BLOCK_SPLIT,
@@ -44,7 +45,7 @@ from paratrain.soap import (
     plan_chain,
 )
 
-__all__ = ["Step", "TensorJob", "profile_splits", "scaled", "steps_of", "tensor_step"]
+__all__ = ["Step", "TensorJob", "data_average_s", "profile_splits", "scaled", "steps_of", "tensor_step"]
 
 
 def scaled(model: ModelProfile, batch_size: int) -> ModelProfile:
@@ -387,8 +388,23 @@ class _Lane:
         return (len(self.actions) - 1,) if self.actions else ()
 
 
-def tensor_step(job: TensorJob) -> Plan:
-    """Every worker's actions in one step of ``job`` (see the module docstring).
+def data_average_s(job: TensorJob, link: LinkCost, *, gamma: float = 0.0, copy: float = 0.0) -> float:
+    """Seconds of the data groups' gradient average alone: the ring allreduce plan of what tensor part 0 holds over
+    the ``data`` workers of a group, every link ``link``, replayed for one rank (every rank of a ring lives the
+    same timeline: :func:`~paratrain.sim.replay.replay`'s ``symmetric``)."""
+    d = job.mesh.data
+    if d == 1:
+        return 0.0
+    parts = allreduce_parts("ring", d, job.held_items(0), job.itemsize, aliased=True)
+    out = replay(Plan("data average", (parts.rank(0),)), Network.uniform(link), gamma=gamma, copy=copy, symmetric=d)
+    return out.finish[0] + job.model.call_s
+
+
+def tensor_step(job: TensorJob, *, data_s: float | None = None) -> Plan:
+    """Every worker's actions in one step of ``job`` (see the module docstring). With ``data_s``, the first
+    tensor group's only, each of its data-group averages a ``data_s``-second wait (:func:`data_average_s`): every
+    group of a large job lives the same step, so one group's replay stands for thousands of workers' (the
+    tensor group's and the data ring's traffic are then not queued together).
 
     Example:
         >>> from paratrain.sim.machine import LayerCost, ModelProfile
@@ -402,12 +418,12 @@ def tensor_step(job: TensorJob) -> Plan:
         True
     """
     mesh, ranks = job.mesh, []
-    for worker in range(mesh.workers):
+    for worker in range(mesh.tensor if data_s is not None else mesh.workers):
         part, _ = mesh.coordinates(worker)
         lane, calls = _Lane(), 0
         for event in job.events(part):
-            if event.move is Move.NONE:
-                lane.compute(event.seconds, event.label)
+            if event.move is Move.NONE or (event.data_group and data_s is not None):
+                lane.compute(event.seconds if event.move is Move.NONE else data_s or 0.0, event.label)
                 continue
             members = mesh.data_group(worker) if event.data_group else mesh.tensor_group(worker)
             measured = job.model.call_s

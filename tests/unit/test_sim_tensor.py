@@ -215,3 +215,29 @@ def test_the_runtime_passes_shards_between_consecutive_sequence_blocks() -> None
         return [(step.sharded_in, step.sharded_out) for step in list(split.steps)[1:4]]
 
     assert run_ranks(2, rank) == [[(False, True), (True, False), (False, False)]] * 2
+
+
+def test_one_tensor_group_with_its_data_ring_replayed_apart_stands_for_the_whole_job() -> None:
+    from paratrain.sim.replay import Network, replay
+    from paratrain.sim.tensor import data_average_s
+
+    link = LinkCost(20e-6, 1 / 10e9)  # a described cluster's link: every pair alike
+    network = Network.uniform(link)
+    for splits, tensor, data in (({"1": "column", "3": "row"}, 2, 8), ({"1": "column"}, 4, 4)):
+        job = TensorJob(_mlp(), Mesh(tensor, data), splits, batch_size=64)
+        whole = replay(tensor_step(job), network)
+        reduced = replay(tensor_step(job, data_s=data_average_s(job, link)), network)
+        assert len(reduced.finish) == tensor
+        assert max(reduced.finish) == pytest.approx(max(whole.finish), rel=0.05), (splits, tensor, data)
+
+
+def test_predict_replays_one_group_of_a_large_job_in_a_fraction_of_a_second() -> None:
+    import time
+
+    model = dataclasses.replace(_mlp(), concurrency=1024)
+    paths = {"ipc": LinkCost(300e-6, 0.3e-9), "tcp": LinkCost(20e-6, 1 / 10e9)}
+    machine = MachineProfile("cluster", paths).with_model(model)
+    started = time.perf_counter()
+    big = predict(machine, model, workers=1024, strategy="tp:4", hosts=128)
+    assert time.perf_counter() - started < 5 and len(big.replay.finish) == 4
+    assert big.step_s > predict(machine, model, workers=4, strategy="tp:4", hosts=1).step_s  # the 256-way average
