@@ -1,4 +1,5 @@
-"""How paratrain's own processes end: their objects frozen out of the garbage collector before the interpreter exits.
+"""How paratrain's own processes run: started with ``torch._dynamo`` deferred (:mod:`paratrain._startup`), ended
+with their objects frozen out of the garbage collector before the interpreter exits.
 
 The interpreter's last collections walk every object still alive. With torch loaded (and ``torch._dynamo``, which
 an optimizer's first use imports) that walk is 0.6 s of a worker's 0.8 s exit here, paid by every rank of every
@@ -15,11 +16,15 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from paratrain._startup import defer_dynamo
+
 __all__ = ["exit_with"]
 
 
 def exit_with(main: Callable[[], int | None]) -> NoReturn:
-    """Runs ``main`` and exits with its code (0 for None), skipping the collector's walk on the way out."""
+    """Runs ``main`` (``torch._dynamo`` deferred: :func:`~paratrain._startup.defer_dynamo`) and exits with its code
+    (0 for None), skipping the collector's walk on the way out."""
+    defer_dynamo()
     code = main()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

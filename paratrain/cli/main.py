@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from paratrain._exit import exit_with
 from paratrain.cli import bench, compare, demo, launch, plan, profile, sched, topology, train
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "run"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,5 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The ``paratrain`` command: :func:`main` as paratrain's own process (:func:`~paratrain._exit.exit_with`)."""
     exit_with(main)
+
+
+if __name__ == "__main__":
+    run()

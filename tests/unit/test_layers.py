@@ -24,7 +24,8 @@ LAYERS = {
     "_arrays": 0,
     "_current": 0,
     "_process": 0,
-    "_exit": 0,  # how paratrain's own processes exit (gc.freeze), used by every entry point
+    "_exit": 0,  # how paratrain's own processes run and exit (gc.freeze), used by every entry point
+    "_startup": 0,  # torch._dynamo deferred in paratrain's own processes
     "device": 0,  # device tensors (CUDA) staged through host memory: what every entry point of a tensor uses
     "plan": 0,
     "strategy": 0,
