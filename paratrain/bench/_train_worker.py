@@ -30,75 +30,80 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from paratrain._exit import exit_with
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Builds the model, runs warm-up then timed steps, writes the timing."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mode", choices=["single", "concurrent", "paratrain", "ddp", "horovod"], required=True)
-    parser.add_argument("--model", default="mlp")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda (rank r on GPU r mod the GPUs there are)")
-    parser.add_argument("--ddp-backend", default="gloo", choices=["gloo", "nccl"])
-    args = parser.parse_args(argv)
+@dataclass
+class _Engine:
+    """What a mode trains with: the model (DDP's wrapper), the optimizer, this process's rank among ``world``,
+    the barrier that starts the timed steps together and the wait for the gradients (None: none)."""
 
+    model: Any
+    optimizer: Any
+    rank: int
+    world: int
+    barrier: Callable[[], object] | None = None
+    sync: Callable[[], object] | None = None
+
+
+def _launched_rank(mode: str) -> tuple[int, int]:
+    """This process's rank and world as its launcher set them (before any engine starts; its GPU follows it)."""
+    if mode == "concurrent":
+        return int(os.environ["PARATRAIN_BENCH_RANK"]), int(os.environ["PARATRAIN_BENCH_WORLD"])
+    if mode == "ddp":
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if mode == "paratrain":
+        return int(os.environ.get("LOCAL_RANK", "0")), 1  # (its GPU; pt.init() gives the rank)
+    return 0, 1
+
+
+def _engine(args: argparse.Namespace, model: Any, device: Any) -> _Engine:
+    """The mode's distributed training set up around ``model`` (on ``device``)."""
     import torch
-    from torch.nn import functional
 
-    from paratrain.train.models import build_model
-    from paratrain.train.worker import worker_device
-
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    torch.manual_seed(0)
-    model = build_model(args.model, side=28, classes=10)
-    rank, world = 0, 1
-    if args.mode == "concurrent":
-        rank, world = int(os.environ["PARATRAIN_BENCH_RANK"]), int(os.environ["PARATRAIN_BENCH_WORLD"])
-    elif args.mode == "ddp":
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    elif args.mode == "paratrain":
-        rank = int(os.environ.get("LOCAL_RANK", "0"))  # (its GPU; pt.init() below gives the rank)
-    # processes share the GPUs there are, round robin (one each where there are enough)
-    device = worker_device(args.device, rank)
-    model.to(device)
+    rank, world = _launched_rank(args.mode)
     optimizer: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    barrier: Any = None
-    sync: Any = None
     if args.mode == "concurrent":
-        barrier = lambda: _file_barrier(Path(args.out), rank, world)  # noqa: E731
-    elif args.mode == "paratrain":
+        out = Path(args.out)
+        return _Engine(model, optimizer, rank, world, barrier=lambda: _file_barrier(out, rank, world))
+    if args.mode == "paratrain":
         import paratrain as pt
         import paratrain.torch as ptt
 
         ctx = pt.init()
-        rank, world = ctx.rank, ctx.world_size
         ptt.broadcast_parameters(model)
         optimizer = ptt.DistributedOptimizer(optimizer, model=model, strategy="allreduce")
-        barrier, sync = ctx.barrier, optimizer.synchronize
-    elif args.mode == "ddp":
+        return _Engine(model, optimizer, ctx.rank, ctx.world_size, barrier=ctx.barrier, sync=optimizer.synchronize)
+    if args.mode == "ddp":
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=120)
         dist.init_process_group(args.ddp_backend, rank=rank, world_size=world, timeout=timeout)
         ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        barrier = dist.barrier
-    elif args.mode == "horovod":
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        return _Engine(ddp, optimizer, rank, world, barrier=dist.barrier)
+    if args.mode == "horovod":
         hvd: Any = importlib.import_module("horovod.torch")  # optional: an anchor where it is installed
         hvd.init()
-        rank, world = hvd.rank(), hvd.size()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-        barrier, sync = hvd.barrier, optimizer.synchronize
-    gen = torch.Generator().manual_seed(rank)
+        return _Engine(model, optimizer, hvd.rank(), hvd.size(), barrier=hvd.barrier, sync=optimizer.synchronize)
+    return _Engine(model, optimizer, rank, world)  # single
+
+
+def _timed(args: argparse.Namespace, engine: _Engine, device: Any) -> dict[str, Any]:
+    """Warm-up steps, then the timed ones (started together where there is a barrier); their timing."""
+    import torch
+    from torch.nn import functional
+
+    model, optimizer, sync = engine.model, engine.optimizer, engine.sync
+    gen = torch.Generator().manual_seed(engine.rank)
     xs = torch.rand(8, args.batch_size, 1, 28, 28, generator=gen).to(device)
     ys = torch.randint(0, 10, (8, args.batch_size), generator=gen).to(device)
     settle: Any = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -125,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.warmup):
         step(i)
     settle()
-    if barrier is not None:
-        barrier()
+    if engine.barrier is not None:
+        engine.barrier()
     phases0 = _shm_phases(args.mode)
     parts = dict.fromkeys(parts, 0.0)
     start = time.perf_counter()
@@ -135,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     settle()  # the device's queued work belongs to the timed steps
     elapsed = time.perf_counter() - start
     phases = {k: v - phases0.get(k, 0.0) for k, v in _shm_phases(args.mode).items()}
-    result = {
+    return {
         "mode": args.mode,
-        "rank": rank,
-        "world_size": world,
+        "rank": engine.rank,
+        "world_size": engine.world,
         "seconds": elapsed,
         "steps": args.steps,
         "batch_size": args.batch_size,
@@ -147,15 +152,18 @@ def main(argv: list[str] | None = None) -> int:
         **parts,
         "shm_phases_s": phases,
     }
-    Path(args.out, f"{args.mode}-rank{rank}.json").write_text(json.dumps(result))
-    if args.mode == "paratrain":
+
+
+def _close(mode: str, optimizer: Any) -> None:
+    """Ends the mode's engine (after the result is written)."""
+    if mode == "paratrain":
         close = getattr(optimizer, "close", None)
         if callable(close):
             close()
         import paratrain as pt
 
         pt.shutdown()
-    elif args.mode == "ddp":
+    elif mode == "ddp":
         import torch.distributed as dist
 
         dist.destroy_process_group()
@@ -165,8 +173,38 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    elif args.mode == "horovod":
+    elif mode == "horovod":
         importlib.import_module("horovod.torch").shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Builds the model, runs warm-up then timed steps, writes the timing."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mode", choices=["single", "concurrent", "paratrain", "ddp", "horovod"], required=True)
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (rank r on GPU r mod the GPUs there are)")
+    parser.add_argument("--ddp-backend", default="gloo", choices=["gloo", "nccl"])
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from paratrain.train.models import build_model
+    from paratrain.train.worker import worker_device
+
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    torch.manual_seed(0)
+    model = build_model(args.model, side=28, classes=10)
+    # processes share the GPUs there are, round robin (one each where there are enough)
+    device = worker_device(args.device, _launched_rank(args.mode)[0])
+    model.to(device)
+    engine = _engine(args, model, device)
+    result = _timed(args, engine, device)
+    Path(args.out, f"{args.mode}-rank{engine.rank}.json").write_text(json.dumps(result))
+    _close(args.mode, engine.optimizer)
     return 0
 
 

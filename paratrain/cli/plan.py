@@ -7,11 +7,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paratrain.cli.errors import reports_config_errors
 from paratrain.errors import ConfigError
 from paratrain.strategy import parse_strategy
+
+if TYPE_CHECKING:
+    from paratrain.sim.machine import MachineProfile, ModelProfile
+    from paratrain.sim.search import Candidate, Scored
 
 #: What ``--strategies`` searches by default: :data:`paratrain.sim.search.SEARCHED` (a test keeps them equal;
 #: written out so that ``paratrain --help`` does not import the simulator).
@@ -99,7 +103,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _plan(args: argparse.Namespace) -> int:
     from paratrain.config import parse_duration
     from paratrain.sim.machine import MachineProfile
-    from paratrain.sim.search import SEARCHED, Candidate, candidates, reason, search
+    from paratrain.sim.search import SEARCHED, Candidate, search
     from paratrain.transport.faults import parse_bandwidth
 
     if args.workers < 1 or args.batch_size < 1 or args.hosts < 1:
@@ -118,20 +122,7 @@ def _plan(args: argparse.Namespace) -> int:
     bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
     latency = parse_duration(args.latency) if args.latency else 0.0
     slowdown = _slowdown(args.straggler, args.workers)
-    space = [
-        c
-        for c in candidates(model, strategies=strategies, workers=args.workers, batch_size=args.batch_size)
-        if c.update == "exact" or not args.exact
-    ]
-    if any(parse_strategy(s).pipelined for s in strategies) and not any(c.spec.pipelined for c in space):
-        why = (
-            f"{args.model} has fewer modules than {args.workers} stages"
-            if model.modules and all(layer.module >= 0 for layer in model.layers)
-            else f"the profile of {args.model} predates its module structure (run 'paratrain profile' again)"
-        )
-        print(f"paratrain plan: pipelines not searched: {why}", file=sys.stderr)
-    if Candidate() not in space:
-        space.append(Candidate())
+    space = _space(args, model, strategies)
     # the job and network that search() ranks in and predict() traces the pick in
     setting: dict[str, Any] = {
         "workers": args.workers,
@@ -143,29 +134,7 @@ def _plan(args: argparse.Namespace) -> int:
     }
     ranked = search(profile, model, space=space, **setting)
     default = next(s for s in ranked if s.candidate == Candidate())
-    network = ", ".join(
-        x
-        for x in (
-            args.bandwidth and f"{args.bandwidth} links",
-            args.latency and f"{args.latency} latency",
-            args.straggler and f"straggler {args.straggler}",
-        )
-        if x
-    )
-    print(
-        f"{args.model}, {args.workers} workers x batch {args.batch_size}"
-        + (f", {network}" if network else "")
-        + f" on {profile.name!r}: {len(ranked)} configurations simulated"
-    )
-    print("| rank | configuration | step (s) | vs default | compute (s) | waiting (s) | MB sent per worker | update |")
-    print("|---:|---|---:|---:|---:|---:|---:|---|")
-    for i, s in enumerate(ranked[: args.top]):
-        _row(i + 1, s, default)
-    if default not in ranked[: args.top]:
-        _row(ranked.index(default) + 1, default, default)
-    print(f"pick: {reason(ranked[0], default)}")
-    flags = " ".join(ranked[0].train_flags())
-    print(f"run it: paratrain train --model {args.model} --workers {args.workers} {flags}")
+    _print_ranking(args, profile.name, ranked, default)
     result: dict[str, Any] = {
         "model": args.model,
         "workers": args.workers,
@@ -184,22 +153,7 @@ def _plan(args: argparse.Namespace) -> int:
         ],
     }
     if args.trace:
-        from paratrain.sim.predict import predict
-
-        pick = ranked[0].candidate
-        traced = predict(
-            profile,
-            model,
-            strategy=pick.strategy,
-            servers=pick.servers,
-            bucket_bytes=pick.bucket_bytes,
-            overlap=pick.overlap,
-            trace=True,
-            compression=pick.compression or None,
-            **setting,
-        )
-        Path(args.trace).write_text(json.dumps(traced.replay.chrome_trace()))
-        print(f"trace of the pick's simulated step: {args.trace} (open in Perfetto or chrome://tracing)")
+        _trace_pick(args.trace, profile, model, ranked[0].candidate, setting)
     if args.run:
         result["confirmed"] = _confirm(args, ranked, default)
     if args.json:
@@ -278,3 +232,74 @@ def _confirm(args: argparse.Namespace, ranked: list[Any], default: Any) -> list[
             f"{r['predicted_s'] / r['measured_s'] - 1:+.1%} | {base / r['measured_s']:.2f}x |"
         )
     return rows
+
+
+def _space(args: argparse.Namespace, model: ModelProfile, strategies: list[str]) -> list[Candidate]:
+    """The configurations to search (the default always among them), saying on stderr why pipelines are not."""
+    from paratrain.sim.search import Candidate, candidates
+
+    space = [
+        c
+        for c in candidates(model, strategies=strategies, workers=args.workers, batch_size=args.batch_size)
+        if c.update == "exact" or not args.exact
+    ]
+    if any(parse_strategy(s).pipelined for s in strategies) and not any(c.spec.pipelined for c in space):
+        why = (
+            f"{args.model} has fewer modules than {args.workers} stages"
+            if model.modules and all(layer.module >= 0 for layer in model.layers)
+            else f"the profile of {args.model} predates its module structure (run 'paratrain profile' again)"
+        )
+        print(f"paratrain plan: pipelines not searched: {why}", file=sys.stderr)
+    if Candidate() not in space:
+        space.append(Candidate())
+    return space
+
+
+def _print_ranking(args: argparse.Namespace, machine: str, ranked: list[Scored], default: Scored) -> None:
+    """The table of the ``--top`` configurations (and the default's row), the pick and the command to run it."""
+    from paratrain.sim.search import reason
+
+    network = ", ".join(
+        x
+        for x in (
+            args.bandwidth and f"{args.bandwidth} links",
+            args.latency and f"{args.latency} latency",
+            args.straggler and f"straggler {args.straggler}",
+        )
+        if x
+    )
+    print(
+        f"{args.model}, {args.workers} workers x batch {args.batch_size}"
+        + (f", {network}" if network else "")
+        + f" on {machine!r}: {len(ranked)} configurations simulated"
+    )
+    print("| rank | configuration | step (s) | vs default | compute (s) | waiting (s) | MB sent per worker | update |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|")
+    for i, s in enumerate(ranked[: args.top]):
+        _row(i + 1, s, default)
+    if default not in ranked[: args.top]:
+        _row(ranked.index(default) + 1, default, default)
+    print(f"pick: {reason(ranked[0], default)}")
+    flags = " ".join(ranked[0].train_flags())
+    print(f"run it: paratrain train --model {args.model} --workers {args.workers} {flags}")
+
+
+def _trace_pick(
+    path: str, profile: MachineProfile, model: ModelProfile, pick: Candidate, setting: dict[str, Any]
+) -> None:
+    """``--trace``: the pick's simulated step as a Chrome trace at ``path``."""
+    from paratrain.sim.predict import predict
+
+    traced = predict(
+        profile,
+        model,
+        strategy=pick.strategy,
+        servers=pick.servers,
+        bucket_bytes=pick.bucket_bytes,
+        overlap=pick.overlap,
+        trace=True,
+        compression=pick.compression or None,
+        **setting,
+    )
+    Path(path).write_text(json.dumps(traced.replay.chrome_trace()))
+    print(f"trace of the pick's simulated step: {path} (open in Perfetto or chrome://tracing)")

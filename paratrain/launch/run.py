@@ -21,7 +21,7 @@ from typing import TextIO
 from paratrain.errors import ConfigError
 from paratrain.launch.env import child_environments
 from paratrain.launch.failures import explain_failure
-from paratrain.launch.kills import kill_env, parse_kills, time_kill
+from paratrain.launch.kills import Kill, kill_env, parse_kills, time_kill
 from paratrain.launch.plan import LaunchPlan, free_port, resolve_command
 from paratrain.launch.procs import Outcome, ProcSpec, Supervisor
 from paratrain.launch.restarts import Membership, Restarts, spare_spec, write_join_round
@@ -138,33 +138,10 @@ def run_launch(
     from paratrain.transport.auth import new_secret
     from paratrain.transport.rendezvous import RendezvousServer
 
-    if nproc < 1:
-        raise ConfigError(f"-n must be at least 1, got {nproc}")
-    if servers < 0:
-        raise ConfigError(f"--servers must be >= 0, got {servers}")
-    if replicas < 1 or (replicas > 1 and replicas > servers):
-        raise ConfigError(f"--replicas {replicas} needs at least as many --servers (got {servers})")
-    if grace < 0:
-        raise ConfigError(f"--grace must be >= 0, got {grace}")
-    if max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
-    if max_restarts and keep_going:
-        raise ConfigError(
-            "--max-restarts restarts failed processes; it does not combine with --keep-going (an elastic job, "
-            "--min-workers, shrinks rather than restarts)"
-        )
-    if max_restarts and servers and replicas < 2:
-        raise ConfigError(
-            "--max-restarts with --servers restarts a dead parameter server, which then copies its chunks from "
-            "their other replicas: give it some with --replicas 2 (an unreplicated server's chunks die with it)"
-        )
-    if not 0 <= min_workers <= nproc:
-        raise ConfigError(f"--min-workers must be between 0 and -n ({nproc}), got {min_workers}")
-    if min_workers and (servers or keep_going):
-        raise ConfigError(
-            "--min-workers makes an allreduce job elastic; it does not combine with --servers (replicate the "
-            "servers instead) or --keep-going"
-        )
+    _check_options(
+        nproc=nproc, servers=servers, replicas=replicas, grace=grace, max_restarts=max_restarts,
+        keep_going=keep_going, min_workers=min_workers,
+    )  # fmt: skip
     if faults:
         from paratrain.transport.faults import FaultSpec
 
@@ -199,30 +176,10 @@ def run_launch(
             secret=secret.hex(),
         )
         server.start()
-        specs = []
-        for index, base_env in enumerate(child_environments(plan, os.environ)):
-            role, number = ("rank", index) if index < nproc else ("server", index - nproc)
-            env = {**base_env, **kill_env(schedule, role, number)}
-            if replicas > 1:
-                env["PARATRAIN_PS_REPLICAS"] = str(replicas)
-            if max_restarts and not servers:  # (a parameter-server job restarts servers only: workers stay plain)
-                env["PARATRAIN_MAX_RESTARTS"] = str(max_restarts)
-            if min_workers:
-                env["PARATRAIN_MIN_WORKERS"] = str(min_workers)
-            worker = role == "rank"
-            specs.append(
-                ProcSpec(
-                    name=f"{role} {number}",
-                    argv=argv if worker else [sys.executable, "-m", "paratrain.runtime.serve"],
-                    env=env,
-                    prefix=f"[{role}{number}]: " if prefix else "",
-                    # a replicated server is not essential (its chunks fail over, the job goes on), and a restarted
-                    # one catches up (ps.resync) while the budget lasts; a parameter-server job restarts servers only
-                    essential=not keep_going if worker else replicas == 1,
-                    kill_after=time_kill(schedule, role, number),
-                    restartable=(False if servers else None) if worker else True,
-                )
-            )
+        specs = _proc_specs(
+            plan, schedule, prefix=prefix, replicas=replicas, max_restarts=max_restarts, min_workers=min_workers,
+            keep_going=keep_going,
+        )  # fmt: skip
         restarts = None
         if max_restarts or min_workers:
             restarts = Restarts(
@@ -236,21 +193,101 @@ def run_launch(
         outcome = Supervisor(
             specs, grace_s=grace, deadline_s=deadline_s, stdout=stdout, stderr=stderr, restarts=restarts
         ).run()
-        lost = outcome.first_failure
-        if replicas > 1 and not keep_going and outcome.exit_code == 1 and lost and lost.name.startswith("server "):
-            # only servers failed (workers are essential): their chunks' backups took over
-            print(
-                f"paratrain launch: {lost.name} died; its chunks failed over to their backups "
-                f"(--replicas {replicas}) and the job completed",
-                file=sys.stderr,
-                flush=True,
-            )
-            outcome = Outcome(0, None, None)
-        if outcome.first_failure is not None:
-            note = explain_failure(outcome.first_failure.name, scratch)
-            if note:
-                print(f"paratrain launch: {note}", file=sys.stderr, flush=True)
+        outcome = _report(outcome, scratch, replicas=replicas, keep_going=keep_going)
     finally:
         server.close()
         sweep_run(run_id, scratch)
     return outcome.exit_code
+
+
+def _check_options(
+    *, nproc: int, servers: int, replicas: int, grace: float, max_restarts: int, keep_going: bool, min_workers: int
+) -> None:
+    """Refuses what :func:`run_launch` cannot run, saying which flag to change (before anything starts)."""
+    if nproc < 1:
+        raise ConfigError(f"-n must be at least 1, got {nproc}")
+    if servers < 0:
+        raise ConfigError(f"--servers must be >= 0, got {servers}")
+    if replicas < 1 or (replicas > 1 and replicas > servers):
+        raise ConfigError(f"--replicas {replicas} needs at least as many --servers (got {servers})")
+    if grace < 0:
+        raise ConfigError(f"--grace must be >= 0, got {grace}")
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if max_restarts and keep_going:
+        raise ConfigError(
+            "--max-restarts restarts failed processes; it does not combine with --keep-going (an elastic job, "
+            "--min-workers, shrinks rather than restarts)"
+        )
+    if max_restarts and servers and replicas < 2:
+        raise ConfigError(
+            "--max-restarts with --servers restarts a dead parameter server, which then copies its chunks from "
+            "their other replicas: give it some with --replicas 2 (an unreplicated server's chunks die with it)"
+        )
+    if not 0 <= min_workers <= nproc:
+        raise ConfigError(f"--min-workers must be between 0 and -n ({nproc}), got {min_workers}")
+    if min_workers and (servers or keep_going):
+        raise ConfigError(
+            "--min-workers makes an allreduce job elastic; it does not combine with --servers (replicate the "
+            "servers instead) or --keep-going"
+        )
+
+
+def _proc_specs(
+    plan: LaunchPlan,
+    schedule: list[Kill],
+    *,
+    prefix: bool,
+    replicas: int,
+    max_restarts: int,
+    min_workers: int,
+    keep_going: bool,
+) -> list[ProcSpec]:
+    """The processes of ``plan``: its workers (``plan.argv``) and parameter servers, each with its environment
+    (the job's, the kills scheduled for it, the recovery settings) and what its failure means to the job."""
+    servers, argv = plan.servers, plan.argv
+    specs = []
+    for index, base_env in enumerate(child_environments(plan, os.environ)):
+        role, number = ("rank", index) if index < plan.nproc else ("server", index - plan.nproc)
+        env = {**base_env, **kill_env(schedule, role, number)}
+        if replicas > 1:
+            env["PARATRAIN_PS_REPLICAS"] = str(replicas)
+        if max_restarts and not servers:  # (a parameter-server job restarts servers only: workers stay plain)
+            env["PARATRAIN_MAX_RESTARTS"] = str(max_restarts)
+        if min_workers:
+            env["PARATRAIN_MIN_WORKERS"] = str(min_workers)
+        worker = role == "rank"
+        specs.append(
+            ProcSpec(
+                name=f"{role} {number}",
+                argv=argv if worker else [sys.executable, "-m", "paratrain.runtime.serve"],
+                env=env,
+                prefix=f"[{role}{number}]: " if prefix else "",
+                # a replicated server is not essential (its chunks fail over, the job goes on), and a restarted
+                # one catches up (ps.resync) while the budget lasts; a parameter-server job restarts servers only
+                essential=not keep_going if worker else replicas == 1,
+                kill_after=time_kill(schedule, role, number),
+                restartable=(False if servers else None) if worker else True,
+            )
+        )
+    return specs
+
+
+def _report(outcome: Outcome, scratch: str, *, replicas: int, keep_going: bool) -> Outcome:
+    """The job's outcome as the shell should see it, said on the launcher's stderr: a replicated server's death
+    the job survived is a success; any other failure is explained (:mod:`paratrain.launch.failures`)."""
+    lost = outcome.first_failure
+    if replicas > 1 and not keep_going and outcome.exit_code == 1 and lost and lost.name.startswith("server "):
+        # only servers failed (workers are essential): their chunks' backups took over
+        print(
+            f"paratrain launch: {lost.name} died; its chunks failed over to their backups "
+            f"(--replicas {replicas}) and the job completed",
+            file=sys.stderr,
+            flush=True,
+        )
+        return Outcome(0, None, None)
+    if lost is not None:
+        note = explain_failure(lost.name, scratch)
+        if note:
+            print(f"paratrain launch: {note}", file=sys.stderr, flush=True)
+    return outcome

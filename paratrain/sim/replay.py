@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from paratrain.plan.ir import Plan, PlanError
+from paratrain.plan.ir import Action, Plan, PlanError
 from paratrain.sim.machine import LinkCost
 
 __all__ = ["Cores", "Network", "Replay", "replay"]
@@ -208,103 +208,288 @@ def replay(
         raise PlanError(f"{plan.name}: a symmetric replay takes rank 0's actions only, got {plan.world_size} ranks")
     if symmetric is not None and cores is not None:
         raise PlanError(f"{plan.name}: shared cores need every rank's actions, not a symmetric replay")
-    n = plan.world_size
-    slow = list(slowdown) if slowdown is not None else [1.0] * n
-    if len(slow) != n:
-        raise PlanError(f"{plan.name}: slowdown has {len(slow)} entries for {n} ranks")
-    ranks = plan.ranks
-    done: list[list[float]] = [[_UNKNOWN] * len(actions) for actions in ranks]
-    # per rank: lane -> its action numbers in issue order
-    lanes: list[dict[int, list[int]]] = []
-    for actions in ranks:
-        by_lane: dict[int, list[int]] = {}
-        for i, a in enumerate(actions):
-            by_lane.setdefault(a.lane, []).append(i)
-        lanes.append(by_lane)
-    cursor: dict[tuple[int, int], int] = {}
-    clock: dict[tuple[int, int], float] = {}
-    heap: list[tuple[float, int, int, int]] = []
-    seq = 0
-    for r in range(n):
-        for lane in lanes[r]:
-            cursor[(r, lane)] = 0
-            clock[(r, lane)] = 0.0
-            heap.append((0.0, seq, r, lane))
-            seq += 1
-    heapq.heapify(heap)
-    waiters: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    scanned: dict[tuple[int, int], int] = {}  # (rank, action) -> how many of its deps are known complete
-    arrived: dict[tuple[int, int, int], deque[float]] = {}
-    posted: dict[tuple[int, int, int], deque[tuple[int, int]]] = {}
-    signals: dict[int, dict[int, float]] = {}  # tag -> rank -> when signalled
-    sig_waiters: dict[int, list[tuple[int, int]]] = {}
-    egress: dict[Any, float] = {}
-    ingress: dict[Any, float] = {}
-    queue_bytes: dict[Any, int] = {}
-    busy, waiting, comm_busy = [0.0] * n, [0.0] * n, [0.0] * n
-    bytes_out = [0] * n
-    spans: list[dict[str, Any]] = []
-    # shared cores: per host, the computing ranks' [work left (seconds alone), rank, lane, action, start]
-    pool: dict[int, list[list[Any]]] = {}
-    pool_time: dict[int, float] = {}
-    pool_version: dict[int, int] = {}
+    slow = list(slowdown) if slowdown is not None else [1.0] * plan.world_size
+    if len(slow) != plan.world_size:
+        raise PlanError(f"{plan.name}: slowdown has {len(slow)} entries for {plan.world_size} ranks")
+    run = _Replayer(plan, network, gamma=gamma, copy=copy, slow=slow, trace=trace, symmetric=symmetric)
+    if cores is not None:
+        run.cores = _SharedCores(cores, run)
+    return run.run()
 
-    def host(r: int) -> int:
-        return 0 if cores is None or cores.host_of is None else cores.host_of(r)
 
-    def rate(h: int) -> float:
-        assert cores is not None
-        return min(1.0, cores.capacity / max(1, len(pool.get(h, ()))))
+class _SharedCores:
+    """Processor sharing of each host's cores (:class:`Cores`): the computing ranks' work left, and when the
+    next of them finishes (a heap entry of rank ``-1 - host``, stale once the host's version moves on)."""
 
-    def advance(h: int, t: float) -> None:
+    def __init__(self, cores: Cores, run: _Replayer) -> None:
+        self.cores, self.run = cores, run
+        # per host: the computing ranks' [work left (seconds alone), rank, lane, action, start]
+        self.pool: dict[int, list[list[Any]]] = {}
+        self.time: dict[int, float] = {}
+        self.version: dict[int, int] = {}
+
+    def host(self, r: int) -> int:
+        return 0 if self.cores.host_of is None else self.cores.host_of(r)
+
+    def rate(self, h: int) -> float:
+        return min(1.0, self.cores.capacity / max(1, len(self.pool.get(h, ()))))
+
+    def advance(self, h: int, t: float) -> None:
         """Progress the host's computing ranks to ``t``."""
-        elapsed = t - pool_time.get(h, 0.0)
+        elapsed = t - self.time.get(h, 0.0)
         if elapsed > 0:
-            step = elapsed * rate(h)
-            for job in pool.get(h, ()):
+            step = elapsed * self.rate(h)
+            for job in self.pool.get(h, ()):
                 job[0] -= step
-        pool_time[h] = max(t, pool_time.get(h, 0.0))
+        self.time[h] = max(t, self.time.get(h, 0.0))
 
-    def reschedule(h: int) -> None:
-        """Put the host's next finish on the heap (older entries go stale by version)."""
-        nonlocal seq
-        pool_version[h] = pool_version.get(h, 0) + 1
-        jobs = pool.get(h)
-        if jobs:
-            first = pool_time[h] + max(0.0, min(job[0] for job in jobs)) / rate(h)
-            heapq.heappush(heap, (first, seq, -1 - h, pool_version[h]))
-            seq += 1
+    def start(self, r: int, lane: int, i: int, seconds: float, ready: float) -> None:
+        """Rank ``r`` starts ``seconds`` of compute (measured shared) on its host, no sooner than ``ready``."""
+        h = self.host(r)
+        start = max(ready, self.time.get(h, 0.0))
+        self.advance(h, start)
+        self.pool.setdefault(h, []).append([seconds * self.cores.alone, r, lane, i, start])
+        self._reschedule(h)
 
-    def finish_computes(h: int, now: float) -> None:
-        """The host's computing ranks whose work is done complete now; their lanes go on."""
-        nonlocal seq
-        advance(h, now)
-        jobs = pool.get(h, [])
+    def wake(self, h: int, version: int, now: float) -> None:
+        """A heap entry of host ``h`` fell due: its computing ranks whose work is done complete now."""
+        if version != self.version.get(h):
+            return  # stale: the host's pool changed since
+        self.advance(h, now)
+        jobs = self.pool.get(h, [])
         left = min(job[0] for job in jobs) if jobs else 0.0
         finished = [job for job in jobs if job[0] <= left + 1e-12]
-        pool[h] = [job for job in jobs if job[0] > left + 1e-12]
+        self.pool[h] = [job for job in jobs if job[0] > left + 1e-12]
         for _, r, lane, i, start in finished:
+            self.run.computed(r, lane, i, start, now)
+        self._reschedule(h)
+
+    def _reschedule(self, h: int) -> None:
+        """Put the host's next finish on the heap (older entries go stale by version)."""
+        self.version[h] = self.version.get(h, 0) + 1
+        jobs = self.pool.get(h)
+        if jobs:
+            first = self.time[h] + max(0.0, min(job[0] for job in jobs)) / self.rate(h)
+            self.run.push(first, -1 - h, self.version[h])
+
+
+class _Replayer:
+    """One replay's state: the lanes' cursors and clocks, the heap of their wake-ups, messages in flight and
+    posted receives, the link queues, and what :class:`Replay` reports. One small method per action kind."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        network: Network,
+        *,
+        gamma: float,
+        copy: float,
+        slow: list[float],
+        trace: bool,
+        symmetric: int | None,
+    ) -> None:
+        n = plan.world_size
+        self.plan, self.network, self.n = plan, network, n
+        self.gamma, self.copy, self.slow, self.trace, self.symmetric = gamma, copy, slow, trace, symmetric
+        self.cores: _SharedCores | None = None
+        self.ranks = plan.ranks
+        self.done: list[list[float]] = [[_UNKNOWN] * len(actions) for actions in self.ranks]
+        # per rank: lane -> its action numbers in issue order
+        self.lanes: list[dict[int, list[int]]] = []
+        for actions in self.ranks:
+            by_lane: dict[int, list[int]] = {}
+            for i, a in enumerate(actions):
+                by_lane.setdefault(a.lane, []).append(i)
+            self.lanes.append(by_lane)
+        self.cursor: dict[tuple[int, int], int] = {}
+        self.clock: dict[tuple[int, int], float] = {}
+        self.heap: list[tuple[float, int, int, int]] = []
+        self.seq = 0
+        for r in range(n):
+            for lane in self.lanes[r]:
+                self.cursor[(r, lane)] = 0
+                self.clock[(r, lane)] = 0.0
+                self.heap.append((0.0, self.seq, r, lane))
+                self.seq += 1
+        heapq.heapify(self.heap)
+        self.waiters: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        self.scanned: dict[tuple[int, int], int] = {}  # (rank, action) -> how many of its deps are known complete
+        self.arrived: dict[tuple[int, int, int], deque[float]] = {}
+        self.posted: dict[tuple[int, int, int], deque[tuple[int, int]]] = {}
+        self.signals: dict[int, dict[int, float]] = {}  # tag -> rank -> when signalled
+        self.sig_waiters: dict[int, list[tuple[int, int]]] = {}
+        self.egress: dict[Any, float] = {}
+        self.ingress: dict[Any, float] = {}
+        self.queue_bytes: dict[Any, int] = {}
+        self.busy, self.waiting, self.comm_busy = [0.0] * n, [0.0] * n, [0.0] * n
+        self.bytes_out = [0] * n
+        self.spans: list[dict[str, Any]] = []
+
+    def push(self, t: float, r: int, lane: int) -> None:
+        """Wakes lane ``lane`` of rank ``r`` at ``t`` (a negative ``r``: a host's cores, :class:`_SharedCores`)."""
+        seq = self.seq
+        heapq.heappush(self.heap, (t, seq, r, lane))
+        self.seq = seq + 1
+
+    def run(self) -> Replay:
+        """Processes the lanes' wake-ups in time order until none is left; the plan must then be done."""
+        heap, pop, lane_step = self.heap, heapq.heappop, self._lane
+        while heap:
+            now, _, r, lane = pop(heap)
+            if r >= 0:
+                lane_step(now, r, lane)
+            else:  # a host's next compute finish (lane: the pool's version when it was scheduled)
+                assert self.cores is not None
+                self.cores.wake(-1 - r, lane, now)
+        return self._result()
+
+    def _lane(self, now: float, r: int, lane: int) -> None:
+        """Runs the lane's next actions until one must wait (for a dependency, a message, or the clock)."""
+        key = (r, lane)
+        order = self.lanes[r][lane]
+        actions, done_r = self.ranks[r], self.done[r]
+        cursor, clock, scanned = self.cursor, self.clock, self.scanned
+        while cursor[key] < len(order):
+            i = order[cursor[key]]
+            a = actions[i]
+            deps, pos = a.deps, scanned.get((r, i), 0)  # deps only ever complete: resume the scan where it stopped
+            while pos < len(deps) and done_r[deps[pos]] >= 0:
+                pos += 1
+            if pos < len(deps):  # woken when that one completes
+                scanned[(r, i)] = pos
+                self.waiters.setdefault((r, deps[pos]), []).append(key)
+                break
+            ready = max([clock[key], *(done_r[d] for d in deps)])
+            kind = a.kind
+            if kind == "wait":
+                signalled = self._signalled(key, a.tag, ready)
+                if signalled is None:
+                    break
+                ready = signalled
+            if ready > now:  # not yet: come back then, so that queues see events in time order
+                self.push(ready, r, lane)
+                break
             if lane == 0:
-                busy[r] += now - start
+                if ready > clock[key] and self.trace:
+                    self._span(r, "waiting", "wait", clock[key], ready)
+                self.waiting[r] += ready - clock[key]
+            cursor[key] += 1
+            if kind == "send":
+                self._send(r, i, a, ready)
+                clock[key] = ready
+            elif kind == "recv":
+                clock[key] = ready
+                self._recv(r, i, a, ready)
+            elif kind == "signal":
+                clock[key] = ready
+                self._signal(r, i, a, ready)
+            elif kind == "compute" and self.cores is not None:  # shares the host's cores until its work is done
+                self.cores.start(r, lane, i, a.seconds * self.slow[r], ready)
+                break  # the lane goes on when the host finishes this compute
             else:
-                comm_busy[r] += now - start
-            if trace:
-                span(r, "compute", ranks[r][i].label or "compute", start, now)
-            clock[(r, lane)] = now
-            complete(r, i, now)
-            heapq.heappush(heap, (now, seq, r, lane))
-            seq += 1
-        reschedule(h)
+                clock[key] = self._local(r, lane, i, a, ready)
+            if clock[key] > now:
+                self.push(clock[key], r, lane)
+                break
 
-    def complete(r: int, i: int, t: float) -> None:
-        nonlocal seq
-        done[r][i] = t
-        for r2, lane2 in waiters.pop((r, i), ()):
-            heapq.heappush(heap, (max(t, clock[(r2, lane2)]), seq, r2, lane2))
-            seq += 1
+    def _signalled(self, key: tuple[int, int], tag: int, ready: float) -> float | None:
+        """When a shared-memory ``wait`` of lane ``key`` may go on (the path's alpha after every other rank's
+        signal of ``tag``), no sooner than ``ready``; None while a signal is missing (the lane is woken then)."""
+        r = key[0]
+        if self.symmetric is not None:  # every other rank signalled when this one did
+            return max(ready, self.signals.get(tag, {}).get(r, ready) + self.network.shm_alpha)
+        tag_signals = self.signals.get(tag, {})
+        if len(tag_signals) < self.n - 1 + (r in tag_signals):
+            self.sig_waiters.setdefault(tag, []).append(key)
+            return None
+        return max(ready, max(t for q, t in tag_signals.items() if q != r) + self.network.shm_alpha)
 
-    def span(r: int, track: str, name: str, start: float, end: float) -> None:
-        spans.append(
+    def _send(self, r: int, i: int, a: Action, ready: float) -> None:
+        """The message waits for its egress queue, crosses the link, becomes visible through the ingress queue."""
+        link, out_q, in_q = self.network.route(r, a.peer)
+        symmetric = self.symmetric
+        if symmetric is not None:
+            in_q = ("in", r)  # the image of this message arrives here
+        tx = a.nbytes * link.beta
+        begin = max(ready, self.egress.get(out_q, 0.0))
+        self.egress[out_q] = begin + tx
+        arrive = begin + tx + link.alpha
+        visible = max(arrive, self.ingress.get(in_q, 0.0) + a.nbytes * link.receive_beta)
+        self.ingress[in_q] = visible
+        self.queue_bytes[out_q] = self.queue_bytes.get(out_q, 0) + a.nbytes
+        self.bytes_out[r] += a.nbytes
+        if self.trace:
+            self._span(r, "network", f"->{a.peer} {a.nbytes}B", begin, visible)
+        mkey = (r, a.peer, a.tag) if symmetric is None else ((-a.peer) % symmetric, r, a.tag)
+        waiting_recvs = self.posted.get(mkey)
+        if waiting_recvs:
+            r2, i2 = waiting_recvs.popleft()
+            self._complete(r2, i2, visible)
+        else:
+            self.arrived.setdefault(mkey, deque()).append(visible)
+        self._complete(r, i, visible)
+
+    def _recv(self, r: int, i: int, a: Action, ready: float) -> None:
+        """Completes when the matching message is visible (now, if it already is), without blocking the lane."""
+        mkey = (a.peer, r, a.tag)
+        got = self.arrived.get(mkey)
+        if got:
+            self._complete(r, i, max(ready, got.popleft()))
+        else:
+            self.posted.setdefault(mkey, deque()).append((r, i))
+
+    def _signal(self, r: int, i: int, a: Action, ready: float) -> None:
+        """A shared-memory signal; once every other rank's is in, the lanes waiting on the tag go on."""
+        self.signals.setdefault(a.tag, {})[r] = ready
+        self._complete(r, i, ready)
+        if self.symmetric is None and len(self.signals[a.tag]) >= self.n - 1:
+            for r2, lane2 in self.sig_waiters.pop(a.tag, ()):
+                self.push(max(ready, self.clock[(r2, lane2)]), r2, lane2)
+
+    def _local(self, r: int, lane: int, i: int, a: Action, ready: float) -> float:
+        """An action that takes its lane's time (compute, copy, reduce, finish; a ready wait takes none); returns
+        when it ends."""
+        kind = a.kind
+        if kind == "compute":
+            cost = a.seconds * self.slow[r]
+        elif kind == "copy":
+            cost = a.nbytes * self.copy
+        elif kind == "wait":
+            cost = 0.0
+        else:  # reduce, finish
+            cost = a.nbytes * self.gamma
+        end = ready + cost
+        if lane == 0:
+            self.busy[r] += cost
+        else:
+            self.comm_busy[r] += cost
+        if self.trace and cost > 0:
+            track = "compute" if kind == "compute" else "communication"
+            self._span(r, track, a.label or kind, ready, end)
+        self._complete(r, i, end)
+        return end
+
+    def computed(self, r: int, lane: int, i: int, start: float, now: float) -> None:
+        """A compute on shared cores finished at ``now``: its lane goes on."""
+        if lane == 0:
+            self.busy[r] += now - start
+        else:
+            self.comm_busy[r] += now - start
+        if self.trace:
+            self._span(r, "compute", self.ranks[r][i].label or "compute", start, now)
+        self.clock[(r, lane)] = now
+        self._complete(r, i, now)
+        self.push(now, r, lane)
+
+    def _complete(self, r: int, i: int, t: float) -> None:
+        self.done[r][i] = t
+        woken = self.waiters.pop((r, i), None)
+        if woken:
+            for r2, lane2 in woken:
+                self.push(max(t, self.clock[(r2, lane2)]), r2, lane2)
+
+    def _span(self, r: int, track: str, name: str, start: float, end: float) -> None:
+        self.spans.append(
             {
                 "name": name,
                 "cat": track,
@@ -316,125 +501,20 @@ def replay(
             }
         )
 
-    while heap:
-        now, _, r, lane = heapq.heappop(heap)
-        if r < 0:  # a host's next compute finish (lane: the pool's version when it was scheduled)
-            if lane == pool_version.get(-1 - r):
-                finish_computes(-1 - r, now)
-            continue
-        key = (r, lane)
-        order = lanes[r][lane]
-        actions = ranks[r]
-        while cursor[key] < len(order):
-            i = order[cursor[key]]
-            a = actions[i]
-            deps, pos = a.deps, scanned.get((r, i), 0)  # deps only ever complete: resume the scan where it stopped
-            while pos < len(deps) and done[r][deps[pos]] >= 0:
-                pos += 1
-            if pos < len(deps):
-                scanned[(r, i)] = pos
-                waiters.setdefault((r, deps[pos]), []).append(key)
-                break
-            ready = max([clock[key], *(done[r][d] for d in a.deps)])
-            if a.kind == "wait" and symmetric is not None:  # every other rank signalled when this one did
-                ready = max(ready, signals.get(a.tag, {}).get(r, ready) + network.shm_alpha)
-            elif a.kind == "wait":
-                tag_signals = signals.get(a.tag, {})
-                if len(tag_signals) < n - 1 + (r in tag_signals):
-                    sig_waiters.setdefault(a.tag, []).append(key)
-                    break
-                ready = max(ready, max(t for q, t in tag_signals.items() if q != r) + network.shm_alpha)
-            if ready > now:  # not yet: come back then, so that queues see events in time order
-                heapq.heappush(heap, (ready, seq, r, lane))
-                seq += 1
-                break
-            if ready > clock[key] and lane == 0 and trace:
-                span(r, "waiting", "wait", clock[key], ready)
-            if lane == 0:
-                waiting[r] += ready - clock[key]
-            cursor[key] += 1
-            kind = a.kind
-            if kind == "send":
-                link, out_q, in_q = network.route(r, a.peer)
-                if symmetric is not None:
-                    in_q = ("in", r)  # the image of this message arrives here
-                tx = a.nbytes * link.beta
-                begin = max(ready, egress.get(out_q, 0.0))
-                egress[out_q] = begin + tx
-                arrive = begin + tx + link.alpha
-                visible = max(arrive, ingress.get(in_q, 0.0) + a.nbytes * link.receive_beta)
-                ingress[in_q] = visible
-                queue_bytes[out_q] = queue_bytes.get(out_q, 0) + a.nbytes
-                bytes_out[r] += a.nbytes
-                if trace:
-                    span(r, "network", f"->{a.peer} {a.nbytes}B", begin, visible)
-                mkey = (r, a.peer, a.tag) if symmetric is None else ((-a.peer) % symmetric, r, a.tag)
-                waiting_recvs = posted.get(mkey)
-                if waiting_recvs:
-                    r2, i2 = waiting_recvs.popleft()
-                    complete(r2, i2, visible)
-                else:
-                    arrived.setdefault(mkey, deque()).append(visible)
-                complete(r, i, visible)
-                clock[key] = ready
-            elif kind == "recv":
-                mkey = (a.peer, r, a.tag)
-                got = arrived.get(mkey)
-                clock[key] = ready
-                if got:
-                    complete(r, i, max(ready, got.popleft()))
-                else:
-                    posted.setdefault(mkey, deque()).append((r, i))
-            elif kind == "signal":
-                signals.setdefault(a.tag, {})[r] = ready
-                clock[key] = ready
-                complete(r, i, ready)
-                if symmetric is None and len(signals[a.tag]) >= n - 1:
-                    for r2, lane2 in sig_waiters.pop(a.tag, ()):
-                        heapq.heappush(heap, (max(ready, clock[(r2, lane2)]), seq, r2, lane2))
-                        seq += 1
-            elif kind == "compute" and cores is not None:  # shares the host's cores until its work is done
-                h = host(r)
-                start = max(ready, pool_time.get(h, 0.0))
-                advance(h, start)
-                pool.setdefault(h, []).append([a.seconds * slow[r] * cores.alone, r, lane, i, start])
-                reschedule(h)
-                break  # the lane goes on when the host finishes this compute
-            else:
-                if kind == "compute":
-                    cost = a.seconds * slow[r]
-                elif kind == "copy":
-                    cost = a.nbytes * copy
-                elif kind == "wait":
-                    cost = 0.0
-                else:  # reduce, finish
-                    cost = a.nbytes * gamma
-                end = ready + cost
-                if lane == 0:
-                    busy[r] += cost
-                else:
-                    comm_busy[r] += cost
-                if trace and cost > 0:
-                    track = "compute" if kind == "compute" else "communication"
-                    span(r, track, a.label or kind, ready, end)
-                clock[key] = end
-                complete(r, i, end)
-            if clock[key] > now:
-                heapq.heappush(heap, (clock[key], seq, r, lane))
-                seq += 1
-                break
-    stuck = [r for r in range(n) if any(t < 0 for t in done[r])]
-    if stuck:
-        r = stuck[0]
-        i = next(i for i, t in enumerate(done[r]) if t < 0)
-        raise PlanError(f"{plan.name}: deadlock: rank {r} never completes action {i} ({ranks[r][i]!r})")
-    return Replay(
-        finish=[max(row, default=0.0) for row in done],
-        busy=busy,
-        waiting=waiting,
-        comm_busy=comm_busy,
-        bytes_out=bytes_out,
-        queue_bytes=queue_bytes,
-        done=done,
-        spans=spans,
-    )
+    def _result(self) -> Replay:
+        done = self.done
+        stuck = [r for r in range(self.n) if any(t < 0 for t in done[r])]
+        if stuck:
+            r = stuck[0]
+            i = next(i for i, t in enumerate(done[r]) if t < 0)
+            raise PlanError(f"{self.plan.name}: deadlock: rank {r} never completes action {i} ({self.ranks[r][i]!r})")
+        return Replay(
+            finish=[max(row, default=0.0) for row in done],
+            busy=self.busy,
+            waiting=self.waiting,
+            comm_busy=self.comm_busy,
+            bytes_out=self.bytes_out,
+            queue_bytes=self.queue_bytes,
+            done=done,
+            spans=self.spans,
+        )

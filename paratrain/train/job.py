@@ -29,9 +29,11 @@ __all__ = [
     "PROBE_EXAMPLES",
     "TrainJob",
     "add_job_options",
+    "epoch_steps",
     "parse_byte_size",
     "read_job",
     "run_dir_of",
+    "worker_job",
     "write_job",
 ]
 
@@ -336,3 +338,26 @@ def read_job(path: str | Path) -> TrainJob:
     except OSError as exc:
         raise ConfigError(f"cannot read the job's description {str(path)!r}: {exc.strerror or exc}") from None
     return TrainJob.from_json(text)
+
+
+def worker_job(argv: list[str] | None, description: str | None) -> tuple[TrainJob, bool]:
+    """A worker's command line (``--job FILE [--quiet]``, as :mod:`paratrain.train.run` starts every worker kind):
+    the job it reads, and whether it keeps quiet (``paratrain train`` prints the epochs' lines itself)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--job", required=True, help=f"the job's description ({JOB_FILE} in its run directory)")
+    parser.add_argument("--quiet", action="store_true", help="no line per epoch (paratrain train prints them itself)")
+    args = parser.parse_args(argv)
+    return read_job(args.job), bool(args.quiet)
+
+
+def epoch_steps(job: TrainJob, share: int, holder: str) -> int:
+    """Steps of an epoch for ``share`` training examples (a worker's, a data group's or a pipeline's, named by
+    ``holder`` in the error) in batches of ``job.batch_size``, at most ``--steps-per-epoch``.
+
+    Raises:
+        SystemExit: the share holds not one batch (what to lower is said).
+    """
+    steps = share // job.batch_size
+    if steps == 0:
+        raise SystemExit(f"batch size {job.batch_size} is larger than {holder}'s {share} examples; lower --batch-size")
+    return min(steps, job.steps_per_epoch) if job.steps_per_epoch > 0 else steps

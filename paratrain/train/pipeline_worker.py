@@ -21,7 +21,6 @@ writes the accuracy: that rank is the job's reporting rank.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from typing import Any
@@ -32,7 +31,7 @@ import paratrain as pt
 from paratrain._exit import exit_with
 from paratrain.strategy import parse_strategy
 from paratrain.train.data import load_dataset
-from paratrain.train.job import JOB_FILE, PROBE_EXAMPLES, TrainJob, read_job, run_dir_of
+from paratrain.train.job import PROBE_EXAMPLES, TrainJob, epoch_steps, run_dir_of, worker_job
 from paratrain.train.models import build_model
 from paratrain.train.record import Recorder
 from paratrain.train.worker import record_epoch
@@ -99,14 +98,9 @@ def _build_pipe(job: TrainJob, data: Any, spans: list[tuple[str, str, float, flo
 
 def _steps_per_epoch(job: TrainJob, examples: int) -> int:
     """Steps of an epoch: a pipeline replica's share in batches, at most ``--steps-per-epoch``."""
-    per_replica, batch = examples // job.replicas, job.batch_size
-    steps = per_replica // batch
-    if steps == 0:
-        raise SystemExit(f"batch size {batch} is larger than a pipeline's {per_replica} examples; lower --batch-size")
-    if job.steps_per_epoch > 0:  # as the data-parallel worker: each epoch cut to its first N steps
-        steps = min(steps, job.steps_per_epoch)
-    if batch < job.microbatches:
-        raise SystemExit(f"--batch-size {batch} cannot be cut into {job.microbatches} micro-batches; raise it")
+    steps = epoch_steps(job, examples // job.replicas, "a pipeline")
+    if job.batch_size < job.microbatches:
+        raise SystemExit(f"--batch-size {job.batch_size} cannot be cut into {job.microbatches} micro-batches; raise it")
     return steps
 
 
@@ -139,11 +133,7 @@ def _evaluate_epoch(
 
 def main(argv: list[str] | None = None) -> None:
     """Trains this rank's stage and records everything in the job's run directory."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--job", required=True, help=f"the job's description ({JOB_FILE} in its run directory)")
-    parser.add_argument("--quiet", action="store_true", help="no line per epoch (paratrain train prints them itself)")
-    args = parser.parse_args(argv)
-    job = read_job(args.job)
+    job, quiet = worker_job(argv, __doc__)
 
     import torch
 
@@ -226,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
             step=step,
             train_loss=epoch_loss / steps,
             evaluating=evaluating,
-            quiet=args.quiet,
+            quiet=quiet,
         )
     rec.log(kind="memory", stage=pipe.stage_index, peak_held_bytes=pipe.peak_held_bytes)
     rec.close()

@@ -17,7 +17,6 @@ rank 0 saves it as ``model.pt``, loadable into ``build_model``'s model.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from typing import Any
@@ -30,7 +29,7 @@ from paratrain.soap import Mesh, SoapConfig
 from paratrain.strategy import parse_strategy
 from paratrain.train import tasks
 from paratrain.train.data import load_dataset
-from paratrain.train.job import JOB_FILE, PROBE_EXAMPLES, TrainJob, read_job, run_dir_of
+from paratrain.train.job import PROBE_EXAMPLES, TrainJob, epoch_steps, run_dir_of, worker_job
 from paratrain.train.models import build_model
 from paratrain.train.record import Recorder
 from paratrain.train.shards import step_share
@@ -53,22 +52,9 @@ def _held(module: Any) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _steps_per_epoch(job: TrainJob, examples: int, groups: int) -> int:
-    steps = examples // groups // job.batch_size
-    if job.steps_per_epoch > 0:
-        steps = min(steps, job.steps_per_epoch)
-    if steps == 0:
-        raise SystemExit(f"--batch-size {job.batch_size} is larger than a data group's share of the training set")
-    return steps
-
-
 def main(argv: list[str] | None = None) -> None:
     """Trains this rank's part of the split model and records everything in the job's run directory."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--job", required=True, help=f"the job's description ({JOB_FILE} in its run directory)")
-    parser.add_argument("--quiet", action="store_true", help="no line per epoch from rank 0")
-    args = parser.parse_args(argv)
-    job = read_job(args.job)
+    job, quiet = worker_job(argv, __doc__)
 
     import torch
 
@@ -86,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=job.lr, momentum=0.9)
     rec = Recorder(run_dir_of(job), rank=ctx.rank)
     groups, group = mesh.data, mesh.coordinates(ctx.rank)[1]
-    steps = _steps_per_epoch(job, len(data.y_train), groups)
+    steps = epoch_steps(job, len(data.y_train) // groups, "a data group")
     rec.log(
         kind="start", epochs=job.epochs, steps_per_epoch=steps, world_size=ctx.world_size, strategy=job.strategy,
         tensor=mesh.tensor, data=mesh.data, splits=dict(model.plan_splits()), params_bytes=_held(model),
@@ -133,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         scores = {"train_loss": epoch_loss / steps, "test_accuracy": accuracy, "test_loss": test_loss}
         times = {"eval_s": spent, "eval_before_s": evaluating}
         evaluating += spent
-        record_epoch(rec, job, epoch, step, scores | times, printing=ctx.rank == 0 and not args.quiet)
+        record_epoch(rec, job, epoch, step, scores | times, printing=ctx.rank == 0 and not quiet)
     state = model.full_state()  # collective over the tensor group
     rec.log(kind="final", step=step, parameters_sha256=parameters_digest(state))
     if ctx.rank == 0:

@@ -9,7 +9,6 @@ that backward did not hide) and a metrics line; each epoch ends with test accura
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -25,7 +24,7 @@ from paratrain.recovery import RegroupedError, Reliable
 from paratrain.strategy import parse_layer_schemes, parse_strategy
 from paratrain.train import stragglers, tasks
 from paratrain.train.data import load_dataset
-from paratrain.train.job import JOB_FILE, PROBE_EXAMPLES, TrainJob, read_job, run_dir_of
+from paratrain.train.job import PROBE_EXAMPLES, TrainJob, epoch_steps, run_dir_of, worker_job
 from paratrain.train.models import build_model, check_model_dataset
 from paratrain.train.record import Recorder
 from paratrain.train.shards import step_share
@@ -118,15 +117,14 @@ def _setup(job: TrainJob) -> _Setup:
     check_model_dataset(job.model, job.dataset)  # before init: a mismatch fails every rank alike, at once
 
     # everything that does not depend on the rank comes before init(): a warm spare (--max-restarts) has it
-    # done when it takes over a failed rank (loading digits imports scikit-learn, and torch's first optimizer
-    # imports torch._dynamo: 1.2 s and 1.7 s here)
+    # done when it takes over a failed rank
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     torch.manual_seed(job.seed)
     data = load_dataset(job.dataset, data_dir=job.data_dir)
     model = build_model(job.model, side=data.side, classes=data.classes)
     device = worker_device(job.device)
     model.to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=job.lr, momentum=0.9)  # its first one imports torch._dynamo
+    optimizer = torch.optim.SGD(model.parameters(), lr=job.lr, momentum=0.9)
     ctx = pt.init()
     # a job whose failed ranks are restarted sends its gradients through reliable collectives; in a restarted
     # rank, this is where it catches up with the others (before any other collective)
@@ -161,17 +159,6 @@ def _setup(job: TrainJob) -> _Setup:
     else:
         ptt.broadcast_parameters(model, root=0)
     return _Setup(data, model, optimizer, device, ctx, reliable, dopt, resumed)
-
-
-def _steps_per_epoch(job: TrainJob, examples: int, shards: int) -> int:
-    """Steps of an epoch: each of the launched workers' shares in batches, at most ``--steps-per-epoch``."""
-    per_rank, batch = examples // shards, job.batch_size
-    steps = per_rank // batch
-    if job.steps_per_epoch > 0:
-        steps = min(steps, job.steps_per_epoch)
-    if steps == 0:
-        raise SystemExit(f"batch size {batch} is larger than this worker's {per_rank} examples; lower --batch-size")
-    return steps
 
 
 def _evaluate_epoch(
@@ -246,13 +233,7 @@ def _finish(run: _Setup, job: TrainJob, rec: Recorder, step: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Trains this rank's part of the job and records everything in the job's run directory."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--job", required=True, help=f"the job's description ({JOB_FILE} in its run directory)")
-    parser.add_argument(
-        "--quiet", action="store_true", help="no line per epoch from rank 0 (paratrain train prints them itself)"
-    )
-    args = parser.parse_args(argv)
-    job = read_job(args.job)
+    job, quiet = worker_job(argv, __doc__)
 
     import torch
 
@@ -265,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     rec = Recorder(run_dir_of(job), rank=ctx.settings.member_id)
     straggler = stragglers.parse(job.straggler, seed=job.seed) if job.straggler else None
     shards, batch = ctx.settings.job_workers, job.batch_size  # an elastic job keeps its launched size's batches
-    steps = _steps_per_epoch(job, len(data.y_train), shards)
+    steps = epoch_steps(job, len(data.y_train) // shards, "this worker")
     step = int(resumed.meta["step"]) if resumed is not None else 0
     evaluating = float(resumed.meta["evaluating"]) if resumed is not None else 0.0  # excluded from time-to-accuracy
     if resumed is None:
@@ -341,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
             step=step,
             train_loss=epoch_loss / steps,
             evaluating=evaluating,
-            quiet=args.quiet,
+            quiet=quiet,
         )
     _finish(run, job, rec, step)
 
