@@ -20,6 +20,7 @@ other step, what the last profiled layer wrote.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -177,15 +178,20 @@ class TensorJob:
             raise ConfigError(
                 f"the simulator does not compose embeddings or heads split by vocabulary yet ({', '.join(by_vocab)})"
             )
-        names = {step.name for step in steps_of(self.model) if step.shape is not None}
+        names = {step.name for step in self.steps if step.shape is not None}
         missing = sorted(set(self.splits) - names)
         if missing:
             raise ConfigError(f"the profile of {self.model.model!r} has no layer {', '.join(missing)} to split")
 
+    @functools.cached_property
+    def steps(self) -> tuple[Step, ...]:
+        """The model's flat modules (:func:`steps_of`), worked out once per job (a search asks for them often)."""
+        return tuple(steps_of(self.model))
+
     def chain(self) -> tuple[list[Step], ChainPlan]:
         """The model's flat modules and their moves (a block reads and writes whole activations: its moves are
         inside it)."""
-        steps = steps_of(self.model)
+        steps = list(self.steps)
         ops = []
         for step in steps:
             shape = step.shape
@@ -309,7 +315,7 @@ class TensorJob:
         """Gradient elements tensor part ``part`` holds (a row split's bias, and a block's output projections'
         biases, on part 0 only)."""
         total, tensor = 0, self.mesh.tensor
-        for step in steps_of(self.model):
+        for step in self.steps:
             split = self._split_of(step)
             for layer in step.layers:
                 sizes = [b // self.itemsize for b in layer.param_bytes]
