@@ -1,8 +1,9 @@
 """Reliable collectives with in-memory checkpoints: a failed rank restarts and catches up; nobody rolls back.
 
 Rabit's model (Chen et al., "Rabit: a reliable allreduce and broadcast interface"), for data-parallel training
-where every rank holds the same model. The program is a sequence of *reliable operations* (allreduce and
-broadcast), numbered 0, 1, 2... alike on every rank, and now and then a :meth:`Reliable.checkpoint` of its state:
+where every rank holds the same model. The program is a sequence of *reliable operations* (allreduce, broadcast
+and allgather), numbered 0, 1, 2... alike on every rank, and now and then a :meth:`Reliable.checkpoint` of its
+state:
 
     rel = Reliable(ctx)
     ckpt = rel.load_checkpoint()         # None on a fresh start; a restarted rank gets the newest from a peer
@@ -78,6 +79,8 @@ log = logging.getLogger("paratrain.recovery")
 Array = npt.NDArray[Any]
 #: What breaks an operation when a peer crashes; anything else (a timeout, a bad argument) is not recovered.
 _BROKEN = (PeerLostError, TransportClosedError)
+#: The reliable operations (a result every rank holds alike).
+_KINDS = ("allreduce", "broadcast", "allgather")
 
 
 class RegroupedError(RuntimeError):
@@ -310,6 +313,13 @@ class Reliable:
             "broadcast", array, lambda ctx: np.asarray(ctx.broadcast(array.copy(), root=root)), False
         )
 
+    def allgather(self, x: Any) -> Array:
+        """The reliable ``allgather`` of every rank's ``x`` (not modified): their concatenation along axis 0 in rank
+        order, a new array, the same bits on every rank (first dimensions may differ between ranks). It needs
+        every rank's input: in an elastic job whose members change during it, it raises :class:`RegroupedError`."""
+        array = np.asarray(x)
+        return self._operation("allgather", array, lambda ctx: np.asarray(ctx.allgather(array)), True)
+
     # -- operations ----------------------------------------------------------------------------------------
 
     def _operation(self, kind: str, array: Array, run: Callable[[Context], Array], whole: bool) -> Array:
@@ -334,7 +344,9 @@ class Reliable:
                 raise RegroupedError(seq, list(self.members))
         if replayed is not None:
             recorded_kind, result = replayed
-            if recorded_kind != kind or result.shape != array.shape or result.dtype != array.dtype:
+            # an allgather's result is the ranks' rows together: only its rows' shape is this rank's
+            shaped = result.shape[1:] == array.shape[1:] if kind == "allgather" else result.shape == array.shape
+            if recorded_kind != kind or not shaped or result.dtype != array.dtype:
                 raise RecoveryError(
                     f"rank {self.ctx.rank}: replaying reliable operation {seq}: the program asks for a {kind} of "
                     f"{array.shape} {array.dtype}, the job ran a {recorded_kind} of {result.shape} {result.dtype}. "
@@ -461,7 +473,7 @@ class Reliable:
             for seq in range(t.lo, t.hi):
                 msg = transport.recv(t.src, tag)
                 kind = msg.meta.get("kind")
-                if msg.meta.get("seq") != seq or kind not in ("allreduce", "broadcast") or len(msg.arrays) != 1:
+                if msg.meta.get("seq") != seq or kind not in _KINDS or len(msg.arrays) != 1:
                     raise RecoveryError(f"rank {me}: expected the result of operation {seq} from rank {t.src}")
                 self._replay[seq] = (str(kind), np.array(msg.arrays[0], copy=True))
                 received += msg.nbytes

@@ -167,6 +167,9 @@ _SERVERS = {"recovery": frozenset({"replicas"}), "compressible": True}
 _TP = ("paratrain.torch.soap:parallelize", "TENSOR")
 _SPLIT = {"worker": "paratrain.train.tensor_worker"}
 _ALLREDUCE_RECOVERY = frozenset({"restarts", "checkpoint", "elastic", "reliable"})
+#: SFB's factors and the dense allreduce, each a numbered reliable operation (not elastic: a factor's mean is over
+#: the job's workers as they were)
+_HYBRID_RECOVERY = frozenset({"restarts", "checkpoint", "reliable"})
 
 for _registered in (
     _unit("allreduce", "allreduce", "collective", "gradients averaged by allreduce every step", _plain("allreduce"),
@@ -184,9 +187,10 @@ for _registered in (
           worker="paratrain.train.pipeline_worker"),
     _unit("poseidon", "poseidon[:allreduce]", "parameter-server",
           "per layer, sufficient factors or parameter servers (or allreduce) by Poseidon's cost model",
-          _parse_poseidon, _POSEIDON, hybrid_checks, ("hybrid", "HYBRID"), compressible=True),
+          _parse_poseidon, _POSEIDON, hybrid_checks, ("hybrid", "HYBRID"), recovery=_HYBRID_RECOVERY,
+          compressible=True),
     _unit("sfb", "sfb", "collective", "every Linear layer by sufficient factors, the rest by allreduce", _parse_sfb,
-          _SFB, no_more_checks, ("hybrid", "HYBRID"), compressible=True),
+          _SFB, no_more_checks, ("hybrid", "HYBRID"), recovery=_HYBRID_RECOVERY, compressible=True),
     _unit("tp", "tp:N", "tensor", "Megatron-style: linear layers split N-ways in column/row pairs, data parallel "
           "across the rest", _parse_tp, _TENSOR, tensor_checks, _TP, **_SPLIT),
     _unit("soap", "soap:FILE", "tensor", "each layer split as a configuration file says (paratrain plan --search "
@@ -203,8 +207,9 @@ _COMPRESSION = (
 )
 _RELIABLE = (
     "the base's rule unchanged (the same w to the bit): each bucket averaged by one numbered, synchronous reliable "
-    "allreduce in step() instead of during backward, so that a restarted rank replays the step (Rabit's model) and "
-    "an elastic job (min_workers) regroups and resumes at the bucket it stopped at"
+    "allreduce in step() instead of during backward (each SFB layer's factors by one reliable allgather), so that a "
+    "restarted rank replays the step (Rabit's model) and an elastic job (min_workers) regroups and resumes at the "
+    "bucket it stopped at"
 )
 
 for _wrapper in (

@@ -168,7 +168,16 @@ def parameter_server_checks(spec: StrategySpec, options: StrategyOptions) -> Non
 
 
 def hybrid_checks(spec: StrategySpec, options: StrategyOptions) -> None:
-    """Poseidon's dense layers go by the parameter servers (their rules) or by allreduce (no more rules)."""
+    """Poseidon's dense layers go by the parameter servers (their rules; no restarts of workers) or by allreduce
+    (no more rules)."""
+    if spec.uses_servers:
+        recovering = [n for n, v in (("max_restarts", options.max_restarts), ("checkpoint_dir", options.checkpoint),
+                                     ("reliable", options.reliable)) if v]  # fmt: skip
+        if recovering:
+            raise ConfigError(
+                f"{options.flag(recovering[0])} recovers {_name(spec)!r} when its dense layers go by allreduce: use "
+                "poseidon:allreduce or sfb (the parameter servers do not restart workers yet)"
+            )
     (parameter_server_checks if spec.uses_servers else no_more_checks)(spec, options)
 
 

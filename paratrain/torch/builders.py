@@ -56,7 +56,7 @@ class BuildRequest:
         topology: gossip's graph given as an object (None: the name's).
         overlap: wait-free backprop on.
         staleness_lr: stale gradients scaled on the servers.
-        reliable: reliable collectives (allreduce only).
+        reliable: reliable collectives (allreduce, sfb, poseidon:allreduce).
         compressor: the gradient compressor (None: none).
     """
 
@@ -188,6 +188,7 @@ def compressed(request: BuildRequest, base: Built) -> Built:
 
 
 def reliable(request: BuildRequest, base: Built) -> Built:
-    """``reliable=``: the base's buckets each averaged by one numbered reliable allreduce in ``step()``."""
+    """``reliable=``: the base's buckets each averaged by one numbered reliable allreduce in ``step()`` (a
+    hybrid's SFB layers each gathered by one reliable allgather)."""
     assert request.reliable is not None
     return Built(ReliableAllreduceStrategy(base.strategy, request.reliable), base.buckets)

@@ -107,7 +107,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             measure what overlapping saves.
         staleness_lr: ``ssp:S`` and ``asp`` only: the servers scale each gradient by ``1 / max(1, τ)``, τ how many
             update rounds the parameters it was computed on were behind (Zhang et al. 2016). Off by default.
-        reliable: ``"allreduce"`` only: send the buckets through these reliable collectives, so that the job
+        reliable: ``"allreduce"``, ``"sfb"`` and ``"poseidon:allreduce"``: send the buckets (and the SFB layers'
+            factors) through these reliable collectives, so that the job
             survives a crashed worker (``paratrain launch --max-restarts``; :mod:`paratrain.torch.resilient`).
             The same update, without overlapping communication with backward. In an elastic job
             (``--min-workers``) ``step()`` may raise :class:`~paratrain.recovery.RegroupedError`: the job lost or

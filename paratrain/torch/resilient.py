@@ -1,9 +1,10 @@
 """Data parallelism that survives a crashed worker: gradients through :class:`~paratrain.recovery.Reliable`.
 
-A decorator of a built allreduce strategy (``reliable=``'s wrapper, :mod:`paratrain.strategy.wrappers`). Update
-rule: exactly ``"allreduce"``'s (each bucket's gradients averaged over the workers, then the wrapped
-optimizer's step on every rank), so a run with ``reliable=`` computes the same parameters as one without, to
-the bit, as long as the same allreduce algorithm runs. What differs is *when* the buckets travel: a reliable
+A decorator of a built allreduce strategy, or of a hybrid one whose dense part is allreduce (``sfb``,
+``poseidon:allreduce``): ``reliable=``'s wrapper, :mod:`paratrain.strategy.wrappers`. Update rule: exactly the
+base's (each bucket's gradients averaged over the workers, an SFB layer's rebuilt from every worker's factors,
+then the wrapped optimizer's step on every rank), so a run with ``reliable=`` computes the same parameters as one
+without, to the bit, as long as the same allreduce algorithm runs. What differs is *when* the buckets travel: a reliable
 operation must be replayable, so each is one synchronous, numbered call made in ``step()``, after backward,
 instead of an asynchronous one started by backward's hooks. The price is the overlap of communication with
 backward (on a small model like the digits MLP, a few per cent of a step; measured in ``benchmarks/recovery``).
@@ -25,6 +26,9 @@ import torch
 
 from paratrain.recovery.reliable import Checkpoint, Reliable
 from paratrain.torch.bucket_strategy import Strategy
+from paratrain.torch.fusion import FusedBucket
+from paratrain.torch.hybrid import HybridStrategy
+from paratrain.torch.sfb import SfbLayer
 
 __all__ = [
     "ReliableAllreduceStrategy",
@@ -39,8 +43,9 @@ class ReliableAllreduceStrategy(Strategy):
     """The allreduce strategy ``base`` whose buckets go through a :class:`Reliable` (see the module docstring).
 
     Args:
-        base: the strategy decorated: its buckets (in plan order) are averaged here, its ``apply`` and ``close``
-            are kept (it never launches anything itself).
+        base: the strategy decorated: its buckets (in plan order) are averaged here, a hybrid's SFB layers'
+            factors gathered here (its units in plan order), its ``apply`` and ``close`` are kept (it never
+            launches anything itself).
         reliable: the reliable collectives (they replace the context after a failure).
     """
 
@@ -48,25 +53,35 @@ class ReliableAllreduceStrategy(Strategy):
         super().__init__(base.buckets)
         self.base = base
         self.reliable = reliable
-        self._done: list[torch.Tensor] = []  # this step's averaged buckets, kept across a RegroupedError
+        self.units: list[FusedBucket | SfbLayer] = (
+            list(base.units) if isinstance(base, HybridStrategy) else list(base.buckets)
+        )
+        self._done: list[torch.Tensor] = []  # this step's results (means, gathered rows), kept across a regroup
 
     def launch(self, k: int) -> None:
-        """Nothing starts during backward: every bucket is one numbered operation, made in :meth:`finish`."""
+        """Nothing starts during backward: every unit is one numbered operation, made in :meth:`finish`."""
 
     def finish(self) -> None:
-        """Averages every bucket, in plan order, and writes the means into ``param.grad``.
+        """Averages every bucket and rebuilds every SFB layer's gradient from the gathered factors, in plan
+        order, into ``param.grad``.
 
-        In an elastic job whose members change during bucket k, :class:`~paratrain.recovery.RegroupedError`
-        leaves here; the buckets before k keep their averages (they are complete: every rank of the old job
+        In an elastic job whose members change during unit k, :class:`~paratrain.recovery.RegroupedError`
+        leaves here; the units before k keep their results (they are complete: every rank of the old job
         took part), and the call after the program recomputed its gradients for the new job resumes at k.
         """
-        for k, bucket in enumerate(self.buckets):
+        for k, unit in enumerate(self.units):
             if k < len(self._done):
-                bucket.give(self._done[k])
-                continue
-            mean = torch.from_numpy(self.reliable.allreduce(bucket.buffer.numpy(), op="mean"))
-            self._done.append(mean)
-            bucket.give(mean)
+                done = self._done[k]
+            elif isinstance(unit, SfbLayer):
+                done = torch.from_numpy(self.reliable.allgather(unit.take_rows().cpu().numpy()))
+                self._done.append(done)
+            else:
+                done = torch.from_numpy(self.reliable.allreduce(unit.buffer.numpy(), op="mean"))
+                self._done.append(done)
+            if isinstance(unit, SfbLayer):
+                unit.rebuild(done, self.reliable.ctx.world_size)
+            else:
+                unit.give(done)
         self._done = []
 
     def apply(self, optimizer: torch.optim.Optimizer) -> None:

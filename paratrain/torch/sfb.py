@@ -105,9 +105,9 @@ class SfbLayer:
 
         y.register_hook(on_grad)  # type: ignore[no-untyped-call]
 
-    def launch(self) -> None:
-        """Starts the allgather of this step's rows (asynchronous; the rows are copied). Must be called on every
-        rank, in plan order, whether or not this rank used the layer (it then sends no rows)."""
+    def take_rows(self) -> torch.Tensor:
+        """This step's rows (``[u | v]``, one per example that reached the layer; none if this rank did not use it),
+        forgotten here: what :meth:`launch` gathers, and a reliable step gathers itself."""
         width = self.out_features + self.in_features
         if not self._rows:  # on the weight's device, as the other ranks' rows: one path for every rank's part
             rows = torch.zeros((0, width), dtype=self.module.weight.dtype, device=self.module.weight.device)
@@ -117,20 +117,29 @@ class SfbLayer:
             rows = torch.cat(self._rows)
         self._rows = []
         self.rows_sent = int(rows.shape[0])
+        return rows.contiguous()
+
+    def launch(self) -> None:
+        """Starts the allgather of this step's rows (asynchronous; the rows are copied). Must be called on every
+        rank, in plan order, whether or not this rank used the layer (it then sends no rows)."""
         # on the device: the collectives stage a CUDA tensor (or hand it to an engine) and return the rows there,
         # where the weight's gradient is rebuilt
-        self._handle = self.context.allgather_async(rows.contiguous())
+        self._handle = self.context.allgather_async(self.take_rows())
 
-    @torch.no_grad()
     def finish(self) -> None:
         """Waits for the rows and writes the mean gradient of all workers into the weight and bias. Blocks."""
         handle, self._handle = self._handle, None
         if handle is None:
             raise RuntimeError(f"internal error: SFB layer {self.name!r} was never launched before finish()")
-        rows = handle.wait()
+        self.rebuild(handle.wait(), self.context.world_size)
+
+    @torch.no_grad()
+    def rebuild(self, rows: torch.Tensor, workers: int) -> None:
+        """Writes the mean over ``workers`` of the gradients that every worker's ``rows`` (gathered, in rank order)
+        make into the weight and bias: ``(1/workers) sum u^T v`` and ``(1/workers) sum u``."""
         if rows.shape[0] == 0:
             return  # no worker used the layer: its gradients stay as they are (None), as in one process
-        scale = 1.0 / self.context.world_size
+        scale = 1.0 / workers
         u, v = rows[:, : self.out_features], rows[:, self.out_features :]
         weight = self.module.weight
         grad_w = torch.mm(u.t(), v).mul_(scale)

@@ -155,3 +155,30 @@ def test_the_readme_example_survives_its_kill_with_the_same_parameters() -> None
 
     killed = run("--kill", "1@step=7")
     assert len(killed) == 1 and killed == run()
+
+
+@pytest.mark.parametrize("strategy", ["sfb", "poseidon:allreduce"])
+def test_sfb_and_poseidon_over_allreduce_restart_a_killed_worker_to_the_fault_free_model(
+    tmp_path: Path, strategy: str
+) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    # every SFB layer's factors are one reliable allgather and every dense bucket one reliable allreduce per step
+    fault_free = _digests(_train(tmp_path / "ref", "--strategy", strategy))
+    killed = _train(tmp_path / "killed", "--strategy", strategy, "--kill", "1@step=8")
+    assert len(fault_free) == 1 and _digests(killed) == fault_free
+    recoveries = [r for r in killed if r["kind"] == "recovery"]
+    assert {(r["rank"], r["restarted"]) for r in recoveries} == {(1, True), (0, False)}
+    assert next(r["replayed"] for r in recoveries if r["restarted"]) > 0  # steps 6-7's operations, from memory
+    for rank in (0, 1):
+        assert [r["step"] for r in killed if r["kind"] == "step" and r["rank"] == rank] == list(range(1, 23))
+    # the reliable path computes what the strategy computes without it, to the bit
+    plain = subprocess.run(
+        [*CLI, "train", "--epochs", "2", "--strategy", strategy, "--run-dir", str(tmp_path / "plain")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert _digests(read_records(tmp_path / "plain")) == fault_free

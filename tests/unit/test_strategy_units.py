@@ -80,10 +80,13 @@ def _options(**given: object) -> StrategyOptions:
         ("bsp", {"replicas": 2}, "needs that many distinct servers"),
         ("allreduce", {"replicas": 2}, "for pipelines (R pipelines)"),
         ("gossip:ring", {"max_restarts": 1}, "does not support it"),
-        ("sfb", {"checkpoint": True}, "checkpoints allreduce training"),
+        ("gossip:ring", {"checkpoint": True}, "checkpoints allreduce or poseidon or sfb training"),
+        ("poseidon", {"checkpoint": True}, "use poseidon:allreduce or sfb"),
+        ("poseidon", {"max_restarts": 1}, "use poseidon:allreduce or sfb"),
+        ("sfb", {"min_workers": 1, "workers": 2}, "needs the allreduce strategy"),
         ("bsp", {"min_workers": 1, "workers": 2}, "needs the allreduce strategy"),
         ("allreduce", {"min_workers": 3, "workers": 2}, "1..2"),
-        ("asp", {"reliable": True}, "reliable= recovers synchronous allreduce training"),
+        ("asp", {"reliable": True}, "reliable= recovers synchronous allreduce or poseidon or sfb training"),
         ("allreduce", {"reliable": True, "overlap": False}, "reliable steps never overlap backward"),
         ("allreduce", {"staleness_lr": True}, "scales stale gradients on the parameter servers"),
         ("allreduce", {"layer_schemes": True}, "are for poseidon"),
@@ -107,6 +110,8 @@ def test_each_rule_across_options_refuses_with_what_to_do(strategy: str, given: 
         ("pipeline:gpipe", {"replicas": 2}),
         ("allreduce", {"max_restarts": 2, "min_workers": 1, "workers": 2, "checkpoint": True}),
         ("ssp:2", {"staleness_lr": True}),
+        ("sfb", {"max_restarts": 1, "checkpoint": True, "reliable": True}),
+        ("poseidon:allreduce", {"max_restarts": 1, "checkpoint": True, "layer_schemes": True}),
     ],
 )
 def test_options_that_go_together_pass(strategy: str, given: dict[str, object]) -> None:
@@ -114,7 +119,7 @@ def test_options_that_go_together_pass(strategy: str, given: dict[str, object]) 
 
 
 def test_the_cli_front_names_its_flags() -> None:
-    with pytest.raises(ConfigError, match="--max-restarts recovers allreduce training"):
+    with pytest.raises(ConfigError, match="--max-restarts recovers allreduce or poseidon or sfb training"):
         check_options(parse_strategy("gossip:ring"), StrategyOptions(front="cli", max_restarts=1))
 
 
