@@ -5,12 +5,14 @@ The same names, signatures and defaults as Horovod's (``allreduce`` averages by 
 type, :class:`HorovodInternalError`, for mismatched calls and lost peers. What is here so far: the process API
 (:mod:`.basics`), the tensor collectives with handles and autograd (:mod:`.ops`), compression (:mod:`.compression`),
 the broadcast helpers (:mod:`.functions`, :mod:`.objects`) and the DistributedOptimizer (:mod:`.optimizer`). Also
-``SyncBatchNorm`` (:mod:`.sync_batch_norm`). Every collective goes through :mod:`.controller`: requests matched by
-name across ranks, tensor fusion, ``join``, and the timeline (``PARATRAIN_TIMELINE=file.json``).
+``SyncBatchNorm`` (:mod:`.sync_batch_norm`) and the elastic API (``hvd.elastic``: :mod:`.elastic`). Every
+collective goes through :mod:`.controller`: requests matched by name across ranks, tensor fusion, ``join``, and
+the timeline (``PARATRAIN_TIMELINE=file.json``).
 """
 
 from __future__ import annotations
 
+from paratrain.horovod import elastic
 from paratrain.horovod.basics import (
     Adasum,
     Average,
@@ -93,6 +95,7 @@ __all__ = [
     "cross_rank",
     "cross_size",
     "cuda_built",
+    "elastic",
     "gloo_built",
     "gloo_enabled",
     "grouped_allreduce",

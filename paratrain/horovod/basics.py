@@ -27,6 +27,7 @@ from paratrain.errors import NotInitializedError
 from paratrain.horovod.controller import Engine, Request, fusion_bytes_from_env
 from paratrain.runtime.context import Context, current
 from paratrain.runtime.context import init as _join
+from paratrain.runtime.context import reform as _reform_context
 from paratrain.runtime.group import Group
 from paratrain.timeline import timeline_for
 
@@ -53,6 +54,7 @@ __all__ = [
     "mpi_threads_supported",
     "nccl_built",
     "rank",
+    "reform",
     "rocm_built",
     "run",
     "shutdown",
@@ -116,6 +118,30 @@ def init(comm: object = None, process_sets: object = None) -> None:
             stall_s=ctx.settings.timeout,
         )
         _state = _State(ctx, owns, int(np.searchsorted(peers, ctx.rank)), len(peers), group, engine)
+
+
+def reform() -> None:
+    """Re-forms the job after a lost worker or for a joiner (:func:`paratrain.runtime.context.reform`, for
+    ``paratrain launch --min-workers`` jobs; :mod:`paratrain.horovod.elastic` calls it) and starts the engine
+    again on the new context, which ``shutdown`` closes if ``init`` had made the old one.
+
+    Raises:
+        ValueError: not initialised.
+        RendezvousError: the others did not arrive at the rendezvous in time.
+    """
+    global _state
+    with _lock:
+        state, _state = _state, None
+    if state is None:
+        raise ValueError("Horovod has not been initialized; use hvd.init().")
+    state.ctx.abort()  # fails whatever the engine's thread waits for, at once
+    state.engine.close(min(5.0, state.ctx.settings.timeout))
+    if state.engine.timeline is not None:
+        state.engine.timeline.flush()
+    _reform_context(state.ctx)
+    init()
+    assert _state is not None
+    _state.owns = state.owns
 
 
 def is_initialized() -> bool:

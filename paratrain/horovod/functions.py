@@ -3,9 +3,11 @@
 
 The optimizer's state is made of its groups' numeric options (learning rate, momentum, betas...) and its
 per-parameter state (momentum buffers, Adam's moments and step counts). Before anything moves, every rank
-contributes a digest of that structure (option names and types, state keys, shapes and dtypes); if they differ,
-every rank raises the same :class:`~paratrain.horovod.basics.HorovodInternalError` instead of pairing the wrong
-tensors. Then the options travel as one float64 vector and each state tensor in place.
+contributes a digest of that structure (option names and types, state keys, shapes and dtypes). A rank whose
+optimizer has no state yet (it has not stepped: a checkpoint loaded on the root only, a worker that joined an
+elastic job) is given the root's structure first, as zeros, as Horovod does; any other difference makes every rank
+raise the same :class:`~paratrain.horovod.basics.HorovodInternalError` instead of pairing the wrong tensors. Then
+the options travel as one float64 vector and each state tensor in place.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from paratrain.horovod.basics import HorovodInternalError, rank, run
+from paratrain.horovod.objects import broadcast_object
 from paratrain.horovod.ops import broadcast_async_, synchronize
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
@@ -86,21 +89,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     inner: torch.optim.Optimizer = getattr(optimizer, "optimizer", optimizer)  # a DistributedOptimizer's own
-    options = _options(inner)
-    tensors = _state_tensors(inner)
-    structure = json.dumps(
-        [[(g, k, t.__name__) for g, k, t in options], [(n, list(t.shape), str(t.dtype)) for n, t in tensors]]
-    )
-    digest = np.frombuffer(hashlib.sha256(structure.encode()).digest(), dtype=np.uint8).copy()
-    digests = np.asarray(run(lambda ctx: ctx.allgather(digest.reshape(1, -1))).result())
-    differ = [r for r in range(len(digests)) if not np.array_equal(digests[r], digests[root_rank])]
-    if differ:
-        raise HorovodInternalError(
-            f"broadcast_optimizer_state: the optimizer on rank(s) {differ} differs from rank {root_rank}'s "
-            f"(options, state keys, shapes or dtypes; this rank {rank()} has {len(options)} options and "
-            f"{len(tensors)} state tensors): create the same optimizer everywhere, and load a checkpoint on "
-            "every rank or on none"
-        )
+    options, tensors = _agreed_structure(inner, root_rank)
     values = torch.tensor([_option(inner, g, k) for g, k, _ in options], dtype=torch.float64)
     values = synchronize(broadcast_async_(values, root_rank, "optimizer.options")) if len(options) else values
     for (g, key, kind), value in zip(options, values.tolist(), strict=True):
@@ -108,6 +97,57 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     handles = [broadcast_async_(t, root_rank, name) for name, t in tensors]
     for h in handles:
         synchronize(h)
+
+
+def _structure(options: list[tuple[int, str, type]], tensors: list[tuple[str, torch.Tensor]]) -> np.ndarray:
+    """The digest of an optimizer's structure (32 bytes) and whether it has per-parameter state (1 byte)."""
+    text = json.dumps(
+        [[(g, k, t.__name__) for g, k, t in options], [(n, list(t.shape), str(t.dtype)) for n, t in tensors]]
+    )
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), dtype=np.uint8)
+    return np.concatenate([digest, np.array([1 if tensors else 0], dtype=np.uint8)]).reshape(1, -1)
+
+
+def _agreed_structure(
+    optimizer: torch.optim.Optimizer, root_rank: int
+) -> tuple[list[tuple[int, str, type]], list[tuple[str, torch.Tensor]]]:
+    """The options and state tensors to broadcast, once every rank's optimizer has the root's structure: the
+    ranks without state get the root's, as zeros; any other difference raises on every rank."""
+    options, tensors = _options(optimizer), _state_tensors(optimizer)
+    for attempt in range(2):
+        rows = _allgather(_structure(options, tensors))
+        differ = [r for r in range(len(rows)) if not np.array_equal(rows[r], rows[root_rank])]
+        fillable = attempt == 0 and rows[root_rank, -1] == 1 and all(rows[r, -1] == 0 for r in differ)
+        if not differ:
+            return options, tensors
+        if not fillable:
+            raise HorovodInternalError(
+                f"broadcast_optimizer_state: the optimizer on rank(s) {differ} differs from rank {root_rank}'s "
+                f"(options, state keys, shapes or dtypes; this rank {rank()} has {len(options)} options and "
+                f"{len(tensors)} state tensors): create the same optimizer everywhere (a rank that has not "
+                "stepped yet is given the root's state)"
+            )
+        shapes = broadcast_object([(n, list(t.shape), str(t.dtype)) for n, t in tensors], root_rank)
+        if rank() in differ:
+            _fill_state(optimizer, shapes)
+            tensors = _state_tensors(optimizer)
+    raise AssertionError("unreachable")  # the second attempt returns or raises
+
+
+def _allgather(row: np.ndarray) -> np.ndarray:
+    """Every rank's ``row``, in rank order (on the Horovod engine's context)."""
+    return np.asarray(run(lambda ctx: ctx.allgather(row)).result())
+
+
+def _fill_state(optimizer: torch.optim.Optimizer, shapes: list[list[Any]]) -> None:
+    """Creates the per-parameter state ``shapes`` describes (``[name, shape, dtype]``, names as
+    :func:`_state_tensors` gives them) as zeros on each parameter's device."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for name, shape, dtype in shapes:
+        _, index, key = str(name).split(".", 2)
+        param = params[int(index)]
+        kind = getattr(torch, str(dtype).removeprefix("torch."))
+        optimizer.state[param][key] = torch.zeros(tuple(int(d) for d in shape), dtype=kind, device=param.device)
 
 
 def _option(optimizer: torch.optim.Optimizer, g: int, key: str) -> float:

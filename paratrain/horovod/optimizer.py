@@ -26,6 +26,7 @@ import torch
 from paratrain.horovod.basics import Adasum, Average, Sum, size
 from paratrain.horovod.compression import Compression, Compressor
 from paratrain.horovod.ops import allreduce_async_, synchronize
+from paratrain.launch.kills import kill_point
 
 __all__ = ["DistributedOptimizer"]
 
@@ -78,6 +79,7 @@ class _Distributed:
         self._hvd_handles: dict[int, tuple[torch.Tensor, int, Any]] = {}
         self._hvd_synchronized = False
         self._hvd_skip = False
+        self._hvd_steps = 0
         hooked = [p for p in params if p.requires_grad] if op != Adasum else []  # Adasum reduces in step()
         self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_hook) for p in hooked]
 
@@ -119,12 +121,19 @@ class _Distributed:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     self._hvd_handles[id(p)] = self._hvd_start(p)
-        for key, (_, handle, (p, ctx)) in list(self._hvd_handles.items()):
-            out = synchronize(handle)
-            with torch.no_grad():
-                p.grad.copy_(self._hvd_compression.decompress(out, ctx))
-            self._hvd_delay[key] = self._hvd_passes
-        self._hvd_handles.clear()
+        try:
+            for key, (_, handle, (p, ctx)) in list(self._hvd_handles.items()):
+                out = synchronize(handle)
+                with torch.no_grad():
+                    p.grad.copy_(self._hvd_compression.decompress(out, ctx))
+                self._hvd_delay[key] = self._hvd_passes
+        except BaseException:
+            # the step's reductions failed (a lost peer: hvd.elastic restores the last commit and re-forms the
+            # job): forget them all, so that the next step starts afresh
+            self._hvd_delay = dict.fromkeys(self._hvd_delay, self._hvd_passes)
+            raise
+        finally:
+            self._hvd_handles.clear()
         self._hvd_synchronized = True
 
     @contextlib.contextmanager
@@ -140,11 +149,15 @@ class _Distributed:
         """Synchronizes (unless inside ``skip_synchronize()``), then the wrapped optimizer's step; with Adasum,
         the local step, then the parameters' changes combined by Adasum (see the module docstring)."""
         if self._hvd_op == Adasum:
-            return self._hvd_adasum_step(closure)
-        if not self._hvd_skip and not self._hvd_synchronized:
-            self.synchronize()
-        self._hvd_synchronized = False
-        return super().step(closure)  # type: ignore[misc]
+            result = self._hvd_adasum_step(closure)
+        else:
+            if not self._hvd_skip and not self._hvd_synchronized:
+                self.synchronize()
+            self._hvd_synchronized = False
+            result = super().step(closure)  # type: ignore[misc]
+        self._hvd_steps += 1
+        kill_point(self._hvd_steps)  # paratrain launch --kill RANK@step=K, as paratrain's own optimizer
+        return result
 
     def _hvd_adasum_step(self, closure: Any) -> Any:
         opt: Any = self

@@ -36,6 +36,7 @@ __all__ = [
     "Membership",
     "Restarts",
     "mark_spare_warm",
+    "read_join_round",
     "spare_is_warm",
     "spare_spec",
     "write_join_round",
@@ -120,6 +121,17 @@ def write_join_round(scratch_dir: str, round_number: int) -> None:
     with open(path + ".tmp", "w", encoding="ascii") as fh:
         fh.write(f"{round_number}\n")
     os.replace(path + ".tmp", path)
+
+
+def read_join_round(scratch_dir: str | None) -> int:
+    """The rendezvous round a waiting joiner will be admitted in (0: none waits, or no scratch directory)."""
+    if scratch_dir is None:
+        return 0
+    try:
+        with open(os.path.join(scratch_dir, JOIN_FILE), encoding="ascii") as fh:
+            return int(fh.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 @dataclass(slots=True)

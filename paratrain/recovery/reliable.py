@@ -68,7 +68,7 @@ import numpy.typing as npt
 
 from paratrain.errors import PeerLostError, TransportClosedError
 from paratrain.launch.kills import checkpoint_kill_point
-from paratrain.launch.restarts import JOIN_FILE
+from paratrain.launch.restarts import read_join_round
 from paratrain.recovery.plan import RankState, RecoveryError, RecoveryPlan, plan_recovery
 from paratrain.runtime.context import Context, current, reform
 
@@ -283,14 +283,7 @@ class Reliable:
 
     def _join_wanted(self) -> bool:
         """Whether any rank saw a joiner waiting for a round after this job's (a reliable maximum)."""
-        wanted = 0
-        scratch = self.ctx.settings.scratch_dir
-        if scratch is not None:
-            try:
-                with open(os.path.join(scratch, JOIN_FILE), encoding="ascii") as fh:
-                    wanted = int(fh.read().strip() or 0)
-            except (OSError, ValueError):
-                wanted = 0
+        wanted = read_join_round(self.ctx.settings.scratch_dir)
         agreed = self.allreduce(np.array([wanted], dtype=np.int64), op="max", whole=False)
         return int(agreed[0]) > self.ctx.transport.round
 

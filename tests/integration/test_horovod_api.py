@@ -140,6 +140,16 @@ for make in (sgd, adam):
         betas = hvd.allgather(torch.tensor([opt.param_groups[0]["betas"][0]]))
         check("tuple options", torch.all(betas == betas[0]) and isinstance(opt.param_groups[0]["betas"], tuple))
 
+resumed = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+if r == 0:  # Horovod's resume idiom: a checkpoint (here, a step) on the root only, then broadcast
+    model(torch.randn(6, 5)).sum().backward()
+    resumed.step()
+hvd.broadcast_optimizer_state(resumed, root_rank=0)
+state = torch.cat([v.flatten().double() for s in resumed.state.values() for _, v in sorted(s.items())])
+states = hvd.allgather(state.reshape(1, -1))
+filled = len(resumed.state) == len(list(model.parameters()))
+check("the root's state to ranks without", filled and all(torch.equal(x, states[0]) for x in states))
+
 try:
     hvd.allreduce(torch.ones(2 if r == 0 else 3))
     check("shape mismatch raises", False)
