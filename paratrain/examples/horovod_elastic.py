@@ -32,6 +32,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=60, help="examples per step, all ranks together (default 60)")
     parser.add_argument("--commit-every", type=int, default=4, help="steps between commits (default 4)")
     parser.add_argument(
+        "--sampler",
+        action="store_true",
+        help="read the data through a DataLoader with hvd.elastic.ElasticSampler (batches of --batch / 3 per rank)",
+    )
+    parser.add_argument(
         "--until-joined",
         action="store_true",
         help="after --epochs, go on (an epoch at a time, at most 1000) until every launched worker is back",
@@ -47,10 +52,15 @@ def main() -> None:
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), named_parameters=model.named_parameters()
     )
-    state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0, resets=0)
-    state.register_reset_callbacks([lambda: setattr(state, "resets", state.resets + 1)])
     steps = len(train_y) // args.batch
     launched = int(os.environ.get("WORLD_SIZE", hvd.size()))  # as launched (paratrain launch sets it)
+    dataset = torch.utils.data.TensorDataset(train_x, train_y)
+    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=0)
+    per_rank = max(1, args.batch // launched)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=per_rank, sampler=sampler)
+    samplers = {"train_sampler": sampler} if args.sampler else {}
+    state = hvd.elastic.TorchState(model, optimizer, **samplers, epoch=0, batch=0, resets=0)
+    state.register_reset_callbacks([lambda: setattr(state, "resets", state.resets + 1)])
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
@@ -59,16 +69,32 @@ def main() -> None:
             while state.batch < steps:
                 batch = order[state.batch * args.batch : (state.batch + 1) * args.batch]
                 mine = torch.from_numpy(batch[hvd.rank() :: hvd.size()])
-                optimizer.zero_grad()
-                functional.cross_entropy(model(train_x[mine]), train_y[mine]).backward()  # type: ignore[no-untyped-call]
-                optimizer.step()
+                _step(train_x[mine], train_y[mine])
                 state.batch += 1
                 if state.batch % args.commit_every == 0:
                     state.commit()
             state.epoch, state.batch = state.epoch + 1, 0
             state.commit()
 
-    train(state)
+    @hvd.elastic.run
+    def train_sampled(state: hvd.elastic.TorchState) -> None:  # Horovod's elastic examples' pattern
+        while state.epoch < args.epochs or (args.until_joined and hvd.size() < launched and state.epoch < 1000):
+            for i, (xb, yb) in enumerate(loader):
+                _step(xb, yb)
+                state.train_sampler.record_batch(i, per_rank)
+                state.batch += 1
+                if state.batch % args.commit_every == 0:
+                    state.commit()
+            state.epoch, state.batch = state.epoch + 1, 0
+            state.train_sampler.set_epoch(state.epoch)
+            state.commit()
+
+    def _step(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        functional.cross_entropy(model(xb), yb).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+
+    (train_sampled if args.sampler else train)(state)
     with torch.no_grad():
         accuracy = float((model(test_x).argmax(1) == test_y).float().mean())
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]

@@ -16,7 +16,10 @@ commits it now and then; what happens then is Horovod's protocol:
 The reset callbacks (``state.register_reset_callbacks``) run after each re-forming, before ``sync``: where a
 script rescales its learning rate to ``hvd.size()``. A job that is not elastic has no rendezvous to re-form at:
 there, and after more re-formings than the job can have (its restarts plus its workers), the error is raised.
-Not here: Horovod's ``ElasticSampler`` (shard the data by ``hvd.rank()``/``hvd.size()`` after each reset).
+
+:class:`ElasticSampler` shards a dataset over the ranks there are and remembers what the job has processed this
+epoch (``record_batch``), so that after a re-forming the rest of the epoch is shared among the new ranks and
+nothing is seen twice; a ``TorchState`` holding it keeps it with the commits and merges every rank's record.
 """
 
 from __future__ import annotations
@@ -24,18 +27,29 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from collections.abc import Callable, Iterable
+import math
+import random
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+import torch
 
 from paratrain.horovod import basics
 from paratrain.horovod.basics import HorovodInternalError
 from paratrain.horovod.functions import broadcast_optimizer_state, broadcast_parameters
-from paratrain.horovod.objects import broadcast_object
+from paratrain.horovod.objects import allgather_object, broadcast_object
 from paratrain.launch.restarts import read_join_round
 
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]
+__all__ = [
+    "ElasticSampler",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "ObjectState",
+    "State",
+    "TorchState",
+    "run",
+]
 
 log = logging.getLogger("paratrain.horovod")
 
@@ -144,15 +158,100 @@ class ObjectState(State):
         ObjectState.save(self)
 
 
+class ElasticSampler(torch.utils.data.Sampler[int]):
+    """Horovod's elastic sampler: this rank's share of the examples the job has not processed yet this epoch.
+
+    The unprocessed indices (shuffled by ``seed + epoch`` if ``shuffle``) are padded to a multiple of the ranks
+    and dealt out, rank ``r`` taking every ``size``-th from ``r``. ``record_batch(i, n)`` marks this rank's
+    batch ``i`` of ``n`` as processed; ``set_epoch`` starts an epoch afresh; after a re-forming,
+    :meth:`TorchState.sync` merges every rank's record and :meth:`reset` deals the rest out again.
+
+    Example:
+        >>> s = ElasticSampler(range(10), shuffle=False, world=(0, 2))
+        >>> list(s), len(s)
+        ([0, 2, 4, 6, 8], 5)
+        >>> s.record_batch(0, 2)
+        >>> s.reset(world=(1, 3))
+        >>> list(s)
+        [3, 6, 9]
+    """
+
+    def __init__(
+        self, dataset: Sized, shuffle: bool = True, seed: int = 0, *, world: tuple[int, int] | None = None
+    ) -> None:
+        self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
+        self.rank: int = 0
+        self.num_replicas: int = 0  # (0 until the first deal)
+        self.num_samples: int = 0
+        self.epoch = 0
+        self.processed_indices: set[int] = set()
+        self.indices: list[int] = []
+        self.reset(world=world)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts epoch ``epoch``: nothing processed, a fresh order."""
+        self.epoch = epoch
+        self.processed_indices = set()
+        self.reset()
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Marks this rank's batch ``batch_idx`` (of ``batch_size`` examples) as processed."""
+        self.record_indices(self.get_indices(batch_idx, batch_size))
+
+    def record_indices(self, indices: Iterable[int]) -> None:
+        """Marks these examples as processed."""
+        self.processed_indices.update(int(i) for i in indices)
+
+    def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
+        """The indices of this rank's batch ``batch_idx`` of ``batch_size``."""
+        start = batch_idx * batch_size
+        return self.indices[start : min(start + batch_size, len(self.indices))]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch and the processed indices (sorted: JSON carries it between ranks)."""
+        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Takes a :meth:`state_dict` and deals the rest of the epoch out again."""
+        self.epoch = int(state_dict["epoch"])
+        self.processed_indices = {int(i) for i in state_dict["processed_indices"]}
+        self.reset()
+
+    def reset(self, *, world: tuple[int, int] | None = None) -> None:
+        """Deals the unprocessed indices out over the ranks there are now: the job's, or ``world`` = (rank, size)
+        (outside a job: the last one given)."""
+        if world is None:
+            known = self.num_replicas > 0 and not basics.is_initialized()
+            world = (self.rank, self.num_replicas) if known else (basics.rank(), basics.size())
+        self.rank, self.num_replicas = world
+        remaining = [i for i in range(len(self.dataset)) if i not in self.processed_indices]
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(remaining)
+        self.num_samples = math.ceil(len(remaining) / self.num_replicas)
+        padded = remaining + remaining[: self.num_samples * self.num_replicas - len(remaining)]
+        self.indices = padded[self.rank :: self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self.indices))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
 class TorchState(ObjectState):
-    """A model's and an optimizer's state (by their ``state_dict``), and named values as :class:`ObjectState`:
-    Horovod's ``hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)``."""
+    """A model's and an optimizer's state (by their ``state_dict``), :class:`ElasticSampler` values by theirs (the
+    ranks' records merged at ``sync``), and other named values as :class:`ObjectState`: Horovod's
+    ``hvd.elastic.TorchState(model, optimizer, train_sampler=sampler, epoch=0, batch=0)``."""
 
     def __init__(self, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
         self.model, self.optimizer = model, optimizer
         self._model_saved: dict[str, Any] | None = None
         self._optimizer_saved: dict[str, Any] | None = None
-        super().__init__(**kwargs)
+        self._samplers = {k: v for k, v in kwargs.items() if isinstance(v, ElasticSampler)}
+        self._samplers_saved: dict[str, dict[str, Any]] = {}
+        for name, sampler in self._samplers.items():
+            object.__setattr__(self, name, sampler)
+        super().__init__(**{k: v for k, v in kwargs.items() if k not in self._samplers})
         self._save_torch()
 
     def _save_torch(self) -> None:
@@ -160,6 +259,7 @@ class TorchState(ObjectState):
             self._model_saved = copy.deepcopy(self.model.state_dict())
         if self.optimizer is not None:
             self._optimizer_saved = copy.deepcopy(self.optimizer.state_dict())
+        self._samplers_saved = {name: sampler.state_dict() for name, sampler in self._samplers.items()}
 
     def save(self) -> None:
         self._save_torch()
@@ -170,6 +270,8 @@ class TorchState(ObjectState):
             self.model.load_state_dict(self._model_saved)
         if self.optimizer is not None and self._optimizer_saved is not None:
             self.optimizer.load_state_dict(self._optimizer_saved)
+        for name, sampler in self._samplers.items():
+            sampler.load_state_dict(self._samplers_saved[name])
         super().restore()
 
     def sync(self) -> None:
@@ -177,6 +279,9 @@ class TorchState(ObjectState):
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root_rank=0)
+        for sampler in self._samplers.values():  # what any rank processed is processed; rank 0's epoch
+            merged = sorted(set().union(*(set(r) for r in allgather_object(sorted(sampler.processed_indices)))))
+            sampler.load_state_dict(broadcast_object({"epoch": sampler.epoch, "processed_indices": merged}, 0))
         super().sync()
         self._save_torch()
 

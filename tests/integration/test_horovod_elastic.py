@@ -55,3 +55,11 @@ def test_without_min_workers_the_error_ends_the_job() -> None:
     )
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert "rank 1" in out.stderr and "SIGKILL" in out.stderr
+
+
+def test_the_elastic_sampler_shares_the_rest_of_the_epoch_among_the_survivors() -> None:
+    code, rows, log = _launch("--kill", "1@step=6", *EXAMPLE, "--sampler")
+    assert code == 0, log
+    assert [(r, size, epochs, resets) for r, size, epochs, resets, _, _ in rows] == [(0, 2, 2, 1), (1, 2, 2, 1)], log
+    assert len({digest for *_, digest in rows}) == 1, log
+    assert all(accuracy > 0.8 for *_, accuracy, _ in rows), log

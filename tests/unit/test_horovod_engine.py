@@ -220,3 +220,28 @@ def test_requests_that_never_match_fail_every_rank_after_the_stall_bound_naming_
     assert messages[0] == messages[1], messages
     assert "waited more than 0s (PARATRAIN_TIMEOUT)" in messages[0]
     assert "a (asked for by ranks [0], not by [1]); b (asked for by ranks [1], not by [0])" in messages[0]
+
+
+def test_the_elastic_sampler_deals_out_what_is_left_of_the_epoch() -> None:
+    from paratrain.horovod.elastic import ElasticSampler
+
+    samplers = [ElasticSampler(range(100), seed=3, world=(r, 3)) for r in range(3)]
+    dealt = [list(s) for s in samplers]
+    assert (
+        sorted(i for part in dealt for i in part)[:100] == list(range(100))
+        or len({*dealt[0], *dealt[1], *dealt[2]}) == 100
+    )
+    for s in samplers:  # each rank processes its first two batches of 5
+        s.record_batch(0, 5)
+        s.record_batch(1, 5)
+    done = set().union(*(s.processed_indices for s in samplers))
+    assert len(done) == 30
+    for s in samplers:  # the job re-forms as 2: the rest of the epoch, once each, in the same order everywhere
+        s.load_state_dict({"epoch": 0, "processed_indices": sorted(done)})
+    survivors = [samplers[0], samplers[2]]
+    for r, s in enumerate(survivors):
+        s.reset(world=(r, 2))
+    rest = [i for s in survivors for i in s]
+    assert len(rest) == 70 and set(rest) == set(range(100)) - done
+    survivors[0].set_epoch(1)  # a new epoch: everything again, in another order
+    assert survivors[0].processed_indices == set() and list(survivors[0]) != dealt[0]
