@@ -14,6 +14,7 @@ from typing import Any
 from paratrain.cli import (
     bench_allreduce,
     bench_auth,
+    bench_chaos,
     bench_consistency,
     bench_ddp_anchor,
     bench_pipeline,
@@ -37,6 +38,7 @@ BENCHMARKS: tuple[Callable[[Any], None], ...] = (
     bench_pipeline.add_parsers,
     bench_soap.add_parsers,
     bench_recovery.add_parsers,
+    bench_chaos.add_parsers,
     bench_auth.add_parsers,
     bench_sfb_bytes.add_parsers,
     bench_ddp_anchor.add_parsers,

@@ -1,0 +1,177 @@
+"""``paratrain bench chaos``: kill schedules drawn at random over every strategy, each run classified.
+
+Each run is one ``paratrain train`` job of two epochs on the digits MLP (a :class:`~paratrain.train.job.TrainJob`)
+with one ``--kill``: a worker drawn at random, at a step drawn at random or at a time drawn at random. The
+strategies that recover from a worker's death (their units declare ``restarts``) run with ``--max-restarts 1``;
+the others as users run them. Every run ends in one of:
+
+- ``bitwise``: the kill fired, the job finished, and its final model is bitwise the fault-free run's;
+- ``differs``: the kill fired and the job finished with another model (wrong for a synchronous strategy);
+- ``failed fast``: the job stopped with an error, in the seconds given (the cause is the ranks' last line);
+- ``hung``: still running at the deadline (stopped there);
+- ``no death``: the job ended before its kill came (a time kill after the last step).
+
+The fault-free model of each strategy is one more run per strategy, without a kill.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from paratrain.strategy import parse_strategy
+
+__all__ = ["STRATEGIES", "Case", "classify", "draw_cases", "render", "run_chaos"]
+
+#: Every strategy kind, as ``paratrain train`` takes it (gossip on 3 workers: a ring of 2 is a pair).
+STRATEGIES = (
+    "allreduce",
+    "sfb",
+    "poseidon:allreduce",
+    "bsp",
+    "ssp:1",
+    "asp",
+    "poseidon",
+    "gossip:ring",
+    "pipeline:gpipe",
+    "pipeline:1f1b",
+    "tp:2",
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One chaos run: the strategy, its workers, the kill schedule and the restarts allowed."""
+
+    strategy: str
+    workers: int
+    kill: str
+    restarts: int
+
+
+def draw_cases(strategies: tuple[str, ...], runs: int, *, seed: int, steps: int) -> list[Case]:
+    """``runs`` cases, the strategies in turn, each with a kill drawn by a seeded generator: a worker, and a step in
+    2..``steps`` - 1 or a time in 1.5..3.0 s after the start (half each).
+
+    Example:
+        >>> [c.kill for c in draw_cases(("allreduce",), 2, seed=1, steps=10)]
+        ['0@2.70s', '0@step=9']
+    """
+    rng = random.Random(seed)
+    cases = []
+    for i in range(runs):
+        strategy = strategies[i % len(strategies)]
+        workers = 3 if parse_strategy(strategy).exchanges_parameters else 2
+        rank = rng.randrange(workers)
+        if rng.random() < 0.5:
+            kill = f"{rank}@step={rng.randint(2, steps - 1)}"
+        else:
+            kill = f"{rank}@{rng.uniform(1.5, 3.0):.2f}s"
+        spec = parse_strategy(strategy)  # workers restart where the unit recovers them (not on servers)
+        restarts = 1 if "restarts" in spec.info.recovery and not spec.uses_servers else 0
+        cases.append(Case(strategy, workers, kill, restarts))
+    return cases
+
+
+def classify(code: int, fired: bool, digest: str | None, reference: str | None) -> str:
+    """A run's outcome (see the module docstring) from its exit status (124: stopped at the deadline), whether its
+    kill fired, and its final model's digest against the fault-free one.
+
+    Example:
+        >>> classify(0, True, "ab", "ab"), classify(1, True, None, "ab"), classify(124, True, None, "ab")
+        ('bitwise', 'failed fast', 'hung')
+    """
+    if code == 124:
+        return "hung"
+    if code != 0:
+        return "failed fast"
+    if not fired:
+        return "no death"
+    return "bitwise" if digest is not None and digest == reference else "differs"
+
+
+def _train(case: Case | None, strategy: str, workers: int, out: Path, *, deadline: float) -> dict[str, Any]:
+    """One job: its exit status, whether its kill fired, its digest, seconds and the ranks' last line."""
+    from paratrain.errors import JobFailedError
+    from paratrain.train.job import TrainJob
+    from paratrain.train.record import read_records
+    from paratrain.train.run import run_training
+
+    job = TrainJob(workers=workers, epochs=2, strategy=strategy, run_dir=str(out))
+    if case is not None:
+        job = job.replace(kill=case.kill, max_restarts=case.restarts)
+    output = io.StringIO()
+    started = time.perf_counter()
+    try:
+        run_training(job, quiet=True, output=output, deadline_s=deadline)
+        code = 0
+    except JobFailedError as exc:
+        code = exc.exit_code
+    seconds = time.perf_counter() - started
+    text = output.getvalue()
+    digests = {r["parameters_sha256"] for r in read_records(out) if r["kind"] == "final"}
+    lines = [line for line in text.splitlines() if line.strip()]
+    return {
+        "exit": code,
+        "fired": "injected fault" in text,
+        "digest": next(iter(digests)) if len(digests) == 1 and code == 0 else None,
+        "seconds": round(seconds, 2),
+        "last": lines[-1][-300:] if lines else "",
+    }
+
+
+def run_chaos(
+    out_dir: str | Path,
+    *,
+    runs: int = 22,
+    seed: int = 0,
+    strategies: tuple[str, ...] = STRATEGIES,
+    deadline: float = 120.0,
+    say: Any = None,
+) -> dict[str, Any]:
+    """The fault-free run of each strategy, then ``runs`` chaos runs; the report (every run, and the outcomes per
+    strategy)."""
+    out = Path(out_dir)
+    cases = draw_cases(strategies, runs, seed=seed, steps=22)  # 2 epochs of the digits MLP: 22 steps on 2 workers
+    references: dict[str, str | None] = {}
+    for strategy in dict.fromkeys(c.strategy for c in cases):
+        case = next(c for c in cases if c.strategy == strategy)
+        ref = _train(None, strategy, case.workers, out / f"ref-{len(references)}", deadline=deadline)
+        # the recovering strategies' reliable path computes the plain path's model (tested): one reference each
+        references[strategy] = ref["digest"]
+    results = []
+    for i, case in enumerate(cases):
+        got = _train(case, case.strategy, case.workers, out / f"run-{i}", deadline=deadline)
+        outcome = classify(got["exit"], got["fired"], got["digest"], references[case.strategy])
+        results.append({**asdict(case), **got, "outcome": outcome})
+        if say is not None:
+            say(f"{i + 1}/{len(cases)} {case.strategy} --kill {case.kill}: {outcome} ({got['seconds']:.1f} s)")
+    table: dict[str, Counter[str]] = {}
+    for r in results:
+        table.setdefault(r["strategy"], Counter())[r["outcome"]] += 1
+    return {
+        "runs": results,
+        "references": references,
+        "outcomes": {s: dict(c) for s, c in table.items()},
+        "seed": seed,
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    """The outcomes per strategy as a markdown table, with the slowest failure's seconds."""
+    kinds = ("bitwise", "differs", "failed fast", "hung", "no death")
+    lines = [
+        "| strategy | runs | " + " | ".join(kinds) + " | slowest end (s) |",
+        "|---|---:|" + "---:|" * len(kinds) + "---:|",
+    ]
+    for strategy, counts in report["outcomes"].items():
+        mine = [r for r in report["runs"] if r["strategy"] == strategy]
+        slowest = max(r["seconds"] for r in mine)
+        cells = " | ".join(str(counts.get(k, 0)) for k in kinds)
+        lines.append(f"| {strategy} | {len(mine)} | {cells} | {slowest:.1f} |")
+    return "\n".join(lines)
