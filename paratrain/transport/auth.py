@@ -218,7 +218,7 @@ def refusal_reason(event: int, value: int) -> str:
     if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         return "it does not use this job's security mechanism (no PARATRAIN_SECRET on one side?)"
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return "the handshake broke off (one side lacks this job's PARATRAIN_SECRET?)"
+        return "the handshake broke off (the peer closed or died mid-handshake, or lacks this job's PARATRAIN_SECRET)"
     if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
         return "it does not hold this job's keys (another PARATRAIN_SECRET?)"
     return f"its handshake broke the protocol (error {value:#x})"
