@@ -16,7 +16,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from paratrain.errors import ConfigError
 from paratrain.launch.env import child_environments
@@ -25,6 +25,9 @@ from paratrain.launch.kills import Kill, kill_env, parse_kills, time_kill
 from paratrain.launch.plan import LaunchPlan, free_port, resolve_command
 from paratrain.launch.procs import Outcome, ProcSpec, Supervisor
 from paratrain.launch.restarts import Membership, Restarts, spare_spec, write_join_round
+
+if TYPE_CHECKING:
+    from paratrain.transport.rendezvous import RendezvousServer
 
 __all__ = ["run_commands", "run_launch", "sweep_run"]
 
@@ -136,7 +139,6 @@ def run_launch(
         ConfigError: a bad argument or fault spec, or no command.
     """
     from paratrain.transport.auth import new_secret
-    from paratrain.transport.rendezvous import RendezvousServer
 
     _check_options(
         nproc=nproc, servers=servers, replicas=replicas, grace=grace, max_restarts=max_restarts,
@@ -151,17 +153,8 @@ def run_launch(
     run_id = secrets.token_hex(4)
     secret = new_secret()  # per job: every rank, server and spare gets it; nothing else can join or send
     scratch = tempfile.mkdtemp(prefix=f"paratrain-{run_id}-")
-    server = RendezvousServer(
-        world_size=nproc + servers,
-        bind_addr="127.0.0.1",
-        port=0,
-        timeout=24 * 3600.0,
-        rounds=(max_restarts > 0 and not servers) or min_workers > 0,
-        elastic=min_workers > 0,
-        rejoins=max_restarts > 0 and servers > 0,  # a restarted server takes its rank's place, nobody re-meets
-        on_joiner=(lambda round_number: write_join_round(scratch, round_number)) if min_workers else None,
-        secret=secret,
-    )
+    server = _rendezvous(nproc + servers, scratch, secret, servers=servers, max_restarts=max_restarts,
+                         min_workers=min_workers)  # fmt: skip
     try:
         plan = LaunchPlan(
             nproc=nproc,
@@ -180,16 +173,8 @@ def run_launch(
             plan, schedule, prefix=prefix, replicas=replicas, max_restarts=max_restarts, min_workers=min_workers,
             keep_going=keep_going,
         )  # fmt: skip
-        restarts = None
-        if max_restarts or min_workers:
-            restarts = Restarts(
-                max_restarts,
-                spare_spec(specs[0], prefix=prefix) if spare and max_restarts and not servers else None,
-                membership=Membership(min_workers, server) if min_workers else None,
-                rendezvous=server,
-            )
-            if restarts.spare is not None:
-                specs.append(restarts.spare)
+        restarts = _restarts(specs, server, prefix=prefix, spare=spare, max_restarts=max_restarts,
+                             min_workers=min_workers, servers=servers)  # fmt: skip
         outcome = Supervisor(
             specs, grace_s=grace, deadline_s=deadline_s, stdout=stdout, stderr=stderr, restarts=restarts
         ).run()
@@ -198,6 +183,51 @@ def run_launch(
         server.close()
         sweep_run(run_id, scratch)
     return outcome.exit_code
+
+
+def _rendezvous(
+    world_size: int, scratch: str, secret: bytes, *, servers: int, max_restarts: int, min_workers: int
+) -> RendezvousServer:
+    """The job's rendezvous on this host: rounds for restarted workers and elastic jobs (whose joiners are announced
+    in ``scratch``), rejoins for restarted servers, open to this job's ``secret`` only."""
+    from paratrain.transport.rendezvous import RendezvousServer
+
+    return RendezvousServer(
+        world_size=world_size,
+        bind_addr="127.0.0.1",
+        port=0,
+        timeout=24 * 3600.0,
+        rounds=(max_restarts > 0 and not servers) or min_workers > 0,
+        elastic=min_workers > 0,
+        rejoins=max_restarts > 0 and servers > 0,  # a restarted server takes its rank's place, nobody re-meets
+        on_joiner=(lambda round_number: write_join_round(scratch, round_number)) if min_workers else None,
+        secret=secret,
+    )
+
+
+def _restarts(
+    specs: list[ProcSpec],
+    server: RendezvousServer,
+    *,
+    prefix: bool,
+    spare: bool,
+    max_restarts: int,
+    min_workers: int,
+    servers: int,
+) -> Restarts | None:
+    """The restart policy of a job that restarts or shrinks (None otherwise); its warm spare, if any, is added to
+    ``specs``."""
+    if not (max_restarts or min_workers):
+        return None
+    restarts = Restarts(
+        max_restarts,
+        spare_spec(specs[0], prefix=prefix) if spare and max_restarts and not servers else None,
+        membership=Membership(min_workers, server) if min_workers else None,
+        rendezvous=server,
+    )
+    if restarts.spare is not None:
+        specs.append(restarts.spare)
+    return restarts
 
 
 def _check_options(
