@@ -35,6 +35,8 @@ Variables (all optional unless a launcher set them):
                                 parameter servers (their ``paratrain.init()`` serves, then exits)
 ``PARATRAIN_PS_REPLICAS``       set by ``paratrain launch --replicas R``: every parameter-server chunk lives on R
                                 servers (primary-backup); a job survives R - 1 server deaths (default 1)
+``PARATRAIN_PS_WORKER_RESTARTS`` set by ``paratrain launch --servers S --max-restarts R``: a dead worker's place is held
+                                on the servers and its replacement rejoins there (:mod:`paratrain.ps.rejoin`)
 ``PARATRAIN_RUN_ID``            identifies the job (names of ipc endpoints and shared memory)
 ``PARATRAIN_RUN_DIR``           directory for the job's outputs (metrics, plots, timeline)
 ``PARATRAIN_TIMELINE``          write a Horovod-style Chrome-trace timeline of this process's communication to
@@ -267,6 +269,8 @@ class Settings:
             (they are the transport's), while :attr:`num_workers` and :attr:`role_rank` count one role.
         ps_replicas: servers holding each parameter-server chunk (``KVStore``'s default ``replicas``); 2 or
             more survive server deaths at the cost of a server-to-server hop per push.
+        ps_worker_restarts: the launcher restarts dead workers of this parameter-server job: the servers hold a
+            dead worker's place (its clock, its pushes of the interrupted clock) until its replacement rejoins.
         run_id: identifier of the job, used to name ipc endpoints and shared memory.
         run_dir: directory for outputs, or None.
         timeline: the file of the communication timeline (``PARATRAIN_TIMELINE``), or None.
@@ -309,6 +313,7 @@ class Settings:
     role: str = "worker"
     num_servers: int = 0
     ps_replicas: int = 1
+    ps_worker_restarts: bool = False
     run_id: str = "default"
     run_dir: str | None = None
     timeline: str | None = None
@@ -494,6 +499,7 @@ class Settings:
             role=role,
             num_servers=num_servers,
             ps_replicas=_get_int(env, "PARATRAIN_PS_REPLICAS", 1),
+            ps_worker_restarts=_get_flag(env, "PARATRAIN_PS_WORKER_RESTARTS"),
             run_id=env.get("PARATRAIN_RUN_ID")
             or env.get("TORCHELASTIC_RUN_ID")
             or env.get("SLURM_JOB_ID")

@@ -6,12 +6,19 @@ strategies that recover from a worker's death (their units declare ``restarts``)
 the others as users run them. Every run ends in one of:
 
 - ``bitwise``: the kill fired, the job finished, and its final model is bitwise the fault-free run's;
-- ``differs``: the kill fired and the job finished with another model (wrong for a synchronous strategy);
+- ``accurate``: an asynchronous strategy (SSP, ASP) finished with another model, its test accuracy within
+  :data:`ACCURACY_SLACK` of the fault-free run's (their updates depend on timing: no two runs agree bitwise);
+- ``differs``: the kill fired and the job finished with another model (wrong for a synchronous strategy, or
+  an asynchronous one less accurate);
 - ``failed fast``: the job stopped with an error, in the seconds given (the cause is the ranks' last line);
 - ``hung``: still running at the deadline (stopped there);
 - ``no death``: the job ended before its kill came (a time kill after the last step).
 
-The fault-free model of each strategy is one more run per strategy, without a kill.
+The fault-free model of each strategy is one more run per strategy, without a kill (with the restarts its cases
+have: a parameter-server job that restarts workers sums each round in worker order). A run whose replacement
+rejoined parameter servers after a step kill also says how long the worker was gone: from its predecessor's last
+record (the loss of the step it was killed in, written as that step's synchronisation began) to the replacement's
+``rejoined`` record (parameters pulled, about to compute).
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ from typing import Any
 
 from paratrain.strategy import parse_strategy
 
-__all__ = ["STRATEGIES", "Case", "classify", "draw_cases", "render", "run_chaos"]
+__all__ = ["ACCURACY_SLACK", "STRATEGIES", "Case", "classify", "draw_cases", "render", "run_chaos"]
+
+#: How far below its fault-free run's test accuracy a recovered asynchronous run may end and count as ``accurate``.
+ACCURACY_SLACK = 0.05
 
 #: Every strategy kind, as ``paratrain train`` takes it (gossip on 3 workers: a ring of 2 is a pair).
 STRATEGIES = (
@@ -72,19 +82,26 @@ def draw_cases(strategies: tuple[str, ...], runs: int, *, seed: int, steps: int)
             kill = f"{rank}@step={rng.randint(2, steps - 1)}"
         else:
             kill = f"{rank}@{rng.uniform(1.5, 3.0):.2f}s"
-        spec = parse_strategy(strategy)  # workers restart where the unit recovers them (not on servers)
-        restarts = 1 if "restarts" in spec.info.recovery and not spec.uses_servers else 0
-        cases.append(Case(strategy, workers, kill, restarts))
+        cases.append(Case(strategy, workers, kill, _restarts(strategy)))
     return cases
 
 
-def classify(code: int, fired: bool, digest: str | None, reference: str | None) -> str:
+def _restarts(strategy: str) -> int:
+    """1 where the unit recovers a dead worker (Poseidon with parameter servers does not), else 0."""
+    spec = parse_strategy(strategy)
+    return 1 if "restarts" in spec.info.recovery and not (spec.uses_servers and spec.hybrid) else 0
+
+
+def classify(code: int, fired: bool, digest: str | None, reference: str | None, *, accurate: bool = False) -> str:
     """A run's outcome (see the module docstring) from its exit status (124: stopped at the deadline), whether its
-    kill fired, and its final model's digest against the fault-free one.
+    kill fired, its final model's digest against the fault-free one, and (``accurate``) whether an asynchronous
+    strategy ended within :data:`ACCURACY_SLACK` of the fault-free accuracy.
 
     Example:
         >>> classify(0, True, "ab", "ab"), classify(1, True, None, "ab"), classify(124, True, None, "ab")
         ('bitwise', 'failed fast', 'hung')
+        >>> classify(0, True, "cd", "ab", accurate=True), classify(0, True, "cd", "ab")
+        ('accurate', 'differs')
     """
     if code == 124:
         return "hung"
@@ -92,7 +109,9 @@ def classify(code: int, fired: bool, digest: str | None, reference: str | None) 
         return "failed fast"
     if not fired:
         return "no death"
-    return "bitwise" if digest is not None and digest == reference else "differs"
+    if digest is not None and digest == reference:
+        return "bitwise"
+    return "accurate" if accurate else "differs"
 
 
 def _train(case: Case | None, strategy: str, workers: int, out: Path, *, deadline: float) -> dict[str, Any]:
@@ -102,7 +121,7 @@ def _train(case: Case | None, strategy: str, workers: int, out: Path, *, deadlin
     from paratrain.train.record import read_records
     from paratrain.train.run import run_training
 
-    job = TrainJob(workers=workers, epochs=2, strategy=strategy, run_dir=str(out))
+    job = TrainJob(workers=workers, epochs=2, strategy=strategy, run_dir=str(out), max_restarts=_restarts(strategy))
     if case is not None:
         job = job.replace(kill=case.kill, max_restarts=case.restarts)
     output = io.StringIO()
@@ -114,15 +133,29 @@ def _train(case: Case | None, strategy: str, workers: int, out: Path, *, deadlin
         code = exc.exit_code
     seconds = time.perf_counter() - started
     text = output.getvalue()
-    digests = {r["parameters_sha256"] for r in read_records(out) if r["kind"] == "final"}
+    records = read_records(out)
+    digests = {r["parameters_sha256"] for r in records if r["kind"] == "final"}
     lines = [line for line in text.splitlines() if line.strip()]
+    evals = [r for r in records if r["kind"] == "eval" and r["rank"] == 0]
     return {
         "exit": code,
         "fired": "injected fault" in text,
         "digest": next(iter(digests)) if len(digests) == 1 and code == 0 else None,
+        "accuracy": max(evals, key=lambda r: r["epoch"])["test_accuracy"] if evals and code == 0 else None,
+        "gone_s": _gone_s(records) if case is not None and "@step=" in case.kill else None,
         "seconds": round(seconds, 2),
         "last": lines[-1][-300:] if lines else "",
     }
+
+
+def _gone_s(records: list[dict[str, Any]]) -> float | None:
+    """Seconds from a killed parameter-server worker's last record to its replacement's ``rejoined`` (None: no
+    replacement rejoined servers)."""
+    rejoined = next((r for r in records if r["kind"] == "rejoined"), None)
+    if rejoined is None:
+        return None
+    before = [r["time"] for r in records if r["rank"] == rejoined["rank"] and r["time"] < rejoined["time"]]
+    return round(rejoined["time"] - max(before), 4) if before else None
 
 
 def run_chaos(
@@ -138,16 +171,21 @@ def run_chaos(
     strategy)."""
     out = Path(out_dir)
     cases = draw_cases(strategies, runs, seed=seed, steps=22)  # 2 epochs of the digits MLP: 22 steps on 2 workers
-    references: dict[str, str | None] = {}
+    references: dict[str, dict[str, Any]] = {}
     for strategy in dict.fromkeys(c.strategy for c in cases):
         case = next(c for c in cases if c.strategy == strategy)
-        ref = _train(None, strategy, case.workers, out / f"ref-{len(references)}", deadline=deadline)
-        # the recovering strategies' reliable path computes the plain path's model (tested): one reference each
-        references[strategy] = ref["digest"]
+        references[strategy] = _train(None, strategy, case.workers, out / f"ref-{len(references)}", deadline=deadline)
     results = []
     for i, case in enumerate(cases):
         got = _train(case, case.strategy, case.workers, out / f"run-{i}", deadline=deadline)
-        outcome = classify(got["exit"], got["fired"], got["digest"], references[case.strategy])
+        ref = references[case.strategy]
+        accurate = (
+            not parse_strategy(case.strategy).synchronous
+            and got["accuracy"] is not None
+            and ref["accuracy"] is not None
+            and got["accuracy"] >= ref["accuracy"] - ACCURACY_SLACK
+        )
+        outcome = classify(got["exit"], got["fired"], got["digest"], ref["digest"], accurate=accurate)
         results.append({**asdict(case), **got, "outcome": outcome})
         if say is not None:
             say(f"{i + 1}/{len(cases)} {case.strategy} --kill {case.kill}: {outcome} ({got['seconds']:.1f} s)")
@@ -156,7 +194,7 @@ def run_chaos(
         table.setdefault(r["strategy"], Counter())[r["outcome"]] += 1
     return {
         "runs": results,
-        "references": references,
+        "references": {s: {"digest": r["digest"], "accuracy": r["accuracy"]} for s, r in references.items()},
         "outcomes": {s: dict(c) for s, c in table.items()},
         "seed": seed,
     }
@@ -164,7 +202,7 @@ def run_chaos(
 
 def render(report: dict[str, Any]) -> str:
     """The outcomes per strategy as a markdown table, with the slowest failure's seconds."""
-    kinds = ("bitwise", "differs", "failed fast", "hung", "no death")
+    kinds = ("bitwise", "accurate", "differs", "failed fast", "hung", "no death")
     lines = [
         "| strategy | runs | " + " | ".join(kinds) + " | slowest end (s) |",
         "|---|---:|" + "---:|" * len(kinds) + "---:|",

@@ -16,14 +16,15 @@ def add_parsers(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     """Registers ``bench chaos``."""
     p = bench_sub.add_parser(
         "chaos",
-        help="kill a random worker at a random step or time, over every strategy: bitwise, failed fast or hung",
+        help="kill a random worker at a random step or time, over every strategy: bitwise, accurate, failed fast...",
         description=(
             "Runs paratrain train (digits MLP, two epochs) once per strategy without a failure, then --runs jobs "
             "with one --kill drawn at random (the strategies in turn; a worker, a step or a time), those that "
             "recover with --max-restarts 1, and classifies each: finished bitwise equal to the fault-free model, "
-            "finished with another model, failed fast (with the seconds it took), hung (stopped at --deadline), "
-            "or no death (the job ended before its kill). Exits 1 if any run hung or finished with another model "
-            "where its strategy recovers. About 5 s a run."
+            "finished accurate (SSP/ASP: another model, within 0.05 of the fault-free test accuracy), finished "
+            "with another model, failed fast (with the seconds it took), hung (stopped at --deadline), or no "
+            "death (the job ended before its kill). Exits 1 if any run hung or finished with another model where "
+            "its strategy recovers. About 5 s a run."
         ),
     )
     p.add_argument("--runs", type=int, default=22, help="chaos runs (default 22: each strategy twice)")

@@ -75,8 +75,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="R",
         help="restart a failed worker (up to R times in all) while the others go on; the program must recover "
         "with paratrain.recovery, as paratrain train does (default 0: a failure stops the job). With --servers "
-        "and --replicas >= 2 it restarts dead parameter servers instead, each catching up from its chunks' "
-        "other replicas",
+        "a restarted worker rejoins the servers at its clock (a KVStore does it; paratrain.ps.rejoin); with "
+        "--replicas >= 2 it restarts dead parameter servers instead, each catching up from its chunks' other "
+        "replicas",
     )
     p.add_argument(
         "--no-spare",

@@ -41,7 +41,8 @@ class Replacing:
         if spec is None:
             return False
         self._replaced.add(failure.pid)
-        spares = self._idle_spares()
+        # a spare runs the workers' command: a parameter server is restarted cold
+        spares = self._idle_spares() if spec.env.get("PARATRAIN_ROLE", "worker") == "worker" else []
         how = "cold (no spare was ready)"
         child: Child | None = None
         for spare in spares:

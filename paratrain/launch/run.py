@@ -174,7 +174,7 @@ def run_launch(
             keep_going=keep_going,
         )  # fmt: skip
         restarts = _restarts(specs, server, prefix=prefix, spare=spare, max_restarts=max_restarts,
-                             min_workers=min_workers, servers=servers)  # fmt: skip
+                             min_workers=min_workers)  # fmt: skip
         outcome = Supervisor(
             specs, grace_s=grace, deadline_s=deadline_s, stdout=stdout, stderr=stderr, restarts=restarts
         ).run()
@@ -213,7 +213,6 @@ def _restarts(
     spare: bool,
     max_restarts: int,
     min_workers: int,
-    servers: int,
 ) -> Restarts | None:
     """The restart policy of a job that restarts or shrinks (None otherwise); its warm spare, if any, is added to
     ``specs``."""
@@ -221,7 +220,8 @@ def _restarts(
         return None
     restarts = Restarts(
         max_restarts,
-        spare_spec(specs[0], prefix=prefix) if spare and max_restarts and not servers else None,
+        # (workers of a replicated parameter-server job are not restarted: no spare for them)
+        spare_spec(specs[0], prefix=prefix) if spare and max_restarts and specs[0].restartable is not False else None,
         membership=Membership(min_workers, server) if min_workers else None,
         rendezvous=server,
     )
@@ -248,11 +248,6 @@ def _check_options(
         raise ConfigError(
             "--max-restarts restarts failed processes; it does not combine with --keep-going (an elastic job, "
             "--min-workers, shrinks rather than restarts)"
-        )
-    if max_restarts and servers and replicas < 2:
-        raise ConfigError(
-            "--max-restarts with --servers restarts a dead parameter server, which then copies its chunks from "
-            "their other replicas: give it some with --replicas 2 (an unreplicated server's chunks die with it)"
         )
     if not 0 <= min_workers <= nproc:
         raise ConfigError(f"--min-workers must be between 0 and -n ({nproc}), got {min_workers}")
@@ -282,8 +277,10 @@ def _proc_specs(
         env = {**base_env, **kill_env(schedule, role, number)}
         if replicas > 1:
             env["PARATRAIN_PS_REPLICAS"] = str(replicas)
-        if max_restarts and not servers:  # (a parameter-server job restarts servers only: workers stay plain)
+        if max_restarts and not servers:
             env["PARATRAIN_MAX_RESTARTS"] = str(max_restarts)
+        elif max_restarts and replicas == 1:  # a replacement rejoins the servers, nobody else re-forms
+            env["PARATRAIN_PS_WORKER_RESTARTS"] = "1"
         if min_workers:
             env["PARATRAIN_MIN_WORKERS"] = str(min_workers)
         worker = role == "rank"
@@ -294,10 +291,11 @@ def _proc_specs(
                 env=env,
                 prefix=f"[{role}{number}]: " if prefix else "",
                 # a replicated server is not essential (its chunks fail over, the job goes on), and a restarted
-                # one catches up (ps.resync) while the budget lasts; a parameter-server job restarts servers only
+                # one catches up (ps.resync) while the budget lasts; an unreplicated one's chunks die with it; a
+                # restarted worker rejoins unreplicated servers (ps.rejoin)
                 essential=not keep_going if worker else replicas == 1,
                 kill_after=time_kill(schedule, role, number),
-                restartable=(False if servers else None) if worker else True,
+                restartable=(None if replicas == 1 else False) if worker else replicas > 1,
             )
         )
     return specs

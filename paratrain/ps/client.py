@@ -214,6 +214,7 @@ class KVStore:
         staleness_lr: bool = False,
         replicas: int | None = None,
         servers: Sequence[int] | None = None,
+        rejoin: bool | None = None,
     ) -> None:
         ctx = context if context is not None else _default_context()
         settings = ctx.settings
@@ -259,15 +260,40 @@ class KVStore:
         # servers whose values this worker may read in place (they share its host): pulls ask for a reference
         self._local = {s for s in self._servers if ctx.transport.memory_prefix(s) is not None}
         self._cache: dict[str | int, tuple[int, list[npt.NDArray[Any]], list[int | None]]] = {}
+        self._resumed = 0  # the clock a rejoined worker resumed at
+        self._exact: int | None = None  # ... and the version its first pulls ask for (BSP)
         if join:
             router = self._router
             replies = [router.request(s, {"op": "join"}) for s in self._servers]
             router.clock = max(int(router.wait(h, s, "join").meta.get("clock", 0)) for h, s in replies)
+        elif rejoin if rejoin is not None else ctx.transport.rejoined and settings.ps_worker_restarts:
+            self._rejoin()
+
+    def _rejoin(self) -> None:
+        """Takes a dead worker's place (:mod:`.rejoin`): resumes at the clock the servers counted for it, the
+        smallest under BSP and SSP(0) (that clock is computed again, on its parameters), the largest otherwise (the
+        servers behind count the clocks in between)."""
+        router = self._router
+        router.replacing = True
+        replies = [router.request(s, {"op": "rejoin"}) for s in self._servers]
+        counted = {s: int(router.wait(h, s, "rejoin").meta.get("clock", 0)) for h, s in replies}
+        exact = self.policy.staleness == 0
+        clock = min(counted.values()) if exact else max(counted.values())
+        for server, number in counted.items():
+            for missed in range(number + 1, clock + 1):
+                self._transport.isend(server, REQUEST_TAG, (), {"op": "clock", "clock": missed, "id": -1})
+        router.clock = self._resumed = clock
+        self._exact = clock if exact else None
 
     @property
     def clock_value(self) -> int:
         """This worker's clock: how many times it called :meth:`clock`."""
         return self._router.clock
+
+    @property
+    def resumed_clock(self) -> int:
+        """The clock this worker resumed at when it replaced a dead one (:mod:`.rejoin`); 0 otherwise."""
+        return self._resumed
 
     @property
     def failovers(self) -> int:
@@ -455,6 +481,8 @@ class KVStore:
         what = f"pull of key {key!r}"
         ref = bool(self._local)  # a server off this host ignores it
         asked = {"op": "pull", "key": key, "required": required, "ref": ref}
+        if self._exact is not None and self._exact == router.clock:  # a rejoined worker computes this clock again
+            asked["exact"] = self._exact
         (_, actions), orphans = router.route(info.chunks, info.row_bytes, info.routes)
         # the plan: a receive, then its request; the copies out of each reply say which chunks it carries
         carried: dict[int, list[Chunk]] = {}

@@ -55,7 +55,7 @@ CATCHING_UP = "catching_up"
 #: Request operations a server understands.
 #: every request a worker sends a server (servers send each other ``replicate``, ``replicate_batch``,
 #: ``replicate_states``, ``notice``, ``replicated``, ``members`` and ``snapshot``)
-OPS = ("init", "push", "pull", "clock", "wait_clock", "join", "leave", "batch", "fence", "flush")
+OPS = ("init", "push", "pull", "clock", "wait_clock", "join", "leave", "batch", "fence", "flush", "rejoin")
 
 
 def forward_ids(meta: Mapping[str, Any]) -> list[int]:

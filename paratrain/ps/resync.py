@@ -96,6 +96,13 @@ class StoredChunk:
     owned: bool = False
     unsent: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     awaited: dict[tuple[int, int], int] = field(default_factory=dict)
+    # restarted workers (.rejoin): each worker's clock at its last push applied here; the value before the last BSP
+    # step and that step's round (what a replacement computing that round again reads)
+    last_push: dict[int, int] = field(default_factory=dict)
+    # ... and a BSP round's pushes by worker, summed in worker order when it completes (ServerStore.apply)
+    ordered: dict[int, dict[int, list[tuple[Any, Any, float, bool]]]] = field(default_factory=dict)
+    previous: npt.NDArray[Any] | None = None
+    previous_round: int | None = None
 
 
 # -- the snapshot of one chunk ------------------------------------------------------------------------------------

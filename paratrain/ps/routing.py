@@ -98,6 +98,7 @@ class Router:
         resyncs: restarted servers this worker fenced for (each caught up and is a backup again).
         fences: each fence: when this worker saw the server back (``time.time()``) and how long it paused
             (pushes drained, then the server's catch-up), in seconds.
+        replacing: this worker replaces a dead one (:mod:`.rejoin`): its pushes say their clock.
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class Router:
         self.failovers = 0
         self.resyncs = 0
         self.fences: list[tuple[float, float]] = []
+        self.replacing = False
         self._next_seq = 0  # push sequence numbers: servers apply each (worker, seq) once
         # replicated pushes not yet seen acknowledged, as (their first sequence number, handle): the clock tells the
         # servers the lowest of them, below which they may forget the sequence numbers they applied
@@ -191,9 +193,9 @@ class Router:
     def stamp(self, chunk: Chunk) -> dict[str, Any]:
         """The fields a push to ``chunk`` carries for its replicas: a new sequence number, counted for every replica
         of the chunk (each must hold this push before it counts this worker's next clock), and the clock it was
-        made in. Nothing with one replica."""
+        made in. With one replica: the clock of a rejoined worker's push (a server may have its predecessor's)."""
         if self.replicas == 1:
-            return {}
+            return {"wclock": self.clock} if self.replacing else {}
         seq = self._next_seq
         self._next_seq += 1
         for index in chunk.replicas:

@@ -40,6 +40,7 @@ from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedErr
 from paratrain.ps.consistency import min_done
 from paratrain.ps.donor import Donor
 from paratrain.ps.protocol import REQUEST_TAG, unpack
+from paratrain.ps.rejoin import Rejoins
 from paratrain.ps.replication import FORWARDS, Replication
 from paratrain.ps.resync import CaughtUp, StoredChunk, catch_up
 from paratrain.ps.rounds import round_of_push
@@ -75,6 +76,8 @@ class ParameterServer:
         poll: seconds between checks for lost workers while idle.
         rejoin: this process replaces a server that died (``paratrain launch --max-restarts``): before serving
             it takes its chunks and clocks from the other replicas (:mod:`.resync`).
+        worker_restarts: the job restarts dead workers: their places are held for their replacements
+            (:mod:`.rejoin`) rather than dropped.
 
     Example:
         >>> from paratrain.testing import run_ranks
@@ -101,6 +104,7 @@ class ParameterServer:
         timeout: float = 60.0,
         poll: float = 0.2,
         rejoin: bool = False,
+        worker_restarts: bool = False,
     ) -> None:
         if not 0 < num_workers <= transport.world_size:
             raise ValueError(f"num_workers {num_workers} outside 1..{transport.world_size}")
@@ -112,6 +116,7 @@ class ParameterServer:
         self.store = ServerStore(transport, num_workers=num_workers, servers=servers, timeout=timeout)
         self.replication = Replication(self.store, self._advance)
         self.donor = Donor(self.store, self._check_lost)
+        self.rejoins = Rejoins(self.store, self._drop_requests, enabled=worker_restarts)
         self._waiting_clocks: list[tuple[int, Mapping[str, Any]]] = []
         # worker -> its requests held back behind a clock of it that waits for pushes still on their way from
         # other replicas (_op_clock); its first is that clock
@@ -129,6 +134,7 @@ class ParameterServer:
             "fence": self._op_fence,
             **self.replication.handlers(),
             **self.donor.handlers(),
+            **self.rejoins.handlers(),
         }
 
     @property
@@ -225,6 +231,13 @@ class ParameterServer:
         self._queued.pop(worker, None)
         self.replication.forget(worker)
 
+    def _drop_requests(self, worker: int) -> None:
+        """Drops every request of ``worker`` still waiting here (its process died: their ids die with it)."""
+        self._forget(worker)
+        store = self.store
+        store.waiting_pulls = [p for p in store.waiting_pulls if p[0] != worker]
+        self._waiting_clocks = [c for c in self._waiting_clocks if c[0] != worker]
+
     def _handle(self, msg: Message) -> None:
         op = msg.meta.get("op")
         handler = self._handlers.get(op) if isinstance(op, str) else None
@@ -285,9 +298,14 @@ class ParameterServer:
         store = self.store
         gone = self.transport.lost_peers()
         self.replication.check_servers(gone)
-        lost = gone & store.live
+        lost = (gone & store.live) - self.rejoins.absent
         departed = self.transport.departed_peers() if lost else frozenset()
         for worker in sorted(lost):
+            if self.rejoins.enabled and worker not in departed:
+                store.stats.workers_lost.append(worker)
+                self.rejoins.hold(worker)
+                lost = lost - {worker}
+                continue
             if worker in departed:
                 log.info(
                     "server %d: worker %d shut down without kv.close() at clock %d; it leaves the clock "
@@ -351,10 +369,13 @@ class ParameterServer:
             self._queued[msg.src] = [msg]
             store.stats.clocks_held += 1
             return
+        if self.rejoins.counted_before(msg.src, clock):
+            return  # a restarted worker's clock that its predecessor's message counted here (.rejoin)
         if isinstance(clock, int):
             store.held.pop((msg.src, clock - 1), None)
         self.replication.forget(msg.src)
         store.done[msg.src] += 1
+        self.rejoins.counted(msg.src)
         acked = msg.meta.get("acked")  # every push numbered below it is acknowledged: it will not be retried
         applied = store.applied.get(msg.src)
         if isinstance(acked, int) and applied:
@@ -441,12 +462,18 @@ class ParameterServer:
         if isinstance(seq, int) and len(chunk.replicas) > 1:
             self.replication.push(chunk, msg, seq)
             return
+        key = (msg.meta["key"], msg.meta["chunk"])
         new = store.consume(msg.src, seq, msg.meta.get("wclock"))
+        if new and self.rejoins.duplicate(msg.src, key, msg.meta.get("wclock")):
+            store.stats.duplicates += 1  # a restarted worker's push that its predecessor's was applied as
+            new = False
         rows, data = store.push_data(chunk, msg)
         store.stats.pushes += 1
         round_id = round_of_push(chunk.mode, store.done[msg.src], chunk.version)
         if new:
-            store.apply(chunk, rows, data, round_id, msg.meta.get("version"), densify=bool(msg.meta.get("densify")))
+            read, densify = msg.meta.get("version"), bool(msg.meta.get("densify"))
+            store.apply(chunk, rows, data, round_id, read, densify=densify, worker=msg.src)
+            self.rejoins.pushed(msg.src, key)
         store.reply(msg.src, msg.meta["id"])
 
     def _op_pull(self, msg: Message) -> None:

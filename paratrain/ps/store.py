@@ -104,6 +104,7 @@ class ServerStore:
         self._waiting_inits: dict[tuple[Any, int], list[tuple[int, Mapping[str, Any]]]] = {}
         # (worker, request id) of a request that came in a batch -> the batch and its place in it
         self.batched: dict[tuple[int, int], tuple[Batch, int]] = {}
+        self.keep_previous = False  # keep each BSP chunk's value from before its last step (.rejoin)
 
     # -- replies -------------------------------------------------------------------------------------------
 
@@ -345,8 +346,13 @@ class ServerStore:
         read: Any,
         *,
         densify: bool = False,
+        worker: int | None = None,
     ) -> None:
-        """Adds a push into the value, or (an optimizer) into its round, stepping every round now complete."""
+        """Adds a push into the value, or (an optimizer) into its round, stepping every round now complete.
+
+        A BSP round of a job that restarts workers (:mod:`.rejoin`) holds each worker's push and sums them in
+        worker order when it completes: floating-point addition is not associative, so with three workers or more
+        the order they arrived in would change the last bits, and a recovered run must equal the fault-free one."""
         self.stats.bytes_in += data.nbytes
         if chunk.optimizer is None:
             self.quiesce(chunk)
@@ -357,7 +363,12 @@ class ServerStore:
         else:
             weight = staleness_weight(round_id, read if isinstance(read, int) else None, aware=chunk.staleness_lr)
             self.settle(chunk)  # a state in flight may still read the open rounds' sums
-            chunk.pending.setdefault(round_id, RoundSum()).add(data, rows, weight, chunk.value, densify=densify)
+            open_round = chunk.pending.setdefault(round_id, RoundSum())
+            if self.keep_previous and chunk.consistency == "bsp" and worker is not None:
+                part = (data.copy(), None if rows is None else rows.copy(), weight, densify)
+                chunk.ordered.setdefault(round_id, {}).setdefault(worker, []).append(part)
+            else:
+                open_round.add(data, rows, weight, chunk.value, densify=densify)
             chunk.view = None
             self.commit(chunk)
 
@@ -378,19 +389,56 @@ class ServerStore:
             del chunk.pending[round_id]
             chunk.view = None
             self.quiesce(chunk)
+            if self.keep_previous and chunk.mode == "clock":
+                self._keep_previous(chunk, round_id)
+            held = chunk.ordered.pop(round_id, {})
+            for worker in sorted(held):
+                for data, rows, weight, densify in held[worker]:
+                    open_round.add(data, rows, weight, chunk.value, densify=densify)
             open_round.apply(chunk.optimizer, chunk.value, chunk.state)
             if chunk.mode == "arrival":
                 chunk.version += 1
         if chunk.mode == "clock":
             chunk.version = max(chunk.version, limit)
 
+    @staticmethod
+    def _keep_previous(chunk: StoredChunk, round_id: int) -> None:
+        """Keeps ``chunk``'s value before round ``round_id``'s step (in the buffer of the one before)."""
+        if chunk.previous is None or chunk.previous.shape != chunk.value.shape:
+            chunk.previous = chunk.value.copy()
+        else:
+            np.copyto(chunk.previous, chunk.value)
+        chunk.previous_round = round_id
+
+    def _exact(self, chunk: StoredChunk, version: int) -> npt.NDArray[Any] | None:
+        """A BSP chunk's value at ``version`` (rounds applied) when it has moved past it: the value kept from
+        before its last step, or the value itself when no step since ``version`` changed it; None: at ``version``.
+
+        Raises:
+            RejectedError: that version is no longer held here.
+        """
+        if chunk.mode != "clock" or chunk.version <= version:
+            return None
+        last = chunk.previous_round
+        if last is None or last < version:
+            return None  # no step since that version: the value is what it was
+        if last == version and chunk.previous is not None:
+            return chunk.previous
+        raise RejectedError(f"version {version} of chunk is no longer held (the chunk is at {chunk.version})")
+
     def answer_pull(self, msg: Message) -> None:
         """Answers a pull whose consistency rule holds: the value (or a preview of its open rounds), its rows, or
-        a reference a same-host worker copies from (:mod:`.shared`)."""
+        a reference a same-host worker copies from (:mod:`.shared`). A rejoined worker asks for the version it
+        computes on (``exact``, :mod:`.rejoin`)."""
         chunk = self.chunk(msg.meta)
         rows = self.rows_of(chunk, msg)
         self.stats.pulls += 1
-        if chunk.eager and chunk.pending and chunk.optimizer is not None:
+        exact = msg.meta.get("exact")
+        held = self._exact(chunk, exact) if type(exact) is int else None
+        if held is not None:
+            before = held.copy()  # the kept buffer is overwritten by the next step: a copy travels
+            self.reply(msg.src, msg.meta["id"], [before if rows is None else before[rows]], version=exact)
+        elif chunk.eager and chunk.pending and chunk.optimizer is not None:
             if chunk.view is None:
                 chunk.view = preview(chunk.optimizer, chunk.value, chunk.state, chunk.pending)
             view = chunk.view  # a fresh array, never modified afterwards: sent without waiting

@@ -445,6 +445,7 @@ def _serve_and_exit(ctx: Context) -> NoReturn:
             servers=settings.server_ranks,
             timeout=settings.timeout,
             rejoin=ctx.transport.rejoined,
+            worker_restarts=settings.ps_worker_restarts,
         ).serve()
     finally:
         ctx.shutdown()

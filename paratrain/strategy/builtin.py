@@ -163,7 +163,8 @@ def _unit(  # noqa: PLR0917 (a row of the table below)
 
 _HOMES = ("paratrain.torch.builders", "paratrain.sim.compose")
 _PS = ("parameter_server", "PARAMETER_SERVER")
-_SERVERS = {"recovery": frozenset({"replicas"}), "compressible": True}
+#: dead workers restarted (they rejoin the servers, paratrain.ps.rejoin); dead servers restarted when replicated
+_SERVERS = {"recovery": frozenset({"restarts", "replicas"}), "compressible": True}
 _TP = ("paratrain.torch.soap:parallelize", "TENSOR")
 _SPLIT = {"worker": "paratrain.train.tensor_worker"}
 _ALLREDUCE_RECOVERY = frozenset({"restarts", "checkpoint", "elastic", "reliable"})

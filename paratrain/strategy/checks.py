@@ -77,9 +77,8 @@ def _check_recovery(spec: StrategySpec, options: StrategyOptions, name: str) -> 
     restartable = "restarts" in recovery or ("replicas" in recovery and options.replicas >= 2)
     if options.max_restarts and not restartable:
         raise ConfigError(
-            f"{flag('max_restarts')} recovers {_supporting('restarts')} training (Rabit's model) and restarts dead "
-            f"parameter servers that have replicas (--servers S --replicas 2); {name!r} with {flag('replicas')} "
-            f"{options.replicas} does not support it"
+            f"{flag('max_restarts')} restarts the dead workers of {_supporting('restarts')} training (and dead "
+            f"parameter servers that have replicas, --servers S --replicas 2); {name!r} does not support it"
         )
     if options.checkpoint and "checkpoint" not in recovery:
         raise ConfigError(

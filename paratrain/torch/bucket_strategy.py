@@ -52,6 +52,12 @@ class Strategy(abc.ABC):
     def close(self) -> None:  # noqa: B027 (a hook, empty by default)
         """Releases what the strategy holds; the default has nothing to release."""
 
+    @property
+    def resumed_step(self) -> int:
+        """The steps a restarted worker's predecessor completed, where this process goes on (0: a first process;
+        parameter servers, :mod:`paratrain.ps.rejoin`)."""
+        return 0
+
     def compressed(self, compressor: Compressor, optimizer: torch.optim.Optimizer) -> Strategy:
         """This strategy sending its buckets compressed (``compression=``), before any bucket was launched.
 

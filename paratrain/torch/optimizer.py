@@ -207,6 +207,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             reliable=reliable,
         )
         self._hooks = GradientHooks(params, owner=self, on_ready=DistributedOptimizer._on_grad_ready)
+        self._steps = self._strategy.resumed_step
 
     def _refuse(
         self,
@@ -445,6 +446,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's ``zero_grad`` (``set_to_none=False`` keeps gradients in the fusion buffers)."""
         self._inner.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def resumed_step(self) -> int:
+        """The steps this process's predecessor completed when it replaced a dead worker of a parameter-server job
+        (``paratrain launch --servers S --max-restarts R``, :mod:`paratrain.ps.rejoin`): the training loop goes on
+        from there; 0 in a first process."""
+        return self._strategy.resumed_step
 
     @property
     def launched(self) -> int:

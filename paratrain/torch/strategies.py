@@ -301,6 +301,11 @@ class ParameterServerStrategy(Strategy):
             self._wait_pushes()
         self._pull()
 
+    @property
+    def resumed_step(self) -> int:
+        """A restarted worker's clock (one step, one clock), as its servers counted it (:mod:`paratrain.ps.rejoin`)."""
+        return self.kv.resumed_clock
+
     def close(self) -> None:
         """Leaves the servers (they stop waiting for this worker's clocks)."""
         for handle in self._handles:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Recorder", "merge_run", "plot_run", "reporting_rank"]
+__all__ = ["Recorder", "merge_run", "plot_run", "rank_records", "reporting_rank"]
 
 _TRACKS = {"compute": 1, "communication": 2, "waiting": 3, "eval": 4}
 
@@ -93,6 +93,22 @@ def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 records.append(json.loads(line))
+    return records
+
+
+def rank_records(run_dir: str | Path, rank: int) -> list[dict[str, Any]]:
+    """The records rank ``rank`` wrote so far (a restarted worker of a parameter-server job reads its predecessor's,
+    to report the interrupted epoch as the fault-free run does); a line cut short by a kill is skipped."""
+    path = Path(run_dir) / f"rank{rank}.metrics.jsonl"
+    records: list[dict[str, Any]] = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line) if line.strip() else None
+            except ValueError:  # the line its process was killed in the middle of
+                continue
+            if isinstance(record, dict):
+                records.append(record)
     return records
 
 

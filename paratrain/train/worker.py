@@ -26,7 +26,7 @@ from paratrain.train import stragglers, tasks
 from paratrain.train.data import load_dataset
 from paratrain.train.job import PROBE_EXAMPLES, TrainJob, epoch_steps, run_dir_of, worker_job
 from paratrain.train.models import build_model, check_model_dataset
-from paratrain.train.record import Recorder
+from paratrain.train.record import Recorder, rank_records
 from paratrain.train.shards import step_share
 
 __all__ = ["epoch_line", "main", "record_epoch", "worker_device"]
@@ -156,7 +156,7 @@ def _setup(job: TrainJob) -> _Setup:
             ) from None
     elif reliable is not None:
         reliable_broadcast_parameters(model, reliable)
-    else:
+    elif not ctx.transport.rejoined:  # (a restarted parameter-server worker pulled the servers' parameters)
         ptt.broadcast_parameters(model, root=0)
     return _Setup(data, model, optimizer, device, ctx, reliable, dopt, resumed)
 
@@ -210,6 +210,26 @@ def _probe(run: _Setup, rec: Recorder, step: int, evaluating: float) -> float:
     return evaluating + spent
 
 
+def _predecessor(job: TrainJob, rank: int) -> tuple[dict[int, float], set[int]]:
+    """What this rank's predecessor recorded before it died (a restarted parameter-server worker reports the
+    interrupted epoch as the fault-free run does): each step's loss, and the epochs it evaluated."""
+    records = rank_records(run_dir_of(job), rank)
+    losses = {int(r["step"]): float(r["loss"]) for r in records if r.get("kind") in ("loss", "step")}
+    return losses, {int(r["epoch"]) for r in records if r.get("kind") == "eval"}
+
+
+def _loss_sum(losses: dict[int, float], first: int, last: int, rank: int) -> float:
+    """The summed loss of steps ``first + 1 .. last``, added in order as the training loop adds it."""
+    missing = [s for s in range(first + 1, last + 1) if s not in losses]
+    if missing:
+        print(f"rank {rank}: the epoch's train loss lacks steps {missing} (not recorded before the death)",
+              file=sys.stderr)  # fmt: skip
+    total = 0.0
+    for s in range(first + 1, last + 1):
+        total += losses.get(s, 0.0)
+    return total
+
+
 def _live(run: _Setup) -> pt.Context:
     """The context in use now (a recovering job's is a new one)."""
     return run.reliable.ctx if run.reliable is not None else run.ctx
@@ -247,9 +267,21 @@ def main(argv: list[str] | None = None) -> None:
     straggler = stragglers.parse(job.straggler, seed=job.seed) if job.straggler else None
     shards, batch = ctx.settings.job_workers, job.batch_size  # an elastic job keeps its launched size's batches
     steps = epoch_steps(job, len(data.y_train) // shards, "this worker")
-    step = int(resumed.meta["step"]) if resumed is not None else 0
+    # a restarted parameter-server worker goes on at the clock its predecessor completed (paratrain.ps.rejoin)
+    step = int(resumed.meta["step"]) if resumed is not None else dopt.resumed_step
     evaluating = float(resumed.meta["evaluating"]) if resumed is not None else 0.0  # excluded from time-to-accuracy
-    if resumed is None:
+    rejoined = resumed is None and ctx.transport.rejoined
+    losses: dict[int, float] = {}
+    if rejoined:
+        losses, evaluated = _predecessor(job, ctx.settings.member_id)
+        rec.log(kind="rejoined", step=step)
+        ended = step // steps
+        if ended and step % steps == 0 and ended not in evaluated:  # it died between its epoch's end and evaluation
+            train_loss = _loss_sum(losses, (ended - 1) * steps, step, ctx.rank) / steps
+            evaluating = _evaluate_epoch(
+                run, job, rec, epoch=ended - 1, step=step, train_loss=train_loss, evaluating=evaluating, quiet=quiet
+            )
+    elif resumed is None:
         rec.log(kind="start", epochs=job.epochs, steps_per_epoch=steps, world_size=shards, strategy=job.strategy)
     for recovery in reliable.recoveries if reliable is not None else []:
         rec.log(kind="recovery", step=step, **dataclasses.asdict(recovery))
@@ -257,8 +289,10 @@ def main(argv: list[str] | None = None) -> None:
     traffic = _Traffic(ctx)
     for epoch in range(step // steps, job.epochs):
         order = np.random.default_rng(job.seed * 1_000_003 + epoch).permutation(len(data.y_train))
-        mid_epoch = resumed is not None and epoch == step // steps and step % steps != 0
+        mid_epoch = epoch == step // steps and step % steps != 0
         epoch_loss = float(resumed.meta["epoch_loss"]) if mid_epoch and resumed is not None else 0.0
+        if mid_epoch and rejoined:
+            epoch_loss = _loss_sum(losses, epoch * steps, step, ctx.rank)
         for i in range(step - epoch * steps, steps):
             replaying = reliable is not None and reliable.replaying
             while True:  # more than once only when an elastic job changes size during the step
@@ -277,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
                 if slow != 1.0:  # emulate a straggler: this step's compute takes `slow` times as long
                     time.sleep((t2 - t0) * (slow - 1.0))
                     t2 = time.time()
+                if ctx.settings.ps_worker_restarts:  # what a replacement reads if this process dies in the step
+                    rec.log(kind="loss", step=step + 1, loss=loss.item())
                 try:
                     dopt.step()
                     break

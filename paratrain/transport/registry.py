@@ -295,9 +295,14 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
 
 def _rejoins(settings: Settings) -> bool:
     """Whether this process replaces a lost one, which may have met the others already: a restarted parameter
-    server of a replicated job (``paratrain launch --replicas R --max-restarts N``). Its transport's
-    ``rejoined`` says whether it did (if the job had not met yet, the newcomer simply takes part)."""
-    return settings.role == "server" and settings.restart_count > 0 and settings.ps_replicas > 1
+    server of a replicated job (``paratrain launch --replicas R --max-restarts N``), or a restarted worker of a
+    parameter-server job (``--servers S --max-restarts N``). Its transport's ``rejoined`` says whether it did (if
+    the job had not met yet, the newcomer simply takes part)."""
+    if settings.restart_count == 0:
+        return False
+    if settings.role == "server":
+        return settings.ps_replicas > 1
+    return settings.ps_worker_restarts and settings.num_servers > 0
 
 
 def _admit(zt: ZmqTransport, settings: Settings, secret: bytes | None) -> None:

@@ -28,4 +28,4 @@ def test_two_drawn_kills_of_recovering_strategies_end_bitwise(
         ("allreduce", "0@step=14", 1, "bitwise"),
         ("sfb", "1@step=4", 1, "bitwise"),
     ]
-    assert "| allreduce | 1 | 1 | 0 | 0 | 0 | 0 |" in capsys.readouterr().out
+    assert "| allreduce | 1 | 1 | 0 | 0 | 0 | 0 | 0 |" in capsys.readouterr().out

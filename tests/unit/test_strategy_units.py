@@ -119,7 +119,7 @@ def test_options_that_go_together_pass(strategy: str, given: dict[str, object]) 
 
 
 def test_the_cli_front_names_its_flags() -> None:
-    with pytest.raises(ConfigError, match="--max-restarts recovers allreduce or poseidon or sfb training"):
+    with pytest.raises(ConfigError, match="--max-restarts restarts the dead workers of allreduce or bsp or ssp or asp"):
         check_options(parse_strategy("gossip:ring"), StrategyOptions(front="cli", max_restarts=1))
 
 

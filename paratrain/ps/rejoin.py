@@ -1,0 +1,127 @@
+"""A parameter-server worker restarted while the job goes on (``paratrain launch --servers S --max-restarts R``).
+
+Li et al. (OSDI'14) restart a dead worker and let it fetch what it needs from the servers; this is that, made
+exact. The servers are the only state a worker of a parameter-server job shares with the job: the parameters and
+the optimizer's state live there, and a worker's position is its clock (its data order follows from it). So when
+a worker dies:
+
+* **Each server holds its place** instead of dropping it from the clock bookkeeping: the worker stays live at the
+  clock it had completed, so under BSP and SSP no round it has not pushed to is taken without it (the others wait,
+  as they would for a straggler), and its requests still waiting are dropped (their ids die with the process).
+* **The replacement rejoins** (``rejoin``, :class:`~.client.KVStore` does it when its transport rejoined the job):
+  each server answers with the clock it counted for the worker. Its clock messages leave in one burst, so under
+  BSP the servers differ by at most one; the replacement resumes at the smallest, the interrupted clock ``c``, and
+  computes that clock again. SSP and ASP resume at the largest (their rounds do not wait for exactness).
+* **What the dead worker sent counts once.** A server that has the dead worker's push of ``c`` to a chunk
+  acknowledges the replacement's without applying it, and a server that counted clock ``c`` already takes neither
+  its pushes of ``c`` nor its clock message ``c + 1`` again (pushes of a rejoined worker carry their clock). The
+  gradient computed again is the one the dead worker computed (same parameters, same data), so BSP's rounds sum
+  the same pushes and the model is bitwise the fault-free run's.
+* **The replacement reads the parameters of clock ``c``.** A server that counted clock ``c`` may have taken round
+  ``c``'s step already; it keeps each chunk's value from before its last BSP step (one copy of the parameters, one
+  ``memcpy`` per round, only in such jobs) and answers the replacement's first pull (``exact``: the version it
+  needs) with it.
+
+The launcher's budget bounds the wait: once it is spent a worker's death ends the job, as without restarts. One
+push per key and clock is what makes "the dead worker's push of ``c``" well defined: the torch front end pushes
+each bucket once per step. Replicated servers (``--replicas``) restart servers, not workers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from paratrain.ps.store import RejectedError, ServerStore
+from paratrain.transport.wire import Message
+
+__all__ = ["Rejoins"]
+
+log = logging.getLogger("paratrain.ps.server")
+
+
+class Rejoins:
+    """A server's side of restarted workers over ``store``; ``purge(worker)`` drops the server's own bookkeeping of
+    a worker's requests (held-back and waiting ones).
+
+    Attributes:
+        enabled: this job restarts workers (``settings.ps_worker_restarts``): places are held, BSP values kept.
+        absent: dead workers whose places are held for a replacement.
+    """
+
+    def __init__(self, store: ServerStore, purge: Callable[[int], None], *, enabled: bool) -> None:
+        self.store = store
+        self.enabled = enabled
+        store.keep_previous = enabled
+        self._purge = purge
+        self.absent: set[int] = set()
+        # worker -> (the clock the server had counted when it rejoined, the chunks holding its push of that clock
+        # that a push of the replacement's would duplicate); until the server counts a later clock of it
+        self._resumed: dict[int, tuple[int, set[tuple[Any, int]]]] = {}
+
+    def handlers(self) -> dict[str, Callable[[Message], None]]:
+        """The operation a restarted worker sends, by name."""
+        return {"rejoin": self._op_rejoin}
+
+    def hold(self, worker: int) -> None:
+        """``worker`` died: keep its place (its clock, its pushes) for its replacement."""
+        self.absent.add(worker)
+        self._resumed.pop(worker, None)
+        self._purge(worker)
+        log.warning(
+            "server %d: worker %d is gone; its place is held at clock %d for its replacement (--max-restarts)",
+            self.store.transport.rank,
+            worker,
+            self.store.done[worker],
+        )
+
+    def _op_rejoin(self, msg: Message) -> None:
+        """A replacement takes its rank's place: answered with the clock counted here for that rank."""
+        store, worker = self.store, msg.src
+        if not self.enabled:
+            raise RejectedError("this job does not restart workers (paratrain launch --servers S --max-restarts R)")
+        if worker not in store.live:
+            raise RejectedError(f"worker {worker} had left the job; a replacement cannot take its place")
+        self.absent.discard(worker)
+        self._purge(worker)
+        clock = store.done[worker]
+        pushed = {key for key, chunk in store.chunks.items() if chunk.last_push.get(worker) == clock}
+        self._resumed[worker] = (clock, pushed)
+        log.warning(  # (the counterpart of "worker N is gone", which users see too)
+            "server %d: worker %d rejoined at clock %d (%d chunk(s) here hold its push of that clock)",
+            store.transport.rank,
+            worker,
+            clock,
+            len(pushed),
+        )
+        store.reply(worker, msg.meta["id"], clock=clock)
+
+    def duplicate(self, worker: int, key: tuple[Any, int], wclock: Any) -> bool:
+        """Whether a rejoined worker's push to chunk ``key``, made at its clock ``wclock``, was applied here already
+        (its predecessor's): acknowledge it without applying it."""
+        resumed = self._resumed.get(worker)
+        if resumed is None or not isinstance(wclock, int):
+            return False
+        clock, pushed = resumed
+        if wclock < self.store.done[worker]:
+            return True  # this server counted that clock: every push of it is here
+        if wclock == clock and key in pushed:
+            pushed.discard(key)
+            return True
+        return False
+
+    def counted_before(self, worker: int, clock: Any) -> bool:
+        """Whether a rejoined worker's clock message ``clock`` was counted here already (its predecessor's)."""
+        return worker in self._resumed and isinstance(clock, int) and clock <= self.store.done[worker]
+
+    def counted(self, worker: int) -> None:
+        """A clock of ``worker`` was counted: past its interrupted clock, nothing of it can be a duplicate."""
+        resumed = self._resumed.get(worker)
+        if resumed is not None and self.store.done[worker] > resumed[0]:
+            del self._resumed[worker]
+
+    def pushed(self, worker: int, key: tuple[Any, int]) -> None:
+        """A push of ``worker`` to chunk ``key`` was applied at its clock now (what a replacement's duplicates)."""
+        if self.enabled:
+            self.store.chunks[key].last_push[worker] = self.store.done[worker]

@@ -1,0 +1,76 @@
+"""Parameter-server workers restarted with real processes: ``paratrain train --strategy bsp --servers 2
+--max-restarts 1`` with a worker SIGKILLed at a chosen step (from a warm spare, or cold), against the same job
+without the kill. Under BSP the final model (SHA-256 of every parameter's bytes) and every epoch's train loss and
+test accuracy are bitwise the fault-free run's; under SSP the job finishes at the fault-free accuracy. Small
+buckets make the dead worker's pushes of the interrupted clock reach the servers partly (what must count once).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paratrain.train.record import read_records
+
+pytestmark = pytest.mark.timeout(300)
+
+CLI = [sys.executable, "-m", "paratrain.cli.main", "train", "--epochs", "2", "--servers", "2", "--max-restarts", "1"]
+
+
+def _train(run_dir: Path, *flags: str) -> tuple[list[dict[str, object]], str]:
+    out = subprocess.run(
+        [*CLI, "--run-dir", str(run_dir), "--bucket-bytes", "2048", *flags],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return read_records(run_dir), out.stderr
+
+
+def _outcome(records: list[dict[str, object]]) -> tuple[set[object], list[tuple[object, ...]]]:
+    digests = {r["parameters_sha256"] for r in records if r["kind"] == "final"}
+    evals = sorted((r["rank"], r["epoch"], r["train_loss"], r["test_accuracy"]) for r in records if r["kind"] == "eval")
+    return digests, evals
+
+
+@pytest.mark.parametrize(
+    ("workers", "kill", "spare"),
+    [("2", "1@step=7", True), ("3", "0@step=9", False)],
+    ids=["warm-spare", "cold-reporting-rank"],
+)
+def test_a_killed_bsp_worker_rejoins_and_the_job_ends_bitwise_as_the_fault_free_one(
+    tmp_path: Path, workers: str, kill: str, spare: bool
+) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    flags = ["--strategy", "bsp", "--workers", workers, *([] if spare else ["--no-spare"])]
+    expected, _ = _train(tmp_path / "fault-free", *flags)
+    records, stderr = _train(tmp_path / "killed", *flags, "--kill", kill)
+    assert "restarting it " + ("from the warm spare" if spare else "cold") in stderr
+    victim, step = int(kill.split("@", maxsplit=1)[0]), int(kill.split("=")[1])
+    assert [r["step"] for r in records if r["kind"] == "rejoined"] == [step - 1]  # the interrupted clock, again
+    assert "lacks steps" not in stderr
+    digests, evals = _outcome(records)
+    assert len(digests) == 1 and digests == _outcome(expected)[0]
+    assert evals == _outcome(expected)[1]
+    assert {r["rank"] for r in records if r["kind"] == "eval"} == set(range(int(workers)))
+    assert victim in {r["rank"] for r in records if r["kind"] == "rejoined"}
+
+
+def test_a_killed_ssp_worker_rejoins_and_the_job_ends_at_the_fault_free_accuracy(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    flags = ["--strategy", "ssp:2", "--workers", "2"]
+    expected, _ = _train(tmp_path / "fault-free", *flags)
+    records, _ = _train(tmp_path / "killed", *flags, "--kill", "1@step=9")
+    assert [r["step"] for r in records if r["kind"] == "rejoined"]
+
+    def accuracy(rs: list[dict[str, object]]) -> float:
+        return float(next(r["test_accuracy"] for r in rs if r["kind"] == "eval" and r["epoch"] == 2))  # type: ignore[arg-type]
+
+    assert accuracy(records) >= accuracy(expected) - 0.05
