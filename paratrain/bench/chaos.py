@@ -1,9 +1,11 @@
 """``paratrain bench chaos``: kill schedules drawn at random over every strategy, each run classified.
 
 Each run is one ``paratrain train`` job of two epochs on the digits MLP (a :class:`~paratrain.train.job.TrainJob`)
-with one ``--kill``: a worker drawn at random, at a step drawn at random or at a time drawn at random. The
-strategies that recover from a worker's death (their units declare ``restarts``) run with ``--max-restarts 1``;
-the others as users run them. Every run ends in one of:
+with a ``--kill`` drawn at random (:func:`draw_cases`): one worker at a step or at a time, two workers at two
+steps, or (parameter-server strategies, their two servers replicated) a server at a time. The strategies that
+recover from a worker's death (their units declare ``restarts``) run with ``--max-restarts`` as many as the deaths,
+a quarter of them without a warm spare (``--no-spare``: the replacement starts cold); the others as users run them.
+Every run ends in one of:
 
 - ``bitwise``: the kill fired, the job finished, and its final model is bitwise the fault-free run's;
 - ``accurate``: an asynchronous strategy (SSP, ASP) finished with another model, its test accuracy within
@@ -56,33 +58,52 @@ STRATEGIES = (
 
 @dataclass(frozen=True)
 class Case:
-    """One chaos run: the strategy, its workers, the kill schedule and the restarts allowed."""
+    """One chaos run: the strategy, its workers, the kill schedule, the restarts allowed, whether a warm spare
+    waits, the parameter servers' replicas (2 where a server is killed), and what is killed (``worker step``,
+    ``worker time``, ``two workers``, ``server``)."""
 
     strategy: str
     workers: int
     kill: str
     restarts: int
+    spare: bool = True
+    replicas: int = 1
+    what: str = "worker step"
 
 
 def draw_cases(strategies: tuple[str, ...], runs: int, *, seed: int, steps: int) -> list[Case]:
-    """``runs`` cases, the strategies in turn, each with a kill drawn by a seeded generator: a worker, and a step in
-    2..``steps`` - 1 or a time in 1.5..3.0 s after the start (half each).
+    """``runs`` cases, the strategies in turn, each drawn by a seeded generator: a parameter-server strategy's
+    server at a time in 1.5..3.0 s after the start (a quarter of theirs: its servers replicated, restarted once);
+    else two workers at two steps (a sixth), or one worker at a step in 2..``steps`` - 1 or at a time in 1.5..3.0 s
+    (half each). Recovering strategies restart each death, from a warm spare or (a quarter) cold.
 
     Example:
-        >>> [c.kill for c in draw_cases(("allreduce",), 2, seed=1, steps=10)]
-        ['0@2.70s', '0@step=9']
+        >>> [(c.kill, c.what) for c in draw_cases(("allreduce", "bsp"), 3, seed=1, steps=10)]
+        [('0@step=3,1@step=4', 'two workers'), ('server1@2.48s', 'server'), ('0@2.08s', 'worker time')]
     """
     rng = random.Random(seed)
     cases = []
     for i in range(runs):
         strategy = strategies[i % len(strategies)]
-        workers = 3 if parse_strategy(strategy).exchanges_parameters else 2
+        spec = parse_strategy(strategy)
+        workers = 3 if spec.exchanges_parameters else 2
+        restarts, draw = _restarts(strategy), rng.random()
+        spare = rng.random() >= 0.25
+        if spec.uses_servers and not spec.hybrid and draw < 0.25:
+            server = f"server{rng.randrange(2)}@{rng.uniform(1.5, 3.0):.2f}s"
+            cases.append(Case(strategy, workers, server, 1, spare=spare, replicas=2, what="server"))
+            continue
+        if (draw - 0.25) / 0.75 < 1 / 6 if spec.uses_servers and not spec.hybrid else draw < 1 / 6:
+            first, second = sorted(rng.sample(range(2, steps), 2))
+            kill = f"0@step={first},{workers - 1}@step={second}"
+            cases.append(Case(strategy, workers, kill, 2 * restarts, spare=spare, what="two workers"))
+            continue
         rank = rng.randrange(workers)
         if rng.random() < 0.5:
-            kill = f"{rank}@step={rng.randint(2, steps - 1)}"
+            kill, what = f"{rank}@step={rng.randint(2, steps - 1)}", "worker step"
         else:
-            kill = f"{rank}@{rng.uniform(1.5, 3.0):.2f}s"
-        cases.append(Case(strategy, workers, kill, _restarts(strategy)))
+            kill, what = f"{rank}@{rng.uniform(1.5, 3.0):.2f}s", "worker time"
+        cases.append(Case(strategy, workers, kill, restarts, spare=spare, what=what))
     return cases
 
 
@@ -121,9 +142,17 @@ def _train(case: Case | None, strategy: str, workers: int, out: Path, *, deadlin
     from paratrain.train.record import read_records
     from paratrain.train.run import run_training
 
-    job = TrainJob(workers=workers, epochs=2, strategy=strategy, run_dir=str(out), max_restarts=_restarts(strategy))
+    servers = 2 if parse_strategy(strategy).uses_servers else None  # as many as a killed server's job has
+    job = TrainJob(
+        workers=workers,
+        epochs=2,
+        strategy=strategy,
+        run_dir=str(out),
+        servers=servers,
+        max_restarts=_restarts(strategy),
+    )
     if case is not None:
-        job = job.replace(kill=case.kill, max_restarts=case.restarts)
+        job = job.replace(kill=case.kill, max_restarts=case.restarts, no_spare=not case.spare, replicas=case.replicas)
     output = io.StringIO()
     started = time.perf_counter()
     try:
@@ -200,16 +229,28 @@ def run_chaos(
     }
 
 
+_OUTCOMES = ("bitwise", "accurate", "differs", "failed fast", "hung", "no death")
+
+
+def _row(name: str, runs: list[dict[str, Any]]) -> str:
+    counts = Counter(r["outcome"] for r in runs)
+    cells = " | ".join(str(counts.get(k, 0)) for k in _OUTCOMES)
+    return f"| {name} | {len(runs)} | {cells} | {max(r['seconds'] for r in runs):.1f} |"
+
+
 def render(report: dict[str, Any]) -> str:
-    """The outcomes per strategy as a markdown table, with the slowest failure's seconds."""
-    kinds = ("bitwise", "accurate", "differs", "failed fast", "hung", "no death")
-    lines = [
-        "| strategy | runs | " + " | ".join(kinds) + " | slowest end (s) |",
-        "|---|---:|" + "---:|" * len(kinds) + "---:|",
-    ]
-    for strategy, counts in report["outcomes"].items():
-        mine = [r for r in report["runs"] if r["strategy"] == strategy]
-        slowest = max(r["seconds"] for r in mine)
-        cells = " | ".join(str(counts.get(k, 0)) for k in kinds)
-        lines.append(f"| {strategy} | {len(mine)} | {cells} | {slowest:.1f} |")
+    """The outcomes per strategy, then per kind of kill (recovering runs without a spare apart), as markdown
+    tables with the slowest run's seconds."""
+    head = " | ".join(_OUTCOMES) + " | slowest end (s) |"
+    rule = "|---|---:|" + "---:|" * len(_OUTCOMES) + "---:|"
+    lines = ["| strategy | runs | " + head, rule]
+    runs = report["runs"]
+    for strategy in report["outcomes"]:
+        lines.append(_row(strategy, [r for r in runs if r["strategy"] == strategy]))
+    lines += ["", "| killed | runs | " + head, rule]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        cold = r["restarts"] and not r.get("spare", True)
+        groups.setdefault(r.get("what", "worker step") + (", restarted cold" if cold else ""), []).append(r)
+    lines += [_row(name, mine) for name, mine in sorted(groups.items())]
     return "\n".join(lines)

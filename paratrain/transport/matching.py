@@ -21,11 +21,15 @@ __all__ = ["Mailbox"]
 
 
 class Mailbox:
-    """Arrived-but-unclaimed messages and posted-but-unmatched receives of one rank. Thread-safe."""
+    """Arrived-but-unclaimed messages and posted-but-unmatched receives of one rank. Thread-safe.
 
-    def __init__(self, *, rank: int, world_size: int) -> None:
+    A receive from any source fails once every peer is lost, unless ``peers_return`` (a lost peer's replacement
+    may still come: see :meth:`peer_back`)."""
+
+    def __init__(self, *, rank: int, world_size: int, peers_return: bool = False) -> None:
         self._rank = rank
         self._world_size = world_size
+        self._peers_return = peers_return
         self._lock = threading.Lock()
         self._queues: dict[tuple[int, int], deque[tuple[int, Message]]] = {}
         self._posted: list[tuple[int, int, Handle[Message]]] = []
@@ -78,7 +82,7 @@ class Mailbox:
             return self._closed
         if src != ANY_SOURCE:
             return self._lost.get(src)
-        if self._world_size > 1 and len(self._lost) >= self._world_size - 1:
+        if self._world_size > 1 and len(self._lost) >= self._world_size - 1 and not self._peers_return:
             lost = sorted(self._lost)
             return PeerLostError(
                 f"rank {self._rank}: every peer is gone (ranks {lost}); nothing can arrive any more",

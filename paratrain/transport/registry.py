@@ -252,6 +252,7 @@ def _connect_zmq(settings: Settings, fabric: object | None = None) -> Transport:
         resilient=settings.resilient,
         secret=secret,
         quick_failover=settings.ps_replicas > 1,
+        peers_return=settings.role == "server" and settings.ps_worker_restarts,
         lane_bytes=settings.lane_mb << 20,
         rank_bound=settings.job_workers if settings.elastic else None,
     )

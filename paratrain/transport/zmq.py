@@ -154,6 +154,8 @@ class ZmqTransport(ZmqPeers):
         rank_bound: ranks a connection may authenticate as until :meth:`renumber` (default ``world_size``). An
             elastic member learns its rank and the job's size from its admission, which its peers receive too and
             may connect on first: its listener must accept every rank the job can have (``job_workers``).
+        peers_return: a lost peer may come back (its replacement's ``hello``): a receive from any source waits
+            even when every peer is lost (a parameter server holding a dead worker's place, :mod:`paratrain.ps.rejoin`).
     """
 
     name = "zmq"
@@ -176,6 +178,7 @@ class ZmqTransport(ZmqPeers):
         quick_failover: bool = False,
         lane_bytes: int = 64 << 20,
         rank_bound: int | None = None,
+        peers_return: bool = False,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, timeout=timeout)
         self._run_id = run_id
@@ -190,7 +193,7 @@ class ZmqTransport(ZmqPeers):
         self._heartbeat_timeout = heartbeat_timeout
         self._on_peer_lost = on_peer_lost
         self._ctx = zmq.Context(io_threads=1)
-        self._box = Mailbox(rank=rank, world_size=world_size)
+        self._box = Mailbox(rank=rank, world_size=world_size, peers_return=peers_return)
         self._closed = False
         self._close_lock = threading.Lock()
         try:

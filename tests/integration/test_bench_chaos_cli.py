@@ -1,5 +1,6 @@
-"""``paratrain bench chaos`` end to end on two drawn schedules (seed 4: allreduce killed at step 14 and sfb at step
-4, both with --max-restarts 1): each finishes bitwise at its fault-free model, and the report says so."""
+"""``paratrain bench chaos`` end to end on two drawn schedules (seed 4: allreduce killed at step 4 and restarted
+cold; sfb's two workers killed at steps 3 and 11, each restarted): each finishes bitwise at its fault-free model,
+and the report says so."""
 
 from __future__ import annotations
 
@@ -24,8 +25,11 @@ def test_two_drawn_kills_of_recovering_strategies_end_bitwise(
     )
     assert code == 0, capsys.readouterr().err[-3000:]
     found = json.loads(report.read_text())
-    assert [(r["strategy"], r["kill"], r["restarts"], r["outcome"]) for r in found["runs"]] == [
-        ("allreduce", "0@step=14", 1, "bitwise"),
-        ("sfb", "1@step=4", 1, "bitwise"),
+    assert [(r["strategy"], r["kill"], r["restarts"], r["spare"], r["outcome"]) for r in found["runs"]] == [
+        ("allreduce", "1@step=4", 1, False, "bitwise"),
+        ("sfb", "0@step=3,1@step=11", 2, True, "bitwise"),
     ]
-    assert "| allreduce | 1 | 1 | 0 | 0 | 0 | 0 | 0 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| allreduce | 1 | 1 | 0 | 0 | 0 | 0 | 0 |" in out
+    assert "| two workers | 1 | 1 | 0 | 0 | 0 | 0 | 0 |" in out
+    assert "| worker step, restarted cold | 1 | 1 | 0 | 0 | 0 | 0 | 0 |" in out

@@ -62,13 +62,22 @@ def test_a_killed_bsp_worker_rejoins_and_the_job_ends_bitwise_as_the_fault_free_
     assert victim in {r["rank"] for r in records if r["kind"] == "rejoined"}
 
 
-def test_a_killed_ssp_worker_rejoins_and_the_job_ends_at_the_fault_free_accuracy(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "kill", "spare"),
+    [("ssp:2", "1@step=9", True), ("asp", "1@step=19", False)],
+    ids=["ssp-warm", "asp-cold-after-the-other-finished"],
+)
+def test_a_killed_asynchronous_worker_rejoins_and_the_job_ends_at_the_fault_free_accuracy(
+    tmp_path: Path, strategy: str, kill: str, spare: bool
+) -> None:
+    """SSP and ASP resume at the newest clock a server counted. Under ASP the other worker runs on and (its last
+    steps left) finishes while the replacement starts cold: the server waits for it with every peer gone."""
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    flags = ["--strategy", "ssp:2", "--workers", "2"]
+    flags = ["--strategy", strategy, "--workers", "2", *([] if spare else ["--no-spare"])]
     expected, _ = _train(tmp_path / "fault-free", *flags)
-    records, _ = _train(tmp_path / "killed", *flags, "--kill", "1@step=9")
-    assert [r["step"] for r in records if r["kind"] == "rejoined"]
+    records, _ = _train(tmp_path / "killed", *flags, "--kill", kill)
+    assert [r["rank"] for r in records if r["kind"] == "rejoined"] == [1]
 
     def accuracy(rs: list[dict[str, object]]) -> float:
         return float(next(r["test_accuracy"] for r in rs if r["kind"] == "eval" and r["epoch"] == 2))  # type: ignore[arg-type]
