@@ -30,6 +30,7 @@ __all__ = [
     "RendezvousError",
     "TransportClosedError",
     "TransportError",
+    "WorkDoneError",
 ]
 
 
@@ -91,6 +92,11 @@ class JobFailedError(ParatrainError, RuntimeError):
     def __init__(self, exit_code: int) -> None:
         super().__init__(f"the job failed (exit {exit_code}); see the ranks' output above")
         self.exit_code = exit_code
+
+
+class WorkDoneError(ParatrainError, RuntimeError):
+    """This process replaces one that had finished its work before it died (it left the parameter servers): there
+    is nothing left to do, and its work stands. A program may exit 0 on it."""
 
 
 class MessageError(ParatrainError, ValueError):

@@ -34,7 +34,7 @@ from paratrain._arrays import dtype_from_name, is_torch_tensor, wire_array
 from paratrain._current import current_context
 from paratrain.config import Settings
 from paratrain.device import host_view, on_device
-from paratrain.errors import ConfigError, PeerLostError
+from paratrain.errors import ConfigError, PeerLostError, WorkDoneError
 from paratrain.plan.ir import Action, Parts, Received, Slice
 from paratrain.ps.consistency import Policy
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
@@ -272,11 +272,21 @@ class KVStore:
     def _rejoin(self) -> None:
         """Takes a dead worker's place (:mod:`.rejoin`): resumes at the clock the servers counted for it, the
         smallest under BSP and SSP(0) (that clock is computed again, on its parameters), the largest otherwise (the
-        servers behind count the clocks in between)."""
+        servers behind count the clocks in between).
+
+        Raises:
+            WorkDoneError: the dead worker had finished and left: there is nothing to take over.
+        """
         router = self._router
         router.replacing = True
-        replies = [router.request(s, {"op": "rejoin"}) for s in self._servers]
-        counted = {s: int(router.wait(h, s, "rejoin").meta.get("clock", 0)) for h, s in replies}
+        asked = [router.request(s, {"op": "rejoin"}) for s in self._servers]
+        answers = {s: router.wait(h, s, "rejoin").meta for h, s in asked}
+        if any(meta.get("left") for meta in answers.values()):
+            router.closed = True
+            raise WorkDoneError(
+                f"worker {self.rank}: the process this one replaces had finished its work and left the servers"
+            )
+        counted = {s: int(meta.get("clock", 0)) for s, meta in answers.items()}
         exact = self.policy.staleness == 0
         clock = min(counted.values()) if exact else max(counted.values())
         for server, number in counted.items():

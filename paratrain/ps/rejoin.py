@@ -81,8 +81,9 @@ class Rejoins:
         store, worker = self.store, msg.src
         if not self.enabled:
             raise RejectedError("this job does not restart workers (paratrain launch --servers S --max-restarts R)")
-        if worker not in store.live:
-            raise RejectedError(f"worker {worker} had left the job; a replacement cannot take its place")
+        if worker not in store.live:  # it died after its work was done (it left): nothing to take over
+            store.reply(worker, msg.meta["id"], left=True)
+            return
         self.absent.discard(worker)
         self._purge(worker)
         clock = store.done[worker]

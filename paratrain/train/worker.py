@@ -19,6 +19,7 @@ import numpy as np
 
 import paratrain as pt
 from paratrain._exit import exit_with
+from paratrain.errors import WorkDoneError
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.recovery import RegroupedError, Reliable
 from paratrain.strategy import parse_layer_schemes, parse_strategy
@@ -259,7 +260,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from paratrain.torch.resilient import training_state
 
-    run = _setup(job)
+    try:
+        run = _setup(job)
+    except WorkDoneError as exc:  # a parameter-server worker killed after its work was done: that work stands
+        print(f"{exc}; nothing left to do", file=sys.stderr)
+        pt.shutdown()
+        return
     data, model, optimizer, device, ctx = run.data, run.model, run.optimizer, run.device, run.ctx
     reliable, dopt, resumed = run.reliable, run.dopt, run.resumed
     # files are named by member: in an elastic job ranks are renumbered when workers leave or join

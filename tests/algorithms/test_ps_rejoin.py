@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from paratrain import Context
+from paratrain.errors import WorkDoneError
 from paratrain.ps import KVStore
 from paratrain.ps.protocol import REQUEST_TAG
 from paratrain.ps.server import ParameterServer, ServerStats
@@ -157,3 +158,57 @@ def test_the_same_job_without_a_death_sums_in_worker_order_whatever_the_arrival_
     for _ in range(3):
         results, _, _ = _job(None, "")
         np.testing.assert_array_equal(results[0][0], fault_free[0])
+
+
+def test_a_replacement_of_a_worker_that_had_finished_is_told_its_work_is_done() -> None:
+    """Killed after it left the servers (its work done), a worker's replacement has nothing to take over."""
+    fabric = InprocFabric(3, timeout=TIMEOUT)
+    transports: list[Transport] = [fabric.transport(r) for r in range(3)]
+    checked = threading.Event()
+    errors: list[BaseException] = []
+    told: list[BaseException] = []
+
+    def serve() -> None:
+        ctx = rank_context(transports[2], workers=2, servers=1, timeout=TIMEOUT)
+        try:
+            ParameterServer(transports[2], num_workers=2, timeout=TIMEOUT, worker_restarts=True).serve()
+        finally:
+            ctx.shutdown()
+
+    def work(rank: int) -> None:
+        ctx = rank_context(transports[rank], workers=2, servers=1, timeout=TIMEOUT)
+        kv = _store(ctx)
+        if rank == 0:
+            checked.wait(TIMEOUT)  # the server serves until this worker leaves too
+            kv.close()
+            ctx.shutdown()
+            return
+        kv.close()
+        ctx.transport.abort()  # killed after its work was done
+        new = rank_context(fabric.rejoin(rank), workers=2, servers=1, timeout=TIMEOUT)
+        try:
+            _store(new, rejoin=True)
+        except WorkDoneError as exc:
+            told.append(exc)
+        finally:
+            checked.set()
+            new.shutdown()
+
+    def guarded(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+                fabric.fail_all(exc)
+
+        return run
+
+    threads = [threading.Thread(target=guarded(f), daemon=True) for f in (serve, lambda: work(0), lambda: work(1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not [t for t in threads if t.is_alive()], "a rank hung"
+    assert not errors, errors
+    assert len(told) == 1 and "had finished its work" in str(told[0])
