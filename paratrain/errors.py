@@ -23,6 +23,7 @@ __all__ = [
     "ConfigError",
     "DeviceTimeoutError",
     "JobFailedError",
+    "JobOverError",
     "MessageError",
     "NotInitializedError",
     "ParatrainError",
@@ -95,8 +96,8 @@ class JobFailedError(ParatrainError, RuntimeError):
 
 
 class WorkDoneError(ParatrainError, RuntimeError):
-    """This process replaces one that had finished its work before it died (it left the parameter servers): there
-    is nothing left to do, and its work stands. A program may exit 0 on it."""
+    """This process replaces one whose work was done when it died (it had left the parameter servers, or the others
+    had finished): there is nothing left to do, and the work stands. A program may exit 0 on it."""
 
 
 class MessageError(ParatrainError, ValueError):
@@ -105,6 +106,11 @@ class MessageError(ParatrainError, ValueError):
 
 class RendezvousError(TransportError):
     """The ranks could not discover each other at start-up."""
+
+
+class JobOverError(RendezvousError, WorkDoneError):
+    """A restarted rank came to meet the others after one of them had finished: the job is over (its results
+    stand), nothing is left to rejoin."""
 
 
 class CollectiveMismatchError(ParatrainError, ValueError):

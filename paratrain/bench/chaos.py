@@ -8,8 +8,9 @@ a quarter of them without a warm spare (``--no-spare``: the replacement starts c
 Every run ends in one of:
 
 - ``bitwise``: the kill fired, the job finished, and its final model is bitwise the fault-free run's;
-- ``accurate``: an asynchronous strategy (SSP, ASP) finished with another model, its test accuracy within
-  :data:`ACCURACY_SLACK` of the fault-free run's (their updates depend on timing: no two runs agree bitwise);
+- ``accurate``: an asynchronous strategy (SSP, ASP) finished with another model, its test accuracy (the worker that
+  finished last: the servers' final model) within :data:`ACCURACY_SLACK` of the fault-free run's (their updates
+  depend on timing: no two runs agree bitwise);
 - ``differs``: the kill fired and the job finished with another model (wrong for a synchronous strategy, or
   an asynchronous one less accurate);
 - ``failed fast``: the job stopped with an error, in the seconds given (the cause is the ranks' last line);
@@ -165,7 +166,11 @@ def _train(case: Case | None, strategy: str, workers: int, out: Path, *, deadlin
     records = read_records(out)
     digests = {r["parameters_sha256"] for r in records if r["kind"] == "final"}
     lines = [line for line in text.splitlines() if line.strip()]
-    evals = [r for r in records if r["kind"] == "eval" and r["rank"] == 0]
+    # the model of the worker that finished last: the servers' final one under ASP, where one finishing early holds
+    # an older model; any worker's (they agree) for the synchronous strategies
+    finals = [r for r in records if r["kind"] == "final"]
+    last = max(finals, key=lambda r: r["time"])["rank"] if finals else 0
+    evals = [r for r in records if r["kind"] == "eval" and r["rank"] == last]
     return {
         "exit": code,
         "fired": "injected fault" in text,

@@ -8,6 +8,7 @@ a worker dies:
 * **Each server holds its place** instead of dropping it from the clock bookkeeping: the worker stays live at the
   clock it had completed, so under BSP and SSP no round it has not pushed to is taken without it (the others wait,
   as they would for a straggler), and its requests still waiting are dropped (their ids die with the process).
+  ASP's rounds (every N pushes) count only the workers present meanwhile: nobody waits under ASP.
 * **The replacement rejoins** (``rejoin``, :class:`~.client.KVStore` does it when its transport rejoined the job):
   each server answers with the clock it counted for the worker. Its clock messages leave in one burst, so under
   BSP the servers differ by at most one; the replacement resumes at the smallest, the interrupted clock ``c``, and
@@ -55,7 +56,7 @@ class Rejoins:
         self.enabled = enabled
         store.keep_previous = enabled
         self._purge = purge
-        self.absent: set[int] = set()
+        self.absent = store.absent
         # worker -> (the clock the server had counted when it rejoined, the chunks holding its push of that clock
         # that a push of the replacement's would duplicate); until the server counts a later clock of it
         self._resumed: dict[int, tuple[int, set[tuple[Any, int]]]] = {}

@@ -301,10 +301,9 @@ class ParameterServer:
         lost = (gone & store.live) - self.rejoins.absent
         departed = self.transport.departed_peers() if lost else frozenset()
         for worker in sorted(lost):
-            if self.rejoins.enabled and worker not in departed:
+            if self.rejoins.enabled and worker not in departed:  # its place is held (an ASP round may close)
                 store.stats.workers_lost.append(worker)
                 self.rejoins.hold(worker)
-                lost = lost - {worker}
                 continue
             if worker in departed:
                 log.info(

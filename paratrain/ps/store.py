@@ -105,6 +105,7 @@ class ServerStore:
         # (worker, request id) of a request that came in a batch -> the batch and its place in it
         self.batched: dict[tuple[int, int], tuple[Batch, int]] = {}
         self.keep_previous = False  # keep each BSP chunk's value from before its last step (.rejoin)
+        self.absent: set[int] = set()  # dead workers whose places are held (.rejoin): live, but pushing nothing
 
     # -- replies -------------------------------------------------------------------------------------------
 
@@ -384,7 +385,9 @@ class ServerStore:
                 limit = min(limit, *chunk.awaited.values())
         for round_id in sorted(chunk.pending):
             open_round = chunk.pending[round_id]
-            if not commit_ready(chunk.mode, round_id, open_round.count, limit, len(self.live)):
+            # (an absent worker is live for the clocks, but an ASP round does not wait for its pushes)
+            pushing = len(self.live - self.absent)
+            if not commit_ready(chunk.mode, round_id, open_round.count, limit, pushing):
                 break
             del chunk.pending[round_id]
             chunk.view = None

@@ -211,6 +211,45 @@ def _probe(run: _Setup, rec: Recorder, step: int, evaluating: float) -> float:
     return evaluating + spent
 
 
+def _begin(
+    run: _Setup, job: TrainJob, rec: Recorder, steps: int, *, quiet: bool
+) -> tuple[int, float, dict[int, float] | None]:
+    """Where this process starts: the step, the seconds spent evaluating so far, and (a restarted parameter-server
+    worker, which goes on at the clock its predecessor completed: :mod:`paratrain.ps.rejoin`) its predecessor's
+    losses by step, None otherwise. Records the start, or the rejoin (and the epoch its predecessor ended without
+    evaluating)."""
+    resumed, ctx = run.resumed, run.ctx
+    step = int(resumed.meta["step"]) if resumed is not None else run.dopt.resumed_step
+    evaluating = float(resumed.meta["evaluating"]) if resumed is not None else 0.0  # excluded from time-to-accuracy
+    if resumed is not None:
+        return step, evaluating, None
+    if not ctx.transport.rejoined:
+        shards = ctx.settings.job_workers
+        rec.log(kind="start", epochs=job.epochs, steps_per_epoch=steps, world_size=shards, strategy=job.strategy)
+        return step, evaluating, None
+    losses, evaluated = _predecessor(job, ctx.settings.member_id)
+    rec.log(kind="rejoined", step=step)
+    ended = step // steps
+    if ended and step % steps == 0 and ended not in evaluated:  # it died between its epoch's end and evaluation
+        train_loss = _loss_sum(losses, (ended - 1) * steps, step, ctx.rank) / steps
+        evaluating = _evaluate_epoch(
+            run, job, rec, epoch=ended - 1, step=step, train_loss=train_loss, evaluating=evaluating, quiet=quiet
+        )
+    return step, evaluating, losses
+
+
+def _record_step(
+    rec: Recorder, *, epoch: int, step: int, loss: float, samples: int, times: tuple[float, float, float, float],
+    **extra: Any,
+) -> None:  # fmt: skip
+    """A step's spans (forward, backward, the wait for communication) and its metrics record."""
+    t0, t1, t2, t3 = times
+    rec.add_span("forward", "compute", t0, t1)
+    rec.add_span("backward", "compute", t1, t2)
+    rec.add_span("step (wait for communication)", "waiting", t2, t3)
+    rec.log(kind="step", epoch=epoch, step=step, loss=loss, samples=samples, compute_s=t2 - t0, wait_s=t3 - t2, **extra)
+
+
 def _predecessor(job: TrainJob, rank: int) -> tuple[dict[int, float], set[int]]:
     """What this rank's predecessor recorded before it died (a restarted parameter-server worker reports the
     interrupted epoch as the fault-free run does): each step's loss, and the epochs it evaluated."""
@@ -273,22 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     straggler = stragglers.parse(job.straggler, seed=job.seed) if job.straggler else None
     shards, batch = ctx.settings.job_workers, job.batch_size  # an elastic job keeps its launched size's batches
     steps = epoch_steps(job, len(data.y_train) // shards, "this worker")
-    # a restarted parameter-server worker goes on at the clock its predecessor completed (paratrain.ps.rejoin)
-    step = int(resumed.meta["step"]) if resumed is not None else dopt.resumed_step
-    evaluating = float(resumed.meta["evaluating"]) if resumed is not None else 0.0  # excluded from time-to-accuracy
-    rejoined = resumed is None and ctx.transport.rejoined
-    losses: dict[int, float] = {}
-    if rejoined:
-        losses, evaluated = _predecessor(job, ctx.settings.member_id)
-        rec.log(kind="rejoined", step=step)
-        ended = step // steps
-        if ended and step % steps == 0 and ended not in evaluated:  # it died between its epoch's end and evaluation
-            train_loss = _loss_sum(losses, (ended - 1) * steps, step, ctx.rank) / steps
-            evaluating = _evaluate_epoch(
-                run, job, rec, epoch=ended - 1, step=step, train_loss=train_loss, evaluating=evaluating, quiet=quiet
-            )
-    elif resumed is None:
-        rec.log(kind="start", epochs=job.epochs, steps_per_epoch=steps, world_size=shards, strategy=job.strategy)
+    step, evaluating, losses = _begin(run, job, rec, steps, quiet=quiet)
     for recovery in reliable.recoveries if reliable is not None else []:
         rec.log(kind="recovery", step=step, **dataclasses.asdict(recovery))
     seen_recoveries = len(reliable.recoveries) if reliable is not None else 0
@@ -297,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         order = np.random.default_rng(job.seed * 1_000_003 + epoch).permutation(len(data.y_train))
         mid_epoch = epoch == step // steps and step % steps != 0
         epoch_loss = float(resumed.meta["epoch_loss"]) if mid_epoch and resumed is not None else 0.0
-        if mid_epoch and rejoined:
+        if mid_epoch and losses is not None:  # a restarted parameter-server worker: its predecessor's steps
             epoch_loss = _loss_sum(losses, epoch * steps, step, ctx.rank)
         for i in range(step - epoch * steps, steps):
             replaying = reliable is not None and reliable.replaying
@@ -329,19 +353,11 @@ def main(argv: list[str] | None = None) -> None:
             value = loss.item()
             epoch_loss += value
             if not replaying:  # a replaying rank replaces a process that recorded this step already
-                rec.add_span("forward", "compute", t0, t1)
-                rec.add_span("backward", "compute", t1, t2)
-                rec.add_span("step (wait for communication)", "waiting", t2, t3)
-                rec.log(
-                    kind="step",
-                    epoch=epoch + 1,
-                    step=step,
-                    loss=value,
-                    samples=len(share.indices),
-                    compute_s=t2 - t0,
-                    wait_s=t3 - t2,
-                    **traffic.update(reliable.ctx if reliable is not None else ctx),
-                    **({"straggler_factor": slow} if straggler is not None else {}),
+                extra = {"straggler_factor": slow} if straggler is not None else {}
+                times = (t0, t1, t2, t3)
+                extra |= traffic.update(_live(run))
+                _record_step(
+                    rec, epoch=epoch + 1, step=step, loss=value, samples=len(share.indices), times=times, **extra
                 )
             if reliable is not None:
                 for recovery in reliable.recoveries[seen_recoveries:]:

@@ -48,7 +48,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from paratrain.errors import RendezvousError
+from paratrain.errors import JobOverError, RendezvousError
 from paratrain.transport.auth import BROKEN_HANDSHAKE, REFUSAL_EVENTS, Guard, JobKeys, refusal_reason
 
 __all__ = ["Admission", "RendezvousServer", "admit", "meet", "register", "rejoin"]
@@ -512,7 +512,7 @@ def meet(
     """
     reply = _request(addr, port, rank=rank, world_size=world_size, info=info, timeout=timeout, secret=secret)
     if reply.get("over") is True:
-        raise RendezvousError(
+        raise JobOverError(
             f"rank {rank}: the job is over: another rank finished its work before this one could meet it (a rank "
             "restarted after the others' last collective has nothing to rejoin); the others' results stand"
         )

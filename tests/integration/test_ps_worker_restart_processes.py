@@ -64,22 +64,27 @@ def test_a_killed_bsp_worker_rejoins_and_the_job_ends_bitwise_as_the_fault_free_
 
 @pytest.mark.parametrize(
     ("strategy", "kill", "spare"),
-    [("ssp:2", "1@step=9", True), ("asp", "1@step=19", False)],
+    [("ssp:2", "1@step=9", True), ("asp", "1@step=4", False)],
     ids=["ssp-warm", "asp-cold-after-the-other-finished"],
 )
 def test_a_killed_asynchronous_worker_rejoins_and_the_job_ends_at_the_fault_free_accuracy(
     tmp_path: Path, strategy: str, kill: str, spare: bool
 ) -> None:
-    """SSP and ASP resume at the newest clock a server counted. Under ASP the other worker runs on and (its last
-    steps left) finishes while the replacement starts cold: the server waits for it with every peer gone."""
+    """SSP and ASP resume at the newest clock a server counted. Under ASP the other worker runs on (once the servers
+    noticed the death a round of N pushes counts only the workers present) and finishes while the replacement starts
+    cold: the server waits for it with every peer gone, and the job's model ends at the fault-free accuracy."""
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
     flags = ["--strategy", strategy, "--workers", "2", *([] if spare else ["--no-spare"])]
     expected, _ = _train(tmp_path / "fault-free", *flags)
     records, _ = _train(tmp_path / "killed", *flags, "--kill", kill)
     assert [r["rank"] for r in records if r["kind"] == "rejoined"] == [1]
+    assert _last_accuracy(records) >= _last_accuracy(expected) - 0.05
 
-    def accuracy(rs: list[dict[str, object]]) -> float:
-        return float(next(r["test_accuracy"] for r in rs if r["kind"] == "eval" and r["epoch"] == 2))  # type: ignore[arg-type]
 
-    assert accuracy(records) >= accuracy(expected) - 0.05
+def _last_accuracy(records: list[dict[str, object]]) -> float:
+    """The test accuracy of the worker that finished last: the servers' final parameters, which it pulled (under
+    ASP a worker that finished early holds an older model)."""
+    last = max((r for r in records if r["kind"] == "final"), key=lambda r: float(r["time"]))  # type: ignore[arg-type]
+    evals = [r for r in records if r["kind"] == "eval" and r["rank"] == last["rank"]]
+    return float(max(evals, key=lambda r: int(r["epoch"]))["test_accuracy"])  # type: ignore[call-overload, arg-type]
