@@ -9,8 +9,9 @@ Every run ends in one of:
 
 - ``bitwise``: the kill fired, the job finished, and its final model is bitwise the fault-free run's;
 - ``accurate``: an asynchronous strategy (SSP, ASP) finished with another model, its test accuracy (the worker that
-  finished last: the servers' final model) within :data:`ACCURACY_SLACK` of the fault-free run's (their updates
-  depend on timing: no two runs agree bitwise);
+  finished last: the servers' final model) at most :data:`ACCURACY_SLACK` below the lowest of its fault-free runs'
+  (their updates depend on timing: no two runs agree bitwise, and two fault-free ASP runs of this short job end up
+  to 0.08 apart);
 - ``differs``: the kill fired and the job finished with another model (wrong for a synchronous strategy, or
   an asynchronous one less accurate);
 - ``failed fast``: the job stopped with an error, in the seconds given (the cause is the ranks' last line);
@@ -18,7 +19,8 @@ Every run ends in one of:
 - ``no death``: the job ended before its kill came (a time kill after the last step).
 
 The fault-free model of each strategy is one more run per strategy, without a kill (with the restarts its cases
-have: a parameter-server job that restarts workers sums each round in worker order). A run whose replacement
+have: a parameter-server job that restarts workers sums each round in worker order); an asynchronous strategy gets
+:data:`ASYNC_REFERENCES` of them. A run whose replacement
 rejoined parameter servers after a step kill also says how long the worker was gone: from its predecessor's last
 record (the loss of the step it was killed in, written as that step's synchronisation began) to the replacement's
 ``rejoined`` record (parameters pulled, about to compute).
@@ -36,10 +38,12 @@ from typing import Any
 
 from paratrain.strategy import parse_strategy
 
-__all__ = ["ACCURACY_SLACK", "STRATEGIES", "Case", "classify", "draw_cases", "render", "run_chaos"]
+__all__ = ["ACCURACY_SLACK", "ASYNC_REFERENCES", "STRATEGIES", "Case", "classify", "draw_cases", "render", "run_chaos"]
 
-#: How far below its fault-free run's test accuracy a recovered asynchronous run may end and count as ``accurate``.
+#: How far below the lowest test accuracy of its fault-free runs a recovered asynchronous run may end and count as
+#: ``accurate``; and how many fault-free runs an asynchronous strategy gets (a synchronous one: 1, its model is exact).
 ACCURACY_SLACK = 0.05
+ASYNC_REFERENCES = 5
 
 #: Every strategy kind, as ``paratrain train`` takes it (gossip on 3 workers: a ring of 2 is a pair).
 STRATEGIES = (
@@ -207,8 +211,15 @@ def run_chaos(
     cases = draw_cases(strategies, runs, seed=seed, steps=22)  # 2 epochs of the digits MLP: 22 steps on 2 workers
     references: dict[str, dict[str, Any]] = {}
     for strategy in dict.fromkeys(c.strategy for c in cases):
-        case = next(c for c in cases if c.strategy == strategy)
-        references[strategy] = _train(None, strategy, case.workers, out / f"ref-{len(references)}", deadline=deadline)
+        workers = next(c for c in cases if c.strategy == strategy).workers
+        # an asynchronous strategy's accuracy varies from run to run: its fault-free runs give the spread
+        repeats = 1 if parse_strategy(strategy).synchronous else ASYNC_REFERENCES
+        refs = [
+            _train(None, strategy, workers, out / f"ref-{len(references)}-{k}", deadline=deadline)
+            for k in range(repeats)
+        ]
+        accuracies = [r["accuracy"] for r in refs if r["accuracy"] is not None]
+        references[strategy] = {"digest": refs[0]["digest"], "accuracies": accuracies}
     results = []
     for i, case in enumerate(cases):
         got = _train(case, case.strategy, case.workers, out / f"run-{i}", deadline=deadline)
@@ -216,8 +227,8 @@ def run_chaos(
         accurate = (
             not parse_strategy(case.strategy).synchronous
             and got["accuracy"] is not None
-            and ref["accuracy"] is not None
-            and got["accuracy"] >= ref["accuracy"] - ACCURACY_SLACK
+            and bool(ref["accuracies"])
+            and got["accuracy"] >= min(ref["accuracies"]) - ACCURACY_SLACK
         )
         outcome = classify(got["exit"], got["fired"], got["digest"], ref["digest"], accurate=accurate)
         results.append({**asdict(case), **got, "outcome": outcome})
@@ -228,7 +239,7 @@ def run_chaos(
         table.setdefault(r["strategy"], Counter())[r["outcome"]] += 1
     return {
         "runs": results,
-        "references": {s: {"digest": r["digest"], "accuracy": r["accuracy"]} for s, r in references.items()},
+        "references": references,
         "outcomes": {s: dict(c) for s, c in table.items()},
         "seed": seed,
     }

@@ -234,8 +234,7 @@ class ParameterServer:
     def _drop_requests(self, worker: int) -> None:
         """Drops every request of ``worker`` still waiting here (its process died: their ids die with it)."""
         self._forget(worker)
-        store = self.store
-        store.waiting_pulls = [p for p in store.waiting_pulls if p[0] != worker]
+        self.store.drop_waiting(worker)
         self._waiting_clocks = [c for c in self._waiting_clocks if c[0] != worker]
 
     def _handle(self, msg: Message) -> None:

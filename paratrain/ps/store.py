@@ -208,6 +208,13 @@ class ServerStore:
             del self.batched[pending]
         self.drop_held(worker)
 
+    def drop_waiting(self, worker: int) -> None:
+        """Drops ``worker``'s pulls and inits still waiting here (its process died: their ids died with it, and a
+        replacement numbers its requests afresh)."""
+        self.waiting_pulls = [p for p in self.waiting_pulls if p[0] != worker]
+        for waiting in self._waiting_inits.values():
+            waiting[:] = [w for w in waiting if w[0] != worker]
+
     def drop_held(self, worker: int) -> None:
         """Stops counting ``worker``'s pushes towards its clocks and waiting for their data (it left or died: it
         will not send them again)."""

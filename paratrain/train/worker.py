@@ -132,7 +132,8 @@ def _setup(job: TrainJob) -> _Setup:
     # with --checkpoint-dir, a job started again after a total failure resumes here from the disk checkpoint
     wanted = ctx.settings.resilient or job.checkpoint_dir is not None
     reliable = Reliable(ctx, checkpoint_dir=job.checkpoint_dir) if wanted else None
-    hybrid = parse_strategy(job.strategy).hybrid
+    spec = parse_strategy(job.strategy)
+    hybrid = spec.hybrid
     dopt = ptt.DistributedOptimizer(
         optimizer,
         model=model,
@@ -157,7 +158,9 @@ def _setup(job: TrainJob) -> _Setup:
             ) from None
     elif reliable is not None:
         reliable_broadcast_parameters(model, reliable)
-    elif not ctx.transport.rejoined:  # (a restarted parameter-server worker pulled the servers' parameters)
+    elif not spec.uses_servers or hybrid:
+        # (parameter servers hand every worker rank 0's parameters: no collective among the workers, which a
+        # restarted one could not join)
         ptt.broadcast_parameters(model, root=0)
     return _Setup(data, model, optimizer, device, ctx, reliable, dopt, resumed)
 
