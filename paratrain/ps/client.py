@@ -184,6 +184,10 @@ class KVStore:
             complete, so wait for pushes after :meth:`clock` (a wait before it works, at the cost of an extra
             state); under ASP each push is forwarded. Default: ``settings.ps_replicas``
             (``PARATRAIN_PS_REPLICAS``, set by ``paratrain launch --replicas``; 1 unless set).
+        rejoin: this process replaces a dead worker (:mod:`.rejoin`): take its place on the servers and go on
+            from :attr:`resumed_clock` (run the steps from there). Default: when this process is a restarted
+            worker of a job that restarts them (``paratrain launch --servers S --max-restarts R``). Raises
+            :class:`~paratrain.errors.WorkDoneError` if the dead worker had finished (left the servers).
 
     Example:
         >>> import numpy as np

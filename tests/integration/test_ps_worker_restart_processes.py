@@ -1,8 +1,9 @@
 """Parameter-server workers restarted with real processes: ``paratrain train --strategy bsp --servers 2
---max-restarts 1`` with a worker SIGKILLed at a chosen step (from a warm spare, or cold), against the same job
-without the kill. Under BSP the final model (SHA-256 of every parameter's bytes) and every epoch's train loss and
-test accuracy are bitwise the fault-free run's; under SSP the job finishes at the fault-free accuracy. Small
-buckets make the dead worker's pushes of the interrupted clock reach the servers partly (what must count once).
+--max-restarts 1`` with a worker SIGKILLed at a chosen step (from a warm spare, or cold; three workers and every
+point of a clock: tests/algorithms/test_ps_rejoin.py), against the same job without the kill. Under BSP the final
+model (SHA-256 of every parameter's bytes) and every epoch's train loss and test accuracy are bitwise the fault-free
+run's; under SSP and ASP the job finishes at the fault-free accuracy. Small buckets make the dead worker's pushes of
+the interrupted clock reach the servers partly (what must count once).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _outcome(records: list[dict[str, object]]) -> tuple[set[object], list[tuple[
 
 @pytest.mark.parametrize(
     ("workers", "kill", "spare"),
-    [("2", "1@step=7", True), ("3", "0@step=9", False)],
+    [("2", "1@step=7", True), ("2", "0@step=9", False)],
     ids=["warm-spare", "cold-reporting-rank"],
 )
 def test_a_killed_bsp_worker_rejoins_and_the_job_ends_bitwise_as_the_fault_free_one(
