@@ -5,6 +5,7 @@ killed by aborting its transport, as a crash would; its replacement gets a new e
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -67,14 +68,8 @@ def _die(ctx: Context, kv: KVStore, how: str) -> None:
     ctx.transport.abort()
 
 
-def _job(victim: int | None, how: str) -> tuple[list[Run], list[ServerStats], list[int]]:
-    """Each worker's run (the victim's from its replacement), the servers' stats, and the clock the replacement
-    resumed at (empty without a victim)."""
-    fabric = InprocFabric(WORKERS + SERVERS, timeout=TIMEOUT)
-    transports: list[Transport] = [fabric.transport(r) for r in range(WORKERS + SERVERS)]
-    results: list[Any] = [None] * WORKERS
-    stats: list[Any] = [None] * SERVERS
-    resumed: list[int] = []
+def _run_all(fabric: InprocFabric, bodies: list[Callable[[], None]]) -> None:
+    """Runs every rank's body in a thread of its own; the first error fails the whole fabric and is raised."""
     errors: list[BaseException] = []
 
     def guarded(fn: Callable[[], None]) -> Callable[[], None]:
@@ -86,6 +81,25 @@ def _job(victim: int | None, how: str) -> tuple[list[Run], list[ServerStats], li
                 fabric.fail_all(exc)
 
         return run
+
+    threads = [threading.Thread(target=guarded(body), daemon=True) for body in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT * 2)
+    assert not [t for t in threads if t.is_alive()], "a rank hung"
+    if errors:
+        raise errors[0]
+
+
+def _job(victim: int | None, how: str) -> tuple[list[Run], list[ServerStats], list[int]]:
+    """Each worker's run (the victim's from its replacement), the servers' stats, and the clock the replacement
+    resumed at (empty without a victim)."""
+    fabric = InprocFabric(WORKERS + SERVERS, timeout=TIMEOUT)
+    transports: list[Transport] = [fabric.transport(r) for r in range(WORKERS + SERVERS)]
+    results: list[Any] = [None] * WORKERS
+    stats: list[Any] = [None] * SERVERS
+    resumed: list[int] = []
 
     def serve(rank: int) -> None:
         ctx = rank_context(transports[rank], workers=WORKERS, servers=SERVERS, timeout=TIMEOUT)
@@ -115,17 +129,8 @@ def _job(victim: int | None, how: str) -> tuple[list[Run], list[ServerStats], li
         finally:
             new.shutdown()
 
-    threads = [
-        threading.Thread(target=guarded(lambda r=r: serve(r)), daemon=True) for r in range(WORKERS, WORKERS + SERVERS)
-    ]
-    threads += [threading.Thread(target=guarded(lambda r=r: work(r)), daemon=True) for r in range(WORKERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT * 2)
-    assert not [t for t in threads if t.is_alive()], "a rank hung"
-    if errors:
-        raise errors[0]
+    servers = [functools.partial(serve, r) for r in range(WORKERS, WORKERS + SERVERS)]
+    _run_all(fabric, servers + [functools.partial(work, r) for r in range(WORKERS)])
     return results, stats, resumed
 
 
@@ -165,7 +170,6 @@ def test_a_replacement_of_a_worker_that_had_finished_is_told_its_work_is_done() 
     fabric = InprocFabric(3, timeout=TIMEOUT)
     transports: list[Transport] = [fabric.transport(r) for r in range(3)]
     checked = threading.Event()
-    errors: list[BaseException] = []
     told: list[BaseException] = []
 
     def serve() -> None:
@@ -194,21 +198,5 @@ def test_a_replacement_of_a_worker_that_had_finished_is_told_its_work_is_done() 
             checked.set()
             new.shutdown()
 
-    def guarded(fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:
-                errors.append(exc)
-                fabric.fail_all(exc)
-
-        return run
-
-    threads = [threading.Thread(target=guarded(f), daemon=True) for f in (serve, lambda: work(0), lambda: work(1))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT)
-    assert not [t for t in threads if t.is_alive()], "a rank hung"
-    assert not errors, errors
+    _run_all(fabric, [serve, functools.partial(work, 0), functools.partial(work, 1)])
     assert len(told) == 1 and "had finished its work" in str(told[0])

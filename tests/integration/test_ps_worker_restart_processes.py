@@ -89,3 +89,23 @@ def _last_accuracy(records: list[dict[str, object]]) -> float:
     last = max((r for r in records if r["kind"] == "final"), key=lambda r: float(r["time"]))  # type: ignore[arg-type]
     evals = [r for r in records if r["kind"] == "eval" and r["rank"] == last["rank"]]
     return float(max(evals, key=lambda r: int(r["epoch"]))["test_accuracy"])  # type: ignore[call-overload, arg-type]
+
+
+def test_the_readme_kvstore_example_survives_its_kill_with_the_same_parameters() -> None:
+    """``paratrain/examples/ps_worker_restart.py`` under the launcher, with and without README's kill: every worker
+    prints the same digest, the replacement from the interrupted clock."""
+    command = [sys.executable, "-m", "paratrain.cli.main", "launch", "-n", "2", "--servers", "2", "--max-restarts", "1"]
+    example = ["--", "python", "-m", "paratrain.examples.ps_worker_restart"]
+
+    def digests(*kill: str) -> list[str]:
+        out = subprocess.run([*command, *kill, *example], capture_output=True, text=True, timeout=120, check=False)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return sorted(line.split("]: ", 1)[1] for line in out.stdout.splitlines() if "parameters" in line)
+
+    plain = digests()
+    assert plain == [f"worker {r}: 30 clocks (from 0), parameters {plain[0].rsplit(' ', 1)[1]}" for r in (0, 1)]
+    digest = plain[0].rsplit(" ", 1)[1]
+    assert digests("--kill", "1@step=12") == [
+        f"worker 0: 30 clocks (from 0), parameters {digest}",
+        f"worker 1: 30 clocks (from 11), parameters {digest}",
+    ]
