@@ -36,7 +36,7 @@ from paratrain.bench.stats import ms_spread
 from paratrain.launch.plan import free_port
 from paratrain.train.record import read_records
 
-__all__ = ["COLD_SCHEDULES", "DEFAULT_SCHEDULES", "Schedule", "render", "run_bench", "torchrun_anchor"]
+__all__ = ["COLD_SCHEDULES", "DEFAULT_SCHEDULES", "Schedule", "render", "run_bench"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +157,7 @@ def _no_rollback(records: list[dict[str, Any]], workers: int, steps: int) -> boo
     return True
 
 
-def torchrun_anchor(out: Path, *, kill_step: int, every: int, deadline: float) -> dict[str, Any]:
+def _torchrun(out: Path, *, kill_step: int, every: int, deadline: float) -> dict[str, Any]:
     """One torchrun --max-restarts 1 run of the same job; death -> restarted workers -> back at the failed step."""
     port = free_port()
     # lazy Gloo connections: without them the restarted workers' connectFullMesh gave up ("Connection refused",
@@ -257,7 +257,7 @@ def run_bench(
                 anchor = root / f"torchrun-{index}"
                 anchor.mkdir()
                 report["torchrun"].append(
-                    torchrun_anchor(anchor, kill_step=torchrun_kill_step, every=every, deadline=deadline)
+                    _torchrun(anchor, kill_step=torchrun_kill_step, every=every, deadline=deadline)
                 )
                 if progress:
                     print(f"torchrun: {report['torchrun'][-1]}", file=sys.stderr)

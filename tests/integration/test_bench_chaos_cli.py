@@ -21,20 +21,7 @@ def test_two_drawn_kills_of_recovering_strategies_end_bitwise(
     pytest.importorskip("sklearn")
     report = tmp_path / "chaos.json"
     code = main(
-        [
-            "bench",
-            "chaos",
-            "--runs",
-            "2",
-            "--seed",
-            "4",
-            "--torchrun",
-            "0",
-            "--out",
-            str(tmp_path / "runs"),
-            "--json",
-            str(report),
-        ]
+        ["bench", "chaos", "--runs", "2", "--seed", "4", "--out", str(tmp_path / "runs"), "--json", str(report)]
     )
     assert code == 0, capsys.readouterr().err[-3000:]
     found = json.loads(report.read_text())
