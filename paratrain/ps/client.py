@@ -34,12 +34,13 @@ from paratrain._arrays import dtype_from_name, is_torch_tensor, wire_array
 from paratrain._current import current_context
 from paratrain.config import Settings
 from paratrain.device import host_view, on_device
-from paratrain.errors import ConfigError, PeerLostError, WorkDoneError
+from paratrain.errors import ConfigError, PeerLostError
 from paratrain.plan.ir import Action, Parts, Received, Slice
 from paratrain.ps.consistency import Policy
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
 from paratrain.ps.plans import clock_actions, pull_actions, push_actions
 from paratrain.ps.protocol import REQUEST_TAG, PSRequestError
+from paratrain.ps.rejoin import take_place
 from paratrain.ps.routing import Route, Router
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks, split_rows
 from paratrain.ps.shared import ValueReader, value_prefix
@@ -123,6 +124,20 @@ def _read_in_place(
         return values.read(msg.meta["ref"], value_prefix(prefix, msg.src), msg.meta.get("seq"), target)
     except (ValueError, OSError) as exc:
         raise PSRequestError(f"worker {worker}: server rank {msg.src} answered a pull unreadably: {exc}") from None
+
+
+def _replicas(settings: Settings, servers: Sequence[int], replicas: int | None) -> int:
+    """The replicas of each chunk (``settings.ps_replicas`` unless given), checked against ``servers``."""
+    if not servers:
+        raise ConfigError("a KVStore needs the ranks of one or more servers")
+    if replicas is None:
+        replicas = settings.ps_replicas
+    if not 1 <= replicas <= len(servers):
+        raise ConfigError(
+            f"replicas={replicas} needs 1..{len(servers)} servers (the job has {len(servers)}); "
+            "start more servers or lower replicas"
+        )
+    return replicas
 
 
 def _all(pending: Sequence[tuple[Handle[Message], int]], what: str, worker: int, result: Handle[None]) -> Handle[None]:
@@ -232,16 +247,7 @@ class KVStore:
         if chunk_bytes <= 0:
             raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
         servers = settings.server_ranks if servers is None else tuple(servers)
-        if not servers:
-            raise ConfigError("a KVStore needs the ranks of one or more servers")
-        if replicas is None:
-            replicas = settings.ps_replicas
-        if not 1 <= replicas <= len(servers):
-            raise ConfigError(
-                f"replicas={replicas} needs 1..{len(servers)} servers (the job has {len(servers)}); "
-                "start more servers or lower replicas"
-            )
-        self.replicas = replicas
+        self.replicas = replicas = _replicas(settings, servers, replicas)
         self.policy = Policy.parse(consistency, staleness)
         self._optimizer = make_optimizer(optimizer)
         self._transport = ctx.transport
@@ -271,33 +277,8 @@ class KVStore:
             replies = [router.request(s, {"op": "join"}) for s in self._servers]
             router.clock = max(int(router.wait(h, s, "join").meta.get("clock", 0)) for h, s in replies)
         elif rejoin if rejoin is not None else ctx.transport.rejoined and settings.ps_worker_restarts:
-            self._rejoin()
-
-    def _rejoin(self) -> None:
-        """Takes a dead worker's place (:mod:`.rejoin`): resumes at the clock the servers counted for it, the
-        smallest under BSP and SSP(0) (that clock is computed again, on its parameters), the largest otherwise (the
-        servers behind count the clocks in between).
-
-        Raises:
-            WorkDoneError: the dead worker had finished and left: there is nothing to take over.
-        """
-        router = self._router
-        router.replacing = True
-        asked = [router.request(s, {"op": "rejoin"}) for s in self._servers]
-        answers = {s: router.wait(h, s, "rejoin").meta for h, s in asked}
-        if any(meta.get("left") for meta in answers.values()):
-            router.closed = True
-            raise WorkDoneError(
-                f"worker {self.rank}: the process this one replaces had finished its work and left the servers"
-            )
-        counted = {s: int(meta.get("clock", 0)) for s, meta in answers.items()}
-        exact = self.policy.staleness == 0
-        clock = min(counted.values()) if exact else max(counted.values())
-        for server, number in counted.items():
-            for missed in range(number + 1, clock + 1):
-                self._transport.isend(server, REQUEST_TAG, (), {"op": "clock", "clock": missed, "id": -1})
-        router.clock = self._resumed = clock
-        self._exact = clock if exact else None
+            self._resumed = take_place(self._router, self.policy.staleness, self.rank)
+            self._exact = self._resumed if self.policy.staleness == 0 else None
 
     @property
     def clock_value(self) -> int:

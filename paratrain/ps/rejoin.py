@@ -34,10 +34,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from paratrain.errors import WorkDoneError
+from paratrain.ps.protocol import REQUEST_TAG
+from paratrain.ps.routing import Router
 from paratrain.ps.store import RejectedError, ServerStore
 from paratrain.transport.wire import Message
 
-__all__ = ["Rejoins"]
+__all__ = ["Rejoins", "take_place"]
 
 log = logging.getLogger("paratrain.ps.server")
 
@@ -127,3 +130,28 @@ class Rejoins:
         """A push of ``worker`` to chunk ``key`` was applied at its clock now (what a replacement's duplicates)."""
         if self.enabled:
             self.store.chunks[key].last_push[worker] = self.store.done[worker]
+
+
+def take_place(router: Router, staleness: int | None, worker: int) -> int:
+    """The replacement's side: takes dead ``worker``'s place on ``router``'s servers and returns the clock it
+    resumes at: the smallest the servers counted under BSP and SSP(0) (``staleness`` 0: that clock is computed
+    again, on its parameters), the largest otherwise (the servers behind are told the clocks in between).
+
+    Raises:
+        WorkDoneError: the dead worker had finished and left: there is nothing to take over.
+    """
+    router.replacing = True
+    asked = [router.request(s, {"op": "rejoin"}) for s in router.servers]
+    answers = {s: router.wait(h, s, "rejoin").meta for h, s in asked}
+    if any(meta.get("left") for meta in answers.values()):
+        router.closed = True
+        raise WorkDoneError(
+            f"worker {worker}: the process this one replaces had finished its work and left the servers"
+        )
+    counted = {s: int(meta.get("clock", 0)) for s, meta in answers.items()}
+    clock = min(counted.values()) if staleness == 0 else max(counted.values())
+    for server, number in counted.items():
+        for missed in range(number + 1, clock + 1):
+            router.transport.isend(server, REQUEST_TAG, (), {"op": "clock", "clock": missed, "id": -1})
+    router.clock = clock
+    return clock
