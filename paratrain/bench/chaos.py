@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import io
 import random
+import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -203,10 +204,13 @@ def run_chaos(
     seed: int = 0,
     strategies: tuple[str, ...] = STRATEGIES,
     deadline: float = 120.0,
+    torchrun: int = 5,
     say: Any = None,
 ) -> dict[str, Any]:
-    """The fault-free run of each strategy, then ``runs`` chaos runs; the report (every run, and the outcomes per
-    strategy)."""
+    """The fault-free run of each strategy, then ``runs`` chaos runs, then ``torchrun`` runs of the anchor
+    (:func:`~paratrain.bench.recovery.torchrun_anchor`: the digits MLP under ``torchrun --max-restarts 1`` with a
+    disk checkpoint every 5 steps, rank 1 killed as step 9 begins); the report (every run, the outcomes per
+    strategy, the anchor's times)."""
     out = Path(out_dir)
     cases = draw_cases(strategies, runs, seed=seed, steps=22)  # 2 epochs of the digits MLP: 22 steps on 2 workers
     references: dict[str, dict[str, Any]] = {}
@@ -234,12 +238,19 @@ def run_chaos(
         results.append({**asdict(case), **got, "outcome": outcome})
         if say is not None:
             say(f"{i + 1}/{len(cases)} {case.strategy} --kill {case.kill}: {outcome} ({got['seconds']:.1f} s)")
+    from paratrain.bench.recovery import torchrun_anchor
+
+    anchor = []
+    for k in range(torchrun):
+        (out / f"torchrun-{k}").mkdir(parents=True)
+        anchor.append(torchrun_anchor(out / f"torchrun-{k}", kill_step=9, every=5, deadline=deadline))
     table: dict[str, Counter[str]] = {}
     for r in results:
         table.setdefault(r["strategy"], Counter())[r["outcome"]] += 1
     return {
         "runs": results,
         "references": references,
+        "torchrun": anchor,
         "outcomes": {s: dict(c) for s, c in table.items()},
         "seed": seed,
     }
@@ -269,4 +280,25 @@ def render(report: dict[str, Any]) -> str:
         cold = r["restarts"] and not r.get("spare", True)
         groups.setdefault(r.get("what", "worker step") + (", restarted cold" if cold else ""), []).append(r)
     lines += [_row(name, mine) for name, mine in sorted(groups.items())]
-    return "\n".join(lines)
+    lines.append("")
+    gone = sorted(r["gone_s"] for r in runs if r.get("gone_s") is not None and r.get("spare", True))
+    if gone:
+        lines.append(
+            f"parameter-server worker, death -> its replacement rejoined (warm spare): {_spread(gone)} "
+            f"({len(gone)} step kills)"
+        )
+    anchor = report.get("torchrun", [])
+    back = sorted(r["total_s"] for r in anchor if "total_s" in r)
+    if back:
+        causes = Counter(r["error"] for r in anchor if "error" in r)
+        failed = "".join(f"; {n} failed ({cause})" for cause, n in sorted(causes.items()))
+        lines.append(
+            f"torchrun --max-restarts 1, disk checkpoint every 5 steps, death -> back at the failed step: "
+            f"{_spread(back)} ({len(back)} runs{failed})"
+        )
+    return "\n".join(lines).rstrip()
+
+
+def _spread(values: list[float]) -> str:
+    """``median s (min-max)`` of sorted ``values``."""
+    return f"{statistics.median(values):.3f} s ({values[0]:.3f}-{values[-1]:.3f})"

@@ -19,9 +19,11 @@ The anchor is the same job under ``torchrun --max-restarts 1`` with a disk check
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,7 +38,7 @@ from paratrain.bench.stats import ms_spread
 from paratrain.launch.plan import free_port
 from paratrain.train.record import read_records
 
-__all__ = ["COLD_SCHEDULES", "DEFAULT_SCHEDULES", "Schedule", "render", "run_bench"]
+__all__ = ["COLD_SCHEDULES", "DEFAULT_SCHEDULES", "Schedule", "render", "run_bench", "torchrun_anchor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +159,7 @@ def _no_rollback(records: list[dict[str, Any]], workers: int, steps: int) -> boo
     return True
 
 
-def _torchrun(out: Path, *, kill_step: int, every: int, deadline: float) -> dict[str, Any]:
+def torchrun_anchor(out: Path, *, kill_step: int, every: int, deadline: float) -> dict[str, Any]:
     """One torchrun --max-restarts 1 run of the same job; death -> restarted workers -> back at the failed step."""
     port = free_port()
     # lazy Gloo connections: without them the restarted workers' connectFullMesh gave up ("Connection refused",
@@ -168,9 +170,22 @@ def _torchrun(out: Path, *, kill_step: int, every: int, deadline: float) -> dict
     cmd += ["--monitor-interval", "0.1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     cmd += ["-m", "paratrain.bench._torchrun_recovery_worker", "--out", str(out), "--kill-step", str(kill_step)]
     cmd += ["--checkpoint-every", str(every)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=deadline, check=False, env=env)
-    if done.returncode != 0:
-        return {"error": done.stderr[-1500:]}
+    # its own session, output to a file: on a hang the whole group (torchrun, its workers) is killed and the run
+    # recorded as failed; a pipe would keep waiting for a surviving grandchild, and an exception lose the report
+    with (out / "torchrun.log").open("w+", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.seek(0)
+        if code != 0:
+            cause = f"hung: still running after {deadline:g} s" if code is None else f"exit {code}"
+            return {"error": cause, "output": log.read()[-1500:]}
     events = []
     for path in sorted(out.glob("rank*.jsonl")):
         rank = int(path.stem[4:])
@@ -257,7 +272,7 @@ def run_bench(
                 anchor = root / f"torchrun-{index}"
                 anchor.mkdir()
                 report["torchrun"].append(
-                    _torchrun(anchor, kill_step=torchrun_kill_step, every=every, deadline=deadline)
+                    torchrun_anchor(anchor, kill_step=torchrun_kill_step, every=every, deadline=deadline)
                 )
                 if progress:
                     print(f"torchrun: {report['torchrun'][-1]}", file=sys.stderr)

@@ -30,6 +30,9 @@ def add_parsers(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--runs", type=int, default=22, help="chaos runs (default 22: each strategy twice)")
     p.add_argument("--seed", type=int, default=0, help="the seed of the drawn schedules (default 0)")
     p.add_argument("--deadline", type=float, default=120.0, help="seconds before a run counts as hung (default 120)")
+    p.add_argument(
+        "--torchrun", type=int, default=5, help="runs of the torchrun --max-restarts anchor (default 5; 0: none)"
+    )
     p.add_argument("--out", default=None, help="where the runs' directories go (default: a temporary folder)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     p.set_defaults(func=_chaos)
@@ -40,11 +43,11 @@ def _chaos(args: argparse.Namespace) -> int:
     from paratrain.bench.chaos import render, run_chaos
     from paratrain.errors import ConfigError
 
-    if args.runs < 1 or args.deadline <= 0:
-        raise ConfigError("--runs must be >= 1 and --deadline > 0")
+    if args.runs < 1 or args.deadline <= 0 or args.torchrun < 0:
+        raise ConfigError("--runs must be >= 1, --deadline > 0 and --torchrun >= 0")
     with tempfile.TemporaryDirectory(prefix="paratrain-chaos-") as scratch:
         found = run_chaos(
-            args.out or scratch, runs=args.runs, seed=args.seed, deadline=args.deadline,
+            args.out or scratch, runs=args.runs, seed=args.seed, deadline=args.deadline, torchrun=args.torchrun,
             say=lambda line: print(line, file=sys.stderr, flush=True),
         )  # fmt: skip
     bad = [r for r in found["runs"] if r["outcome"] == "hung" or (r["outcome"] == "differs" and r["restarts"])]
