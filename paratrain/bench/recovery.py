@@ -184,8 +184,12 @@ def torchrun_anchor(out: Path, *, kill_step: int, every: int, deadline: float) -
             proc.wait()
         log.seek(0)
         if code != 0:
+            output = log.read()
             cause = f"hung: still running after {deadline:g} s" if code is None else f"exit {code}"
-            return {"error": cause, "output": log.read()[-1500:]}
+            errors = [line.split("RuntimeError:", 1)[1] for line in output.splitlines() if "RuntimeError:" in line]
+            if errors:  # the workers' last error, without gloo's source path: "timed out connecting: ..."
+                cause += ": " + errors[-1].rsplit("] ", 1)[-1].strip()[:80]
+            return {"error": cause, "output": output[-1500:]}
     events = []
     for path in sorted(out.glob("rank*.jsonl")):
         rank = int(path.stem[4:])

@@ -147,7 +147,8 @@ class Recovery:
     world_size: int = 0
 
 
-def _meta_value(value: object) -> int | float | str:
+def meta_value(value: object) -> int | float | str:
+    """``value`` as a checkpoint's meta holds it (int, float or str), or TypeError."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise TypeError(f"checkpoint meta values must be int, float or str, got {type(value).__name__}")
     return value
@@ -188,7 +189,7 @@ def load_checkpoint_file(directory: str | os.PathLike[str]) -> Checkpoint | None
             head = json.loads(bytes(data[_META_KEY]).decode("utf-8"))
             names = [str(n) for n in head["names"]]
             arrays = {name: np.array(data[f"a{i}"]) for i, name in enumerate(names)}
-        meta = {str(k): _meta_value(v) for k, v in dict(head["meta"]).items()}
+        meta = {str(k): meta_value(v) for k, v in dict(head["meta"]).items()}
         return Checkpoint(int(head["version"]), int(head["seq"]), arrays, meta)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise RecoveryError(
@@ -245,6 +246,10 @@ class Reliable:
         """True while this rank still replays received results (it is catching up after a restart)."""
         return bool(self._replay)
 
+    def replaying_at(self, step: int) -> bool:
+        """Whether the step after ``step`` replays received results (the same as :attr:`replaying`)."""
+        return self.replaying
+
     @property
     def resilient(self) -> bool:
         """True when the launcher restarts failed ranks (otherwise a failure is raised, as without this class)."""
@@ -267,7 +272,7 @@ class Reliable:
         joining = self.elastic and self._join_wanted()
         copies = {str(name): np.array(value, copy=True) for name, value in arrays.items()}
         version = (self._checkpoint.version if self._checkpoint is not None else 0) + 1
-        values = {str(k): _meta_value(v) for k, v in (meta or {}).items()}
+        values = {str(k): meta_value(v) for k, v in (meta or {}).items()}
         checkpoint_kill_point(version)  # paratrain launch --kill RANK@checkpoint=V: a death mid-checkpoint
         ckpt = self._checkpoint = Checkpoint(version, self.seq, copies, values)
         # keep one result before the checkpoint: a survivor one operation behind may need it
@@ -456,7 +461,7 @@ class Reliable:
             if not isinstance(names, list) or len(names) != len(msg.arrays) or not isinstance(meta, dict):
                 raise RecoveryError(f"rank {me}: a malformed checkpoint came from rank {plan.checkpoint.src}")
             arrays = {str(n): np.array(a, copy=True) for n, a in zip(names, msg.arrays, strict=True)}
-            values = {str(k): _meta_value(v) for k, v in meta.items()}
+            values = {str(k): meta_value(v) for k, v in meta.items()}
             self._checkpoint = Checkpoint(plan.checkpoint.version, plan.checkpoint.seq, arrays, values)
             self._loaded = self._checkpoint
             received += msg.nbytes

@@ -182,7 +182,7 @@ for _registered in (
     _unit("asp", "asp", "parameter-server", "parameter servers, asynchronous", _plain("asp"), _ASP,
           parameter_server_checks, _PS, synchronous=False, **_SERVERS),
     _unit("gossip", "gossip:TOPOLOGY", "decentralised", "D-PSGD over ring|torus|exponential|complete|FILE",
-          _parse_gossip, _GOSSIP, no_more_checks, ("gossip", "GOSSIP")),
+          _parse_gossip, _GOSSIP, no_more_checks, ("gossip", "GOSSIP"), recovery=frozenset({"restarts"})),
     _unit("pipeline", "pipeline:SCHEDULE", "pipeline", "stages over workers: gpipe|1f1b|pipedream|pipedream-vsync",
           _parse_pipeline, _PIPELINE, pipeline_checks, ("paratrain.torch.pipeline:Pipe", "PIPELINE"),
           worker="paratrain.train.pipeline_worker"),

@@ -15,6 +15,7 @@ import torch
 
 from paratrain.compression import Compressor
 from paratrain.fusion.buckets import Bucket
+from paratrain.recovery.gossip import GossipRecovery
 from paratrain.recovery.reliable import Reliable
 from paratrain.runtime.context import Context
 from paratrain.strategy import StrategyOptions, StrategySpec, WrapperUnit, parse_strategy, resolve, wrappers_given
@@ -57,6 +58,7 @@ class BuildRequest:
         overlap: wait-free backprop on.
         staleness_lr: stale gradients scaled on the servers.
         reliable: reliable collectives (allreduce, sfb, poseidon:allreduce).
+        recovery: gossip's checkpoints kept by buddies, and the rollback after a death.
         compressor: the gradient compressor (None: none).
     """
 
@@ -72,6 +74,7 @@ class BuildRequest:
     overlap: bool = True
     staleness_lr: bool = False
     reliable: Reliable | None = None
+    recovery: GossipRecovery | None = None
     compressor: Compressor | None = None
 
     @property
@@ -148,7 +151,10 @@ def gossip(request: BuildRequest) -> Built:
     """Parameters mixed with the graph's neighbours (D-PSGD); the buckets are the parameters' layout."""
     buckets = [request.fused(b, flags=False) for b in request.plan]
     graph = request.topology if request.topology is not None else request.spec.topology
-    return Built(GossipStrategy(request.context, buckets, topology=graph, overlap=request.overlap), list(buckets))
+    strategy = GossipStrategy(
+        request.context, buckets, topology=graph, overlap=request.overlap, recovery=request.recovery
+    )
+    return Built(strategy, list(buckets))
 
 
 def hybrid(request: BuildRequest) -> Built:

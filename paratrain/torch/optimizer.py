@@ -38,6 +38,7 @@ from paratrain.compression import Compressor, parse_compression
 from paratrain.errors import ConfigError
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
 from paratrain.launch.kills import kill_point
+from paratrain.recovery.gossip import GossipRecovery, RolledBackError
 from paratrain.recovery.reliable import RegroupedError, Reliable
 from paratrain.runtime.context import Context, current
 from paratrain.sfb.cost import HybridPlan
@@ -113,7 +114,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             The same update, without overlapping communication with backward. In an elastic job
             (``--min-workers``) ``step()`` may raise :class:`~paratrain.recovery.RegroupedError`: the job lost or
             gained a worker mid-step; compute this step's gradients again for the new job (its rank and size are
-            ``reliable.ctx``'s) and call ``step()`` again.
+            ``reliable.ctx``'s) and call ``step()`` again. ``"gossip"``: a
+            :class:`~paratrain.recovery.gossip.GossipRecovery` instead (each worker's checkpoints kept by a buddy);
+            after a death ``step()`` (or ``close()``) raises :class:`~paratrain.recovery.gossip.RolledBackError`:
+            restore its checkpoint and train on from its step.
         always_communicate: a benchmark switch: with one worker, fuse, hook and call the collectives (which then
             reduce over one rank) instead of copying and sending nothing, so that the cost of that machinery can be
             measured on one GPU. The same update either way.
@@ -153,7 +157,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         topology: Any = None,
         overlap: bool = True,
         staleness_lr: bool = False,
-        reliable: Reliable | None = None,
+        reliable: Reliable | GossipRecovery | None = None,
         batch_size: int | None = None,
         layer_schemes: Mapping[str, str] | None = None,
         compression: str | Compressor | None = None,
@@ -165,6 +169,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if topology is not None:
             strategy = _gossip_with_topology(strategy)
         self.spec: StrategySpec = parse_strategy(strategy)
+        recovery = reliable if isinstance(reliable, GossipRecovery) else None
+        reliable = reliable if isinstance(reliable, Reliable) else None
+        if recovery is not None and not self.spec.exchanges_parameters:
+            raise ConfigError(f"a GossipRecovery recovers gossip workers; strategy {strategy!r} takes a Reliable")
         self.compressor: Compressor | None = self._refuse(
             strategy,
             compression,
@@ -205,6 +213,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             overlap=overlap,
             staleness_lr=staleness_lr,
             reliable=reliable,
+            recovery=recovery,
         )
         self._hooks = GradientHooks(params, owner=self, on_ready=DistributedOptimizer._on_grad_ready)
         self._steps = self._strategy.resumed_step
@@ -280,6 +289,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap: bool,
         staleness_lr: bool,
         reliable: Reliable | None,
+        recovery: GossipRecovery | None,
     ) -> Strategy:
         """The fused buckets and the strategy that sends them, by the strategy unit's builder."""
         request = BuildRequest(
@@ -295,6 +305,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             overlap=overlap,
             staleness_lr=staleness_lr,
             reliable=reliable,
+            recovery=recovery,
             compressor=self.compressor,
         )
         alone = self._local and not self.spec.exchanges_parameters
@@ -435,12 +446,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         try:
             self.synchronize()
+            with self._lock:
+                self._synchronized = False
+                self._strategy.apply(self._inner)
         except RegroupedError:
             self._steps -= 1  # the program computes this step again, for the re-formed job, and calls step() again
             raise
-        with self._lock:
-            self._strategy.apply(self._inner)
-            self._synchronized = False
+        except RolledBackError as exc:  # the program restores the state of that step and trains on from it
+            self._steps = int(exc.checkpoint.meta["step"])
+            raise
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -539,8 +553,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self._closed:
                 return
             self._closed = True
-        self._hooks.remove()
-        self._strategy.close()
+        try:
+            self._strategy.close()
+        except RolledBackError:  # gossip: the program trains on from the rolled-back step, and closes again
+            self._closed = False
+            raise
+        finally:
+            if self._closed:
+                self._hooks.remove()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` completed."""
+        return self._closed
 
     def __enter__(self) -> DistributedOptimizer:
         return self

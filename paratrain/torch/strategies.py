@@ -23,9 +23,10 @@ so issuing buckets in plan order is what keeps the ranks' messages matched.
 
 from __future__ import annotations
 
+import time
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -33,9 +34,10 @@ import torch
 
 from paratrain.compression import Compressor
 from paratrain.errors import ConfigError
-from paratrain.gossip.exchange import ShmExchange, open_exchange
+from paratrain.gossip.exchange import ShmExchange, SocketExchange, open_exchange
 from paratrain.gossip.mixing import neighbors, resolve_mixing
 from paratrain.ps.client import KVStore
+from paratrain.recovery.gossip import BROKEN, GossipRecovery, RolledBackError
 from paratrain.runtime.context import Context
 from paratrain.strategy import STRATEGIES, StrategyOptions, StrategySpec, check_options, parse_strategy
 from paratrain.torch.bucket_strategy import Strategy
@@ -53,6 +55,8 @@ __all__ = [
     "parse_strategy",
     "server_optimizer_spec",
 ]
+
+_T = TypeVar("_T")
 
 
 class AllreduceStrategy(Strategy):
@@ -376,6 +380,10 @@ class GossipStrategy(Strategy):
             update, computed later, for measuring what the overlap saves.
         shared_memory: force the shared-memory path on (all workers must share this host) or off; None
             decides from the context.
+        recovery: survive a worker's death (``paratrain launch --max-restarts``): each worker's checkpoints kept
+            by a buddy, and a death rolls every worker back to the newest checkpoint all hold
+            (:mod:`paratrain.recovery.gossip`; ``step()`` and ``close()`` then raise ``RolledBackError``). The
+            exchanges then go as messages, not through shared memory. The same update.
 
     Raises:
         ConfigError: unknown topology, unreadable file, or a graph or matrix invalid for ``context.world_size``
@@ -390,6 +398,7 @@ class GossipStrategy(Strategy):
         topology: Any,
         overlap: bool = True,
         shared_memory: bool | None = None,
+        recovery: GossipRecovery | None = None,
     ) -> None:
         super().__init__(buckets)
         self.overlap = bool(overlap)
@@ -398,6 +407,10 @@ class GossipStrategy(Strategy):
         self.neighbors = neighbors(self.mixing, context.rank)
         self.self_weight = float(self.mixing[context.rank, context.rank])
         self._sent: list[torch.Tensor] | None = None  # x_i(k) as posted to the neighbours
+        self.recovery = recovery
+        if recovery is not None:  # messages: a re-formed job opens a new exchange (_reopen)
+            shared_memory = False
+            recovery.reformed.append(self._reopen)
         if shared_memory is None:
             shared_memory = n > 1 and ShmExchange.supported() and context.workers_share_memory()
         self.exchange = open_exchange(
@@ -409,6 +422,12 @@ class GossipStrategy(Strategy):
             run_id=context.settings.run_id,
             nbytes=sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets),
         )
+
+    @property
+    def resumed_step(self) -> int:
+        """The step a replacement resumes at: its checkpoint's (``recovery``), else 0."""
+        loaded = self.recovery.load_checkpoint() if self.recovery is not None else None
+        return int(loaded.meta["step"]) if loaded is not None else 0
 
     def launch(self, k: int) -> None:
         """Nothing to send during backward: the parameters left at the end of the previous step."""
@@ -423,7 +442,26 @@ class GossipStrategy(Strategy):
     def _post(self) -> None:
         """Posts ``x_i`` to every neighbour and a receive from each; returns at once."""
         self._sent = [bucket.read_params() for bucket in self.buckets]
-        self.exchange.post([_numpy(flat) for flat in self._sent])
+        self._unless_broken(lambda: self.exchange.post([_numpy(flat) for flat in self._sent or []]))
+
+    def _reopen(self, context: Context) -> None:
+        """The job re-formed (``recovery``): exchanges go through its new context, from a rolled-back state."""
+        self._sent = None
+        self.exchange = SocketExchange(
+            context.workers, neighbors=self.neighbors, next_tag=context.next_collective_tag,
+            timeout=context.settings.timeout,
+        )  # fmt: skip
+
+    def _unless_broken(self, call: Callable[[], _T]) -> _T:
+        """``call()``; with ``recovery``, a death it meets rolls the job back: raises
+        :class:`~paratrain.recovery.gossip.RolledBackError` (restore its checkpoint and train on)."""
+        if self.recovery is None:
+            return call()
+        try:
+            return call()
+        except BROKEN:
+            failed_at = time.time()
+        raise RolledBackError(self.recovery.recover(failed_at))  # outside the handler: see GossipRecovery
 
     def _mixed(self) -> list[torch.Tensor]:
         """``sum_j W_ij x_j(k)`` per bucket, in the accumulation dtype; waits for the neighbours' parameters."""
@@ -431,7 +469,7 @@ class GossipStrategy(Strategy):
         if mine is None:
             raise RuntimeError("internal error: gossip step without an exchange in flight")
         mixed = [flat.to(_accumulation_dtype(flat.dtype), copy=True).mul_(self.self_weight) for flat in mine]
-        for _, weight, arrays in self.exchange.wait():
+        for _, weight, arrays in self._unless_broken(self.exchange.wait):
             for acc, flat, theirs in zip(mixed, mine, arrays, strict=True):
                 acc.add_(_tensor(theirs, flat.dtype).to(acc.dtype), alpha=weight)
         return mixed
@@ -462,4 +500,4 @@ class GossipStrategy(Strategy):
             CommTimeoutError, PeerLostError: a neighbour did not send its last parameters (it stopped early).
         """
         self._sent = None
-        self.exchange.close()
+        self._unless_broken(self.exchange.close)

@@ -22,6 +22,7 @@ from paratrain._exit import exit_with
 from paratrain.errors import WorkDoneError
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.recovery import RegroupedError, Reliable
+from paratrain.recovery.gossip import GossipRecovery, RolledBackError
 from paratrain.strategy import parse_layer_schemes, parse_strategy
 from paratrain.train import stragglers, tasks
 from paratrain.train.data import load_dataset
@@ -102,7 +103,7 @@ class _Setup:
     optimizer: Any
     device: Any
     ctx: pt.Context
-    reliable: Reliable | None
+    reliable: Reliable | GossipRecovery | None
     dopt: Any
     resumed: Any
 
@@ -113,7 +114,7 @@ def _setup(job: TrainJob) -> _Setup:
     import torch
 
     import paratrain.torch as ptt
-    from paratrain.torch.resilient import reliable_broadcast_parameters, restore_training_state
+    from paratrain.torch.resilient import reliable_broadcast_parameters, restore_training_state, training_state
 
     check_model_dataset(job.model, job.dataset)  # before init: a mismatch fails every rank alike, at once
 
@@ -131,9 +132,13 @@ def _setup(job: TrainJob) -> _Setup:
     # rank, this is where it catches up with the others (before any other collective)
     # with --checkpoint-dir, a job started again after a total failure resumes here from the disk checkpoint
     wanted = ctx.settings.resilient or job.checkpoint_dir is not None
-    reliable = Reliable(ctx, checkpoint_dir=job.checkpoint_dir) if wanted else None
     spec = parse_strategy(job.strategy)
     hybrid = spec.hybrid
+    reliable: Reliable | GossipRecovery | None = None
+    if wanted and spec.exchanges_parameters:  # each worker's own state, kept by a buddy (no broadcast: seeded)
+        reliable = GossipRecovery(lambda: training_state(model, optimizer), ctx)
+    elif wanted:
+        reliable = Reliable(ctx, checkpoint_dir=job.checkpoint_dir)
     dopt = ptt.DistributedOptimizer(
         optimizer,
         model=model,
@@ -156,9 +161,9 @@ def _setup(job: TrainJob) -> _Setup:
                 f"the checkpoint to resume from does not fit this model and optimizer ({exc!r}); it was taken by "
                 f"another training job: remove {job.checkpoint_dir or 'it'} or choose another --checkpoint-dir"
             ) from None
-    elif reliable is not None:
+    elif isinstance(reliable, Reliable):
         reliable_broadcast_parameters(model, reliable)
-    elif not spec.uses_servers or hybrid:
+    elif reliable is None and (not spec.uses_servers or hybrid):
         # (parameter servers hand every worker rank 0's parameters: no collective among the workers, which a
         # restarted one could not join)
         ptt.broadcast_parameters(model, root=0)
@@ -185,7 +190,7 @@ def _evaluate_epoch(
     extra: dict[str, float] = {}
     if parse_strategy(job.strategy).exchanges_parameters and epoch == job.epochs - 1:
         # once, at the end: on a slow network the allreduce it needs would cost gossip's throughput
-        extra = consensus_eval(run.ctx, run.model, run.data.x_test, run.data.y_test)
+        extra = consensus_eval(_live(run), run.model, run.data.x_test, run.data.y_test)
     scores = {"train_loss": train_loss, "test_accuracy": accuracy, "test_loss": test_loss, **extra}
     times = {"eval_s": evaluating - eval_before, "eval_before_s": eval_before}
     record_epoch(rec, job, epoch, step, scores | times, printing=_live(run).rank == 0 and not quiet)
@@ -294,11 +299,65 @@ def _finish(run: _Setup, job: TrainJob, rec: Recorder, step: int) -> None:
     pt.shutdown()
 
 
+def _step(run: _Setup, job: TrainJob, rec: Recorder, *, order: Any, step: int, steps: int, straggler: Any) -> _Done:
+    """Step ``step + 1`` (the batch of position ``step % steps`` in ``order``) computed and synchronised; again for the
+    new job when an elastic job changes size during it (:class:`RegroupedError`)."""
+    import torch
+
+    data, model, device, dopt, reliable = run.data, run.model, run.device, run.dopt, run.reliable
+    shards, batch = run.ctx.settings.job_workers, job.batch_size  # an elastic job keeps its launched size's batches
+    while True:  # more than once only when an elastic job changes size during the step
+        live = reliable.ctx if reliable is not None else run.ctx
+        rank = live.rank
+        share = step_share(order, shards=shards, batch=batch, step=step % steps, world_size=live.world_size, rank=rank)
+        xb = torch.from_numpy(data.x_train[share.indices]).to(device)
+        yb = torch.from_numpy(data.y_train[share.indices]).to(device)
+        t0 = time.time()
+        loss = tasks.loss(model(xb), yb)
+        t1 = time.time()
+        dopt.zero_grad()
+        (loss if share.scale == 1.0 else loss * share.scale).backward()  # type: ignore[no-untyped-call]
+        t2 = time.time()
+        slow = straggler.factor(rank, step + 1) if straggler is not None else 1.0  # the step it is recorded as
+        if slow != 1.0:  # emulate a straggler: this step's compute takes `slow` times as long
+            time.sleep((t2 - t0) * (slow - 1.0))
+            t2 = time.time()
+        if run.ctx.settings.ps_worker_restarts:  # what a replacement reads if this process dies in the step
+            rec.log(kind="loss", step=step + 1, loss=loss.item())
+        try:
+            dopt.step()
+            return _Done(loss.item(), len(share.indices), (t0, t1, t2, time.time()), slow)
+        except RegroupedError as exc:
+            rec.log(kind="regrouped", step=step + 1, members=exc.members)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Done:
+    """A step's loss, samples, times (forward, backward, synchronisation: :func:`_record_step`) and straggler factor."""
+
+    loss: float
+    samples: int
+    times: tuple[float, float, float, float]
+    slow: float
+
+
+def _rolled_back(run: _Setup, rec: Recorder, exc: RolledBackError, step: int) -> tuple[int, float]:
+    """A death rolled the job back (gossip): this rank's state of the checkpoint restored; returns its step and
+    the epoch's loss so far. Steps up to ``step`` were recorded already: they run again unrecorded."""
+    from paratrain.torch.resilient import restore_training_state
+
+    assert isinstance(run.reliable, GossipRecovery)
+    ckpt = exc.checkpoint
+    restore_training_state(run.model, run.optimizer, ckpt)
+    run.reliable.replay_until = max(run.reliable.replay_until, step)
+    back = int(ckpt.meta["step"])
+    rec.log(kind="rollback", step=back, from_step=step)
+    return back, float(ckpt.meta["epoch_loss"])
+
+
 def main(argv: list[str] | None = None) -> None:
     """Trains this rank's part of the job and records everything in the job's run directory."""
     job, quiet = worker_job(argv, __doc__)
-
-    import torch
 
     from paratrain.torch.resilient import training_state
 
@@ -308,84 +367,71 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{exc}; nothing left to do", file=sys.stderr)
         pt.shutdown()
         return
-    data, model, optimizer, device, ctx = run.data, run.model, run.optimizer, run.device, run.ctx
-    reliable, dopt, resumed = run.reliable, run.dopt, run.resumed
+    ctx, reliable, resumed = run.ctx, run.reliable, run.resumed
     # files are named by member: in an elastic job ranks are renumbered when workers leave or join
     rec = Recorder(run_dir_of(job), rank=ctx.settings.member_id)
     straggler = stragglers.parse(job.straggler, seed=job.seed) if job.straggler else None
-    shards, batch = ctx.settings.job_workers, job.batch_size  # an elastic job keeps its launched size's batches
-    steps = epoch_steps(job, len(data.y_train) // shards, "this worker")
+    steps = epoch_steps(job, len(run.data.y_train) // ctx.settings.job_workers, "this worker")
     step, evaluating, losses = _begin(run, job, rec, steps, quiet=quiet)
-    for recovery in reliable.recoveries if reliable is not None else []:
-        rec.log(kind="recovery", step=step, **dataclasses.asdict(recovery))
-    seen_recoveries = len(reliable.recoveries) if reliable is not None else 0
+    if isinstance(reliable, GossipRecovery) and reliable.restarted:  # its predecessor recorded these steps
+        reliable.replay_until = max(losses or [0]) if losses is not None else _recorded_until(job, ctx)
+    seen_recoveries = 0
     traffic = _Traffic(ctx)
-    for epoch in range(step // steps, job.epochs):
-        order = np.random.default_rng(job.seed * 1_000_003 + epoch).permutation(len(data.y_train))
-        mid_epoch = epoch == step // steps and step % steps != 0
-        epoch_loss = float(resumed.meta["epoch_loss"]) if mid_epoch and resumed is not None else 0.0
-        if mid_epoch and losses is not None:  # a restarted parameter-server worker: its predecessor's steps
-            epoch_loss = _loss_sum(losses, epoch * steps, step, ctx.rank)
-        for i in range(step - epoch * steps, steps):
-            replaying = reliable is not None and reliable.replaying
-            while True:  # more than once only when an elastic job changes size during the step
-                live = reliable.ctx if reliable is not None else ctx
-                rank = live.rank
-                share = step_share(order, shards=shards, batch=batch, step=i, world_size=live.world_size, rank=rank)
-                xb = torch.from_numpy(data.x_train[share.indices]).to(device)
-                yb = torch.from_numpy(data.y_train[share.indices]).to(device)
-                t0 = time.time()
-                loss = tasks.loss(model(xb), yb)
-                t1 = time.time()
-                dopt.zero_grad()
-                (loss if share.scale == 1.0 else loss * share.scale).backward()  # type: ignore[no-untyped-call]
-                t2 = time.time()
-                slow = straggler.factor(rank, step + 1) if straggler is not None else 1.0  # the step it is recorded as
-                if slow != 1.0:  # emulate a straggler: this step's compute takes `slow` times as long
-                    time.sleep((t2 - t0) * (slow - 1.0))
-                    t2 = time.time()
-                if ctx.settings.ps_worker_restarts:  # what a replacement reads if this process dies in the step
-                    rec.log(kind="loss", step=step + 1, loss=loss.item())
-                try:
-                    dopt.step()
-                    break
-                except RegroupedError as exc:
-                    rec.log(kind="regrouped", step=step + 1, members=exc.members)
-            t3 = time.time()
-            step += 1
-            value = loss.item()
-            epoch_loss += value
-            if not replaying:  # a replaying rank replaces a process that recorded this step already
-                extra = {"straggler_factor": slow} if straggler is not None else {}
-                times = (t0, t1, t2, t3)
-                extra |= traffic.update(_live(run))
-                _record_step(
-                    rec, epoch=epoch + 1, step=step, loss=value, samples=len(share.indices), times=times, **extra
-                )
-            if reliable is not None:
-                for recovery in reliable.recoveries[seen_recoveries:]:
-                    rec.log(kind="recovery", step=step, **dataclasses.asdict(recovery))
-                seen_recoveries = len(reliable.recoveries)
-                if step % job.checkpoint_every == 0:
-                    state = training_state(model, optimizer)
-                    reliable.checkpoint(state, {"step": step, "epoch_loss": epoch_loss, "evaluating": evaluating})
-            if replaying:
+    epoch_loss = 0.0
+    if step % steps and resumed is not None:
+        epoch_loss = float(resumed.meta["epoch_loss"])
+    elif step % steps and losses is not None:  # a restarted parameter-server worker: its predecessor's steps
+        epoch_loss = _loss_sum(losses, step - step % steps, step, ctx.rank)
+    while step < job.epochs * steps or (reliable is not None and not run.dopt.closed):
+        if reliable is not None:
+            for recovery in reliable.recoveries[seen_recoveries:]:
+                rec.log(kind="recovery", step=step, **dataclasses.asdict(recovery))
+            seen_recoveries = len(reliable.recoveries)
+        replaying = reliable is not None and reliable.replaying_at(step)
+        try:
+            if step == job.epochs * steps:  # (a job that recovers) completes its last exchange here
+                run.dopt.close()
                 continue
-            if job.eval_every > 0 and step % job.eval_every == 0:
-                evaluating = _probe(run, rec, step, evaluating)
-        if replaying:
-            continue  # the epoch ended while this rank replayed: the process it replaces evaluated it
-        evaluating = _evaluate_epoch(
-            run,
-            job,
-            rec,
-            epoch=epoch,
-            step=step,
-            train_loss=epoch_loss / steps,
-            evaluating=evaluating,
-            quiet=quiet,
-        )
+            order = _order(job, len(run.data.y_train), step // steps)
+            done = _step(run, job, rec, order=order, step=step, steps=steps, straggler=straggler)
+        except RolledBackError as exc:
+            step, epoch_loss = _rolled_back(run, rec, exc, step)
+            continue
+        step += 1
+        epoch_loss += done.loss
+        if not replaying:  # a replaying rank replaces a process that recorded this step already
+            extra = {"straggler_factor": done.slow} if straggler is not None else {}
+            extra |= traffic.update(_live(run))
+            _record_step(rec, epoch=(step - 1) // steps + 1, step=step, loss=done.loss, samples=done.samples,
+                         times=done.times, **extra)  # fmt: skip
+        if reliable is not None and step % job.checkpoint_every == 0:
+            state = training_state(run.model, run.optimizer)
+            try:
+                reliable.checkpoint(state, {"step": step, "epoch_loss": epoch_loss, "evaluating": evaluating})
+            except RolledBackError as exc:
+                step, epoch_loss = _rolled_back(run, rec, exc, step)
+                continue
+        if not replaying and job.eval_every > 0 and step % job.eval_every == 0:
+            evaluating = _probe(run, rec, step, evaluating)
+        if step % steps == 0:
+            if not replaying:  # (else the process it replaces evaluated that epoch)
+                evaluating = _evaluate_epoch(
+                    run, job, rec, epoch=step // steps - 1, step=step, train_loss=epoch_loss / steps,
+                    evaluating=evaluating, quiet=quiet,
+                )  # fmt: skip
+            epoch_loss = 0.0
     _finish(run, job, rec, step)
+
+
+def _order(job: TrainJob, examples: int, epoch: int) -> Any:
+    """The training set's order in ``epoch``: the same on every rank and in every run."""
+    return np.random.default_rng(job.seed * 1_000_003 + epoch).permutation(examples)
+
+
+def _recorded_until(job: TrainJob, ctx: pt.Context) -> int:
+    """The last step this rank's predecessor recorded (0: none): a replacement runs them again unrecorded."""
+    steps = [int(r["step"]) for r in rank_records(run_dir_of(job), ctx.settings.member_id) if r.get("kind") == "step"]
+    return max(steps, default=0)
 
 
 if __name__ == "__main__":
