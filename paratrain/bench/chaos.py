@@ -28,7 +28,9 @@ record (the loss of the step it was killed in, written as that step's synchronis
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import random
 import statistics
 import time
@@ -169,7 +171,6 @@ def _train(case: Case | None, strategy: str, workers: int, out: Path, *, deadlin
     seconds = time.perf_counter() - started
     text = output.getvalue()
     records = read_records(out)
-    digests = {r["parameters_sha256"] for r in records if r["kind"] == "final"}
     lines = [line for line in text.splitlines() if line.strip()]
     # the model of the worker that finished last: the servers' final one under ASP, where one finishing early holds
     # an older model; any worker's (they agree) for the synchronous strategies
@@ -179,12 +180,30 @@ def _train(case: Case | None, strategy: str, workers: int, out: Path, *, deadlin
     return {
         "exit": code,
         "fired": "injected fault" in text,
-        "digest": next(iter(digests)) if len(digests) == 1 and code == 0 else None,
+        "digest": models_digest(finals) if code == 0 else None,
         "accuracy": max(evals, key=lambda r: r["epoch"])["test_accuracy"] if evals and code == 0 else None,
         "gone_s": _gone_s(records) if case is not None and "@step=" in case.kill else None,
         "seconds": round(seconds, 2),
         "last": lines[-1][-300:] if lines else "",
     }
+
+
+def models_digest(finals: list[dict[str, Any]]) -> str | None:
+    """The job's final models as one digest, from the ranks' ``final`` records: the model's where every rank holds
+    the same one (synchronous strategies), else one over each rank's (gossip's workers differ); None without any.
+
+    Example:
+        >>> models_digest([{"rank": 0, "parameters_sha256": "ab"}, {"rank": 1, "parameters_sha256": "ab"}])
+        'ab'
+        >>> models_digest([{"rank": 1, "parameters_sha256": "cd"}, {"rank": 0, "parameters_sha256": "ab"}])[:12]
+        '81505ab4389f'
+    """
+    per_rank = {int(r["rank"]): str(r["parameters_sha256"]) for r in finals}
+    if len(set(per_rank.values())) == 1:
+        return next(iter(per_rank.values()))
+    if not per_rank:
+        return None
+    return hashlib.sha256(json.dumps(sorted(per_rank.items())).encode()).hexdigest()
 
 
 def _gone_s(records: list[dict[str, Any]]) -> float | None:
