@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +34,8 @@ from paratrain.runtime.context import Context, current, reform
 __all__ = ["GossipRecovery", "RolledBackError"]
 
 log = logging.getLogger("paratrain.recovery")
+
+_T = TypeVar("_T")
 
 #: What breaks a receive when a peer crashes; anything else (a timeout, a bad argument) is not recovered.
 BROKEN = (PeerLostError, TransportClosedError)
@@ -117,9 +119,19 @@ class GossipRecovery:
             raise RolledBackError(self._recover(time.time()))
         return ckpt
 
-    def recover(self, failed_at: float) -> Checkpoint:
-        """A survivor's side after a broken receive: re-forms, rolls back; returns this rank's state to restore."""
-        return self._recover(failed_at)
+    def guarded(self, call: Callable[[], _T]) -> _T:
+        """``call()`` (any communication of this rank's); a death it meets rolls the job back.
+
+        Raises:
+            RolledBackError: the job rolled back (restore the error's checkpoint and train on from its step).
+        """
+        try:
+            return call()
+        except BROKEN as exc:
+            failed_at = time.time()
+            log.warning("rank %d: %s; recovering", self.ctx.rank, exc)
+        # recover outside the handler: the traceback holds the broken call's frames and buffers
+        raise RolledBackError(self._recover(failed_at))
 
     # -- checkpoints ---------------------------------------------------------------------------------------
 

@@ -110,23 +110,24 @@ def plan_rollback(states: Sequence[RollbackState]) -> RollbackPlan:
     common = set(states[survivors[0]].own)
     for r in survivors[1:]:
         common &= set(states[r].own)
-    copies = []
+    copies, lost = [], []
     for r, s in enumerate(states):
         if not s.restarted:
             continue
         buddy = buddy_of(r, n)
+        # step 0: the seeded initial state, which a replacement builds itself; later ones only from a live buddy
         if states[buddy].restarted:
-            raise RecoveryError(
-                f"rank {r} and rank {buddy}, which keeps its checkpoint, were both restarted: rank {r}'s state is "
-                "lost; start the job again (from --checkpoint-dir where the strategy supports it)"
-            )
-        common &= {0, *states[buddy].ward}  # step 0: the seeded initial state, which a replacement builds itself
-        copies.append(Copy(buddy, r))
+            lost.append(f"rank {r}'s copies died with rank {buddy}, which kept them")
+            common &= {0}
+        else:
+            common &= {0, *states[buddy].ward}
+            copies.append(Copy(buddy, r))
     if not common:
         raise RecoveryError(
             "no step's checkpoint is held by every rank (own, and a replacement's copy at its buddy): "
-            f"{[(r, s.own, s.ward) for r, s in enumerate(states)]} as (rank, own steps, ward's steps); a second "
-            "death came before the job checkpointed again"
+            f"{[(r, s.own, s.ward) for r, s in enumerate(states)]} as (rank, own steps, ward's steps)"
+            + (f"; {'; '.join(lost)}" if lost else "; a second death came before the job checkpointed again")
+            + "; start the job again"
         )
     step = max(common)
     return RollbackPlan(step, tuple(copies) if step > 0 else ())

@@ -23,7 +23,6 @@ so issuing buckets in plan order is what keeps the ranks' messages matched.
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -37,7 +36,7 @@ from paratrain.errors import ConfigError
 from paratrain.gossip.exchange import ShmExchange, SocketExchange, open_exchange
 from paratrain.gossip.mixing import neighbors, resolve_mixing
 from paratrain.ps.client import KVStore
-from paratrain.recovery.gossip import BROKEN, GossipRecovery, RolledBackError
+from paratrain.recovery.gossip import GossipRecovery
 from paratrain.runtime.context import Context
 from paratrain.strategy import STRATEGIES, StrategyOptions, StrategySpec, check_options, parse_strategy
 from paratrain.torch.bucket_strategy import Strategy
@@ -453,15 +452,8 @@ class GossipStrategy(Strategy):
         )  # fmt: skip
 
     def _unless_broken(self, call: Callable[[], _T]) -> _T:
-        """``call()``; with ``recovery``, a death it meets rolls the job back: raises
-        :class:`~paratrain.recovery.gossip.RolledBackError` (restore its checkpoint and train on)."""
-        if self.recovery is None:
-            return call()
-        try:
-            return call()
-        except BROKEN:
-            failed_at = time.time()
-        raise RolledBackError(self.recovery.recover(failed_at))  # outside the handler: see GossipRecovery
+        """``call()``; with ``recovery``, a death it meets rolls the job back (:meth:`GossipRecovery.guarded`)."""
+        return call() if self.recovery is None else self.recovery.guarded(call)
 
     def _mixed(self) -> list[torch.Tensor]:
         """``sum_j W_ij x_j(k)`` per bucket, in the accumulation dtype; waits for the neighbours' parameters."""

@@ -13,7 +13,8 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -30,6 +31,8 @@ from paratrain.train.job import PROBE_EXAMPLES, TrainJob, epoch_steps, run_dir_o
 from paratrain.train.models import build_model, check_model_dataset
 from paratrain.train.record import Recorder, rank_records
 from paratrain.train.shards import step_share
+
+_T = TypeVar("_T")
 
 __all__ = ["epoch_line", "main", "record_epoch", "worker_device"]
 
@@ -190,7 +193,9 @@ def _evaluate_epoch(
     extra: dict[str, float] = {}
     if parse_strategy(job.strategy).exchanges_parameters and epoch == job.epochs - 1:
         # once, at the end: on a slow network the allreduce it needs would cost gossip's throughput
-        extra = consensus_eval(_live(run), run.model, run.data.x_test, run.data.y_test)
+        live, x, y = _live(run), run.data.x_test, run.data.y_test
+        guard = run.reliable.guarded if isinstance(run.reliable, GossipRecovery) else _call
+        extra = guard(lambda: consensus_eval(live, run.model, x, y))
     scores = {"train_loss": train_loss, "test_accuracy": accuracy, "test_loss": test_loss, **extra}
     times = {"eval_s": evaluating - eval_before, "eval_before_s": eval_before}
     record_epoch(rec, job, epoch, step, scores | times, printing=_live(run).rank == 0 and not quiet)
@@ -276,6 +281,10 @@ def _loss_sum(losses: dict[int, float], first: int, last: int, rank: int) -> flo
     for s in range(first + 1, last + 1):
         total += losses.get(s, 0.0)
     return total
+
+
+def _call(call: Callable[[], _T]) -> _T:
+    return call()
 
 
 def _live(run: _Setup) -> pt.Context:
@@ -373,8 +382,11 @@ def main(argv: list[str] | None = None) -> None:
     straggler = stragglers.parse(job.straggler, seed=job.seed) if job.straggler else None
     steps = epoch_steps(job, len(run.data.y_train) // ctx.settings.job_workers, "this worker")
     step, evaluating, losses = _begin(run, job, rec, steps, quiet=quiet)
-    if isinstance(reliable, GossipRecovery) and reliable.restarted:  # its predecessor recorded these steps
-        reliable.replay_until = max(losses or [0]) if losses is not None else _recorded_until(job, ctx)
+    rolls_back = isinstance(reliable, GossipRecovery)
+    evaluated: set[int] = set()  # epochs (from 1) whose evaluation is recorded
+    if isinstance(reliable, GossipRecovery) and reliable.restarted:  # what its predecessor recorded
+        recorded, evaluated = _predecessor(job, ctx.settings.member_id)
+        reliable.replay_until = max((s for s, _ in recorded.items()), default=0)
     seen_recoveries = 0
     traffic = _Traffic(ctx)
     epoch_loss = 0.0
@@ -413,12 +425,19 @@ def main(argv: list[str] | None = None) -> None:
                 continue
         if not replaying and job.eval_every > 0 and step % job.eval_every == 0:
             evaluating = _probe(run, rec, step, evaluating)
-        if step % steps == 0:
-            if not replaying:  # (else the process it replaces evaluated that epoch)
+        # an epoch is evaluated once: not while replaying results (the process it replaces did), nor again after a
+        # gossip rollback (whose replacement knows what its predecessor evaluated)
+        if step % steps == 0 and step // steps not in evaluated and not (replaying and not rolls_back):
+            try:
                 evaluating = _evaluate_epoch(
                     run, job, rec, epoch=step // steps - 1, step=step, train_loss=epoch_loss / steps,
                     evaluating=evaluating, quiet=quiet,
                 )  # fmt: skip
+            except RolledBackError as exc:  # (gossip's consensus, an allreduce, met the death)
+                step, epoch_loss = _rolled_back(run, rec, exc, step)
+                continue
+            evaluated.add(step // steps)
+        if step % steps == 0:
             epoch_loss = 0.0
     _finish(run, job, rec, step)
 
@@ -426,12 +445,6 @@ def main(argv: list[str] | None = None) -> None:
 def _order(job: TrainJob, examples: int, epoch: int) -> Any:
     """The training set's order in ``epoch``: the same on every rank and in every run."""
     return np.random.default_rng(job.seed * 1_000_003 + epoch).permutation(examples)
-
-
-def _recorded_until(job: TrainJob, ctx: pt.Context) -> int:
-    """The last step this rank's predecessor recorded (0: none): a replacement runs them again unrecorded."""
-    steps = [int(r["step"]) for r in rank_records(run_dir_of(job), ctx.settings.member_id) if r.get("kind") == "step"]
-    return max(steps, default=0)
 
 
 if __name__ == "__main__":

@@ -38,9 +38,13 @@ def test_plan_rollback_tables(states: list[RollbackState], plan: RollbackPlan) -
     assert plan_rollback(states) == plan
 
 
-def test_a_replacement_whose_buddy_was_replaced_too_cannot_recover() -> None:
-    with pytest.raises(RecoveryError, match="rank 1 and rank 2, which keeps its checkpoint, were both restarted"):
-        plan_rollback([held((10, 0), (10, 0)), R, R])
+def test_a_replacement_whose_buddy_was_replaced_too_goes_back_to_step_0_or_cannot_recover() -> None:
+    """Its copies died with its buddy: only the initial state is left to it (rebuilt, not sent); once every survivor
+    dropped step 0, nothing."""
+    assert plan_rollback([held((0,), (0,)), R, R]) == RollbackPlan(0, ())
+    assert plan_rollback([held((10, 0), (10, 0)), R, R]) == RollbackPlan(0, ())
+    with pytest.raises(RecoveryError, match="rank 1's copies died with rank 2, which kept them"):
+        plan_rollback([held((20, 10), (20, 10)), R, R])
 
 
 def test_every_rank_replaced_cannot_recover() -> None:
