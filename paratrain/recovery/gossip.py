@@ -129,7 +129,7 @@ class GossipRecovery:
             return call()
         except BROKEN as exc:
             failed_at = time.time()
-            log.warning("rank %d: %s; recovering", self.ctx.rank, exc)
+            log.warning("%s; rolling back to the newest checkpoint every rank holds", exc)
         # recover outside the handler: the traceback holds the broken call's frames and buffers
         raise RolledBackError(self._recover(failed_at))
 
