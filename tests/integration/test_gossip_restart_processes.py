@@ -1,6 +1,6 @@
 """Gossip workers restarted with real processes: ``paratrain train --strategy gossip:ring --workers 3
---max-restarts R`` with workers SIGKILLed at chosen steps (from a warm spare after a checkpoint; cold, before the
-first checkpoint's copy arrived and then at the last step, during the final evaluation's allreduce), against the
+--max-restarts 2`` with two workers SIGKILLed at chosen steps (restarted cold: before the first checkpoint's copy
+arrived, and at the last step, met in the final evaluation's allreduce), against the
 same job without the kill. Every worker's final model (SHA-256 of its parameters' bytes; they differ by worker)
 and every epoch's train loss and test accuracy are bitwise the fault-free run's, and every rank's step records run
 1..14 once (the steps run again after a rollback are not recorded twice).
@@ -47,12 +47,12 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, objec
 @pytest.mark.parametrize(
     ("kill", "spare", "rollbacks"),
     [
-        ("1@step=8", True, {(0, 6), (2, 6)}),
         # before the first copy arrived (back to step 0, rebuilt), then at the last step: the others finished it
-        # and met the death in the final evaluation's allreduce (back to 12)
+        # and met the death in the final evaluation's allreduce (back to 12, rank 2's state the copy its buddy,
+        # the first replacement, holds); a warm spare's path is the launcher's, as for every strategy (bench chaos)
         ("0@step=2,2@step=14", False, {(1, 0), (2, 0), (0, 12), (1, 12)}),
     ],
-    ids=["warm-spare-after-a-checkpoint", "cold-before-the-first-copy-then-at-the-last-step"],
+    ids=["cold-before-the-first-copy-then-at-the-last-step"],
 )
 def test_a_killed_gossip_worker_is_replaced_and_every_model_ends_bitwise(
     tmp_path: Path, fault_free: list[dict[str, object]], kill: str, spare: bool, rollbacks: set[tuple[int, int]]
