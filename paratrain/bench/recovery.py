@@ -179,6 +179,7 @@ def torchrun_anchor(out: Path, *, kill_step: int, every: int, deadline: float) -
         except subprocess.TimeoutExpired:
             code = None
         finally:
+            _kill_tree(proc.pid)  # torchrun starts its workers in sessions of their own: the group is not enough
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -199,6 +200,25 @@ def torchrun_anchor(out: Path, *, kill_step: int, every: int, deadline: float) -
     ready = max(e["time"] for e in events if e["kind"] == "ready" and e["life"] == 1)
     back = min(e["time"] for e in events if e["kind"] == "step" and e["life"] == 1 and e["step"] == kill_step)
     return {"spawned_s": started - death, "restarted_s": ready - death, "total_s": back - death}
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILLs every descendant of ``pid`` (found by their parents in ``/proc``; none where it cannot be read)."""
+    parents: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    stat = Path(f"/proc/{entry}/stat").read_bytes()
+                    parents[int(entry)] = int(stat.rpartition(b")")[2].split()[1])
+    tree, grew = {pid}, True
+    while grew:
+        found = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= found
+        grew = bool(found)
+    for child in tree - {pid}:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)
 
 
 def run_bench(
