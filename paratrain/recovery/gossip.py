@@ -157,9 +157,7 @@ class GossipRecovery:
         tag = ctx.next_collective_tag()
         if n == 1:
             return
-        names = list(ckpt.arrays)
-        meta = {"step": ckpt.version, "names": names, "meta": dict(ckpt.meta)}
-        sent = ctx.workers.isend(buddy_of(ctx.rank, n), tag, [ckpt.arrays[k] for k in names], meta)
+        sent = ctx.workers.isend(buddy_of(ctx.rank, n), tag, *_message(ckpt))
         ward = (ctx.rank - 1) % n
         got = _checkpoint_of(ctx.workers.recv(ward, tag, timeout=ctx.settings.timeout), ward, ckpt.version)
         sent.wait(ctx.settings.timeout)
@@ -193,9 +191,7 @@ class GossipRecovery:
         for copy in plan.copies:
             if copy.src == ctx.rank:
                 ckpt = next(c for c in self._ward if c.version == plan.step)
-                names = list(ckpt.arrays)
-                meta = {"step": ckpt.version, "names": names, "meta": dict(ckpt.meta)}
-                ctx.workers.send(copy.dst, tag, [ckpt.arrays[k] for k in names], meta)
+                ctx.workers.send(copy.dst, tag, *_message(ckpt))
             elif copy.dst == ctx.rank:
                 msg = ctx.workers.recv(copy.src, tag, timeout=ctx.settings.timeout)
                 self._loaded = _checkpoint_of(msg, copy.src, plan.step)
@@ -221,6 +217,12 @@ class GossipRecovery:
 
 def _copies(arrays: Mapping[str, Any]) -> dict[str, npt.NDArray[Any]]:
     return {str(name): np.array(value, copy=True) for name, value in arrays.items()}
+
+
+def _message(ckpt: Checkpoint) -> tuple[list[npt.NDArray[Any]], dict[str, Any]]:
+    """A checkpoint copy as a message's arrays and meta (read back by :func:`_checkpoint_of`)."""
+    names = list(ckpt.arrays)
+    return [np.asarray(ckpt.arrays[k]) for k in names], {"step": ckpt.version, "names": names, "meta": dict(ckpt.meta)}
 
 
 def _checkpoint_of(msg: Any, src: int, step: int) -> Checkpoint:

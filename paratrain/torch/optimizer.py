@@ -190,7 +190,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.strategy_name = strategy
         self.bucket_bytes = bucket_bytes
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        self._check_params(optimizer, model, named, servers=self.spec.uses_servers)
+        _check_params(optimizer, model, named, servers=self.spec.uses_servers)
         self._names = [name for name, _ in named]
         params = [p for _, p in named]
         sfb_modules = self._plan(model, params, batch_size=batch_size, layer_schemes=layer_schemes)
@@ -312,36 +312,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         built: Built = (builders.alone if alone else builders.build)(request)
         self._buckets = built.buckets
         return built.strategy
-
-    @staticmethod
-    def _check_params(
-        optimizer: torch.optim.Optimizer,
-        model: torch.nn.Module,
-        named: Sequence[tuple[str, torch.Tensor]],
-        *,
-        servers: bool,
-    ) -> None:
-        in_model = {id(p) for p in model.parameters()}
-        in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
-        strangers = sum(1 for p in in_optimizer if id(p) not in in_model)
-        if strangers:
-            raise ConfigError(
-                f"the optimizer holds {strangers} parameter(s) that are not in the model; their gradients would "
-                "never be synchronised. Build the optimizer from model.parameters()"
-            )
-        if not named:
-            raise ConfigError("the model has no parameter that requires grad: there is nothing to train")
-        if servers:
-            optimized = {id(p) for p in in_optimizer}
-            outside = [name for name, p in named if id(p) not in optimized]
-            if outside:
-                raise ConfigError(
-                    f"parameter(s) {', '.join(outside)} require grad but are not in the optimizer; the parameter "
-                    "servers would update them anyway. Freeze them (requires_grad_(False)) or add them to the optimizer"
-                )
-        for name, p in named:
-            if p.device.type == "meta":
-                raise ConfigError(f"parameter {name!r} is on the meta device; materialise the model first")
 
     # -- the hook side -----------------------------------------------------------------------------------------
 
@@ -599,3 +569,35 @@ def _check_types(optimizer: object, model: object) -> None:
         raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def _check_params(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    named: Sequence[tuple[str, torch.Tensor]],
+    *,
+    servers: bool,
+) -> None:
+    """Refuses an optimizer with parameters outside ``model``, a model with nothing to train, parameters a
+    parameter server would update behind the optimizer's back (``servers``), and parameters on the meta device."""
+    in_model = {id(p) for p in model.parameters()}
+    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+    strangers = sum(1 for p in in_optimizer if id(p) not in in_model)
+    if strangers:
+        raise ConfigError(
+            f"the optimizer holds {strangers} parameter(s) that are not in the model; their gradients would "
+            "never be synchronised. Build the optimizer from model.parameters()"
+        )
+    if not named:
+        raise ConfigError("the model has no parameter that requires grad: there is nothing to train")
+    if servers:
+        optimized = {id(p) for p in in_optimizer}
+        outside = [name for name, p in named if id(p) not in optimized]
+        if outside:
+            raise ConfigError(
+                f"parameter(s) {', '.join(outside)} require grad but are not in the optimizer; the parameter "
+                "servers would update them anyway. Freeze them (requires_grad_(False)) or add them to the optimizer"
+            )
+    for name, p in named:
+        if p.device.type == "meta":
+            raise ConfigError(f"parameter {name!r} is on the meta device; materialise the model first")
