@@ -150,7 +150,8 @@ def _train(case: Case | None, strategy: str, workers: int, out: Path, *, deadlin
     from paratrain.train.record import read_records
     from paratrain.train.run import run_training
 
-    servers = 2 if parse_strategy(strategy).uses_servers else None  # as many as a killed server's job has
+    spec = parse_strategy(strategy)
+    servers = 2 if spec.uses_servers else None  # as many as a killed server's job has
     job = TrainJob(
         workers=workers,
         epochs=2,
@@ -158,6 +159,9 @@ def _train(case: Case | None, strategy: str, workers: int, out: Path, *, deadlin
         run_dir=str(out),
         servers=servers,
         max_restarts=_restarts(strategy),
+        # a pipeline's stages hold the MLP's 6 layers split evenly, the same in every run, so that each stage's
+        # weights compare with the fault-free run's ("auto" profiles, and timing may move a layer)
+        balance=",".join([str(6 // workers)] * workers) if spec.pipelined else "auto",
     )
     if case is not None:
         job = job.replace(kill=case.kill, max_restarts=case.restarts, no_spare=not case.spare, replicas=case.replicas)

@@ -33,6 +33,13 @@ def add_parsers(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--torchrun", type=int, default=5, help="runs of the torchrun --max-restarts anchor (default 5; 0: none)"
     )
+    p.add_argument(
+        "--strategies",
+        default=None,
+        metavar="LIST",
+        help="comma-separated strategies to draw from, in turn (default: every kind, as STRATEGIES in "
+        "paratrain/bench/chaos.py lists them)",
+    )
     p.add_argument("--out", default=None, help="where the runs' directories go (default: a temporary folder)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     p.set_defaults(func=_chaos)
@@ -40,14 +47,19 @@ def add_parsers(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 @reports_config_errors("bench chaos")
 def _chaos(args: argparse.Namespace) -> int:
-    from paratrain.bench.chaos import render, run_chaos
+    from paratrain.bench.chaos import STRATEGIES, render, run_chaos
     from paratrain.errors import ConfigError
+    from paratrain.strategy import parse_strategy
 
     if args.runs < 1 or args.deadline <= 0 or args.torchrun < 0:
         raise ConfigError("--runs must be >= 1, --deadline > 0 and --torchrun >= 0")
+    strategies = tuple(s.strip() for s in args.strategies.split(",")) if args.strategies else STRATEGIES
+    for name in strategies:
+        parse_strategy(name)  # a ConfigError names what is wrong
     with tempfile.TemporaryDirectory(prefix="paratrain-chaos-") as scratch:
         found = run_chaos(
             args.out or scratch, runs=args.runs, seed=args.seed, deadline=args.deadline, torchrun=args.torchrun,
+            strategies=strategies,
             say=lambda line: print(line, file=sys.stderr, flush=True),
         )  # fmt: skip
     bad = [r for r in found["runs"] if r["outcome"] == "hung" or (r["outcome"] == "differs" and r["restarts"])]

@@ -13,6 +13,11 @@ computes again exactly what it computed: the final models are the fault-free run
 
 Step 0's state is the seeded initial model, which a replacement builds itself: a death before the first
 checkpoint's copy arrived rolls back to step 0 without a transfer.
+
+Pipelines use the same: a stage's state (its layers' weights and optimizer state, between mini-batches) is kept by
+the next stage; the copies of a replicated stage hold one state, so each is the other's copy (``twin=``) and no
+copy travels until a replacement needs one. Whatever a replacement's constructors run collectively before this
+object exists (a pipeline's groups), the survivors run in :attr:`GossipRecovery.meeting` as they re-form.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from paratrain.recovery.reliable import Checkpoint, Recovery, meta_value
 from paratrain.recovery.rollback import KEPT, RollbackState, buddy_of, plan_rollback
 from paratrain.runtime.context import Context, current, reform
 
-__all__ = ["GossipRecovery", "RolledBackError"]
+__all__ = ["GossipRecovery", "RolledBackError", "is_replacement"]
 
 log = logging.getLogger("paratrain.recovery")
 
@@ -39,6 +44,12 @@ _T = TypeVar("_T")
 
 #: What breaks a receive when a peer crashes; anything else (a timeout, a bad argument) is not recovered.
 BROKEN = (PeerLostError, TransportClosedError)
+
+
+def is_replacement(ctx: Context) -> bool:
+    """Whether this process replaces a dead rank of a job under ``paratrain launch --max-restarts`` (it meets the
+    survivors of a re-formed job, which tell it what it lost)."""
+    return ctx.settings.restart_count > 0 and ctx.transport.round != 1
 
 
 class RolledBackError(RuntimeError):
@@ -60,6 +71,9 @@ class GossipRecovery:
         state: the training state as named arrays now (:func:`paratrain.torch.resilient.training_state`).
         ctx: the context (default: the current one). It is replaced after a death: read :attr:`ctx`.
         reform: how to meet the others again (tests may substitute it).
+        twin: ``twin(rank, n)``, a rank that always holds the same state as ``rank`` (the copy of a replicated
+            pipeline stage): no copies are sent, and a replacement receives its state from its twin. Default:
+            states differ, and each rank's copies go to its buddy.
 
     Raises:
         RecoveryError: (in a replacement) the survivors do not hold its state.
@@ -71,8 +85,10 @@ class GossipRecovery:
         ctx: Context | None = None,
         *,
         reform: Callable[[Context], Context] = reform,
+        twin: Callable[[int, int], int] | None = None,
     ) -> None:
         self.ctx = ctx if ctx is not None else current()
+        self._twin = twin
         self._state = state
         self._reform = reform
         self._own: list[Checkpoint] = []  # newest first
@@ -80,13 +96,15 @@ class GossipRecovery:
         self._loaded: Checkpoint | None = None
         #: Called with the new context after each recovery (the strategy re-opens its exchange there).
         self.reformed: list[Callable[[Context], None]] = []
+        #: Called with the new context right after re-forming, before the reports: the collectives a replacement
+        #: runs before it creates this object (a pipeline's stages meet again, :meth:`Pipe.reopen`).
+        self.meeting: list[Callable[[Context], None]] = []
         #: Every recovery this rank took part in, oldest first.
         self.recoveries: list[Recovery] = []
         #: Steps up to here were run (and recorded) before the rollback: a replaying rank records them once.
         self.replay_until = 0
-        settings = self.ctx.settings
         #: This process replaces a dead rank (it met the survivors in its constructor).
-        self.restarted = settings.restart_count > 0 and self.ctx.transport.round != 1
+        self.restarted = is_replacement(self.ctx)
         if self.restarted:
             started = time.time()
             self._exchange(started, started, restarted=True)
@@ -154,6 +172,9 @@ class GossipRecovery:
     def _copy(self) -> None:
         ctx, ckpt = self.ctx, self._own[0]
         n = ctx.world_size
+        if self._twin is not None:  # the twin's own checkpoints are this rank's copies, and the other way round
+            self._ward = list(self._own)
+            return
         tag = ctx.next_collective_tag()
         if n == 1:
             return
@@ -169,8 +190,11 @@ class GossipRecovery:
         settings = self.ctx.settings
         for attempt in range(settings.max_restarts + 1):
             self.ctx = self._reform(self.ctx)
+            reformed_at = time.time()
             try:
-                return self._exchange(failed_at, time.time(), restarted=False)
+                for meet in self.meeting:
+                    meet(self.ctx)
+                return self._exchange(failed_at, reformed_at, restarted=False)
             except BROKEN as exc:
                 if attempt == settings.max_restarts:
                     raise
@@ -185,12 +209,12 @@ class GossipRecovery:
             tuple(c.version for c in self._own), tuple(c.version for c in self._ward)
         )  # fmt: skip
         table = np.asarray(ctx.allgather(np.asarray(mine.as_row(), dtype=np.int64))).reshape(ctx.world_size, -1)
-        plan = plan_rollback([RollbackState.from_row(row) for row in table.tolist()])
+        plan = plan_rollback([RollbackState.from_row(row) for row in table.tolist()], self._twin or buddy_of)
         tag = ctx.next_collective_tag()
         received = 0
         for copy in plan.copies:
             if copy.src == ctx.rank:
-                ckpt = next(c for c in self._ward if c.version == plan.step)
+                ckpt = next(c for c in (self._own if self._twin else self._ward) if c.version == plan.step)
                 ctx.workers.send(copy.dst, tag, *_message(ckpt))
             elif copy.dst == ctx.rank:
                 msg = ctx.workers.recv(copy.src, tag, timeout=ctx.settings.timeout)

@@ -24,7 +24,7 @@ not reached its buddy, rank 2, before it died)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from paratrain.recovery.plan import RecoveryError
@@ -96,8 +96,10 @@ class RollbackPlan:
     copies: tuple[Copy, ...]
 
 
-def plan_rollback(states: Sequence[RollbackState]) -> RollbackPlan:
-    """The plan for ranks reporting ``states`` (indexed by rank).
+def plan_rollback(states: Sequence[RollbackState], keeper: Callable[[int, int], int] = buddy_of) -> RollbackPlan:
+    """The plan for ranks reporting ``states`` (indexed by rank); ``keeper(rank, n)`` holds ``rank``'s copies (its
+    buddy; for ranks with a twin holding the same state, a replicated pipeline stage, the twin, whose ``ward`` is
+    its own checkpoints).
 
     Raises:
         RecoveryError: every rank was restarted, a replacement's buddy was restarted too (its copy died with it),
@@ -114,7 +116,7 @@ def plan_rollback(states: Sequence[RollbackState]) -> RollbackPlan:
     for r, s in enumerate(states):
         if not s.restarted:
             continue
-        buddy = buddy_of(r, n)
+        buddy = keeper(r, n)
         # step 0: the seeded initial state, which a replacement builds itself; later ones only from a live buddy
         if states[buddy].restarted:
             lost.append(f"rank {r}'s copies died with rank {buddy}, which kept them")

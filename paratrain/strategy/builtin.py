@@ -185,7 +185,7 @@ for _registered in (
           _parse_gossip, _GOSSIP, no_more_checks, ("gossip", "GOSSIP"), recovery=frozenset({"restarts"})),
     _unit("pipeline", "pipeline:SCHEDULE", "pipeline", "stages over workers: gpipe|1f1b|pipedream|pipedream-vsync",
           _parse_pipeline, _PIPELINE, pipeline_checks, ("paratrain.torch.pipeline:Pipe", "PIPELINE"),
-          worker="paratrain.train.pipeline_worker"),
+          worker="paratrain.train.pipeline_worker", recovery=frozenset({"restarts"})),
     _unit("poseidon", "poseidon[:allreduce]", "parameter-server",
           "per layer, sufficient factors or parameter servers (or allreduce) by Poseidon's cost model",
           _parse_poseidon, _POSEIDON, hybrid_checks, ("hybrid", "HYBRID"), recovery=_HYBRID_RECOVERY,

@@ -118,6 +118,9 @@ class Pipe:
             a GPU of its own and torch has NCCL; else through host memory), ``"staged"`` (always through host
             memory and paratrain's transport), ``"nccl"`` (insist), ``"gloo"`` (CPU stages through Gloo). Decided
             by every stage together when the pipe is built (logged by stage 0).
+        rejoin: this process replaces a dead stage of a running job (``paratrain launch --max-restarts``,
+            :mod:`paratrain.recovery.gossip`): it never profiles; it takes the balance the other stages hold, which
+            they tell it as they :meth:`reopen` in the re-formed job.
 
     Example:
         >>> from paratrain.testing import run_ranks
@@ -149,6 +152,7 @@ class Pipe:
         trace: Trace | None = None,
         device: str | torch.device | Sequence[str | torch.device] | None = None,
         p2p: str = "auto",
+        rejoin: bool = False,
     ) -> None:
         self.context = context if context is not None else current()
         modules = list(layers)
@@ -158,21 +162,14 @@ class Pipe:
         stages = world // replicas
         #: R, the pipelines side by side
         self.replicas = replicas
-        if isinstance(balance, str):
-            balance = self._auto_balance(balance, modules, sample, stages)
         #: layers per stage
-        self.balance = list(balance)
-        if len(balance) != stages or any(b < 1 for b in balance) or sum(balance) != len(modules):
-            raise ConfigError(
-                f"balance {list(balance)} must give each of the {stages} stages at least one of the {len(modules)} "
-                "layers, and all of them"
-            )
+        self.balance = self._agree_balance(balance, modules, sample, stages, profile=not rejoin)
         self.stage_index = self.context.rank % stages
         #: which of the R pipelines this rank belongs to
         self.replica = self.context.rank // stages
         self.num_stages = stages
-        first = sum(balance[: self.stage_index])
-        self.module = nn.Sequential(*modules[first : first + balance[self.stage_index]])
+        first = sum(self.balance[: self.stage_index])
+        self.module = nn.Sequential(*modules[first : first + self.balance[self.stage_index]])
         if isinstance(device, Sequence) and not isinstance(device, str):
             if len(device) != stages:
                 raise ConfigError(f"device= names {len(device)} devices for {stages} stages; give one per stage")
@@ -185,7 +182,7 @@ class Pipe:
         self.schedule: Schedule = _schedule(schedule, stages, microbatches)
         self.microbatches = microbatches
         params = list(self.module.parameters())
-        bounds = np.cumsum([0, *balance])
+        bounds = np.cumsum([0, *self.balance])
         learns = [
             any(p.requires_grad for m in modules[bounds[k] : bounds[k + 1]] for p in m.parameters())
             for k in range(stages)
@@ -203,10 +200,6 @@ class Pipe:
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == stages - 1
         if self.is_last and loss_fn is None:
             raise ConfigError("the last stage computes the loss: give loss_fn=")
-        # the pipeline's own tag space: its messages never meet the world's collectives
-        self.group: Group = self.context.split(lambda rank: rank // stages)
-        #: the R copies of this stage (None without replicas), which sum their gradients
-        self.stage_group: Group | None = self.context.split(lambda rank: rank % stages) if replicas > 1 else None
         self._trace = trace
         self.version = 0
         self.checkpoint = bool(checkpoint)
@@ -217,9 +210,35 @@ class Pipe:
         self.versions: list[tuple[str, int, int]] = []
         self._timeout = self.context.settings.timeout
         self._steps = 0  # mini-batches begun: where a kill schedule's step kill fires
+        self._p2p = p2p
+        self._open_groups()
+
+    def _open_groups(self) -> None:
+        """The pipeline's groups and links in :attr:`context` (collective: every stage opens them together)."""
+        stages = self.num_stages
+        # the pipeline's own tag space: its messages never meet the world's collectives
+        self.group: Group = self.context.split(lambda rank: rank // stages)
+        #: the R copies of this stage (None without replicas), which sum their gradients
+        self.stage_group: Group | None = self.context.split(lambda rank: rank % stages) if self.replicas > 1 else None
         #: the engines that carry activations (forward) and gradients (backward) between stages, one process group
         #: each so that each direction's sends arrive in order; None: paratrain's transport, through host memory
-        self.links: tuple[TorchEngine, TorchEngine] | None = self._open_links(p2p)
+        self.links: tuple[TorchEngine, TorchEngine] | None = self._open_links(self._p2p)
+
+    def reopen(self, context: Context) -> None:
+        """Meets the other stages again in ``context``, a job re-formed after a death (:mod:`paratrain.recovery`):
+        the balance (told to a replacement, built with ``rejoin=True``), the groups and the links, as the
+        constructor met them. The stage's layers, optimizer and version stay as they are (the caller restores a
+        checkpoint). Collective over the new context, in the order a replacement's constructor runs it."""
+        self.close()
+        if context.world_size != self.context.world_size:
+            raise ConfigError(
+                f"a pipeline of {self.context.world_size} workers cannot go on with {context.world_size}: its stages "
+                "are fixed (restart dead stages with --max-restarts, not --min-workers)"
+            )
+        self.context = context
+        self._timeout = context.settings.timeout
+        self._agree_balance(self.balance, [], None, self.num_stages, profile=False)
+        self._open_groups()
 
     def _open_links(self, p2p: str) -> tuple[TorchEngine, TorchEngine] | None:
         """Every stage says where it computes; :func:`choose_link` decides alike on all (collective)."""
@@ -276,30 +295,54 @@ class Pipe:
         self.links[0 if forward else 1].recv_(out, peer, self._timeout)
         return out
 
-    def _auto_balance(self, how: str, modules: list[nn.Module], sample: torch.Tensor | None, stages: int) -> list[int]:
-        """Rank 0 profiles and partitions; every worker gets its answer (a broadcast), so all agree."""
+    def _agree_balance(
+        self,
+        given: Sequence[int] | str,
+        modules: list[nn.Module],
+        sample: torch.Tensor | None,
+        stages: int,
+        *,
+        profile: bool,
+    ) -> list[int]:
+        """The layers per stage, the same on every worker (one allgather): ``given``, or for ``"auto"`` what stage
+        0 profiled and partitioned (a replacement, ``profile=False``, takes what the others hold). Every worker
+        that knows a balance must know the same; an error on rank 0 is raised on every rank."""
         from paratrain.pipeline.partition import partition
         from paratrain.torch.profile import profile_layers
 
-        if how != "auto":
-            raise ConfigError(f"balance must be a list of layer counts or 'auto', not {how!r}")
-        if len(modules) < stages:
+        if isinstance(given, str) and given != "auto":
+            raise ConfigError(f"balance must be a list of layer counts or 'auto', not {given!r}")
+        layers = len(modules) if modules else sum(self.balance)
+        if len(modules) and len(modules) < stages:
             raise ConfigError(f"{len(modules)} layers cannot fill {stages} stages")
-        found = np.full(stages, -1, dtype=np.int64)  # -1: stage 0 could not profile, and every stage says so
+        if not isinstance(given, str) and (len(given) != stages or any(b < 1 for b in given) or sum(given) != layers):
+            raise ConfigError(
+                f"balance {list(given)} must give each of the {stages} stages at least one of the {layers} layers, "
+                "and all of them"
+            )
+        # -1: not known here (a replacement, or "auto" on a stage other than 0); -2: stage 0 failed to profile
+        found = np.full(stages, -1, dtype=np.int64)
         problem: Exception | None = None
-        if self.context.rank == 0:
+        if not isinstance(given, str):
+            found[:] = list(given)
+        elif profile and self.context.rank == 0:
             try:
                 if sample is None:
                     raise ConfigError("balance='auto' needs sample= (one micro-batch of inputs) on stage 0")
                 found[:] = partition(profile_layers(modules, sample), stages).balance
             except Exception as exc:  # told to every stage below, then raised here
-                problem = exc
-        agreed = [int(b) for b in self.context.broadcast(found, root=0)]
+                problem, found[:] = exc, -2
+        rows = np.asarray(self.context.allgather(found.reshape(1, -1))).reshape(-1, stages).tolist()
         if problem is not None:
             raise problem
-        if min(agreed) < 1:
+        if any(min(row) == -2 for row in rows):
             raise ConfigError("stage 0 could not profile the layers for balance='auto' (see its error)")
-        return agreed
+        known = [row for row in rows if min(row) >= 1]
+        if not known:
+            raise ConfigError("no worker knows the pipeline's balance: a replacement cannot start a pipeline")
+        if any(row != known[0] for row in known):
+            raise ConfigError(f"the workers were given different balances: {sorted({tuple(r) for r in known})}")
+        return [int(b) for b in known[0]]
 
     def _forward(
         self, inp: torch.Tensor, params: dict[str, torch.Tensor] | None, target: torch.Tensor | None
@@ -377,6 +420,14 @@ class Pipe:
         for handle in sends:
             handle.wait(self._timeout)
         return torch.cat(outs) if self.is_last else None
+
+    def rewind(self, steps: int, version: int) -> None:
+        """After a rollback (:mod:`paratrain.recovery`), the stage's layers and optimizer restored to a checkpoint:
+        the mini-batches begun and the weight version go back to the checkpoint's, and what the interrupted
+        mini-batch left (gradients) is dropped."""
+        self._steps, self.version = steps, version
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> float | None:
         """Trains on one mini-batch; blocks until this stage's steps are done. Collective over the stages.

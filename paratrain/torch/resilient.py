@@ -97,13 +97,16 @@ def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
 
 
-def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, npt.NDArray[Any]]:
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, npt.NDArray[Any]]:
     """The model's parameters and buffers and the optimizer's per-parameter tensors, as named numpy arrays.
 
     Names: ``model.<name>`` and ``optim.<index>.<key>`` (the index in the optimizer's ``state_dict``). Scalars
-    of the optimizer state that are not tensors (none for SGD or Adam in torch 2) are not kept.
+    of the optimizer state that are not tensors (none for SGD or Adam in torch 2) are not kept. ``optimizer``
+    None: a model with nothing to train (a pipeline stage of activations alone).
     """
     state = {f"model.{name}": t.detach().cpu().numpy() for name, t in _tensors(model)}
+    if optimizer is None:
+        return state
     for index, entry in optimizer.state_dict()["state"].items():
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
@@ -112,7 +115,7 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 @torch.no_grad()
-def restore_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ckpt: Checkpoint) -> None:
+def restore_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ckpt: Checkpoint) -> None:
     """Loads what :func:`training_state` saved into ``model`` and ``optimizer``, in place.
 
     Raises:
@@ -121,6 +124,8 @@ def restore_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
     arrays = ckpt.arrays
     for name, t in _tensors(model):
         t.copy_(torch.from_numpy(np.asarray(arrays[f"model.{name}"])))
+    if optimizer is None:
+        return
     saved = optimizer.state_dict()
     per_param: dict[int, dict[str, Any]] = {}
     for name, value in arrays.items():

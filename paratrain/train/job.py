@@ -177,7 +177,8 @@ class TrainJob:
         "restart a crashed worker, which rejoins the servers at its clock (bsp: bitwise the fault-free run); with "
         "--replicas 2, restart a dead parameter server instead, which catches up from its chunks' other replicas. "
         "gossip: restart a crashed worker, which receives its state from its buddy's memory; every worker rolls "
-        "back to the newest checkpoint all hold (bitwise the fault-free run) (default 0)",
+        "back to the newest checkpoint all hold (bitwise the fault-free run). pipelines: the same for a stage, whose "
+        "state the next stage (or its twin with --replicas) keeps (default 0)",
         commands=_TRAIN,
         metavar="R",
     )

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Recorder", "merge_run", "plot_run", "rank_records", "reporting_rank"]
+__all__ = ["Recorder", "merge_run", "plot_run", "rank_records", "reporting_rank", "run_outcome"]
 
 _TRACKS = {"compute": 1, "communication": 2, "waiting": 3, "eval": 4}
 
@@ -171,3 +171,12 @@ def plot_run(records: list[dict[str, Any]], out_dir: str | Path, *, title: str) 
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
+
+
+def run_outcome(records: list[dict[str, Any]]) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """What two runs of one job share when they computed the same thing (a run with a death recovered against the
+    fault-free one): every rank's final parameters' digest and every epoch's train loss and test accuracy, by rank.
+    """
+    finals = sorted((r["rank"], r["parameters_sha256"]) for r in records if r["kind"] == "final")
+    evals = sorted((r["rank"], r["epoch"], r["train_loss"], r["test_accuracy"]) for r in records if r["kind"] == "eval")
+    return finals, evals

@@ -34,7 +34,7 @@ from paratrain.train.shards import step_share
 
 _T = TypeVar("_T")
 
-__all__ = ["epoch_line", "main", "record_epoch", "worker_device"]
+__all__ = ["epoch_line", "epoch_order", "main", "record_epoch", "worker_device"]
 
 
 def epoch_line(epoch: int, epochs: int, train_loss: float, accuracy: float, test_loss: float) -> str:
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
             if step == job.epochs * steps:  # (a job that recovers) completes its last exchange here
                 run.dopt.close()
                 continue
-            order = _order(job, len(run.data.y_train), step // steps)
+            order = epoch_order(job, len(run.data.y_train), step // steps)
             done = _step(run, job, rec, order=order, step=step, steps=steps, straggler=straggler)
         except RolledBackError as exc:
             step, epoch_loss = _rolled_back(run, rec, exc, step)
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
     _finish(run, job, rec, step)
 
 
-def _order(job: TrainJob, examples: int, epoch: int) -> Any:
+def epoch_order(job: TrainJob, examples: int, epoch: int) -> Any:
     """The training set's order in ``epoch``: the same on every rank and in every run."""
     return np.random.default_rng(job.seed * 1_000_003 + epoch).permutation(examples)
 

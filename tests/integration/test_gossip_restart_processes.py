@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.train.record import read_records
+from paratrain.train.record import read_records, run_outcome
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,12 +28,6 @@ def _train(run_dir: Path, *flags: str) -> tuple[list[dict[str, object]], str]:
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return read_records(run_dir), out.stderr
-
-
-def _outcome(records: list[dict[str, object]]) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
-    finals = sorted((r["rank"], r["parameters_sha256"]) for r in records if r["kind"] == "final")
-    evals = sorted((r["rank"], r["epoch"], r["train_loss"], r["test_accuracy"]) for r in records if r["kind"] == "eval")
-    return finals, evals
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +55,10 @@ def test_a_killed_gossip_worker_is_replaced_and_every_model_ends_bitwise(
     flags = ["--kill", kill, "--max-restarts", deaths, *([] if spare else ["--no-spare"])]
     records, stderr = _train(tmp_path / "killed", *flags)
     assert "restarting it " + ("from the warm spare" if spare else "cold") in stderr
-    finals, evals = _outcome(records)
+    finals, evals = run_outcome(records)
     assert len({digest for _, digest in finals}) == 3  # gossip's workers hold different models...
-    assert finals == _outcome(fault_free)[0]  # ... each the fault-free run's, to the bit
-    assert evals == _outcome(fault_free)[1]
+    assert finals == run_outcome(fault_free)[0]  # ... each the fault-free run's, to the bit
+    assert evals == run_outcome(fault_free)[1]
     assert {(r["rank"], r["step"]) for r in records if r["kind"] == "rollback"} == rollbacks
     for rank in range(3):
         assert [r["step"] for r in records if r["kind"] == "step" and r["rank"] == rank] == list(range(1, 15))

@@ -199,22 +199,24 @@ def test_auto_balance_profiles_on_stage_0_and_every_stage_agrees() -> None:
     assert sum(balances[0]) == 6 and min(balances[0]) >= 1
 
 
-def test_auto_balance_without_a_sample_fails_on_every_stage() -> None:
-    def stage(ctx: Context) -> str:
-        try:
-            Pipe(
-                [nn.Linear(2, 2), nn.Linear(2, 2)],
-                balance="auto",
-                microbatches=1,
-                optimizer=_optimizer,
-                loss_fn=nn.MSELoss(),
-                context=ctx,
-            )
-        except ConfigError as exc:
-            return str(exc)
-        return "no error"
+def _pipe_error(ctx: Context, layers: int, balance: list[int] | str) -> str:
+    """The ConfigError a pipe of ``layers`` linear layers raises on this rank when built with ``balance``."""
+    try:
+        Pipe(
+            [nn.Linear(2, 2) for _ in range(layers)],
+            balance=balance,
+            microbatches=1,
+            optimizer=_optimizer,
+            loss_fn=nn.MSELoss(),
+            context=ctx,
+        )
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
 
-    messages = run_ranks(2, stage, timeout=60)
+
+def test_auto_balance_without_a_sample_fails_on_every_stage() -> None:
+    messages = run_ranks(2, lambda ctx: _pipe_error(ctx, 2, "auto"), timeout=60)
     assert "needs sample=" in messages[0] and "could not profile" in messages[1]
 
 
@@ -486,3 +488,25 @@ def test_device_per_stage_moves_the_layers_and_must_name_every_stage() -> None:
 
     (d0, none), (d1, loss) = run_ranks(2, stage, timeout=60)
     assert (d0, d1, none) == ("cpu", "cpu", None) and loss is not None and loss > 0
+
+
+def test_a_replacement_stage_takes_the_balance_the_others_hold_and_never_profiles() -> None:
+    def stage(ctx: Context) -> list[int]:
+        replacement = ctx.rank == 0  # stage 0, which would profile for "auto", replaces a dead one: no sample
+        pipe = Pipe(
+            [nn.Linear(4, 4, dtype=torch.float64) for _ in range(3)],
+            balance="auto" if replacement else [2, 1],
+            rejoin=replacement,
+            microbatches=1,
+            optimizer=_optimizer,
+            loss_fn=nn.MSELoss(reduction="sum"),
+            context=ctx,
+        )
+        return pipe.balance
+
+    assert run_ranks(2, stage, timeout=60) == [[2, 1], [2, 1]]
+
+
+def test_stages_given_different_balances_fail_together() -> None:
+    messages = run_ranks(2, lambda ctx: _pipe_error(ctx, 3, [2, 1] if ctx.rank == 0 else [1, 2]), timeout=60)
+    assert all("given different balances" in m for m in messages)

@@ -67,3 +67,15 @@ def test_reports_travel_as_fixed_width_integers() -> None:
 def test_buddies_form_a_ring() -> None:
     assert [buddy_of(r, 4) for r in range(4)] == [1, 2, 3, 0]
     assert buddy_of(0, 1) == 0
+
+
+def test_a_replicated_stage_s_replacement_gets_its_state_from_its_twin() -> None:
+    def twin(rank: int, n: int) -> int:  # two pipelines of two stages: rank r and r + 2 hold one state
+        return (rank + 2) % n
+
+    held = RollbackState((6, 3), (6, 3))  # a twin's copies are its own checkpoints
+    states = [held, RollbackState.replacement(), held, RollbackState((6, 3), (6, 3))]
+    assert plan_rollback(states, twin) == RollbackPlan(6, (Copy(3, 1),))
+    both = [held, RollbackState.replacement(), held, RollbackState.replacement()]  # a stage's two copies died
+    with pytest.raises(RecoveryError, match="rank 1's copies died with rank 3"):
+        plan_rollback(both, twin)

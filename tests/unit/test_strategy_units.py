@@ -79,7 +79,7 @@ def _options(**given: object) -> StrategyOptions:
         ("allreduce", {"servers": 2}, "is for the parameter-server strategies"),
         ("bsp", {"replicas": 2}, "needs that many distinct servers"),
         ("allreduce", {"replicas": 2}, "for pipelines (R pipelines)"),
-        ("pipeline:gpipe", {"max_restarts": 1}, "does not support it"),
+        ("tp:2", {"max_restarts": 1}, "does not support it"),
         ("gossip:ring", {"checkpoint": True}, "checkpoints allreduce or poseidon or sfb training"),
         ("poseidon", {"checkpoint": True}, "use poseidon:allreduce or sfb"),
         ("poseidon", {"max_restarts": 1}, "use poseidon:allreduce or sfb"),
@@ -121,7 +121,7 @@ def test_options_that_go_together_pass(strategy: str, given: dict[str, object]) 
 
 def test_the_cli_front_names_its_flags() -> None:
     with pytest.raises(ConfigError, match="--max-restarts restarts the dead workers of allreduce or bsp or ssp or asp"):
-        check_options(parse_strategy("pipeline:1f1b"), StrategyOptions(front="cli", max_restarts=1))
+        check_options(parse_strategy("tp:2"), StrategyOptions(front="cli", max_restarts=1))
 
 
 #: The strategy kinds and families, and the names users write: what no module outside paratrain/strategy/

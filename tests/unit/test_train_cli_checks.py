@@ -83,7 +83,7 @@ def test_epoch_lines_are_written_through_the_progress_bar(
         (["--strategy", "bsp", "--min-workers", "1"], "--min-workers needs the allreduce strategy"),
         (["--workers", "2", "--min-workers", "3"], "--min-workers needs the allreduce strategy and 1..2"),
         (["--strategy", "gossip:ring", "--checkpoint-dir", "ckpt"], "--checkpoint-dir checkpoints allreduce"),
-        (["--strategy", "pipeline:gpipe", "--max-restarts", "1"], "restarts the dead workers of allreduce or bsp"),
+        (["--strategy", "tp:2", "--max-restarts", "1"], "restarts the dead workers of allreduce or bsp"),
     ],
 )
 def test_elastic_and_disk_checkpoint_flags_are_checked_before_any_worker_starts(
