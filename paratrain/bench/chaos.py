@@ -21,9 +21,10 @@ Every run ends in one of:
 The fault-free model of each strategy is one more run per strategy, without a kill (with the restarts its cases
 have: a parameter-server job that restarts workers sums each round in worker order); an asynchronous strategy gets
 :data:`ASYNC_REFERENCES` of them. A run whose replacement
-rejoined parameter servers after a step kill also says how long the worker was gone: from its predecessor's last
-record (the loss of the step it was killed in, written as that step's synchronisation began) to the replacement's
-``rejoined`` record (parameters pulled, about to compute).
+rejoined after a step kill also says how long the worker was gone: from its predecessor's last record to the
+replacement's ``rejoined`` record, about to compute (a parameter-server worker: from the loss of the step it was
+killed in, written as that step's synchronisation began, to its parameters pulled; a pipeline stage: from its last
+step's record to its state received and every stage rolled back).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ STRATEGIES = (
     "gossip:ring",
     "pipeline:gpipe",
     "pipeline:1f1b",
+    "pipeline:pipedream",
     "tp:2",
 )
 
@@ -211,8 +213,8 @@ def models_digest(finals: list[dict[str, Any]]) -> str | None:
 
 
 def _gone_s(records: list[dict[str, Any]]) -> float | None:
-    """Seconds from a killed parameter-server worker's last record to its replacement's ``rejoined`` (None: no
-    replacement rejoined servers)."""
+    """Seconds from a killed worker's last record to its replacement's ``rejoined`` (None: no replacement says it
+    rejoined: a parameter-server worker rejoins the servers, a pipeline stage the others with its state)."""
     rejoined = next((r for r in records if r["kind"] == "rejoined"), None)
     if rejoined is None:
         return None
@@ -304,11 +306,14 @@ def render(report: dict[str, Any]) -> str:
         groups.setdefault(r.get("what", "worker step") + (", restarted cold" if cold else ""), []).append(r)
     lines += [_row(name, mine) for name, mine in sorted(groups.items())]
     lines.append("")
-    gone = sorted(r["gone_s"] for r in runs if r.get("gone_s") is not None and r.get("spare", True))
-    if gone:
+    gone: dict[str, list[float]] = {}  # by family: parameter-server workers, pipeline stages
+    for r in runs:
+        if r.get("gone_s") is not None and r.get("spare", True):
+            gone.setdefault(parse_strategy(r["strategy"]).family, []).append(r["gone_s"])
+    for family, seconds in sorted(gone.items()):
         lines.append(
-            f"parameter-server worker, death -> its replacement rejoined (warm spare): {_spread(gone)} "
-            f"({len(gone)} step kills)"
+            f"{family} worker, death -> its replacement rejoined (warm spare): {_spread(sorted(seconds))} "
+            f"({len(seconds)} step kills)"
         )
     anchor = report.get("torchrun", [])
     back = sorted(r["total_s"] for r in anchor if "total_s" in r)
