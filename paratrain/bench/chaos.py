@@ -23,8 +23,8 @@ have: a parameter-server job that restarts workers sums each round in worker ord
 :data:`ASYNC_REFERENCES` of them. A run whose replacement
 rejoined after a step kill also says how long the worker was gone: from its predecessor's last record to the
 replacement's ``rejoined`` record, about to compute (a parameter-server worker: from the loss of the step it was
-killed in, written as that step's synchronisation began, to its parameters pulled; a pipeline stage: from its last
-step's record to its state received and every stage rolled back).
+killed in, written as that step's synchronisation began, to its parameters pulled; a gossip worker or a pipeline
+stage: from its last step's record to its state received and every rank rolled back).
 """
 
 from __future__ import annotations
@@ -214,7 +214,8 @@ def models_digest(finals: list[dict[str, Any]]) -> str | None:
 
 def _gone_s(records: list[dict[str, Any]]) -> float | None:
     """Seconds from a killed worker's last record to its replacement's ``rejoined`` (None: no replacement says it
-    rejoined: a parameter-server worker rejoins the servers, a pipeline stage the others with its state)."""
+    rejoined: a parameter-server worker rejoins the servers, a gossip worker or a pipeline stage the others with
+    its state)."""
     rejoined = next((r for r in records if r["kind"] == "rejoined"), None)
     if rejoined is None:
         return None

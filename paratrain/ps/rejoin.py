@@ -34,7 +34,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from paratrain.errors import WorkDoneError
+from paratrain.errors import PeerLostError, WorkDoneError
 from paratrain.ps.protocol import REQUEST_TAG
 from paratrain.ps.routing import Router
 from paratrain.ps.store import RejectedError, ServerStore
@@ -138,11 +138,19 @@ def take_place(router: Router, staleness: int | None, worker: int) -> int:
     again, on its parameters), the largest otherwise (the servers behind are told the clocks in between).
 
     Raises:
-        WorkDoneError: the dead worker had finished and left: there is nothing to take over.
+        WorkDoneError: the dead worker had finished and left: there is nothing to take over (a server says so, or
+            the servers are gone: they shut down once every worker left; a crashed server fails the job anyway).
     """
     router.replacing = True
-    asked = [router.request(s, {"op": "rejoin"}) for s in router.servers]
-    answers = {s: router.wait(h, s, "rejoin").meta for h, s in asked}
+    try:
+        asked = [router.request(s, {"op": "rejoin"}) for s in router.servers]
+        answers = {s: router.wait(h, s, "rejoin").meta for h, s in asked}
+    except PeerLostError as exc:
+        router.closed = True
+        raise WorkDoneError(
+            f"worker {worker}: a parameter server is gone ({exc}); servers shut down once every worker has left, "
+            "so the process this one replaces had finished its work"
+        ) from None
     if any(meta.get("left") for meta in answers.values()):
         router.closed = True
         raise WorkDoneError(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -36,6 +37,7 @@ import numpy as np
 
 import paratrain as pt
 from paratrain._exit import exit_with
+from paratrain.errors import WorkDoneError
 from paratrain.recovery.gossip import GossipRecovery, RolledBackError, is_replacement
 from paratrain.recovery.reliable import Checkpoint
 from paratrain.strategy import parse_strategy
@@ -133,6 +135,8 @@ class _Stage:
     quiet: bool
     #: each step's loss on this rank (0 where it has none), as trained: a rollback's epoch loss is their sum
     losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    #: this rank's final records are written (by this process or its predecessor): never twice
+    finalized: bool = False
 
     def guarded(self, call: Callable[[], _T]) -> _T:
         """``call()``; a death it meets rolls the job back (:class:`RolledBackError`) where stages restart."""
@@ -242,6 +246,7 @@ def _begin(stage: _Stage, world_size: int) -> tuple[int, float, set[int]]:
         recovery.replay_until = max(stage.losses, default=0)
         evals = [r for r in records if r.get("kind") in ("eval", "probe")]
         evaluating = max((float(r["eval_before_s"]) + float(r["eval_s"]) for r in evals), default=0.0)
+        stage.finalized = any(r.get("kind") == "final" for r in records)
         stage.rec.log(kind="rejoined", step=step)
         return step, evaluating, {int(r["epoch"]) for r in records if r.get("kind") == "eval"}
     stage.rec.log(
@@ -292,7 +297,12 @@ def main(argv: list[str] | None = None) -> None:
     from paratrain.torch.resilient import parameters_digest, training_state
 
     job, quiet = worker_job(argv, __doc__)
-    stage = _setup(job, quiet)
+    try:
+        stage = _setup(job, quiet)
+    except WorkDoneError as exc:  # killed after the others' last collective: its work was done, the results stand
+        print(f"{exc}; nothing left to do", file=sys.stderr)
+        pt.shutdown()
+        return
     pipe, rec, recovery, steps = stage.pipe, stage.rec, stage.recovery, stage.steps
     step, evaluating, evaluated = _begin(stage, pipe.context.world_size)
     seen_recoveries = 0
@@ -303,6 +313,10 @@ def main(argv: list[str] | None = None) -> None:
             seen_recoveries = len(recovery.recoveries)
         try:
             if step == job.epochs * steps:  # every stage is done before any leaves: a late death rolls back too
+                if not stage.finalized:  # before the barrier: a rank past it has nothing left to write
+                    rec.log(kind="final", step=step, parameters_sha256=parameters_digest(pipe.module))
+                    rec.log(kind="memory", stage=pipe.stage_index, peak_held_bytes=pipe.peak_held_bytes)
+                    stage.finalized = True
                 stage.guarded(pipe.context.barrier)
                 break
             loss = _train_step(stage, step, epoch_order(job, len(stage.data.y_train), step // steps))
@@ -325,8 +339,6 @@ def main(argv: list[str] | None = None) -> None:
             recovery.replay_until = max(recovery.replay_until, step)
             rec.log(kind="rollback", step=int(exc.checkpoint.meta["step"]), from_step=step)
             step = _restore(pipe, exc.checkpoint)  # (the seconds spent evaluating go on counting)
-    rec.log(kind="final", step=step, parameters_sha256=parameters_digest(pipe.module))
-    rec.log(kind="memory", stage=pipe.stage_index, peak_held_bytes=pipe.peak_held_bytes)
     rec.close()
     pipe.close()
     pt.shutdown()

@@ -387,6 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     if isinstance(reliable, GossipRecovery) and reliable.restarted:  # what its predecessor recorded
         recorded, evaluated = _predecessor(job, ctx.settings.member_id)
         reliable.replay_until = max((s for s, _ in recorded.items()), default=0)
+        rec.log(kind="rejoined", step=step)  # its state received, every worker rolled back: training again
     seen_recoveries = 0
     traffic = _Traffic(ctx)
     epoch_loss = 0.0
