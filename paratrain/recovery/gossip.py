@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -74,6 +74,9 @@ class GossipRecovery:
         twin: ``twin(rank, n)``, a rank that always holds the same state as ``rank`` (the copy of a replicated
             pipeline stage): no copies are sent, and a replacement receives its state from its twin. Default:
             states differ, and each rank's copies go to its buddy.
+        meeting: the first :attr:`meeting` callbacks (a death met in this constructor already needs them).
+        met_again: this rank re-formed the job before creating this object (a death during the program's own
+            set-up, before any state existed): it meets the replacement as a survivor does, at step 0.
 
     Raises:
         RecoveryError: (in a replacement) the survivors do not hold its state.
@@ -86,6 +89,8 @@ class GossipRecovery:
         *,
         reform: Callable[[Context], Context] = reform,
         twin: Callable[[int, int], int] | None = None,
+        meeting: Sequence[Callable[[Context], None]] = (),
+        met_again: bool = False,
     ) -> None:
         self.ctx = ctx if ctx is not None else current()
         self._twin = twin
@@ -98,7 +103,7 @@ class GossipRecovery:
         self.reformed: list[Callable[[Context], None]] = []
         #: Called with the new context right after re-forming, before the reports: the collectives a replacement
         #: runs before it creates this object (a pipeline's stages meet again, :meth:`Pipe.reopen`).
-        self.meeting: list[Callable[[Context], None]] = []
+        self.meeting: list[Callable[[Context], None]] = list(meeting)
         #: Every recovery this rank took part in, oldest first.
         self.recoveries: list[Recovery] = []
         #: Steps up to here were run (and recorded) before the rollback: a replaying rank records them once.
@@ -110,7 +115,9 @@ class GossipRecovery:
             self._exchange(started, started, restarted=True)
         else:
             self._keep(self._initial())
-            if self._copy_broken():  # a death before anything ran: step 0 again, which is where this rank is
+            if met_again:  # the replacement is in its constructor's exchange: meet it there
+                self._first_exchange()
+            elif self._copy_broken():  # a death before anything ran: step 0 again, which is where this rank is
                 self._recover(time.time())
 
     # -- the program's side --------------------------------------------------------------------------------
@@ -185,6 +192,17 @@ class GossipRecovery:
         self._ward = [got, *[c for c in self._ward if c.version < got.version]][:KEPT]
 
     # -- recovery ------------------------------------------------------------------------------------------
+
+    def _first_exchange(self) -> None:
+        """A survivor's exchange with a replacement before any step (see ``met_again``); another death meanwhile
+        is recovered as any other."""
+        now = time.time()
+        try:
+            self._exchange(now, now, restarted=False)
+            return
+        except BROKEN as exc:
+            log.warning("rank %d: a rank failed during recovery (%s); re-forming again", self.ctx.rank, exc)
+        self._recover(now)
 
     def _recover(self, failed_at: float) -> Checkpoint:
         settings = self.ctx.settings

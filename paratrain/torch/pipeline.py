@@ -338,8 +338,10 @@ class Pipe:
         if any(min(row) == -2 for row in rows):
             raise ConfigError("stage 0 could not profile the layers for balance='auto' (see its error)")
         known = [row for row in rows if min(row) >= 1]
+        if not known and modules:  # stage 0 died before the others learnt its balance: its replacement profiles
+            return self._agree_balance(given, modules, sample, stages, profile=True)
         if not known:
-            raise ConfigError("no worker knows the pipeline's balance: a replacement cannot start a pipeline")
+            raise ConfigError("no worker knows the pipeline's balance: the stages cannot meet again")
         if any(row != known[0] for row in known):
             raise ConfigError(f"the workers were given different balances: {sorted({tuple(r) for r in known})}")
         return [int(b) for b in known[0]]

@@ -38,8 +38,9 @@ import numpy as np
 import paratrain as pt
 from paratrain._exit import exit_with
 from paratrain.errors import WorkDoneError
-from paratrain.recovery.gossip import GossipRecovery, RolledBackError, is_replacement
+from paratrain.recovery.gossip import BROKEN, GossipRecovery, RolledBackError, is_replacement
 from paratrain.recovery.reliable import Checkpoint
+from paratrain.runtime.context import reform
 from paratrain.strategy import parse_strategy
 from paratrain.train.data import load_dataset
 from paratrain.train.job import PROBE_EXAMPLES, TrainJob, epoch_steps, run_dir_of, worker_job
@@ -281,13 +282,23 @@ def _setup(job: TrainJob, quiet: bool) -> _Stage:
     layers = flat_layers(build_model(job.model, side=data.side, classes=data.classes))
     ctx = pt.init()
     spans: list[tuple[str, str, float, float]] = []
-    pipe = _build_pipe(job, data, layers, spans, rejoin=is_replacement(ctx))
+    met_again = 0  # deaths while the stages met: the job re-formed before any state existed
+    while True:
+        try:
+            pipe = _build_pipe(job, data, layers, spans, rejoin=is_replacement(ctx))
+            break
+        except BROKEN:
+            if not ctx.settings.resilient or met_again == ctx.settings.max_restarts:
+                raise
+        ctx, met_again = reform(ctx), met_again + 1
     recovery = None
     if ctx.settings.resilient:
         stages = pipe.num_stages  # a replicated stage's copies hold one state: each is the other's checkpoint
         twin = (lambda rank, n: (rank + stages) % n) if job.replicas > 1 else None
-        recovery = GossipRecovery(lambda: training_state(pipe.module, pipe.optimizer), ctx, twin=twin)
-        recovery.meeting.append(pipe.reopen)
+        state = pipe.module, pipe.optimizer
+        recovery = GossipRecovery(
+            lambda: training_state(*state), ctx, twin=twin, meeting=[pipe.reopen], met_again=met_again > 0
+        )
     steps = _steps_per_epoch(job, len(data.y_train))
     return _Stage(job, data, pipe, Recorder(run_dir_of(job), rank=ctx.rank), spans, recovery, steps, quiet)
 

@@ -234,8 +234,8 @@ def _begin(
     resumed, ctx = run.resumed, run.ctx
     step = int(resumed.meta["step"]) if resumed is not None else run.dopt.resumed_step
     evaluating = float(resumed.meta["evaluating"]) if resumed is not None else 0.0  # excluded from time-to-accuracy
-    if resumed is not None:
-        return step, evaluating, None
+    if resumed is not None or (isinstance(run.reliable, GossipRecovery) and run.reliable.restarted):
+        return step, evaluating, None  # (a gossip replacement says it rejoined, in main)
     if not ctx.transport.rejoined:
         shards = ctx.settings.job_workers
         rec.log(kind="start", epochs=job.epochs, steps_per_epoch=steps, world_size=shards, strategy=job.strategy)
