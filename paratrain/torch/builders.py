@@ -15,7 +15,7 @@ import torch
 
 from paratrain.compression import Compressor
 from paratrain.fusion.buckets import Bucket
-from paratrain.recovery.gossip import GossipRecovery
+from paratrain.recovery.buddy import BuddyRecovery
 from paratrain.recovery.reliable import Reliable
 from paratrain.runtime.context import Context
 from paratrain.strategy import StrategyOptions, StrategySpec, WrapperUnit, parse_strategy, resolve, wrappers_given
@@ -74,7 +74,7 @@ class BuildRequest:
     overlap: bool = True
     staleness_lr: bool = False
     reliable: Reliable | None = None
-    recovery: GossipRecovery | None = None
+    recovery: BuddyRecovery | None = None
     compressor: Compressor | None = None
 
     @property

@@ -38,7 +38,7 @@ from paratrain.compression import Compressor, parse_compression
 from paratrain.errors import ConfigError
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
 from paratrain.launch.kills import kill_point
-from paratrain.recovery.gossip import GossipRecovery, RolledBackError
+from paratrain.recovery.buddy import BuddyRecovery, RolledBackError
 from paratrain.recovery.reliable import RegroupedError, Reliable
 from paratrain.runtime.context import Context, current
 from paratrain.sfb.cost import HybridPlan
@@ -115,8 +115,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             (``--min-workers``) ``step()`` may raise :class:`~paratrain.recovery.RegroupedError`: the job lost or
             gained a worker mid-step; compute this step's gradients again for the new job (its rank and size are
             ``reliable.ctx``'s) and call ``step()`` again. ``"gossip"``: a
-            :class:`~paratrain.recovery.gossip.GossipRecovery` instead (each worker's checkpoints kept by a buddy);
-            after a death ``step()`` (or ``close()``) raises :class:`~paratrain.recovery.gossip.RolledBackError`:
+            :class:`~paratrain.recovery.buddy.BuddyRecovery` instead (each worker's checkpoints kept by a buddy);
+            after a death ``step()`` (or ``close()``) raises :class:`~paratrain.recovery.buddy.RolledBackError`:
             restore its checkpoint and train on from its step.
         always_communicate: a benchmark switch: with one worker, fuse, hook and call the collectives (which then
             reduce over one rank) instead of copying and sending nothing, so that the cost of that machinery can be
@@ -157,7 +157,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         topology: Any = None,
         overlap: bool = True,
         staleness_lr: bool = False,
-        reliable: Reliable | GossipRecovery | None = None,
+        reliable: Reliable | BuddyRecovery | None = None,
         batch_size: int | None = None,
         layer_schemes: Mapping[str, str] | None = None,
         compression: str | Compressor | None = None,
@@ -169,10 +169,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if topology is not None:
             strategy = _gossip_with_topology(strategy)
         self.spec: StrategySpec = parse_strategy(strategy)
-        recovery = reliable if isinstance(reliable, GossipRecovery) else None
+        recovery = reliable if isinstance(reliable, BuddyRecovery) else None
         reliable = reliable if isinstance(reliable, Reliable) else None
         if recovery is not None and not self.spec.exchanges_parameters:
-            raise ConfigError(f"a GossipRecovery recovers gossip workers; strategy {strategy!r} takes a Reliable")
+            raise ConfigError(f"a BuddyRecovery recovers gossip workers; strategy {strategy!r} takes a Reliable")
         self.compressor: Compressor | None = self._refuse(
             strategy,
             compression,
@@ -289,7 +289,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap: bool,
         staleness_lr: bool,
         reliable: Reliable | None,
-        recovery: GossipRecovery | None,
+        recovery: BuddyRecovery | None,
     ) -> Strategy:
         """The fused buckets and the strategy that sends them, by the strategy unit's builder."""
         request = BuildRequest(

@@ -119,7 +119,7 @@ class Pipe:
             memory and paratrain's transport), ``"nccl"`` (insist), ``"gloo"`` (CPU stages through Gloo). Decided
             by every stage together when the pipe is built (logged by stage 0).
         rejoin: this process replaces a dead stage of a running job (``paratrain launch --max-restarts``,
-            :mod:`paratrain.recovery.gossip`): it never profiles; it takes the balance the other stages hold, which
+            :mod:`paratrain.recovery.buddy`): it never profiles; it takes the balance the other stages hold, which
             they tell it as they :meth:`reopen` in the re-formed job.
 
     Example:

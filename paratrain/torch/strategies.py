@@ -36,7 +36,7 @@ from paratrain.errors import ConfigError
 from paratrain.gossip.exchange import ShmExchange, SocketExchange, open_exchange
 from paratrain.gossip.mixing import neighbors, resolve_mixing
 from paratrain.ps.client import KVStore
-from paratrain.recovery.gossip import GossipRecovery
+from paratrain.recovery.buddy import BuddyRecovery
 from paratrain.runtime.context import Context
 from paratrain.strategy import STRATEGIES, StrategyOptions, StrategySpec, check_options, parse_strategy
 from paratrain.torch.bucket_strategy import Strategy
@@ -381,7 +381,7 @@ class GossipStrategy(Strategy):
             decides from the context.
         recovery: survive a worker's death (``paratrain launch --max-restarts``): each worker's checkpoints kept
             by a buddy, and a death rolls every worker back to the newest checkpoint all hold
-            (:mod:`paratrain.recovery.gossip`; ``step()`` and ``close()`` then raise ``RolledBackError``). The
+            (:mod:`paratrain.recovery.buddy`; ``step()`` and ``close()`` then raise ``RolledBackError``). The
             exchanges then go as messages, not through shared memory. The same update.
 
     Raises:
@@ -397,7 +397,7 @@ class GossipStrategy(Strategy):
         topology: Any,
         overlap: bool = True,
         shared_memory: bool | None = None,
-        recovery: GossipRecovery | None = None,
+        recovery: BuddyRecovery | None = None,
     ) -> None:
         super().__init__(buckets)
         self.overlap = bool(overlap)
@@ -452,7 +452,7 @@ class GossipStrategy(Strategy):
         )  # fmt: skip
 
     def _unless_broken(self, call: Callable[[], _T]) -> _T:
-        """``call()``; with ``recovery``, a death it meets rolls the job back (:meth:`GossipRecovery.guarded`)."""
+        """``call()``; with ``recovery``, a death it meets rolls the job back (:meth:`BuddyRecovery.guarded`)."""
         return call() if self.recovery is None else self.recovery.guarded(call)
 
     def _mixed(self) -> list[torch.Tensor]:

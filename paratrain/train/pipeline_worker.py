@@ -18,7 +18,7 @@ rest of the step: pipeline bubble plus communication that compute did not hide).
 evaluates the test set through the stages (:meth:`Pipe.predict`), and its last stage, which holds the outputs,
 writes the accuracy: that rank is the job's reporting rank.
 
-Under ``--max-restarts`` a stage's death rolls the job back (:mod:`paratrain.recovery.gossip`): every stage keeps
+Under ``--max-restarts`` a stage's death rolls the job back (:mod:`paratrain.recovery.buddy`): every stage keeps
 its state at step 0 and every ``--checkpoint-every`` steps, the next stage (a replicated stage's twin) holds its
 copy, and after a death every stage restores the newest step all hold and trains on; steps and epochs recorded
 before are not recorded again (evaluations run again, as they are collective, and are recorded once).
@@ -38,7 +38,7 @@ import numpy as np
 import paratrain as pt
 from paratrain._exit import exit_with
 from paratrain.errors import WorkDoneError
-from paratrain.recovery.gossip import BROKEN, GossipRecovery, RolledBackError, is_replacement
+from paratrain.recovery.buddy import BROKEN, BuddyRecovery, RolledBackError, is_replacement
 from paratrain.recovery.reliable import Checkpoint
 from paratrain.runtime.context import reform
 from paratrain.strategy import parse_strategy
@@ -124,14 +124,14 @@ def _steps_per_epoch(job: TrainJob, examples: int) -> int:
 @dataclasses.dataclass
 class _Stage:
     """A rank's stage and what it trains with; ``recovery`` under ``--max-restarts`` (checkpoints kept by a buddy
-    stage; a death rolls the job back: :mod:`paratrain.recovery.gossip`)."""
+    stage; a death rolls the job back: :mod:`paratrain.recovery.buddy`)."""
 
     job: TrainJob
     data: Any
     pipe: Any
     rec: Recorder
     spans: list[tuple[str, str, float, float]]
-    recovery: GossipRecovery | None
+    recovery: BuddyRecovery | None
     steps: int  # per epoch
     quiet: bool
     #: each step's loss on this rank (0 where it has none), as trained: a rollback's epoch loss is their sum
@@ -296,7 +296,7 @@ def _setup(job: TrainJob, quiet: bool) -> _Stage:
         stages = pipe.num_stages  # a replicated stage's copies hold one state: each is the other's checkpoint
         twin = (lambda rank, n: (rank + stages) % n) if job.replicas > 1 else None
         state = pipe.module, pipe.optimizer
-        recovery = GossipRecovery(
+        recovery = BuddyRecovery(
             lambda: training_state(*state), ctx, twin=twin, meeting=[pipe.reopen], met_again=met_again > 0
         )
     steps = _steps_per_epoch(job, len(data.y_train))

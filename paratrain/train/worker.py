@@ -23,7 +23,7 @@ from paratrain._exit import exit_with
 from paratrain.errors import WorkDoneError
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.recovery import RegroupedError, Reliable
-from paratrain.recovery.gossip import GossipRecovery, RolledBackError
+from paratrain.recovery.buddy import BuddyRecovery, RolledBackError
 from paratrain.strategy import parse_layer_schemes, parse_strategy
 from paratrain.train import stragglers, tasks
 from paratrain.train.data import load_dataset
@@ -106,7 +106,7 @@ class _Setup:
     optimizer: Any
     device: Any
     ctx: pt.Context
-    reliable: Reliable | GossipRecovery | None
+    reliable: Reliable | BuddyRecovery | None
     dopt: Any
     resumed: Any
 
@@ -137,9 +137,9 @@ def _setup(job: TrainJob) -> _Setup:
     wanted = ctx.settings.resilient or job.checkpoint_dir is not None
     spec = parse_strategy(job.strategy)
     hybrid = spec.hybrid
-    reliable: Reliable | GossipRecovery | None = None
+    reliable: Reliable | BuddyRecovery | None = None
     if wanted and spec.exchanges_parameters:  # each worker's own state, kept by a buddy (no broadcast: seeded)
-        reliable = GossipRecovery(lambda: training_state(model, optimizer), ctx)
+        reliable = BuddyRecovery(lambda: training_state(model, optimizer), ctx)
     elif wanted:
         reliable = Reliable(ctx, checkpoint_dir=job.checkpoint_dir)
     dopt = ptt.DistributedOptimizer(
@@ -194,7 +194,7 @@ def _evaluate_epoch(
     if parse_strategy(job.strategy).exchanges_parameters and epoch == job.epochs - 1:
         # once, at the end: on a slow network the allreduce it needs would cost gossip's throughput
         live, x, y = _live(run), run.data.x_test, run.data.y_test
-        guard = run.reliable.guarded if isinstance(run.reliable, GossipRecovery) else _call
+        guard = run.reliable.guarded if isinstance(run.reliable, BuddyRecovery) else _call
         extra = guard(lambda: consensus_eval(live, run.model, x, y))
     scores = {"train_loss": train_loss, "test_accuracy": accuracy, "test_loss": test_loss, **extra}
     times = {"eval_s": evaluating - eval_before, "eval_before_s": eval_before}
@@ -234,7 +234,7 @@ def _begin(
     resumed, ctx = run.resumed, run.ctx
     step = int(resumed.meta["step"]) if resumed is not None else run.dopt.resumed_step
     evaluating = float(resumed.meta["evaluating"]) if resumed is not None else 0.0  # excluded from time-to-accuracy
-    if resumed is not None or (isinstance(run.reliable, GossipRecovery) and run.reliable.restarted):
+    if resumed is not None or (isinstance(run.reliable, BuddyRecovery) and run.reliable.restarted):
         return step, evaluating, None  # (a gossip replacement says it rejoined, in main)
     if not ctx.transport.rejoined:
         shards = ctx.settings.job_workers
@@ -355,7 +355,7 @@ def _rolled_back(run: _Setup, rec: Recorder, exc: RolledBackError, step: int) ->
     the epoch's loss so far. Steps up to ``step`` were recorded already: they run again unrecorded."""
     from paratrain.torch.resilient import restore_training_state
 
-    assert isinstance(run.reliable, GossipRecovery)
+    assert isinstance(run.reliable, BuddyRecovery)
     ckpt = exc.checkpoint
     restore_training_state(run.model, run.optimizer, ckpt)
     run.reliable.replay_until = max(run.reliable.replay_until, step)
@@ -382,9 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     straggler = stragglers.parse(job.straggler, seed=job.seed) if job.straggler else None
     steps = epoch_steps(job, len(run.data.y_train) // ctx.settings.job_workers, "this worker")
     step, evaluating, losses = _begin(run, job, rec, steps, quiet=quiet)
-    rolls_back = isinstance(reliable, GossipRecovery)
+    rolls_back = isinstance(reliable, BuddyRecovery)
     evaluated: set[int] = set()  # epochs (from 1) whose evaluation is recorded
-    if isinstance(reliable, GossipRecovery) and reliable.restarted:  # what its predecessor recorded
+    if isinstance(reliable, BuddyRecovery) and reliable.restarted:  # what its predecessor recorded
         recorded, evaluated = _predecessor(job, ctx.settings.member_id)
         reliable.replay_until = max((s for s, _ in recorded.items()), default=0)
         rec.log(kind="rejoined", step=step)  # its state received, every worker rolled back: training again

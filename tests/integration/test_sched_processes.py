@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from paratrain.train.data import FASHION_MNIST_DIR
+
 pytestmark = pytest.mark.timeout(90)
 
 JOB = """
@@ -107,6 +109,9 @@ def test_sched_commands_run_real_jobs_and_report_against_their_anchors(tmp_path:
     assert (tmp_path / "l" / "lasso.png").stat().st_size > 0 and (tmp_path / "l" / "lasso.json").is_file()
 
 
+@pytest.mark.skipif(
+    not any(Path(FASHION_MNIST_DIR).glob("train-images-idx3-ubyte*")), reason="Debian's Fashion-MNIST is not installed"
+)
 def test_sched_mf_runs_the_engine_against_the_dense_optimum(tmp_path: Path) -> None:
     """``paratrain sched mf`` on 300 Fashion-MNIST images (dense): both orders reach the shrunk SVD's optimum
     within the gap; on a sparse power-law matrix the held-out RMSE is reported."""

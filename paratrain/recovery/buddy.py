@@ -1,8 +1,9 @@
-"""In-memory checkpoints for workers whose states differ (gossip), kept by a buddy; a death rolls the job back.
+"""In-memory checkpoints for ranks whose states differ (gossip workers, pipeline stages), kept by a buddy; a death
+rolls the job back.
 
-What a training loop of gossip workers uses under ``paratrain launch --max-restarts``, in place of
-:class:`~.reliable.Reliable` (whose ranks all hold one state). Each rank checkpoints its own state at the same
-steps (step 0 when created, then every ``K`` steps: :meth:`GossipRecovery.checkpoint`), keeps its two newest and
+What the training loop of gossip workers or pipeline stages uses under ``paratrain launch --max-restarts``, in
+place of :class:`~.reliable.Reliable` (whose ranks all hold one state). Each rank checkpoints its own state at the same
+steps (step 0 when created, then every ``K`` steps: :meth:`BuddyRecovery.checkpoint`), keeps its two newest and
 sends a copy to its buddy (:func:`~.rollback.buddy_of`, the next rank), which keeps its ward's two newest. When a
 rank dies, every survivor's next receive breaks (a resilient transport); the survivors re-form the job with the
 replacement, report what they hold, and all compute :func:`~.rollback.plan_rollback`: the newest step held by
@@ -17,7 +18,7 @@ checkpoint's copy arrived rolls back to step 0 without a transfer.
 Pipelines use the same: a stage's state (its layers' weights and optimizer state, between mini-batches) is kept by
 the next stage; the copies of a replicated stage hold one state, so each is the other's copy (``twin=``) and no
 copy travels until a replacement needs one. Whatever a replacement's constructors run collectively before this
-object exists (a pipeline's groups), the survivors run in :attr:`GossipRecovery.meeting` as they re-form.
+object exists (a pipeline's groups), the survivors run in :attr:`BuddyRecovery.meeting` as they re-form.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from paratrain.recovery.reliable import Checkpoint, Recovery, meta_value
 from paratrain.recovery.rollback import KEPT, RollbackState, buddy_of, plan_rollback
 from paratrain.runtime.context import Context, current, reform
 
-__all__ = ["GossipRecovery", "RolledBackError", "is_replacement"]
+__all__ = ["BuddyRecovery", "RolledBackError", "is_replacement"]
 
 log = logging.getLogger("paratrain.recovery")
 
@@ -54,14 +55,14 @@ def is_replacement(ctx: Context) -> bool:
 
 class RolledBackError(RuntimeError):
     """A rank died and the job rolled back: restore :attr:`checkpoint` (this rank's state at its ``meta["step"]``)
-    and train on from that step. The context is a new one (:attr:`GossipRecovery.ctx`)."""
+    and train on from that step. The context is a new one (:attr:`BuddyRecovery.ctx`)."""
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         super().__init__(f"the job rolled back to step {checkpoint.meta.get('step')} after a death")
         self.checkpoint = checkpoint
 
 
-class GossipRecovery:
+class BuddyRecovery:
     """A rank's checkpoints, its ward's copies, and the rollback after a death (see the module docstring).
 
     Create it right after ``paratrain.init()``, before any other communication, with the model and optimizer
