@@ -183,9 +183,11 @@ def _evaluate_epoch(
     train_loss: float,
     evaluating: float,
     quiet: bool,
+    recording: bool = True,
 ) -> float:
     """The epoch's test accuracy and loss recorded (gossip's average model too, after the last epoch), the line
-    printed by rank 0; returns the seconds spent evaluating so far."""
+    printed by rank 0; returns the seconds spent evaluating so far. ``recording`` False: run again after a
+    rollback (gossip's consensus is collective), recorded already."""
     t4 = time.time()
     accuracy, test_loss = tasks.evaluate(run.model, run.data.x_test, run.data.y_test)
     rec.add_span("evaluate", "eval", t4, time.time())
@@ -198,7 +200,8 @@ def _evaluate_epoch(
         extra = guard(lambda: consensus_eval(live, run.model, x, y))
     scores = {"train_loss": train_loss, "test_accuracy": accuracy, "test_loss": test_loss, **extra}
     times = {"eval_s": evaluating - eval_before, "eval_before_s": eval_before}
-    record_epoch(rec, job, epoch, step, scores | times, printing=_live(run).rank == 0 and not quiet)
+    if recording:
+        record_epoch(rec, job, epoch, step, scores | times, printing=_live(run).rank == 0 and not quiet)
     return evaluating
 
 
@@ -427,17 +430,20 @@ def main(argv: list[str] | None = None) -> None:
         if not replaying and job.eval_every > 0 and step % job.eval_every == 0:
             evaluating = _probe(run, rec, step, evaluating)
         # an epoch is evaluated once: not while replaying results (the process it replaces did), nor again after a
-        # gossip rollback (whose replacement knows what its predecessor evaluated)
-        if step % steps == 0 and step // steps not in evaluated and not (replaying and not rolls_back):
+        # gossip rollback (whose replacement knows what its predecessor evaluated) -- but gossip's last epoch runs
+        # its consensus allreduce again on every rank (a predecessor may have died after it, before recording)
+        epoch_done = step // steps if step % steps == 0 else 0
+        consensus = rolls_back and epoch_done == job.epochs
+        if epoch_done and (epoch_done not in evaluated or consensus) and not (replaying and not rolls_back):
             try:
                 evaluating = _evaluate_epoch(
-                    run, job, rec, epoch=step // steps - 1, step=step, train_loss=epoch_loss / steps,
-                    evaluating=evaluating, quiet=quiet,
+                    run, job, rec, epoch=epoch_done - 1, step=step, train_loss=epoch_loss / steps,
+                    evaluating=evaluating, quiet=quiet, recording=epoch_done not in evaluated,
                 )  # fmt: skip
             except RolledBackError as exc:  # (gossip's consensus, an allreduce, met the death)
                 step, epoch_loss = _rolled_back(run, rec, exc, step)
                 continue
-            evaluated.add(step // steps)
+            evaluated.add(epoch_done)
         if step % steps == 0:
             epoch_loss = 0.0
     _finish(run, job, rec, step)
