@@ -21,6 +21,7 @@ which rounds it must still get.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -37,10 +38,12 @@ from paratrain.device import host_view, on_device
 from paratrain.errors import ConfigError, PeerLostError
 from paratrain.plan.ir import Action, Parts, Received, Slice
 from paratrain.ps.consistency import Policy
+from paratrain.ps.membership import ServerSet, owner_slots
 from paratrain.ps.optim import ServerOptimizer, make_optimizer
 from paratrain.ps.plans import clock_actions, pull_actions, push_actions
-from paratrain.ps.protocol import REQUEST_TAG, PSRequestError
+from paratrain.ps.protocol import MOVED, REQUEST_TAG, PSRequestError
 from paratrain.ps.rejoin import take_place
+from paratrain.ps.resizer import Resizer
 from paratrain.ps.routing import Route, Router
 from paratrain.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks, split_rows
 from paratrain.ps.shared import ValueReader, value_prefix
@@ -124,6 +127,30 @@ def _read_in_place(
         return values.read(msg.meta["ref"], value_prefix(prefix, msg.src), msg.meta.get("seq"), target)
     except (ValueError, OSError) as exc:
         raise PSRequestError(f"worker {worker}: server rank {msg.src} answered a pull unreadably: {exc}") from None
+
+
+class _Resized(Handle[dict[str, Any]]):
+    """The handle of :meth:`KVStore.add_server` / ``remove_server``: its ``wait`` fences this worker for the resize
+    meanwhile (the resize waits for every worker's fence, this one's too), then says what moved."""
+
+    def __init__(self, router: Router, reply: Handle[Message], coordinator: int) -> None:
+        super().__init__()
+        self._router, self._reply, self._coordinator = router, reply, coordinator
+
+    def done(self) -> bool:
+        return super().done() or self._reply.done()
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """What moved; waits up to the KVStore's timeout (``timeout`` is not used: the resize has that one)."""
+        if not super().done():
+            try:
+                answer = self._router.wait(self._reply, self._coordinator, "resize of the servers")
+            except BaseException as exc:
+                self.set_error(exc)
+                raise
+            fields = ("active", "chunks", "bytes", "seconds", "rounds")
+            self.set_result({k: answer.meta[k] for k in fields if k in answer.meta})
+        return super().wait(0)
 
 
 def _replicas(settings: Settings, servers: Sequence[int], replicas: int | None) -> int:
@@ -234,6 +261,7 @@ class KVStore:
         replicas: int | None = None,
         servers: Sequence[int] | None = None,
         rejoin: bool | None = None,
+        active_servers: int | None = None,
     ) -> None:
         ctx = context if context is not None else _default_context()
         settings = ctx.settings
@@ -279,6 +307,21 @@ class KVStore:
         elif rejoin if rejoin is not None else ctx.transport.rejoined and settings.ps_worker_restarts:
             self._resumed = take_place(self._router, self.policy.staleness, self.rank)
             self._exact = self._resumed if self.policy.staleness == 0 else None
+        self._initialising: dict[str | int, tuple[tuple[int, ...], int]] = {}  # key -> (shape, itemsize) in init
+        self._resizer: Resizer | None = None
+        if active_servers is not None:
+            if replicas > 1 or settings.ps_worker_restarts:
+                raise ConfigError(
+                    "active_servers makes the servers holding keys resizable, which replicated jobs and jobs that "
+                    "restart workers do not support yet: use replicas=1 without --max-restarts"
+                )
+            try:
+                placement = ServerSet.first(len(servers), active_servers)
+            except ValueError as exc:
+                raise ConfigError(f"active_servers: {exc}") from None
+            self._resizer = Resizer(self._router, placement, self._replan)
+            self._router.resizer = self._resizer
+            self._router.rehome = self._rehome
 
     @property
     def clock_value(self) -> int:
@@ -331,7 +374,7 @@ class KVStore:
             PSRequestError: another worker initialised ``key`` with a different shape or dtype.
         """
         router = self._router
-        router.calls += 1
+        router.begin()
         if not isinstance(key, (str, int)) or isinstance(key, bool):
             raise TypeError(f"keys are str or int, not {type(key).__name__}")
         arr, dtype_name = host_view(array)
@@ -341,9 +384,7 @@ class KVStore:
                 "float32 and push bfloat16 gradients, as compression='bf16' does"
             )
         shape = tuple(int(d) for d in arr.shape)
-        chunks = plan_chunks(
-            key, shape, arr.itemsize, self.num_servers, chunk_bytes=self._chunk_bytes, replicas=self.replicas
-        )
+        chunks = self._plan(key, shape, arr.itemsize)
         rows = _rows(arr)
         spec = self._optimizer.spec() if self._optimizer is not None else None
         items = []
@@ -360,19 +401,49 @@ class KVStore:
                 "consistency": self.policy.kind,
                 "staleness_lr": self._staleness_lr,
                 "eager": self.policy.kind == "asp" or self.policy.staleness > 0,
+                "chunks": len(chunks),
             }
             if self.replicas > 1:
                 meta["replicas"] = [self._servers[r] for r in chunk.replicas]
             items.append((chunk, meta, [part] if self.rank == 0 else []))
-        router.create(items, f"init of key {key!r}")
+        self._initialising[key] = (shape, arr.itemsize)
+        try:
+            router.create(items, f"init of key {key!r}")
+        finally:
+            del self._initialising[key]
         row_bytes = math.prod(rows.shape[1:]) * arr.itemsize
-        primaries = tuple(c.server for c in chunks)
-        route = (push_actions(chunks, row_bytes, self._servers), pull_actions(chunks, row_bytes, self._servers))
-        self._keys[key] = _Key(
-            shape, dtype_name, chunks, {c.row_start: c for c in chunks}, row_bytes, routes={primaries: route}
-        )
+        chunks = self._plan(key, shape, arr.itemsize)  # (the placement may have changed meanwhile: a resize)
+        self._keys[key] = self._key_info(shape, dtype_name, chunks, row_bytes)
         self._versions[key] = [None] * len(chunks)
         self._cache.pop(key, None)
+
+    def _plan(self, key: str | int, shape: tuple[int, ...], itemsize: int) -> list[Chunk]:
+        """The key's chunks where they live now (resizable: on the servers holding keys, :mod:`.membership`)."""
+        chunks = plan_chunks(
+            key, shape, itemsize, self.num_servers, chunk_bytes=self._chunk_bytes, replicas=self.replicas
+        )
+        if self._resizer is None:
+            return chunks
+        owners = owner_slots(key, len(chunks), self._resizer.servers)
+        return [dataclasses.replace(c, server=s) for c, s in zip(chunks, owners, strict=True)]
+
+    def _key_info(self, shape: tuple[int, ...], dtype_name: str, chunks: list[Chunk], row_bytes: int) -> _Key:
+        primaries = tuple(c.server for c in chunks)
+        route = (push_actions(chunks, row_bytes, self._servers), pull_actions(chunks, row_bytes, self._servers))
+        return _Key(shape, dtype_name, chunks, {c.row_start: c for c in chunks}, row_bytes, routes={primaries: route})
+
+    def _replan(self, servers: ServerSet) -> None:
+        """Plans every key again for the servers holding keys now (a resize, :mod:`.resizer`)."""
+        assert self._resizer is not None and self._resizer.servers == servers  # _plan reads it there
+        for key, info in self._keys.items():
+            chunks = self._plan(key, info.shape, info.storage.itemsize)
+            self._keys[key] = self._key_info(info.shape, info.dtype_name, chunks, info.row_bytes)
+
+    def _rehome(self, meta: dict[str, Any]) -> Chunk:
+        """The chunk a request (``meta``: its key and chunk index) goes to now, after its chunk moved."""
+        key, index = meta["key"], int(meta["chunk"])
+        initialising = self._initialising.get(key)
+        return (self._key(key).chunks if initialising is None else self._plan(key, *initialising))[index]
 
     def push(self, key: str | int, array: Any) -> Handle[None]:
         """Sends ``array`` to be added (or applied as a gradient) to ``key``. Asynchronous: ``.wait()`` for it.
@@ -382,7 +453,7 @@ class KVStore:
         replica: wait for it after :meth:`clock` (see ``replicas``).
         """
         router = self._router
-        router.calls += 1
+        router.begin()
         info = self._key(key)
         arr, dtype_name = host_view(array)
         self._check(key, info, arr, dtype_name, None)
@@ -446,7 +517,7 @@ class KVStore:
 
     def _pull(self, key: str | int, out: npt.NDArray[Any] | None) -> npt.NDArray[Any]:
         router = self._router
-        router.calls += 1
+        router.begin()
         info = self._key(key)
         if out is not None and not (
             isinstance(out, np.ndarray)
@@ -498,6 +569,9 @@ class KVStore:
         received: dict[int, npt.NDArray[Any]] | None = {}  # chunk index -> its array, what the cache may keep
         for chunk, handle, server in pending:
             msg = router.wait(handle, server, what)
+            if msg.meta.get(MOVED) is True:  # a resize moved it meanwhile: asked again where it is now
+                again = {**asked, "chunk": chunk.index}
+                msg = router.ask(router.moved_to(again), again, (), what)
             target = rows[chunk.row_start : chunk.row_stop]
             if "ref" in msg.meta:
                 received = None  # read in place: nothing received to keep, and a copy costs as much as a new pull
@@ -522,7 +596,7 @@ class KVStore:
         :meth:`pull` reads. For audits and tests: with ``replicas=R`` all R copies are equal after every clock.
         Blocks; bypasses the cache."""
         router = self._router
-        router.calls += 1
+        router.begin()
         info = self._key(key)
         required = self.policy.required_done(router.clock)
         copies = []
@@ -541,7 +615,7 @@ class KVStore:
 
     def push_rows(self, key: str | int, row_ids: Any, values: Any) -> Handle[None]:
         """Adds ``values[i]`` to row ``row_ids[i]`` of ``key`` (embedding-style sparse update). Asynchronous."""
-        self._router.calls += 1
+        self._router.begin()
         info = self._key(key)
         ids = host_view(row_ids)[0] if is_torch_tensor(row_ids) else np.asarray(row_ids)
         vals, dtype_name = host_view(values)
@@ -576,7 +650,7 @@ class KVStore:
         Raises:
             ValueError: ``key`` is not 1-D, ``indices`` and ``values`` differ in length or an index is out of range.
         """
-        self._router.calls += 1
+        self._router.begin()
         info = self._key(key)
         if len(info.shape) != 1:
             raise ValueError(f"push_sparse needs a 1-D key; {key!r} is {info.shape}")
@@ -599,7 +673,7 @@ class KVStore:
     def pull_rows(self, key: str | int, row_ids: Any) -> npt.NDArray[Any]:
         """Rows ``row_ids`` of ``key`` (shape ``(len(row_ids), *key.shape[1:])``), as the model allows. Blocks."""
         router = self._router
-        router.calls += 1
+        router.begin()
         info = self._key(key)
         ids = host_view(row_ids)[0] if is_torch_tensor(row_ids) else np.asarray(row_ids)
         if ids.ndim != 1:
@@ -617,8 +691,10 @@ class KVStore:
         ]
         answers = router.send_each(requests, info.row_bytes)
         versions = self._versions[key]
-        for (c, positions, _), (handle, server) in zip(split, answers, strict=True):
+        for (c, positions, _), (_, meta, arrays), (handle, server) in zip(split, requests, answers, strict=True):
             msg = router.wait(handle, server, f"pull_rows of key {key!r}")
+            if msg.meta.get(MOVED) is True:  # a resize moved it meanwhile: asked again where it is now
+                msg = router.ask(router.moved_to(meta), meta, arrays, f"pull_rows of key {key!r}")
             out[positions] = msg.arrays[0]
             version = msg.meta.get("version")
             versions[c.index] = version if isinstance(version, int) else None
@@ -631,7 +707,7 @@ class KVStore:
             PSRequestError: (replicated) a push already answered was rejected; the clock was counted anyway.
         """
         router = self._router
-        router.calls += 1
+        router.begin()
         meta: dict[str, Any] = {"op": "clock", "clock": router.clock + 1, "id": -1}
         # Replicated, sent at once, without waiting for this clock's pushes to be acknowledged: each server is told
         # how many of them it must hold (its own and those forwarded by other replicas) and counts the clock only
@@ -649,6 +725,52 @@ class KVStore:
             router.wait_clock(required, f"clock {router.clock} (waiting for the slowest worker)")
         if rejected is not None:
             raise rejected
+
+    # -- servers joining and leaving (.resize) -------------------------------------------------------------
+
+    @property
+    def active_servers(self) -> tuple[int, ...]:
+        """The servers holding keys now (indices into the job's servers)."""
+        return tuple(range(self.num_servers)) if self._resizer is None else self._resizer.servers.active
+
+    @property
+    def moved_requests(self) -> int:
+        """Requests sent again to a chunk's new server because a resize moved the chunk while they waited."""
+        return self._router.rehomed
+
+    @property
+    def resize_fences(self) -> list[tuple[float, float]]:
+        """Each resize this worker took part in: when it saw it (``time.time()``) and how long it paused, in s."""
+        return [] if self._resizer is None else list(self._resizer.fences)
+
+    def add_server(self, server: int) -> Handle[dict[str, Any]]:
+        """Gives server ``server`` (standing by) its share of every key. Call it on one worker; it returns at once.
+
+        The chunks move at the workers' next parameter-server calls (each pauses at a fence until they moved:
+        :mod:`.resize`); the handle's ``wait()`` says what moved (``active``, ``chunks``, ``bytes``, ``seconds``
+        from the request to the end, ``rounds`` of fences).
+
+        Raises:
+            ConfigError: this KVStore was not created with ``active_servers``.
+            PSRequestError: (from ``wait``) the server holds keys already or does not exist, another resize is in
+                progress, or the job cannot resize (replicated, restarting workers).
+        """
+        return self._resize(add=server)
+
+    def remove_server(self, server: int) -> Handle[dict[str, Any]]:
+        """Hands server ``server``'s chunks to the other servers holding keys (it then stands by); as
+        :meth:`add_server`."""
+        return self._resize(remove=server)
+
+    def _resize(self, **change: int) -> Handle[dict[str, Any]]:
+        router = self._router
+        router.begin()
+        if self._resizer is None:
+            raise ConfigError("this KVStore cannot resize: create it with active_servers=S (and start more servers)")
+        servers = self._resizer.servers
+        meta = {"op": "resize", "slots": servers.slots, "active": list(servers.active), **change}
+        reply, coordinator = router.request(self._resizer.coordinator, meta)
+        return _Resized(router, reply, coordinator)
 
     def close(self) -> None:
         """Leaves: the servers stop counting this worker's clock. Idempotent."""

@@ -35,8 +35,10 @@ from paratrain.transport.wire import Message
 __all__ = [
     "CATCHING_UP",
     "MAX_BATCH",
+    "MOVED",
     "OPS",
     "REQUEST_TAG",
+    "RESIZE_TAG",
     "PSRequestError",
     "forward_ids",
     "pack",
@@ -52,10 +54,32 @@ _REPLY_BASE = -(1 << 57)
 #: and the worker sends it to another replica, as if the server had died (it has not fenced that server yet).
 CATCHING_UP = "catching_up"
 
+#: The field of an answer to a request for a chunk that moved to another server (:mod:`.resize`): the worker, which
+#: knows the new placement by then (it fenced before anything moved), sends the request to the chunk's server now.
+MOVED = "moved"
+
+#: Tag of the notice a resizing job's coordinator sends every worker: the set of servers holding keys changes
+#: (:mod:`.resize`). Server to worker, outside the request/answer pairs.
+RESIZE_TAG = -(1 << 56) - 1
+
 #: Request operations a server understands.
 #: every request a worker sends a server (servers send each other ``replicate``, ``replicate_batch``,
 #: ``replicate_states``, ``notice``, ``replicated``, ``members`` and ``snapshot``)
-OPS = ("init", "push", "pull", "clock", "wait_clock", "join", "leave", "batch", "fence", "flush", "rejoin")
+OPS = (
+    "init",
+    "push",
+    "pull",
+    "clock",
+    "wait_clock",
+    "join",
+    "leave",
+    "batch",
+    "fence",
+    "flush",
+    "rejoin",
+    "resize",
+    "resize_fence",
+)
 
 
 def forward_ids(meta: Mapping[str, Any]) -> list[int]:

@@ -103,6 +103,7 @@ class StoredChunk:
     ordered: dict[int, dict[int, list[tuple[Any, Any, float, bool]]]] = field(default_factory=dict)
     previous: npt.NDArray[Any] | None = None
     previous_round: int | None = None
+    num_chunks: int = 0  # the key's chunks (its placement depends on them all: .membership); 0 if not told
 
 
 # -- the snapshot of one chunk ------------------------------------------------------------------------------------
@@ -142,6 +143,7 @@ def chunk_message(key: str | int, index: int, chunk: StoredChunk) -> tuple[dict[
         "replicas": list(chunk.replicas),
         "state": names,
         "rounds": rounds,
+        "chunks": chunk.num_chunks,
     }
     return meta, arrays
 
@@ -218,6 +220,7 @@ def read_chunk(msg: Message, *, servers: Sequence[int], copy: bool = True) -> tu
         pending=pending,
         version=version,
         replicas=tuple(replicas),
+        num_chunks=num_chunks if type(num_chunks := meta.get("chunks", 0)) is int and num_chunks > index else 0,
     )
     return (key, index), chunk
 

@@ -19,12 +19,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from paratrain.errors import CommTimeoutError, ConfigError, PeerLostError, TransportClosedError
 from paratrain.plan.ir import Action
 from paratrain.ps.plans import batches, pull_actions, push_actions
-from paratrain.ps.protocol import CATCHING_UP, MAX_BATCH, REQUEST_TAG, PSRequestError, pack, reply_tag, unpack
+from paratrain.ps.protocol import CATCHING_UP, MAX_BATCH, MOVED, REQUEST_TAG, PSRequestError, pack, reply_tag, unpack
 from paratrain.ps.sharding import Chunk
 from paratrain.transport.base import Handle, Transport
 from paratrain.transport.wire import Message
@@ -35,6 +35,13 @@ log = logging.getLogger("paratrain.ps.client")
 
 #: Seconds between looks for a restarted server while a replicated worker waits for an answer.
 _REJOIN_POLL_S = 0.05
+
+
+class Poller(Protocol):
+    """What a worker's requests look at before a call and while they wait (:class:`~.resizer.Resizer`)."""
+
+    def poll(self) -> None: ...
+
 
 #: This worker's side of a push and of a pull of a key (:mod:`.plans`), for one owner map.
 Route = tuple[tuple[Action, ...], tuple[Action, ...]]
@@ -132,6 +139,18 @@ class Router:
         self._retry_at = -1  # the call in which a restarted server asked this worker to fence again later
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        # a resizable job (.resize): the worker's side of resizes, the pushes not yet answered (a fence waits for
+        # them), and the chunk a request for a moved chunk goes to now (from its meta: key and chunk index)
+        self.resizer: Poller | None = None
+        self.outstanding: list[Handle[None]] = []
+        self.rehome: Callable[[dict[str, Any]], Chunk] | None = None
+        self.rehomed = 0  # requests sent again because their chunk moved
+
+    def begin(self) -> None:
+        """A public call of the worker starts: counted, and a resize whose notice came is fenced for first."""
+        self.calls += 1
+        if self.resizer is not None:
+            self.resizer.poll()
 
     # -- requests ------------------------------------------------------------------------------------------
 
@@ -204,9 +223,13 @@ class Router:
         return {"seq": seq, "wclock": self.clock}
 
     def pushed(self, count: int, handle: Handle[None]) -> None:
-        """Records a push of ``count`` requests, stamped last: its clock tells the servers when it is acknowledged."""
+        """Records a push of ``count`` requests, stamped last: its clock tells the servers when it is acknowledged
+        (replicated); a resize's fence waits for it (resizable)."""
         if self.replicas > 1:
             self.unacked.append((self._next_seq - count, handle))
+        if self.resizer is not None:
+            self.outstanding = [h for h in self.outstanding if not h.done()]
+            self.outstanding.append(handle)
 
     def clock_fields(self) -> tuple[dict[int, dict[str, Any]], BaseException | None]:
         """Replicated: what this worker's next clock tells each server (every push numbered below ``acked`` is
@@ -238,12 +261,13 @@ class Router:
             for server in (self.servers[r] for r in chunk.replicas):
                 if self.replicas == 1 or self.live(server):
                     try:
-                        pending.append(self.request(server, meta, arrays))
+                        pending.append((*self.request(server, meta, arrays), meta, arrays))
                     except PeerLostError as exc:  # died since live() looked: as below
                         self.lost(exc, server)
-        for handle, server in pending:
+        for handle, server, meta, arrays in pending:
             try:
-                self.wait(handle, server, what)
+                if self.wait(handle, server, what).meta.get(MOVED) is True:  # (a resize: one replica)
+                    self.ask(self.moved_to(meta), meta, arrays, what)
             except PeerLostError as exc:  # a replica died: the others hold the chunk (else the next call says so)
                 self.lost(exc, server)
         if self.replicas > 1:
@@ -444,14 +468,26 @@ class Router:
             split_batch(handle, parts=[entry[3] for entry in entries], worker=self.rank)
 
     def ask(self, chunk: Chunk, meta: dict[str, Any], arrays: Sequence[Any], what: str) -> Message:
-        """A blocking request to the chunk's owner, sent again to the next replica if that server dies."""
+        """A blocking request to the chunk's owner, sent again to the next replica if that server dies, or to the
+        chunk's server now if it moved (:mod:`.resize`)."""
         while True:
             server = self.owner(chunk)
             try:
                 handle, _ = self.request(server, meta, arrays)
-                return self.wait(handle, server, what)
+                answer = self.wait(handle, server, what)
             except PeerLostError as exc:
                 self.lost(exc, server)
+                continue
+            if answer.meta.get(MOVED) is not True:
+                return answer
+            chunk = self.moved_to(meta)
+
+    def moved_to(self, meta: dict[str, Any]) -> Chunk:
+        """The chunk a request for a chunk that moved goes to now (this worker fenced before anything moved)."""
+        if self.rehome is None:
+            raise PSRequestError(f"worker {self.rank}: a server says key {meta.get('key')!r} moved; nothing resizes")
+        self.rehomed += 1
+        return self.rehome(meta)
 
     def wait(self, handle: Handle[Message], server: int, what: str) -> Message:
         """The answer of a request (blocks up to the timeout), its error raised; notes the slowest clock."""
@@ -478,11 +514,13 @@ class Router:
     def _await(self, handle: Handle[Message]) -> Message:
         """``handle.wait(self.timeout)``; replicated, it fences any server that rejoins meanwhile, since the
         answer may wait on another worker that waits on that fence (:mod:`.resync`)."""
-        if self.replicas == 1 or self._fencing:
+        if (self.replicas == 1 and self.resizer is None) or self._fencing:
             return handle.wait(self.timeout)
         deadline = time.monotonic() + self.timeout
         while True:
             self.fence_rejoined()
+            if self.resizer is not None:
+                self.resizer.poll()
             remaining = deadline - time.monotonic()
             try:
                 return handle.wait(max(0.0, min(_REJOIN_POLL_S, remaining)))

@@ -42,9 +42,10 @@ from paratrain.ps.donor import Donor
 from paratrain.ps.protocol import REQUEST_TAG, unpack
 from paratrain.ps.rejoin import Rejoins
 from paratrain.ps.replication import FORWARDS, Replication
+from paratrain.ps.resize import Resizing
 from paratrain.ps.resync import CaughtUp, StoredChunk, catch_up
 from paratrain.ps.rounds import round_of_push
-from paratrain.ps.store import Batch, RejectedError, ServerStats, ServerStore
+from paratrain.ps.store import Batch, ChunkMovedError, RejectedError, ServerStats, ServerStore
 from paratrain.transport.base import ANY_SOURCE, Transport
 from paratrain.transport.wire import Message
 
@@ -53,7 +54,18 @@ __all__ = ["ParameterServer", "ServerStats"]
 log = logging.getLogger("paratrain.ps.server")
 
 #: Operations one server sends another (replication, and a restarted one catching up), from server ranks only.
-_SERVER_OPS = ("replicate", "replicate_batch", "notice", "replicate_states", "replicated", "members", "snapshot")
+_SERVER_OPS = (
+    "replicate",
+    "replicate_batch",
+    "notice",
+    "replicate_states",
+    "replicated",
+    "members",
+    "snapshot",
+    "migrate",
+    "migrated",
+    "adopt",
+)
 
 
 def _pushed_before(meta: Any, clock: int) -> bool:
@@ -117,6 +129,7 @@ class ParameterServer:
         self.replication = Replication(self.store, self._advance)
         self.donor = Donor(self.store, self._check_lost)
         self.rejoins = Rejoins(self.store, self._drop_requests, enabled=worker_restarts)
+        self.resizing = Resizing(self.store, self._advance, self._resize_refusal)
         self._waiting_clocks: list[tuple[int, Mapping[str, Any]]] = []
         # worker -> its requests held back behind a clock of it that waits for pushes still on their way from
         # other replicas (_op_clock); its first is that clock
@@ -135,6 +148,7 @@ class ParameterServer:
             **self.replication.handlers(),
             **self.donor.handlers(),
             **self.rejoins.handlers(),
+            **self.resizing.handlers(),
         }
 
     @property
@@ -166,9 +180,10 @@ class ParameterServer:
             self._install(catch_up(t, servers=self.store.servers, timeout=self.timeout, poll=self.poll))
         while self.store.live and not (stop is not None and stop.is_set()):
             try:
-                msg = t.recv(ANY_SOURCE, REQUEST_TAG, timeout=self.poll)
+                msg = t.recv(ANY_SOURCE, REQUEST_TAG, timeout=self.resizing.timeout_s(self.poll))
             except CommTimeoutError:
                 self._check_lost()
+                self.resizing.tick()
                 continue
             except (PeerLostError, TransportClosedError) as exc:
                 log.warning("server %d: %s; stopping", t.rank, exc)
@@ -177,6 +192,7 @@ class ParameterServer:
             if self._queued:
                 self._release()
             self._check_lost()
+            self.resizing.tick()
         self.store.flush_sends()
         self.store.unshare()
         return self.store.stats
@@ -248,6 +264,8 @@ class ParameterServer:
             if msg.src not in self.store.done and not (op in _SERVER_OPS and msg.src in self.store.servers):
                 raise RejectedError(f"rank {msg.src} is not a worker of this job")
             handler(msg)
+        except ChunkMovedError:  # the worker knows the chunk's server now: it sends the request there
+            self.store.reply(msg.src, msg.meta["id"], moved=True)
         except RejectedError as exc:
             self._reject(msg, str(exc))
         except Exception as exc:  # a bug or a hostile request must not take the server down
@@ -354,6 +372,16 @@ class ParameterServer:
             self.replication.send_states()
         if self.donor.snapshots:
             self.donor.send_snapshots()
+        if self.resizing.pending:
+            self.resizing.migrate_ready()
+
+    def _resize_refusal(self) -> str | None:
+        """Why this job cannot move chunks between servers (:mod:`.resize`), or None."""
+        if self.rejoins.enabled:
+            return "a job that restarts workers cannot resize its servers (not supported yet)"
+        if any(len(chunk.replicas) > 1 for chunk in self.store.chunks.values()):
+            return "a replicated job cannot resize its servers (not supported yet): use replicas=1"
+        return None
 
     def _op_clock(self, msg: Message) -> None:
         store = self.store

@@ -28,7 +28,7 @@ from paratrain.ps.shared import SHARED_MIN_BYTES, SharedValue, value_prefix
 from paratrain.transport.base import Transport
 from paratrain.transport.wire import Message
 
-__all__ = ["RejectedError", "ServerStats", "ServerStore"]
+__all__ = ["ChunkMovedError", "RejectedError", "ServerStats", "ServerStore"]
 
 log = logging.getLogger("paratrain.ps.server")
 
@@ -38,6 +38,10 @@ _WIDENED = frozenset((w, k) for w in ("float16", "bfloat16") for k in ("float32"
 
 class RejectedError(Exception):
     """A request the server refuses; the message goes back to the worker."""
+
+
+class ChunkMovedError(RejectedError):
+    """A request for a chunk that moved to another server (:mod:`.resize`): the worker sends it there."""
 
 
 @dataclass
@@ -63,6 +67,8 @@ class ServerStats:
     fence_rounds: int = 0  # restarted: rounds of fences the catch-up took (more than 1: some were retried)
     pulls_in_place: int = 0  # pulls answered with a reference: the same-host worker copied the value (.shared)
     batches: int = 0  # batch requests (each several requests in one message: .protocol)
+    chunks_adopted: int = 0  # chunks that moved here from other servers (.resize)
+    chunks_given: int = 0  # chunks that moved from here to other servers (.resize)
 
 
 @dataclass
@@ -101,11 +107,12 @@ class ServerStore:
         self.held: dict[tuple[int, int], int] = {}
         self.servers_lost: set[int] = set()
         self.waiting_pulls: list[tuple[int, Mapping[str, Any], Message]] = []
-        self._waiting_inits: dict[tuple[Any, int], list[tuple[int, Mapping[str, Any]]]] = {}
+        self.waiting_inits: dict[tuple[Any, int], list[tuple[int, Mapping[str, Any]]]] = {}
         # (worker, request id) of a request that came in a batch -> the batch and its place in it
         self.batched: dict[tuple[int, int], tuple[Batch, int]] = {}
         self.keep_previous = False  # keep each BSP chunk's value from before its last step (.rejoin)
         self.absent: set[int] = set()  # dead workers whose places are held (.rejoin): live, but pushing nothing
+        self.moved: set[tuple[Any, int]] = set()  # chunks that moved to another server (.resize)
 
     # -- replies -------------------------------------------------------------------------------------------
 
@@ -212,7 +219,7 @@ class ServerStore:
         """Drops ``worker``'s pulls and inits still waiting here (its process died: their ids died with it, and a
         replacement numbers its requests afresh)."""
         self.waiting_pulls = [p for p in self.waiting_pulls if p[0] != worker]
-        for waiting in self._waiting_inits.values():
+        for waiting in self.waiting_inits.values():
             waiting[:] = [w for w in waiting if w[0] != worker]
 
     def drop_held(self, worker: int) -> None:
@@ -247,6 +254,8 @@ class ServerStore:
         if not isinstance(key, (str, int)) or not isinstance(index, int):
             raise RejectedError("request without a valid key and chunk index")
         chunk = self.chunks.get((key, index))
+        if chunk is None and (key, index) in self.moved:
+            raise ChunkMovedError(f"key {key!r} chunk {index} moved to another server")
         if chunk is None:
             raise RejectedError(f"unknown key {key!r} (chunk {index}); call kv.init(key, array) on every worker first")
         return chunk
@@ -270,6 +279,8 @@ class ServerStore:
         consistency = meta.get("consistency", "bsp")
         if consistency not in ("bsp", "ssp", "asp"):
             raise RejectedError(f"init with an unknown consistency {consistency!r}")
+        if (key, index) in self.moved:
+            raise ChunkMovedError(f"key {key!r} chunk {index} moved to another server")
         existing = self.chunks.get((key, index))
         if existing is not None:
             if existing.dtype_name != dtype_name or list(existing.key_shape) != key_shape:
@@ -285,7 +296,7 @@ class ServerStore:
             self.reply(msg.src, meta["id"])
             return []
         if not msg.arrays:  # not the first worker: wait until the key exists
-            self._waiting_inits.setdefault((key, index), []).append((msg.src, meta))
+            self.waiting_inits.setdefault((key, index), []).append((msg.src, meta))
             return []
         value = msg.arrays[0]
         if list(value.shape) != shape or msg.dtypes[0] != dtype_name:
@@ -310,10 +321,11 @@ class ServerStore:
             staleness_lr=bool(meta.get("staleness_lr", False)),
             eager=bool(meta.get("eager", False)),
             replicas=tuple(replicas),
+            num_chunks=num_chunks if type(num_chunks := meta.get("chunks", 0)) is int and num_chunks > index else 0,
         )
         self.share(self.chunks[(key, index)])
         self.reply(msg.src, meta["id"])
-        return self._waiting_inits.pop((key, index), [])
+        return self.waiting_inits.pop((key, index), [])
 
     def rows_of(self, chunk: StoredChunk, msg: Message) -> npt.NDArray[np.int64] | None:
         """The row ids a row push or pull addresses (None: the whole chunk), validated against ``chunk``."""
