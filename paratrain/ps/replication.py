@@ -36,7 +36,7 @@ from paratrain._arrays import wire_array
 from paratrain.errors import PeerLostError, TransportClosedError
 from paratrain.ps.plans import BATCH_BYTES, MAX_BATCH
 from paratrain.ps.protocol import REQUEST_TAG, forward_ids, pack, unpack
-from paratrain.ps.resync import CatchUpError, StoredChunk, chunk_message, read_chunk
+from paratrain.ps.resync import CATCHING_UP_ERROR, CatchUpError, StoredChunk, chunk_message, read_chunk
 from paratrain.ps.rounds import round_of_push
 from paratrain.ps.store import RejectedError, ServerStore
 from paratrain.transport.wire import Message
@@ -114,6 +114,11 @@ class Replication:
         self._incarnations: dict[int, int] = store.transport.incarnations()
         # while a worker's batch is handled: the forwards to each backup, sent together when it is done
         self._outbox: dict[int, list[tuple[dict[str, Any], Sequence[Any]]]] | None = None
+        # restarted workers (.rejoin, set by the server): whether a push (worker, chunk, its clock) is a replacement's
+        # of one its predecessor's applied here already, and the record of a push applied (what a replacement's
+        # would duplicate)
+        self.duplicate: Callable[[int, tuple[Any, int], Any], bool] = lambda worker, key, wclock: False
+        self.pushed: Callable[[int, tuple[Any, int]], None] = lambda worker, key: None
 
     def handlers(self) -> dict[str, Callable[[Message], None]]:
         """The operations other servers (and, ``flush``, workers) send, by name."""
@@ -130,6 +135,17 @@ class Replication:
         """``worker``'s clock was counted (or it left, or joined again): its pushes' states go once their round is
         complete, as usual."""
         self._flushing.discard(worker)
+
+    def drop_requests(self, worker: int) -> None:
+        """``worker`` died: its pushes still waiting for a state or an acknowledgement go on, but nobody is answered
+        for them (a replacement numbers its requests afresh: an answer would reach one of its own)."""
+        self._flushing.discard(worker)
+        for forward in self._forwards.values():
+            forward.answers = [(w, i) for w, i in forward.answers if w != worker]
+        for ck in self.unsent:
+            chunk = self.store.chunks.get(ck)
+            if chunk is not None:
+                chunk.unsent = [(w, -1 if w == worker else i, seq, r, c) for w, i, seq, r, c in chunk.unsent]
 
     def restarted(self, donors: Sequence[int]) -> None:
         """This server caught up after a restart (:mod:`.resync`): the servers that sent no copy are dead to it."""
@@ -170,11 +186,22 @@ class Replication:
 
     def push(self, chunk: StoredChunk, msg: Message, seq: int) -> None:
         """A worker's push (sequence number ``seq``) to a chunk with backups: under BSP/SSP applied and made known
-        to them (:meth:`_push_aggregated`); under ASP applied and forwarded, answered once every backup has it."""
+        to them (:meth:`_push_aggregated`); under ASP applied and forwarded, answered once every backup has it.
+        A push of a dead worker handled after its replacement came is dropped unanswered: the replacement makes it
+        again, and an answer would reach one of its own requests."""
+        if self.store.stale(msg.src, seq):
+            self.store.stats.duplicates += 1
+            return
         if chunk.mode == "clock":
             self._push_aggregated(chunk, msg, seq)
             return
         new = self.store.consume(msg.src, seq, msg.meta.get("wclock"))
+        ck = (msg.meta["key"], msg.meta["chunk"])
+        if new and self.duplicate(msg.src, ck, msg.meta.get("wclock")):
+            self.store.stats.duplicates += 1  # a replacement's push that its predecessor's was applied as
+            self._forward(chunk, msg, {"skip": True, "id": -1}, ())  # (counted on the backups, applying nothing)
+            self.store.reply(msg.src, msg.meta["id"])
+            return
         try:
             rows, data = self.store.push_data(chunk, msg)
         except RejectedError:
@@ -192,6 +219,7 @@ class Replication:
             self.store.apply(
                 chunk, rows, data, round_id, msg.meta.get("version"), densify=bool(msg.meta.get("densify"))
             )
+            self.pushed(msg.src, ck)
         if waiting:
             self._forward_ids += 1
             self._forwards[forward_id] = _Forward([(msg.src, msg.meta["id"])], waiting)
@@ -227,6 +255,9 @@ class Replication:
         wclock = wclock if type(wclock) is int else -1
         noticed = chunk.awaited.pop((worker, seq), None)
         new = self.store.consume(worker, seq, msg.meta.get("wclock"), count=noticed is None)
+        if new and self.duplicate(worker, ck, msg.meta.get("wclock")):
+            self.store.stats.duplicates += 1  # a replacement's push that its predecessor's was applied as: it goes
+            new = False  # on in this chunk's next state, which tells the backups that count it (applying nothing)
         try:
             rows, data = self.store.push_data(chunk, msg)
         except RejectedError:
@@ -250,6 +281,7 @@ class Replication:
         round_id = noticed if noticed is not None else round_of_push(chunk.mode, self.store.done[worker], chunk.version)
         self._forward(chunk, msg, {"op": "notice", "id": -1, "round": round_id}, ())
         self.store.apply(chunk, rows, data, round_id, msg.meta.get("version"), densify=bool(msg.meta.get("densify")))
+        self.pushed(worker, ck)
         if alone:
             self.store.reply(worker, msg.meta["id"])
         else:
@@ -338,6 +370,8 @@ class Replication:
             raise RejectedError("notice without a valid round")
         if seq in self.store.applied.get(worker, ()) or (worker, seq) in chunk.awaited:
             return  # known already (a state had it, or its first owner told this one before it died)
+        if self.store.stale(worker, seq):
+            return  # a dead worker's push: its replacement's clock does not count it (its data comes in a state)
         wclock = meta.get("wclock")
         if isinstance(wclock, int):
             self.store.held[(worker, wclock)] = self.store.held.get((worker, wclock), 0) + 1
@@ -386,6 +420,11 @@ class Replication:
         resolved = False
         for worker, seq, wclock in pushes:
             if worker not in self.store.done:
+                continue
+            if wclock >= 0:  # (what a replacement of that worker would duplicate, should this replica take over)
+                chunk.last_push[worker] = max(chunk.last_push.get(worker, -1), wclock)
+            if self.store.stale(worker, seq):
+                chunk.awaited.pop((worker, seq), None)  # a dead worker's: its data is here now, nobody counts it
                 continue
             applied = self.store.applied.setdefault(worker, set())
             if chunk.awaited.pop((worker, seq), None) is not None:
@@ -553,7 +592,9 @@ class Replication:
             if forward is None:
                 continue
             forward.waiting.discard(msg.src)
-            if isinstance(error, str):
+            if error == CATCHING_UP_ERROR:  # it restarted: lost here until it has this server's copy (.donor)
+                self.store.servers_lost.add(msg.src)
+            elif isinstance(error, str):
                 forward.error = f"server {msg.src}: {error}"
             if not forward.waiting:
                 del self._forwards[forward_id]
@@ -563,6 +604,8 @@ class Replication:
         if forward.error is not None:
             self.store.stats.rejected += 1
         for worker, request_id in forward.answers:
+            if request_id < 0:
+                continue  # (its worker died: nobody to answer)
             if forward.error is None:
                 self.store.reply(worker, request_id)
             else:

@@ -58,9 +58,13 @@ from paratrain.ps.shared import SharedValue
 from paratrain.transport.base import ANY_SOURCE, Handle, Transport
 from paratrain.transport.wire import Message
 
-__all__ = ["CatchUpError", "CaughtUp", "StoredChunk", "catch_up", "chunk_message", "read_chunk"]
+__all__ = ["CATCHING_UP_ERROR", "CatchUpError", "CaughtUp", "StoredChunk", "catch_up", "chunk_message", "read_chunk"]
 
 log = logging.getLogger("paratrain.ps.resync")
+
+#: What a restarted server answers forwards and states sent before their sender saw it restart: the sender counts it
+#: lost until it sent its copy (:mod:`.donor`), rather than fail the pushes.
+CATCHING_UP_ERROR = "backup is catching up"
 
 #: Seconds the first round of fences may take, from the first fence to the last; each retry doubles it.
 FIRST_WINDOW_S = 0.1
@@ -317,7 +321,7 @@ def catch_up(transport: Transport, *, servers: Sequence[int], timeout: float, po
         if msg.src in servers:
             forwards = forward_ids(msg.meta)
             if forwards:
-                errors = ["backup is catching up"] * len(forwards)
+                errors = [CATCHING_UP_ERROR] * len(forwards)
                 _answer(t, msg.src, {"op": "replicated", "id": -1, "ids": forwards, "errors": errors})
             continue
         if op == "fence" and type(request_id) is int and type(msg.meta.get("clock")) is int:

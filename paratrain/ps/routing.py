@@ -133,8 +133,10 @@ class Router:
         self._dead: set[int] = set()  # server ranks seen lost
         # restarted servers (.resync): each server's incarnation as last brought up to date (or seen dead), and
         # those that rejoined, in order: they own a chunk only when every replica that never died is gone
-        self._known: dict[int, int] = transport.incarnations()
+        self._known: dict[int, int] = self._server_incarnations()
         self._demoted: list[int] = []
+        # servers to fence whatever their incarnation says (a replacement's: restarted before it connected, .rejoin)
+        self.must_fence: set[int] = set()
         self._fencing = False
         self._retry_at = -1  # the call in which a restarted server asked this worker to fence again later
         self._ids = itertools.count()
@@ -145,6 +147,15 @@ class Router:
         self.outstanding: list[Handle[None]] = []
         self.rehome: Callable[[dict[str, Any]], Chunk] | None = None
         self.rehomed = 0  # requests sent again because their chunk moved
+
+    def _server_incarnations(self) -> dict[int, int]:
+        """The servers' incarnations (a worker restarted in the same job is no server to fence)."""
+        servers = set(self.servers)
+        return {peer: n for peer, n in self.transport.incarnations().items() if peer in servers}
+
+    def resume_numbering(self, seq: int) -> None:
+        """A replacement numbers its pushes from ``seq`` on (its incarnation's numbers, ``ServerStore.stale``)."""
+        self._next_seq = max(self._next_seq, seq)
 
     def begin(self) -> None:
         """A public call of the worker starts: counted, and a resize whose notice came is fenced for first."""
@@ -535,22 +546,20 @@ class Router:
         waits until its own pushes are acknowledged, tells the server the clock it is at and how many of this
         clock's pushes the server's chunks already hold, and waits until the server has caught up. A server that
         dies again, or gives up, stays dead until it comes back once more."""
-        incarnations = self.transport.incarnations()
-        if self.replicas == 1 or self._fencing or incarnations == self._known or self.closed:
+        incarnations = self._server_incarnations()
+        if self.replicas == 1 or self._fencing or (incarnations == self._known and not self.must_fence) or self.closed:
             return
         if self._retry_at == self.calls:
             return  # released from a fence in this call: the others may wait for it to return (a collective)
         self._fencing = True
         try:
-            for server, incarnation in sorted(incarnations.items()):
-                if self._known.get(server, 0) == incarnation:
-                    continue
+            pending = {s for s, n in incarnations.items() if self._known.get(s, 0) != n} | self.must_fence
+            for server in sorted(pending):
+                incarnation = incarnations.get(server, 0)
                 self._dead.add(server)
-                if server in self.transport.lost_peers():
+                if server in self.transport.lost_peers() or self._fence(server):
                     self._known[server] = incarnation
-                    continue
-                if self._fence(server):
-                    self._known[server] = incarnation
+                    self.must_fence.discard(server)
         finally:
             self._fencing = False
 

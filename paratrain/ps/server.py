@@ -128,7 +128,8 @@ class ParameterServer:
         self.store = ServerStore(transport, num_workers=num_workers, servers=servers, timeout=timeout)
         self.replication = Replication(self.store, self._advance)
         self.donor = Donor(self.store, self._check_lost)
-        self.rejoins = Rejoins(self.store, self._drop_requests, enabled=worker_restarts)
+        self.rejoins = Rejoins(self.store, self._drop_requests, enabled=worker_restarts, restarted=rejoin)
+        self.replication.duplicate, self.replication.pushed = self.rejoins.duplicate, self.rejoins.pushed
         self.resizing = Resizing(self.store, self._advance, self._resize_refusal)
         self._waiting_clocks: list[tuple[int, Mapping[str, Any]]] = []
         # worker -> its requests held back behind a clock of it that waits for pushes still on their way from
@@ -251,6 +252,7 @@ class ParameterServer:
         """Drops every request of ``worker`` still waiting here (its process died: their ids die with it)."""
         self._forget(worker)
         self.store.drop_waiting(worker)
+        self.replication.drop_requests(worker)
         self._waiting_clocks = [c for c in self._waiting_clocks if c[0] != worker]
 
     def _handle(self, msg: Message) -> None:

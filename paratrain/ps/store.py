@@ -28,9 +28,13 @@ from paratrain.ps.shared import SHARED_MIN_BYTES, SharedValue, value_prefix
 from paratrain.transport.base import Transport
 from paratrain.transport.wire import Message
 
-__all__ = ["ChunkMovedError", "RejectedError", "ServerStats", "ServerStore"]
+__all__ = ["INCARNATION_BITS", "ChunkMovedError", "RejectedError", "ServerStats", "ServerStore"]
 
 log = logging.getLogger("paratrain.ps.server")
+
+#: A worker process restarted in a job that restarts workers numbers its pushes from ``incarnation << INCARNATION_BITS``
+#: (:meth:`ServerStore.stale`).
+INCARNATION_BITS = 40
 
 #: (wire dtype, key dtype) pairs a push may widen: gradients compressed to 16 bits for the wire
 _WIDENED = frozenset((w, k) for w in ("float16", "bfloat16") for k in ("float32", "float64"))
@@ -221,6 +225,8 @@ class ServerStore:
         self.waiting_pulls = [p for p in self.waiting_pulls if p[0] != worker]
         for waiting in self.waiting_inits.values():
             waiting[:] = [w for w in waiting if w[0] != worker]
+        for key in [k for k in self.batched if k[0] == worker]:  # (a batch of it is never answered now)
+            del self.batched[key]
 
     def drop_held(self, worker: int) -> None:
         """Stops counting ``worker``'s pushes towards its clocks and waiting for their data (it left or died: it
@@ -231,6 +237,14 @@ class ServerStore:
             if chunk.awaited:
                 for pending in [a for a in chunk.awaited if a[0] == worker]:
                     del chunk.awaited[pending]
+
+    def stale(self, worker: int, seq: Any) -> bool:
+        """Whether push number ``seq`` of ``worker`` was made by a predecessor of the worker's process now (a job
+        that restarts workers numbers each process's pushes from ``incarnation << INCARNATION_BITS``, :mod:`.rejoin`):
+        its data may still count in a state, but its replacement's clock does not wait for it."""
+        if not self.keep_previous or not isinstance(seq, int):
+            return False
+        return seq >> INCARNATION_BITS < self.transport.incarnations().get(worker, 0)
 
     def consume(self, worker: int, seq: Any, wclock: Any, *, count: bool = True) -> bool:
         """Whether push ``seq`` of ``worker`` is new here (to apply), recording it and counting it as held for the
@@ -243,7 +257,7 @@ class ServerStore:
             self.stats.duplicates += 1
             return False
         applied.add(seq)
-        if count and isinstance(wclock, int):
+        if count and isinstance(wclock, int) and not self.stale(worker, seq):
             self.held[(worker, wclock)] = self.held.get((worker, wclock), 0) + 1
         return True
 

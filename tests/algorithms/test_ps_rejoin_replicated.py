@@ -1,0 +1,169 @@
+"""Workers and servers die, apart in time, in one replicated parameter-server job (``KVStore(replicas=2,
+rejoin=True)`` beside ``ParameterServer(worker_restarts=True)``), in-process: a worker's replacement rejoins the live
+servers (:mod:`paratrain.ps.rejoin`), a server's chunks fail over to their backups or it restarts and catches up
+(:mod:`paratrain.ps.resync`), and the final model equals the fault-free run's bit for bit (two workers: a round's sum
+of two pushes does not depend on their order), every push of an integer audit counted once. A process dies by
+aborting its transport, as a crash would; its successor gets a new endpoint of its rank."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from paratrain import Context
+from paratrain.ps import KVStore
+from paratrain.ps.server import ParameterServer
+from paratrain.testing import rank_context
+from paratrain.transport.base import Transport
+from paratrain.transport.inproc import InprocFabric
+
+pytestmark = pytest.mark.timeout(120)
+
+SGD = {"name": "sgd", "lr": 0.5, "momentum": 0.5}
+WORKERS, SERVERS, STEPS, TIMEOUT = 2, 3, 8, 30.0
+
+#: What happens at which step of which worker: ("worker", step, rank) kills that worker after the step's pull (its
+#: replacement computes the step again), ("pushed", step, rank) after its push; ("server", step, index) kills server
+#: index when worker 0's step begins, ("restart", step, index) kills it and starts it again.
+Event = tuple[str, int, int]
+
+
+def _grad(w: np.ndarray, rank: int, step: int) -> np.ndarray:
+    return np.sin(w * (rank + 1.3) + step) / 3
+
+
+class _Job:
+    """Servers and workers of one in-process job, as threads, and the deaths of ``events``."""
+
+    def __init__(self, events: list[Event], audit: bool) -> None:
+        self.events, self.audit = events, audit
+        self.fabric = InprocFabric(WORKERS + SERVERS, timeout=TIMEOUT)
+        self.transports: list[Transport] = [self.fabric.transport(r) for r in range(WORKERS + SERVERS)]
+        self.results: list[Any] = [None] * WORKERS
+        self.errors: list[BaseException] = []
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.RLock()
+        self.restarts = 0
+
+    def spawn(self, fn: Callable[[], None]) -> None:
+        def guarded() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                self.errors.append(exc)
+                self.fabric.fail_all(exc)
+
+        thread = threading.Thread(target=guarded, daemon=True)
+        with self.lock:
+            self.threads.append(thread)
+        thread.start()
+
+    def serve(self, rank: int, rejoin: bool) -> None:
+        transport = self.transports[rank]
+        ctx = rank_context(transport, workers=WORKERS, servers=SERVERS, timeout=TIMEOUT)
+        try:
+            server = ParameterServer(
+                transport, num_workers=WORKERS, timeout=TIMEOUT, rejoin=rejoin, worker_restarts=True
+            )
+            server.serve()
+        finally:
+            ctx.shutdown()
+
+    def server_event(self, step: int) -> None:
+        for kind, at, index in self.events:
+            if at == step and kind in ("server", "restart"):
+                rank = WORKERS + index
+                with self.lock:
+                    self.transports[rank].abort()
+                    if kind == "restart":
+                        self.restarts += 1
+                        self.transports[rank] = self.fabric.rejoin(rank)
+                        self.spawn(functools.partial(self.serve, rank, True))
+
+    def store(self, ctx: Context, rejoin: bool = False) -> KVStore:
+        kv = KVStore(
+            optimizer=None if self.audit else SGD, context=ctx, chunk_bytes=64, replicas=2, rejoin=rejoin, cache=False
+        )
+        kv.init("w", np.zeros(40, dtype=np.int64) if self.audit else np.arange(40, dtype=np.float64) / 8)
+        return kv
+
+    def work(self, rank: int) -> None:
+        ctx = rank_context(self.transports[rank], workers=WORKERS, servers=SERVERS, timeout=TIMEOUT)
+        kv, first = self.store(ctx), 0
+        while True:
+            died = False
+            for step in range(first, STEPS):
+                if rank == 0:
+                    self.server_event(step)
+                w = kv.pull("w")
+                # deaths apart: a worker dies at its step, or later, once every server restarted so far caught up
+                # (its fence answered); before that it goes on (a blocking wait here could hold up that catch-up)
+                due = first == 0 and kv.resyncs >= self.restarts
+                dies = {kind for kind, at, who in self.events if who == rank and at <= step and due}
+                dies &= {"worker", "pushed"}
+                if "worker" in dies:
+                    ctx.transport.abort()  # dies after reading: its replacement computes this step again
+                    died = True
+                    break
+                grad = np.ones(40, dtype=np.int64) if self.audit else _grad(w, rank, step)
+                kv.push("w", grad)
+                if "pushed" in dies:
+                    ctx.transport.abort()  # dies after pushing: the replacement's pushes of this step count once
+                    died = True
+                    break
+                kv.clock()
+            if not died:
+                break
+            ctx = rank_context(self.fabric.rejoin(rank), workers=WORKERS, servers=SERVERS, timeout=TIMEOUT)
+            kv = self.store(ctx, rejoin=True)
+            first = kv.resumed_clock
+        kv.clock()
+        self.results[rank] = kv.pull("w")
+        kv.close()
+        ctx.shutdown()
+
+    def run(self) -> list[np.ndarray]:
+        for rank in range(WORKERS, WORKERS + SERVERS):
+            self.spawn(functools.partial(self.serve, rank, False))
+        for rank in range(WORKERS):
+            self.spawn(functools.partial(self.work, rank))
+        for _ in range(3):  # (servers restarted meanwhile join the list)
+            for thread in list(self.threads):
+                thread.join(TIMEOUT * 2)
+        assert not [t for t in self.threads if t.is_alive()], "a rank hung"
+        if self.errors:
+            raise self.errors[0]
+        return list(self.results)
+
+
+@pytest.fixture(scope="module")
+def fault_free() -> np.ndarray:
+    results = _Job([], audit=False).run()
+    np.testing.assert_array_equal(results[0], results[1])
+    return np.asarray(results[0])
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        [("worker", 3, 1), ("server", 5, 0)],  # a worker restarts, later a server fails over
+        [("pushed", 3, 0), ("restart", 5, 1)],  # ... and a server restarts and catches up
+        [("restart", 1, 0), ("worker", 4, 0)],  # a server restarts and catches up, later a worker restarts
+        [("server", 2, 1), ("pushed", 5, 1)],  # a server fails over, later a worker restarts
+    ],
+)
+def test_workers_and_servers_die_in_one_job_and_the_model_is_the_fault_free_one(
+    fault_free: np.ndarray, events: list[Event]
+) -> None:
+    for out in _Job(events, audit=False).run():
+        np.testing.assert_array_equal(out, fault_free)
+
+
+def test_audit_every_push_counted_once_across_a_worker_and_a_server_death() -> None:
+    for out in _Job([("pushed", 2, 0), ("restart", 4, 2), ("worker", 6, 1)], audit=True).run():
+        np.testing.assert_array_equal(out, np.full(40, WORKERS * STEPS))
