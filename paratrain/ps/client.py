@@ -606,7 +606,8 @@ class KVStore:
             for c in info.chunks:
                 live = [self._servers[r] for r in c.replicas if router.live(self._servers[r])]
                 server = live[min(i, len(live) - 1)]
-                handle, _ = router.request(server, {"op": "pull", "key": key, "chunk": c.index, "required": required})
+                meta = {"op": "pull", "key": key, "chunk": c.index, "required": required, "replica": i}
+                handle, _ = router.request(server, meta)
                 rows[c.row_start : c.row_stop] = router.wait(
                     handle, server, f"pull of a replica of key {key!r}"
                 ).arrays[0]

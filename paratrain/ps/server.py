@@ -505,7 +505,13 @@ class ParameterServer:
         store.reply(msg.src, msg.meta["id"])
 
     def _op_pull(self, msg: Message) -> None:
-        self.store.chunk(msg.meta)  # validates now: an unknown key is an error at once, not after waiting
+        chunk = self.store.chunk(msg.meta)  # validates now: an unknown key is an error at once, not after waiting
+        if len(chunk.replicas) > 1 and chunk.mode == "clock" and not chunk.owned and msg.meta.get("replica") is None:
+            # a worker reads a replicated chunk here: its owner died (for that worker), so this replica owns it now,
+            # as a push would make it, and takes the steps of the rounds complete here itself: the owner's last
+            # state may hold a round still open (a push waited for before its clock sends it at once, ``flush``)
+            chunk.owned = True
+            self.store.commit(chunk)
         if self.store.ready(msg.meta) and not self.replication.awaits(msg.meta):
             self._answer_pull(msg)
         else:

@@ -40,8 +40,8 @@ def _grad(w: np.ndarray, rank: int, step: int) -> np.ndarray:
 class _Job:
     """Servers and workers of one in-process job, as threads, and the deaths of ``events``."""
 
-    def __init__(self, events: list[Event], audit: bool) -> None:
-        self.events, self.audit = events, audit
+    def __init__(self, events: list[Event], audit: bool, waits: bool = False) -> None:
+        self.events, self.audit, self.waits = events, audit, waits
         self.fabric = InprocFabric(WORKERS + SERVERS, timeout=TIMEOUT)
         self.transports: list[Transport] = [self.fabric.transport(r) for r in range(WORKERS + SERVERS)]
         self.results: list[Any] = [None] * WORKERS
@@ -111,7 +111,9 @@ class _Job:
                     died = True
                     break
                 grad = np.ones(40, dtype=np.int64) if self.audit else _grad(w, rank, step)
-                kv.push("w", grad)
+                pushed = kv.push("w", grad)
+                if self.waits:  # acknowledged before the clock: the owner sends its state mid-round (flush)
+                    pushed.wait(TIMEOUT)
                 if "pushed" in dies:
                     ctx.transport.abort()  # dies after pushing: the replacement's pushes of this step count once
                     died = True
@@ -167,3 +169,15 @@ def test_workers_and_servers_die_in_one_job_and_the_model_is_the_fault_free_one(
 def test_audit_every_push_counted_once_across_a_worker_and_a_server_death() -> None:
     for out in _Job([("pushed", 2, 0), ("restart", 4, 2), ("worker", 6, 1)], audit=True).run():
         np.testing.assert_array_equal(out, np.full(40, WORKERS * STEPS))
+
+
+@pytest.mark.parametrize("server", [0, 1, 2])
+def test_a_failover_after_pushes_waited_for_before_the_clock_reads_the_stepped_model(
+    fault_free: np.ndarray, server: int
+) -> None:
+    """Each worker waits for its push before its clock, so the owner sends each chunk's state with the round still
+    open; the owner dies after the round completed (its stepped state never sent). The backup that a worker now
+    reads from takes ownership at that pull and steps the round itself: the model is the fault-free one (before,
+    the read saw the value before the round's step, and the chunk ended elsewhere)."""
+    for out in _Job([("server", 5, server)], audit=False, waits=True).run():
+        np.testing.assert_array_equal(out, fault_free)
