@@ -129,30 +129,6 @@ def _read_in_place(
         raise PSRequestError(f"worker {worker}: server rank {msg.src} answered a pull unreadably: {exc}") from None
 
 
-class _Resized(Handle[dict[str, Any]]):
-    """The handle of :meth:`KVStore.add_server` / ``remove_server``: its ``wait`` fences this worker for the resize
-    meanwhile (the resize waits for every worker's fence, this one's too), then says what moved."""
-
-    def __init__(self, router: Router, reply: Handle[Message], coordinator: int) -> None:
-        super().__init__()
-        self._router, self._reply, self._coordinator = router, reply, coordinator
-
-    def done(self) -> bool:
-        return super().done() or self._reply.done()
-
-    def wait(self, timeout: float | None = None) -> dict[str, Any]:
-        """What moved; waits up to the KVStore's timeout (``timeout`` is not used: the resize has that one)."""
-        if not super().done():
-            try:
-                answer = self._router.wait(self._reply, self._coordinator, "resize of the servers")
-            except BaseException as exc:
-                self.set_error(exc)
-                raise
-            fields = ("active", "chunks", "bytes", "seconds", "rounds")
-            self.set_result({k: answer.meta[k] for k in fields if k in answer.meta})
-        return super().wait(0)
-
-
 def _replicas(settings: Settings, servers: Sequence[int], replicas: int | None) -> int:
     """The replicas of each chunk (``settings.ps_replicas`` unless given), checked against ``servers``."""
     if not servers:
@@ -764,14 +740,10 @@ class KVStore:
         return self._resize(remove=server)
 
     def _resize(self, **change: int) -> Handle[dict[str, Any]]:
-        router = self._router
-        router.begin()
+        self._router.begin()
         if self._resizer is None:
             raise ConfigError("this KVStore cannot resize: create it with active_servers=S (and start more servers)")
-        servers = self._resizer.servers
-        meta = {"op": "resize", "slots": servers.slots, "active": list(servers.active), **change}
-        reply, coordinator = router.request(self._resizer.coordinator, meta)
-        return _Resized(router, reply, coordinator)
+        return self._resizer.request(**change)
 
     def close(self) -> None:
         """Leaves: the servers stop counting this worker's clock. Idempotent."""

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from paratrain.errors import CommTimeoutError
 from paratrain.ps.membership import ServerSet
@@ -21,7 +22,7 @@ from paratrain.ps.routing import Router
 from paratrain.transport.base import Handle
 from paratrain.transport.wire import Message
 
-__all__ = ["Resizer"]
+__all__ = ["ResizeHandle", "Resizer"]
 
 log = logging.getLogger("paratrain.ps.client")
 
@@ -95,3 +96,33 @@ class Resizer:
         self._replan(self.servers)
         self.fences.append((self._seen, time.monotonic() - started))
         log.info("worker %d: the servers holding keys are now %s", router.rank, list(self.servers.active))
+
+    def request(self, **change: int) -> ResizeHandle:
+        """Asks the coordinator to add (``add=t``) or remove (``remove=t``) a server; the handle of its answer."""
+        meta = {"op": "resize", "slots": self.servers.slots, "active": list(self.servers.active), **change}
+        reply, coordinator = self.router.request(self.coordinator, meta)
+        return ResizeHandle(self.router, reply, coordinator)
+
+
+class ResizeHandle(Handle[dict[str, Any]]):
+    """The handle of :meth:`~.client.KVStore.add_server` / ``remove_server``: its ``wait`` fences this worker for the
+    resize meanwhile (the resize waits for every worker's fence, this one's too), then says what moved."""
+
+    def __init__(self, router: Router, reply: Handle[Message], coordinator: int) -> None:
+        super().__init__()
+        self._router, self._reply, self._coordinator = router, reply, coordinator
+
+    def done(self) -> bool:
+        return super().done() or self._reply.done()
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """What moved; waits up to the KVStore's timeout (``timeout`` is not used: the resize has that one)."""
+        if not super().done():
+            try:
+                answer = self._router.wait(self._reply, self._coordinator, "resize of the servers")
+            except BaseException as exc:
+                self.set_error(exc)
+                raise
+            fields = ("active", "chunks", "bytes", "seconds", "rounds")
+            self.set_result({k: answer.meta[k] for k in fields if k in answer.meta})
+        return super().wait(0)

@@ -114,6 +114,7 @@ class Router:
         self.transport = transport
         self.rank = rank
         self.servers = list(servers)
+        self._server_set = frozenset(self.servers)
         self.replicas = replicas
         self.timeout = timeout
         self.clock = 0
@@ -150,8 +151,7 @@ class Router:
 
     def _server_incarnations(self) -> dict[int, int]:
         """The servers' incarnations (a worker restarted in the same job is no server to fence)."""
-        servers = set(self.servers)
-        return {peer: n for peer, n in self.transport.incarnations().items() if peer in servers}
+        return {peer: n for peer, n in self.transport.incarnations().items() if peer in self._server_set}
 
     def resume_numbering(self, seq: int) -> None:
         """A replacement numbers its pushes from ``seq`` on (its incarnation's numbers, ``ServerStore.stale``)."""
