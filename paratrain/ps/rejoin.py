@@ -84,6 +84,7 @@ class Rejoins:
 
     def hold(self, worker: int) -> None:
         """``worker`` died: keep its place (its clock, its pushes) for its replacement."""
+        self.store.stats.workers_lost.append(worker)
         self.absent.add(worker)
         self._resumed.pop(worker, None)
         self._purge(worker)
@@ -102,8 +103,10 @@ class Rejoins:
         if worker not in store.live:  # it died after its work was done (it left): nothing to take over
             store.reply(worker, msg.meta["id"], left=True)
             return
+        if worker not in self.absent:  # replaced before this server saw it die (its hello came first)
+            self.hold(worker)
         self.absent.discard(worker)
-        self._purge(worker)
+        self._purge(worker)  # (again: what came since its death, forwards of its pushes, dies with its ids too)
         clock = store.done[worker]
         pushed = {key for key, chunk in store.chunks.items() if chunk.last_push.get(worker) == clock}
         self._resumed[worker] = (clock, pushed)

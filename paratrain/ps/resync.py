@@ -68,6 +68,8 @@ CATCHING_UP_ERROR = "backup is catching up"
 
 #: Seconds the first round of fences may take, from the first fence to the last; each retry doubles it.
 FIRST_WINDOW_S = 0.1
+# how often a restarted server that no worker has fenced yet asks the others whether any worker is still there
+CENSUS_S = 0.5
 
 
 class CatchUpError(RuntimeError):
@@ -266,13 +268,14 @@ class _Fence:
     request_id: int
 
 
-def catch_up(transport: Transport, *, servers: Sequence[int], timeout: float, poll: float = 0.2) -> CaughtUp:
+def catch_up(transport: Transport, *, servers: Sequence[int], timeout: float, poll: float = 0.2) -> CaughtUp | None:
     """The restarted server's side: collects every live worker's fence, then its donors' snapshots.
 
     ``servers`` are the job's server ranks (this one included); the others are the donors it may ask.
     Requests from workers other than fences and leaves are refused meanwhile (no worker sends any: each treats
     this server as dead until its fence is answered), as are forwarded pushes (no donor sends any before its
-    snapshot).
+    snapshot). Until the first fence it asks the other servers every :data:`CENSUS_S` seconds which workers
+    take part: None when none does any more (the job ended while this server restarted: nothing to serve).
 
     Raises:
         CatchUpError: no donor answered, a donor died or sent a malformed snapshot, or some worker did not fence
@@ -289,6 +292,7 @@ def catch_up(transport: Transport, *, servers: Sequence[int], timeout: float, po
     started: float | None = None
     window, round_ends = FIRST_WINDOW_S, float("inf")
     rounds = 1
+    census = time.monotonic()
     while True:
         lost = t.lost_peers()
         now = time.monotonic()
@@ -305,8 +309,13 @@ def catch_up(transport: Transport, *, servers: Sequence[int], timeout: float, po
                 fences.clear()
                 window, round_ends = 2 * window, float("inf")
                 rounds += 1
+        elif now >= census:
+            census = now + CENSUS_S
+            if not _census(t, servers, lost, ids, timeout):
+                log.info("server %d: restarted after every worker left; nothing to serve", me)
+                return None
         if now > deadline:
-            missing = sorted(members - fences.keys() - left - lost) if members is not None else "every worker"
+            missing = sorted(members - fences.keys() - left - lost) if members is not None else "(all)"
             raise CatchUpError(
                 f"server {me}: restarted, but workers {missing} did not reach a parameter-server call within "
                 f"{timeout:g}s, so its copy could not be taken at a point they all agree on; it gives up (the "
@@ -385,6 +394,16 @@ def _ask(t: Transport, donors: Sequence[int], meta: Mapping[str, Any], ids: iter
             continue
         asked[donor] = request_id
     return asked
+
+
+def _census(
+    t: Transport, servers: Sequence[int], lost: frozenset[int] | set[int], ids: itertools.count[int], timeout: float
+) -> bool:
+    """Whether any worker still takes part, as the other live servers count them."""
+    others = [s for s in servers if s != t.rank and s not in lost]
+    if not others:
+        raise CatchUpError(f"server {t.rank}: restarted, but no other server is running: no copy to take")
+    return bool(_members(t, others, ids, timeout))
 
 
 def _members(t: Transport, donors: Sequence[int], ids: itertools.count[int], timeout: float) -> set[int]:

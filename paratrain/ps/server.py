@@ -178,7 +178,11 @@ class ParameterServer:
         t = self.transport
         if self._rejoin:
             self._rejoin = False
-            self._install(catch_up(t, servers=self.store.servers, timeout=self.timeout, poll=self.poll))
+            caught = catch_up(t, servers=self.store.servers, timeout=self.timeout, poll=self.poll)
+            if caught is None:  # the job ended while this server restarted
+                self.store.live.clear()
+            else:
+                self._install(caught)
         while self.store.live and not (stop is not None and stop.is_set()):
             try:
                 msg = t.recv(ANY_SOURCE, REQUEST_TAG, timeout=self.resizing.timeout_s(self.poll))
@@ -203,7 +207,7 @@ class ParameterServer:
         clock arrived later). A push of a clock already sent is not held back: it is a push sent again after its
         server died, and the held-back clock may be waiting for it."""
         queue = self._queued.get(msg.src)
-        if queue is not None:
+        if queue is not None and msg.meta.get("op") != "rejoin":  # (a replacement's: it drops its predecessor's)
             until = queue[0].meta.get("clock")
             requests = msg.meta.get("ops") if msg.meta.get("op") == "batch" else [msg.meta]
             retry = (
@@ -321,7 +325,6 @@ class ParameterServer:
         departed = self.transport.departed_peers() if lost else frozenset()
         for worker in sorted(lost):
             if self.rejoins.enabled and worker not in departed:  # its place is held (an ASP round may close)
-                store.stats.workers_lost.append(worker)
                 self.rejoins.hold(worker)
                 continue
             if worker in departed:

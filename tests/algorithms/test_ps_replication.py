@@ -18,6 +18,7 @@ from paratrain._arrays import WireArray
 from paratrain.errors import ConfigError
 from paratrain.ps import KVStore
 from paratrain.ps.protocol import REQUEST_TAG, PSRequestError, pack, reply_tag
+from paratrain.ps.resync import CatchUpError, catch_up
 from paratrain.ps.server import ParameterServer, ServerStats
 from paratrain.testing import rank_context, run_ranks
 from paratrain.transport.base import Handle, Transport
@@ -735,3 +736,26 @@ def test_a_server_dying_as_init_is_sent_to_it_fails_over() -> None:
     results, _ = _run_with_kill(2, 2, train, timeout=20)
     for out in results:
         np.testing.assert_array_equal(out, expected)
+
+
+def test_a_server_restarted_after_every_worker_left_stops_at_once() -> None:
+    """Regression (real processes: a server killed as the job ended came back, waited the whole timeout for
+    workers that had finished, and held the launcher that long): before any fence it asks the other servers which
+    workers take part. None (a donor whose workers all left): nothing to serve. No other server running: no copy to
+    take. Either way it stops now, not at its timeout."""
+    fabric = InprocFabric(3, timeout=10.0)  # worker 0, donor server = rank 1, the restarted server = rank 2
+    donor, restarted = fabric.transport(1), fabric.transport(2)
+
+    def answer_members() -> None:
+        ask = donor.recv(2, REQUEST_TAG, timeout=10.0)
+        assert ask.meta.get("op") == "members"
+        donor.isend(2, reply_tag(ask.meta["id"]), (), {"live": []})
+
+    thread = threading.Thread(target=answer_members, daemon=True)
+    thread.start()
+    assert catch_up(restarted, servers=[1, 2], timeout=600.0, poll=0.05) is None
+    thread.join(10.0)
+    donor.abort()
+    with pytest.raises(CatchUpError, match="no other server is running"):
+        catch_up(restarted, servers=[1, 2], timeout=600.0, poll=0.05)
+    fabric.fail_all(RuntimeError("test over"))
