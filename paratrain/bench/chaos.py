@@ -2,7 +2,8 @@
 
 Each run is one ``paratrain train`` job of two epochs on the digits MLP (a :class:`~paratrain.train.job.TrainJob`)
 with a ``--kill`` drawn at random (:func:`draw_cases`): one worker at a step or at a time, two workers at two
-steps, or (parameter-server strategies, their two servers replicated) a server at a time. The strategies that
+steps, or (parameter-server strategies, their two servers replicated) a server at a time, alone or with a worker
+killed within 0.3 s of it. The strategies that
 recover from a worker's death (their units declare ``restarts``) run with ``--max-restarts`` as many as the deaths,
 a quarter of them without a warm spare (``--no-spare``: the replacement starts cold); the others as users run them.
 Every run ends in one of:
@@ -70,7 +71,7 @@ STRATEGIES = (
 class Case:
     """One chaos run: the strategy, its workers, the kill schedule, the restarts allowed, whether a warm spare
     waits, the parameter servers' replicas (2 where a server is killed), and what is killed (``worker step``,
-    ``worker time``, ``two workers``, ``server``)."""
+    ``worker time``, ``two workers``, ``server``, ``worker+server``)."""
 
     strategy: str
     workers: int
@@ -83,13 +84,14 @@ class Case:
 
 def draw_cases(strategies: tuple[str, ...], runs: int, *, seed: int, steps: int) -> list[Case]:
     """``runs`` cases, the strategies in turn, each drawn by a seeded generator: a parameter-server strategy's
-    server at a time in 1.5..3.0 s after the start (a quarter of theirs: its servers replicated, restarted once);
-    else two workers at two steps (a sixth), or one worker at a step in 2..``steps`` - 1 or at a time in 1.5..3.0 s
-    (half each). Recovering strategies restart each death, from a warm spare or (a quarter) cold.
+    server at a time in 1.5..3.0 s after the start (3/8 of theirs: its servers replicated, the server restarted
+    once), in two of three of them with a worker killed within 0.3 s of it (``worker+server``); else two workers at
+    two steps (a sixth), or one worker at a step in 2..``steps`` - 1 or at a time in 1.5..3.0 s (half each).
+    Recovering strategies restart each death, from a warm spare or (a quarter) cold.
 
     Example:
         >>> [(c.kill, c.what) for c in draw_cases(("allreduce", "bsp"), 3, seed=1, steps=10)]
-        [('0@step=3,1@step=4', 'two workers'), ('server1@2.48s', 'server'), ('0@2.08s', 'worker time')]
+        [('0@step=3,1@step=4', 'two workers'), ('server1@2.21s', 'server'), ('0@2.08s', 'worker time')]
     """
     rng = random.Random(seed)
     cases = []
@@ -99,11 +101,17 @@ def draw_cases(strategies: tuple[str, ...], runs: int, *, seed: int, steps: int)
         workers = 3 if spec.exchanges_parameters else 2
         restarts, draw = _restarts(strategy), rng.random()
         spare = rng.random() >= 0.25
-        if spec.uses_servers and not spec.hybrid and draw < 0.25:
-            server = f"server{rng.randrange(2)}@{rng.uniform(1.5, 3.0):.2f}s"
-            cases.append(Case(strategy, workers, server, 1, spare=spare, replicas=2, what="server"))
+        if spec.uses_servers and not spec.hybrid and draw < 0.375:
+            at = rng.uniform(1.5, 3.0)
+            server = f"server{rng.randrange(2)}@{at:.2f}s"
+            if draw < 0.125:
+                cases.append(Case(strategy, workers, server, 1, spare=spare, replicas=2, what="server"))
+            else:  # a worker too, up to 0.3 s before or after: its recovery overlaps the server's
+                worker = f"{rng.randrange(workers)}@{max(at + rng.uniform(-0.3, 0.3), 1.5):.2f}s"
+                kill = f"{worker},{server}"
+                cases.append(Case(strategy, workers, kill, 1 + restarts, spare=spare, replicas=2, what="worker+server"))
             continue
-        if (draw - 0.25) / 0.75 < 1 / 6 if spec.uses_servers and not spec.hybrid else draw < 1 / 6:
+        if (draw - 0.375) / 0.625 < 1 / 6 if spec.uses_servers and not spec.hybrid else draw < 1 / 6:
             first, second = sorted(rng.sample(range(2, steps), 2))
             kill = f"0@step={first},{workers - 1}@step={second}"
             cases.append(Case(strategy, workers, kill, 2 * restarts, spare=spare, what="two workers"))

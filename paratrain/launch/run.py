@@ -119,9 +119,9 @@ def run_launch(
         kill_seed: the seed of the schedule's ``random`` items.
         max_restarts: restart a failed worker up to this many times in all while the others go on (they must
             recover with :mod:`paratrain.recovery`, as ``paratrain train --max-restarts`` does); 0: a failure
-            stops the job. With ``servers`` (and ``replicas`` >= 2) it restarts dead servers instead, each of
-            which catches up from the other replicas of its chunks (:mod:`paratrain.ps.resync`); a worker's
-            failure still stops the job.
+            stops the job. With ``servers`` a worker's replacement rejoins the servers (:mod:`paratrain.ps.rejoin`),
+            and with ``replicas`` >= 2 dead servers are restarted too (the same budget), each of which catches up
+            from the other replicas of its chunks (:mod:`paratrain.ps.resync`).
         spare: with ``max_restarts``, keep a warm spare running that takes over a failed rank (:mod:`.restarts`).
         min_workers: above 0 the job is elastic: a worker that fails with no warm spare ready is dropped and the
             others go on (renumbered) while at least this many remain; a cold replacement (``max_restarts``)
@@ -220,7 +220,6 @@ def _restarts(
         return None
     restarts = Restarts(
         max_restarts,
-        # (workers of a replicated parameter-server job are not restarted: no spare for them)
         spare_spec(specs[0], prefix=prefix) if spare and max_restarts and specs[0].restartable is not False else None,
         membership=Membership(min_workers, server) if min_workers else None,
         rendezvous=server,
@@ -279,7 +278,7 @@ def _proc_specs(
             env["PARATRAIN_PS_REPLICAS"] = str(replicas)
         if max_restarts and not servers:
             env["PARATRAIN_MAX_RESTARTS"] = str(max_restarts)
-        elif max_restarts and replicas == 1:  # a replacement rejoins the servers, nobody else re-forms
+        elif max_restarts:  # a replacement rejoins the servers, nobody else re-forms
             env["PARATRAIN_PS_WORKER_RESTARTS"] = "1"
         if min_workers:
             env["PARATRAIN_MIN_WORKERS"] = str(min_workers)
@@ -292,10 +291,10 @@ def _proc_specs(
                 prefix=f"[{role}{number}]: " if prefix else "",
                 # a replicated server is not essential (its chunks fail over, the job goes on), and a restarted
                 # one catches up (ps.resync) while the budget lasts; an unreplicated one's chunks die with it; a
-                # restarted worker rejoins unreplicated servers (ps.rejoin)
+                # restarted worker rejoins the servers (ps.rejoin), replicated or not
                 essential=not keep_going if worker else replicas == 1,
                 kill_after=time_kill(schedule, role, number),
-                restartable=(None if replicas == 1 else False) if worker else replicas > 1,
+                restartable=None if worker else replicas > 1,
             )
         )
     return specs

@@ -175,7 +175,7 @@ class TrainJob:
         "allreduce: restart a crashed worker (up to R times in all); it recovers the model from the others' "
         "memory and replays, the others go on, and the result equals the fault-free run's to the bit. bsp/ssp/asp: "
         "restart a crashed worker, which rejoins the servers at its clock (bsp: bitwise the fault-free run); with "
-        "--replicas 2, restart a dead parameter server instead, which catches up from its chunks' other replicas. "
+        "--replicas 2, restart a dead parameter server too, which catches up from its chunks' other replicas. "
         "gossip: restart a crashed worker, which receives its state from its buddy's memory; every worker rolls "
         "back to the newest checkpoint all hold (bitwise the fault-free run). pipelines: the same for a stage, whose "
         "state the next stage (or its twin with --replicas) keeps (default 0)",

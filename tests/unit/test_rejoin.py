@@ -131,18 +131,17 @@ def test_the_rendezvous_answers_a_restarted_rank_at_once_and_refuses_a_late_firs
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_a_parameter_server_job_restarts_its_workers_or_its_replicated_servers(replicas: int) -> None:
-    """Unreplicated: the workers are restarted (they rejoin the servers, which hold their places) and a server's
-    death ends the job (its chunks die with it); replicated: the servers are restarted and a worker's death ends
-    the job (not both in one job yet)."""
+    """The workers are restarted (they rejoin the servers, which hold their places); unreplicated, a server's death
+    ends the job (its chunks die with it); replicated, the servers are restarted too (they catch up)."""
     plan = LaunchPlan(
         nproc=2, argv=["python", "-c", "pass"], run_id="t", master_port=1, rdzv_port=2, scratch_dir="/tmp",
         faults=None, timeout=None, servers=2, secret="00",
     )  # fmt: skip
     specs = _proc_specs(plan, [], prefix=False, replicas=replicas, max_restarts=1, min_workers=0, keep_going=False)
     workers, servers = specs[:2], specs[2:]
-    assert [s.restartable for s in workers] == [None if replicas == 1 else False] * 2
+    assert [s.restartable for s in workers] == [None] * 2
     assert [s.essential for s in workers] == [True, True]
     assert [(s.restartable, s.essential) for s in servers] == [(replicas > 1, replicas == 1)] * 2
     held = {s.env.get("PARATRAIN_PS_WORKER_RESTARTS") for s in specs}
-    assert held == ({"1"} if replicas == 1 else {None})
+    assert held == {"1"}
     assert all("PARATRAIN_MAX_RESTARTS" not in s.env for s in specs)  # nobody re-forms: transports stay plain
