@@ -31,12 +31,10 @@ each bucket once per step.
 the replacement asks the live servers; each process numbers its pushes from its incarnation on
 (:meth:`~.store.ServerStore.stale`), so what a dead worker's pushes left in notices and states still counts in the
 chunks' data but not towards its replacement's clock; its forwards are answered to nobody; a server restarted
-before the replacement connected (or still catching up) is fenced by it as by the others. Deaths apart in time
-(a worker after a server's failover or catch-up, or before a server's death) end bitwise at the fault-free model
-(tests, in-process). Deaths that overlap are not covered: a worker dying while a server's failover or catch-up is
-still in flight stalled a catch-up until its timeout in 2 of 12 runs as processes, and before a check added here
-(a push of a counted clock whose only copies died is an error, not a silently different round) ended once with a
-model that differed. So ``paratrain launch --replicas R --max-restarts N`` still restarts servers only.
+before the replacement connected (or still catching up) is fenced by it as by the others. A server may get the
+replacement's ``hello`` before it sees the death (the transport then reports no loss at all): the ``rejoin`` is
+handled at once even where the predecessor's clock is held back (waiting for a push a dead owner was to forward),
+and holds the place first. ``paratrain launch --replicas R --max-restarts N`` restarts both, from one budget.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ from typing import Any
 from paratrain.errors import PeerLostError, WorkDoneError
 from paratrain.ps.protocol import CATCHING_UP, REQUEST_TAG, PSRequestError
 from paratrain.ps.routing import Router
-from paratrain.ps.store import INCARNATION_BITS, RejectedError, ServerStore
+from paratrain.ps.store import INCARNATION_BITS, RejectedError, ServerStore, lost_push_error
 from paratrain.transport.wire import Message
 
 __all__ = ["Rejoins", "take_place"]
@@ -114,15 +112,16 @@ class Rejoins:
         # too, acknowledged without applying), numbered from its incarnation on (ServerStore.stale)
         for held in [k for k in store.held if k[0] == worker and k[1] >= clock]:
             del store.held[held]
+        me = store.transport.rank
         for key, chunk in store.chunks.items():
+            alone = all(s == me or s in store.servers_lost for s in chunk.replicas)
             for awaited, round_id in [(k, r) for k, r in chunk.awaited.items() if k[0] == worker]:
-                if round_id < clock:  # its data died with the chunk's owner and the worker, both, before any copy
-                    raise RejectedError(
-                        f"worker {worker}'s push of clock {round_id} to key {key[0]!r} chunk {key[1]} was lost: the "
-                        "server that held it and the worker died before it reached another replica, and the clock "
-                        "is counted, so no replacement makes it again. The job cannot go on exactly: restart it"
-                    )
-                del chunk.awaited[awaited]  # (its data comes with the replacement's push of that clock)
+                if round_id >= clock:
+                    del chunk.awaited[awaited]  # (its data comes with the replacement's push of that clock)
+                elif alone:  # its data died with the chunk's other replicas and the worker, before any copy
+                    raise RejectedError(lost_push_error(worker, round_id, key[0]))
+                # (else it comes in another replica's state; should they all die first, .replication marks the
+                # chunk lost)
         incarnation = store.transport.incarnations().get(worker, 0)
         log.warning(  # (the counterpart of "worker N is gone", which users see too)
             "server %d: worker %d rejoined at clock %d (%d chunk(s) here hold its push of that clock)",

@@ -38,7 +38,7 @@ from paratrain.ps.plans import BATCH_BYTES, MAX_BATCH
 from paratrain.ps.protocol import REQUEST_TAG, forward_ids, pack, unpack
 from paratrain.ps.resync import CATCHING_UP_ERROR, CatchUpError, StoredChunk, chunk_message, read_chunk
 from paratrain.ps.rounds import round_of_push
-from paratrain.ps.store import RejectedError, ServerStore
+from paratrain.ps.store import RejectedError, ServerStore, lost_push_error
 from paratrain.transport.wire import Message
 
 __all__ = ["FORWARDS", "Replication"]
@@ -239,11 +239,32 @@ class Replication:
             log.warning(
                 "server %d: server %d is gone; its chunks fail over to their backups", self.store.transport.rank, server
             )
+        if new:
+            self._find_lost_pushes()
         for forward_id, forward in list(self._forwards.items()):
             forward.waiting -= self.store.servers_lost
             if not forward.waiting:
                 del self._forwards[forward_id]
                 self._answer_forward(forward)
+
+    def _find_lost_pushes(self) -> None:
+        """Marks the chunks (:attr:`StoredChunk.lost`) that await the data of a dead worker's push of a counted clock
+        when every other replica is gone: it died with them, and no replacement makes it again."""
+        store = self.store
+        me = store.transport.rank
+        for (key, index), chunk in store.chunks.items():
+            if chunk.lost is not None or not chunk.awaited:
+                continue
+            if not all(s == me or s in store.servers_lost for s in chunk.replicas):
+                continue
+            lost = [
+                (w, r)
+                for (w, seq), r in chunk.awaited.items()
+                if (store.stale(w, seq) or w in store.absent) and r < store.done.get(w, 0)
+            ]
+            if lost:
+                chunk.lost = lost_push_error(lost[0][0], lost[0][1], key)
+                log.error("server %d: key %r chunk %d: %s", me, key, index, chunk.lost)
 
     def _push_aggregated(self, chunk: StoredChunk, msg: Message, seq: int) -> None:
         """A worker's push to a replicated chunk under BSP/SSP: applied here, made known to the other replicas at
@@ -371,7 +392,11 @@ class Replication:
         if seq in self.store.applied.get(worker, ()) or (worker, seq) in chunk.awaited:
             return  # known already (a state had it, or its first owner told this one before it died)
         if self.store.stale(worker, seq):
-            return  # a dead worker's push: its replacement's clock does not count it (its data comes in a state)
+            # a dead worker's push: its replacement's clock does not count it; of a round whose clock was counted
+            # here its replacement does not make it again, so the round waits for its data, in this replica's state
+            if round_id < self.store.done[worker]:
+                chunk.awaited[(worker, seq)] = round_id
+            return
         wclock = meta.get("wclock")
         if isinstance(wclock, int):
             self.store.held[(worker, wclock)] = self.store.held.get((worker, wclock), 0) + 1

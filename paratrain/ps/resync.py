@@ -109,6 +109,9 @@ class StoredChunk:
     ordered: dict[int, dict[int, list[tuple[Any, Any, float, bool]]]] = field(default_factory=dict)
     previous: npt.NDArray[Any] | None = None
     previous_round: int | None = None
+    # why the chunk cannot go on exactly (a dead worker's push of a counted clock died with every replica that had
+    # its data, .replication): every pull and push of it is refused with this
+    lost: str | None = None
     num_chunks: int = 0  # the key's chunks (its placement depends on them all: .membership); 0 if not told
 
 
@@ -399,11 +402,13 @@ def _ask(t: Transport, donors: Sequence[int], meta: Mapping[str, Any], ids: iter
 def _census(
     t: Transport, servers: Sequence[int], lost: frozenset[int] | set[int], ids: itertools.count[int], timeout: float
 ) -> bool:
-    """Whether any worker still takes part, as the other live servers count them."""
+    """Whether any worker still takes part, as the other live servers count them; without any, whether a worker is
+    still connected (none: the job ended; one: it fences here, and the copy it asks for fails, as no server answers;
+    a worker that exited before this server connected may still look connected for a moment)."""
     others = [s for s in servers if s != t.rank and s not in lost]
-    if not others:
-        raise CatchUpError(f"server {t.rank}: restarted, but no other server is running: no copy to take")
-    return bool(_members(t, others, ids, timeout))
+    if others:
+        return bool(_members(t, others, ids, timeout))
+    return not all(w in lost for w in range(t.world_size) if w not in servers)
 
 
 def _members(t: Transport, donors: Sequence[int], ids: itertools.count[int], timeout: float) -> set[int]:

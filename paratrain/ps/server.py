@@ -246,15 +246,16 @@ class ParameterServer:
             return True
         return self.store.held.get((clock.src, number - 1), 0) >= expect
 
-    def _forget(self, worker: int) -> None:
-        """Drops what replication kept of ``worker`` (it left, joined again or died)."""
-        self.store.forget(worker)
+    def _forget(self, worker: int, *, awaited: bool = True) -> None:
+        """Drops what replication kept of ``worker`` (it left, joined again or died; ``awaited``: see ServerStore)."""
+        self.store.forget(worker, awaited=awaited)
         self._queued.pop(worker, None)
         self.replication.forget(worker)
 
     def _drop_requests(self, worker: int) -> None:
-        """Drops every request of ``worker`` still waiting here (its process died: their ids die with it)."""
-        self._forget(worker)
+        """Drops every request of ``worker`` still waiting here (its process died: their ids die with it; its place
+        is held, so the data of its pushes that another replica holds is still awaited)."""
+        self._forget(worker, awaited=False)
         self.store.drop_waiting(worker)
         self.replication.drop_requests(worker)
         self._waiting_clocks = [c for c in self._waiting_clocks if c[0] != worker]
@@ -321,6 +322,8 @@ class ParameterServer:
         store = self.store
         gone = self.transport.lost_peers()
         self.replication.check_servers(gone)
+        if any(self._lost_chunk(meta) for _, meta, _ in store.waiting_pulls):
+            self._advance()  # (it refuses them)
         lost = (gone & store.live) - self.rejoins.absent
         departed = self.transport.departed_peers() if lost else frozenset()
         for worker in sorted(lost):
@@ -352,6 +355,11 @@ class ParameterServer:
         elif self.donor.snapshots:
             self.donor.send_snapshots()
 
+    def _lost_chunk(self, meta: Mapping[str, Any]) -> str | None:
+        """Why the chunk a request names cannot go on exactly (:attr:`StoredChunk.lost`), if it cannot."""
+        chunk = self.store.chunks.get((meta.get("key"), meta.get("chunk")))  # type: ignore[arg-type]
+        return None if chunk is None else chunk.lost
+
     def _advance(self) -> None:
         """Recomputes the slowest clock; applies completed synchronous steps; answers what became allowed."""
         store = self.store
@@ -362,7 +370,10 @@ class ParameterServer:
             store.commit(chunk)
         still: list[tuple[int, Mapping[str, Any], Message]] = []
         for worker, meta, msg in store.waiting_pulls:
-            if worker in store.done and store.ready(meta) and not self.replication.awaits(meta):
+            lost = self._lost_chunk(meta)
+            if lost is not None:
+                self._reject(msg, lost)
+            elif worker in store.done and store.ready(meta) and not self.replication.awaits(meta):
                 self._answer_pull(msg)
             else:
                 still.append((worker, meta, msg))
@@ -489,6 +500,8 @@ class ParameterServer:
     def _op_push(self, msg: Message) -> None:
         store = self.store
         chunk = store.chunk(msg.meta)
+        if chunk.lost is not None:
+            raise RejectedError(chunk.lost)
         seq = msg.meta.get("seq")
         if isinstance(seq, int) and len(chunk.replicas) > 1:
             self.replication.push(chunk, msg, seq)
@@ -509,6 +522,8 @@ class ParameterServer:
 
     def _op_pull(self, msg: Message) -> None:
         chunk = self.store.chunk(msg.meta)  # validates now: an unknown key is an error at once, not after waiting
+        if chunk.lost is not None:
+            raise RejectedError(chunk.lost)
         if len(chunk.replicas) > 1 and chunk.mode == "clock" and not chunk.owned and msg.meta.get("replica") is None:
             # a worker reads a replicated chunk here: its owner died (for that worker), so this replica owns it now,
             # as a push would make it, and takes the steps of the rounds complete here itself: the owner's last

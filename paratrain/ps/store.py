@@ -28,13 +28,23 @@ from paratrain.ps.shared import SHARED_MIN_BYTES, SharedValue, value_prefix
 from paratrain.transport.base import Transport
 from paratrain.transport.wire import Message
 
-__all__ = ["INCARNATION_BITS", "ChunkMovedError", "RejectedError", "ServerStats", "ServerStore"]
+__all__ = ["INCARNATION_BITS", "ChunkMovedError", "RejectedError", "ServerStats", "ServerStore", "lost_push_error"]
 
 log = logging.getLogger("paratrain.ps.server")
 
 #: A worker process restarted in a job that restarts workers numbers its pushes from ``incarnation << INCARNATION_BITS``
 #: (:meth:`ServerStore.stale`).
 INCARNATION_BITS = 40
+
+
+def lost_push_error(worker: int, round_id: int, key: Any) -> str:
+    """Why a job with restarted workers cannot go on exactly: a dead worker's push of a counted clock is lost."""
+    return (
+        f"worker {worker}'s push of clock {round_id} to key {key!r} was lost: the worker and every server that held "
+        "its data died before it reached another replica, and the clock is counted, so no replacement makes it "
+        "again. The job cannot go on exactly: restart it"
+    )
+
 
 #: (wire dtype, key dtype) pairs a push may widen: gradients compressed to 16 bits for the wire
 _WIDENED = frozenset((w, k) for w in ("float16", "bfloat16") for k in ("float32", "float64"))
@@ -212,27 +222,29 @@ class ServerStore:
         required = meta.get("required")
         return required_met(None if required is None else int(required), self.min_done if self.live else None)
 
-    def forget(self, worker: int) -> None:
-        """Drops what replication kept of ``worker`` (it left, joined again or died)."""
+    def forget(self, worker: int, *, awaited: bool = True) -> None:
+        """Drops what replication kept of ``worker`` (it left, joined again or died); ``awaited=False`` keeps the
+        pushes whose data another replica holds (a dead worker's place held for its replacement: its counted
+        clocks need that data, which comes in that replica's state)."""
         self.applied.pop(worker, None)
         for pending in [b for b in self.batched if b[0] == worker]:
             del self.batched[pending]
-        self.drop_held(worker)
+        self.drop_held(worker, awaited=awaited)
 
     def drop_waiting(self, worker: int) -> None:
         """Drops ``worker``'s pulls and inits still waiting here (its process died: their ids died with it, and a
-        replacement numbers its requests afresh)."""
+        replacement numbers its requests afresh); its batches went with :meth:`forget`, called first."""
         self.waiting_pulls = [p for p in self.waiting_pulls if p[0] != worker]
         for waiting in self.waiting_inits.values():
             waiting[:] = [w for w in waiting if w[0] != worker]
-        for key in [k for k in self.batched if k[0] == worker]:  # (a batch of it is never answered now)
-            del self.batched[key]
 
-    def drop_held(self, worker: int) -> None:
-        """Stops counting ``worker``'s pushes towards its clocks and waiting for their data (it left or died: it
-        will not send them again)."""
+    def drop_held(self, worker: int, *, awaited: bool = True) -> None:
+        """Stops counting ``worker``'s pushes towards its clocks and (``awaited``) waiting for their data (it left
+        or died: it will not send them again)."""
         for held in [h for h in self.held if h[0] == worker]:
             del self.held[held]
+        if not awaited:
+            return
         for chunk in self.chunks.values():
             if chunk.awaited:
                 for pending in [a for a in chunk.awaited if a[0] == worker]:

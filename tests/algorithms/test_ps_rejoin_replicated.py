@@ -229,3 +229,50 @@ def test_a_replacement_whose_predecessor_death_went_unseen_is_answered_past_its_
     assert not safety.is_set(), "the replacement's requests stayed held back"
     assert answer.meta.get("clock") == 0 and answer.meta.get("error") is None
     assert server.stats.workers_lost == [0]
+
+
+def test_a_dead_workers_push_whose_data_died_with_the_owner_fails_the_job_rather_than_its_round() -> None:
+    """Regression (real processes: a worker and the owner of half the chunks killed in one clock, 2 runs in 8 ended
+    with another model): owner A (rank 1) applied worker 0's push of clock 0 and told backup B (rank 2) of it; B
+    counted the worker's clock 1; the worker died and its replacement rejoined B at clock 1 (it does not make clock
+    0 again). B used to forget the push it awaited with the rest of the dead worker's bookkeeping, so once A died
+    too it took round 0's step without it. Now B keeps awaiting it (A's next state brings it) and, A dead, refuses
+    every request of the chunk, naming the lost push: the job fails instead of going on with another model."""
+    fabric = InprocFabric(3, timeout=10.0)  # worker 0, owner A = rank 1 (driven by hand), backup B = rank 2
+    worker, owner = fabric.transport(0), fabric.transport(1)
+    server = ParameterServer(fabric.transport(2), num_workers=1, timeout=10.0, poll=0.05, worker_restarts=True)
+    init = {"op": "init", "key": "k", "dtype": "int64", "shape": [8], "key_shape": [8], "consistency": "bsp"}
+    worker.isend(2, REQUEST_TAG, [np.zeros(8, dtype=np.int64)], {"id": 0, **init, "chunk": 0, "replicas": [1, 2]})
+    notice = {"op": "notice", "id": -1, "key": "k", "chunk": 0, "worker": 0, "seq": 0, "round": 0, "wclock": 0}
+    owner.isend(2, REQUEST_TAG, (), notice)
+    worker.isend(2, REQUEST_TAG, (), {"op": "clock", "id": 1, "clock": 1, "expect": 1})
+    counted = threading.Event()
+    receive = server._receive
+
+    def receive_until_counted(msg: Any) -> None:
+        receive(msg)
+        if msg.meta.get("op") == "clock":
+            counted.set()
+
+    server._receive = receive_until_counted  # type: ignore[method-assign]
+    server.serve(counted)
+    assert server.done[0] == 1 and server._chunks[("k", 0)].awaited == {(0, 0): 0}
+    worker.abort()
+    replacement = fabric.rejoin(0)
+    replacement.isend(2, REQUEST_TAG, (), {"op": "rejoin", "id": 7})
+    owner.abort()  # A dies before its state of round 0 went out: the push's data is gone
+    replacement.isend(2, REQUEST_TAG, (), {"op": "pull", "id": 8, "key": "k", "chunk": 0, "required": 1})
+    replacement.isend(2, REQUEST_TAG, (), {"op": "leave", "id": 9})
+    safety = threading.Event()
+    timer = threading.Timer(10.0, safety.set)
+    timer.start()
+    try:
+        server.serve(safety)
+        rejoined = replacement.recv(2, reply_tag(7), timeout=1.0)
+        pulled = replacement.recv(2, reply_tag(8), timeout=1.0)
+    finally:
+        timer.cancel()
+        fabric.fail_all(RuntimeError("test over"))
+    assert not safety.is_set(), "a request stayed unanswered"
+    assert rejoined.meta.get("clock") == 1
+    assert "push of clock 0 to key 'k' was lost" in str(pulled.meta.get("error")), pulled.meta
