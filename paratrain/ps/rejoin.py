@@ -34,7 +34,11 @@ chunks' data but not towards its replacement's clock; its forwards are answered 
 before the replacement connected (or still catching up) is fenced by it as by the others. A server may get the
 replacement's ``hello`` before it sees the death (the transport then reports no loss at all): the ``rejoin`` is
 handled at once even where the predecessor's clock is held back (waiting for a push a dead owner was to forward),
-and holds the place first. ``paratrain launch --replicas R --max-restarts N`` restarts both, from one budget.
+and holds the place first. A dead worker's push that another replica applied (this one was told, a ``notice``) is
+awaited here after the death as before it: a clock counted here is not computed again, so its data must come in
+that replica's state; should every replica holding it die first, the push is lost with them, and the chunk refuses
+every request, naming it (the job fails rather than take the round's step without it). ``paratrain launch
+--replicas R --max-restarts N`` restarts both, from one budget.
 """
 
 from __future__ import annotations
