@@ -19,6 +19,7 @@ imports :mod:`paratrain.torch` (and torch) the first time it is touched; likewis
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from paratrain import errors
@@ -43,16 +44,20 @@ __all__ = [
     "allreduce",
     "allreduce_",
     "allreduce_async",
+    "alltoall",
     "barrier",
     "broadcast",
     "current",
     "errors",
+    "gather",
     "init",
     "local_rank",
     "local_world_size",
     "ps",
     "rank",
+    "reduce",
     "reduce_scatter",
+    "scatter",
     "shutdown",
     "world_size",
 ]
@@ -141,3 +146,23 @@ def allgather(x: A, *, timeout: float | None = None) -> A:
 def reduce_scatter(x: A, op: str = "sum", *, timeout: float | None = None) -> A:
     """This rank's part of ``x`` reduced over all ranks, split along axis 0 like ``numpy.array_split``. Blocks."""
     return current().reduce_scatter(x, op, timeout=timeout)
+
+
+def reduce(x: A, root: int = 0, op: str = "sum", *, timeout: float | None = None) -> A | None:
+    """``x`` reduced over all ranks, on rank ``root``; None on the others (same shape and dtype everywhere). Blocks."""
+    return current().reduce(x, root, op, timeout=timeout)
+
+
+def gather(x: A, root: int = 0, *, timeout: float | None = None) -> A | None:
+    """Every rank's ``x`` concatenated along axis 0 in rank order, on ``root``; None on the others. Blocks."""
+    return current().gather(x, root, timeout=timeout)
+
+
+def scatter(x: A, root: int = 0, *, counts: Sequence[int] | None = None, timeout: float | None = None) -> A:
+    """This rank's part of ``root``'s ``x``, split along axis 0 (``counts`` rows each, or as array_split). Blocks."""
+    return current().scatter(x, root, counts=counts, timeout=timeout)
+
+
+def alltoall(x: A, *, counts: Sequence[int] | None = None, timeout: float | None = None) -> A:
+    """Part q of ``x`` (split along axis 0) to rank q; returns what every rank sent here, in rank order. Blocks."""
+    return current().alltoall(x, counts=counts, timeout=timeout)

@@ -1,4 +1,5 @@
-"""The collectives users call (allreduce, broadcast, allgather, reduce_scatter) on numpy arrays and torch tensors.
+"""The collectives users call (allreduce, broadcast, allgather, reduce_scatter; reduce, gather, scatter and all-to-all
+from :mod:`.personalized_calls`) on numpy arrays and torch tensors.
 
 :class:`Collectives` binds the executors of :mod:`.ring` and :mod:`.tree` to one rank's transport. Each call
 
@@ -54,6 +55,7 @@ from paratrain.collectives.algorithms import (
 from paratrain.collectives.allreduce_calls import AllreduceCalls
 from paratrain.collectives.hierarchical import HostLayout, hierarchical_allreduce
 from paratrain.collectives.ops import Reducer
+from paratrain.collectives.personalized_calls import PersonalizedCalls
 from paratrain.collectives.plans import chunk_bounds
 from paratrain.collectives.policy import (
     AUTO_BROADCAST_TREE_MAX_BYTES,
@@ -90,7 +92,7 @@ __all__ = [
 A = TypeVar("A")
 
 
-class Collectives(AllreduceCalls):
+class Collectives(AllreduceCalls, PersonalizedCalls):
     """The collective operations of one rank, over its transport.
 
     Usually reached through a :class:`~paratrain.Context` (``ctx.allreduce(...)``) or the module-level

@@ -35,7 +35,21 @@ __all__ = [
 
 #: The kinds of call a signature may name. ``"invalid"`` is the call of a rank that rejected its own arguments
 #: (it raises its ValueError or TypeError; the others learn of it here instead of waiting for it in vain).
-KINDS: tuple[str, ...] = ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier", "exchange", "invalid")
+KINDS: tuple[str, ...] = (
+    "allreduce",
+    "broadcast",
+    "allgather",
+    "reduce_scatter",
+    "barrier",
+    "exchange",
+    "invalid",
+    "reduce",
+    "gather",
+    "scatter",
+    "alltoall",
+)
+#: The kinds whose ranks' first dimensions may differ (each rank's block is its own size).
+_RAGGED = ("allgather", "gather", "scatter", "alltoall")
 #: Most dimensions an encoded shape may have (numpy 2's limit).
 MAX_DIMS = 64
 _NAME_BYTES = 24
@@ -71,7 +85,7 @@ class Signature(NamedTuple):
         shape: the caller's shape (not the flat view the algorithms see).
         requested: the algorithm the caller asked for (``"auto"`` included).
         resolved: the algorithm that runs.
-        root: the root rank of a broadcast, else None.
+        root: the root rank of a broadcast, reduce, gather or scatter, else None.
 
     Example:
         >>> a = Signature("allreduce", "sum", "float32", (17, 1311), "auto", "shm")
@@ -173,10 +187,10 @@ def _fmt(sig: Signature) -> str:
 def mismatch(sigs: Sequence[Signature]) -> str | None:
     """What differs between the ranks' signatures (``sigs[q]`` is rank q's), or None if they may go on.
 
-    Pure: every rank computes the same answer from the same list. Differences that do not matter pass: the
-    first dimension of an allgather, and the requested algorithm when the resolved one is the same (``"auto"``
-    and an explicit name that it picks). An ``"auto"`` that resolves differently because the sizes differ is
-    not reported besides the sizes.
+    Pure: every rank computes the same answer from the same list. Differences that do not matter pass: the first
+    dimension of an allgather, gather, scatter or all-to-all, and the requested algorithm when the resolved one is
+    the same (``"auto"`` and an explicit name that it picks). An ``"auto"`` that resolves differently because the
+    sizes differ is not reported besides the sizes.
 
     Example:
         >>> a = Signature("broadcast", None, "int64", (4,), "auto", "tree", root=0)
@@ -194,7 +208,7 @@ def mismatch(sigs: Sequence[Signature]) -> str | None:
             return f"rank 0 called {ref.kind} but rank {j} called {sig.kind}"
         mine: list[str] = []
         theirs: list[str] = []
-        if ref.kind == "allgather":
+        if ref.kind in _RAGGED:
             shapes_differ = len(ref.shape) != len(sig.shape) or ref.shape[1:] != sig.shape[1:]
         else:
             shapes_differ = ref.shape != sig.shape
@@ -213,7 +227,7 @@ def mismatch(sigs: Sequence[Signature]) -> str | None:
             theirs.append(f"algorithm {sig.resolved!r}" + (" (auto)" if sig.requested == "auto" else ""))
         if not mine:
             continue  # only what may differ differs (an allgather's first dimension, the requested name)
-        note = " (allgather needs equal trailing dimensions)" if ref.kind == "allgather" and shapes_differ else ""
+        note = f" ({ref.kind} needs equal trailing dimensions)" if ref.kind in _RAGGED and shapes_differ else ""
         return f"rank 0 has {', '.join(mine)} but rank {j} has {', '.join(theirs)}{note}"
     return None
 

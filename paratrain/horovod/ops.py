@@ -425,8 +425,8 @@ def alltoall(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sends ``splits[q]`` consecutive rows of ``tensor`` to rank q (equal parts if ``splits`` is None) and
     returns the rows received, in rank order; with ``splits``, also how many rows came from each rank (as
-    Horovod returns them). Moves every rank's whole tensor to every rank (an allgather): correct for any splits,
-    N times the bytes of a direct exchange.
+    Horovod returns them). The direct all-to-all (:meth:`~paratrain.collectives.api.Collectives.alltoall`): each
+    row travels once, to its destination.
 
     Raises:
         ValueError: ``splits`` of the wrong length, negative, or not summing to the first dimension; no splits
@@ -445,17 +445,11 @@ def alltoall(
     if len(splits) != n or bool((splits < 0).any()) or int(splits.sum()) != tensor.shape[0]:
         raise ValueError(f"splits must be {n} non-negative counts summing to {tensor.shape[0]}, got {splits.tolist()}")
     t = tensor.detach().clone().contiguous()
-    me = rank()
 
     def call(g: Group) -> tuple[torch.Tensor, torch.Tensor]:
-        table = torch.as_tensor(g.allgather(splits.reshape(1, -1)))  # table[q][p]: rows q sends p
-        everything = torch.as_tensor(g.allgather(t))
-        starts = torch.cumsum(table.sum(dim=1), 0) - table.sum(dim=1)  # where rank q's tensor begins
-        parts = []
-        for q in range(g.world_size):
-            offset = int(starts[q]) + int(table[q, :me].sum())
-            parts.append(everything[offset : offset + int(table[q, me])])
-        return torch.cat(parts), table[:, me].clone()
+        sent = splits.tolist()
+        received = torch.as_tensor(g.alltoall(splits))  # one count from each rank: the rows it sends here
+        return torch.as_tensor(g.alltoall(t, counts=sent)), received
 
     out, received = wait(submit(Request(_auto_name("alltoall", name), "alltoall", t, run=call), wake=False))
     return (out, received) if given else out

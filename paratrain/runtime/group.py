@@ -100,6 +100,40 @@ class CollectiveMethods:
         """This member's part of the reduced ``x``, split along axis 0. Blocks."""
         return self.collectives.reduce_scatter(x, op, timeout=timeout)
 
+    def reduce(self, x: A, root: int = 0, op: str = "sum", *, timeout: float | None = None) -> A | None:
+        """``x`` reduced over the members, on member ``root``; None on the others. Blocks."""
+        return self.collectives.reduce(x, root, op, timeout=timeout)
+
+    def reduce_async(self, x: A, root: int = 0, op: str = "sum", *, timeout: float | None = None) -> Handle[A | None]:
+        """Starts :meth:`reduce` in the background (``x`` is copied first)."""
+        return self.collectives.reduce_async(x, root, op, timeout=timeout)
+
+    def gather(self, x: A, root: int = 0, *, timeout: float | None = None) -> A | None:
+        """Every member's ``x`` concatenated along axis 0 in member order, on ``root``; None on the others. Blocks."""
+        return self.collectives.gather(x, root, timeout=timeout)
+
+    def gather_async(self, x: A, root: int = 0, *, timeout: float | None = None) -> Handle[A | None]:
+        """Starts :meth:`gather` in the background (``x`` is copied first)."""
+        return self.collectives.gather_async(x, root, timeout=timeout)
+
+    def scatter(self, x: A, root: int = 0, *, counts: Sequence[int] | None = None, timeout: float | None = None) -> A:
+        """This member's part of ``root``'s ``x``, split along axis 0 (by ``counts`` rows if given). Blocks."""
+        return self.collectives.scatter(x, root, counts=counts, timeout=timeout)
+
+    def scatter_async(
+        self, x: A, root: int = 0, *, counts: Sequence[int] | None = None, timeout: float | None = None
+    ) -> Handle[A]:
+        """Starts :meth:`scatter` in the background (``x`` is copied first)."""
+        return self.collectives.scatter_async(x, root, counts=counts, timeout=timeout)
+
+    def alltoall(self, x: A, *, counts: Sequence[int] | None = None, timeout: float | None = None) -> A:
+        """Part q of ``x`` (split along axis 0) to member q; what each member sent here, in member order. Blocks."""
+        return self.collectives.alltoall(x, counts=counts, timeout=timeout)
+
+    def alltoall_async(self, x: A, *, counts: Sequence[int] | None = None, timeout: float | None = None) -> Handle[A]:
+        """Starts :meth:`alltoall` in the background (``x`` is copied first)."""
+        return self.collectives.alltoall_async(x, counts=counts, timeout=timeout)
+
 
 class Group(CollectiveMethods):
     """Some of the workers, seen as a world of their own, with their own collectives and tags.
