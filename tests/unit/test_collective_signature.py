@@ -96,8 +96,8 @@ def test_long_algorithm_names_keep_a_prefix_and_a_hash() -> None:
 
 
 def test_what_cannot_be_encoded_or_read() -> None:
-    with pytest.raises(ValueError, match="unknown 'gather'"):
-        BASE._replace(kind="gather").encode()
+    with pytest.raises(ValueError, match="unknown 'scan'"):
+        BASE._replace(kind="scan").encode()
     with pytest.raises(ValueError, match="dimensions"):
         BASE._replace(shape=(1,) * (MAX_DIMS + 1)).encode()
     with pytest.raises(MessageError, match="rank 3 sent a malformed call signature"):
