@@ -38,8 +38,9 @@ and holds the place first. A dead worker's push that another replica applied (th
 awaited here after the death as before it: a clock counted here is not computed again, so its data must come in
 that replica's state; should every replica holding it die first, the push is lost with them, and the chunk refuses
 every request, naming it (the job fails rather than take the round's step without it). ``paratrain launch
---replicas R --max-restarts N`` restarts both, from one budget. Known and not fixed: a server killed and a worker
-killed one clock later stall about 1 run in 8 (the restarted server does not count the replacement's next clock).
+--replicas R --max-restarts N`` restarts both, from one budget. A push's round and what a replacement's push
+duplicates follow the clock the push carries, not the one counted when it arrives: sent again to a backup after its
+owner died, it may arrive after the worker's next clock.
 """
 
 from __future__ import annotations
@@ -161,10 +162,15 @@ class Rejoins:
         if resumed is not None and self.store.done[worker] > resumed[0]:
             del self._resumed[worker]
 
-    def pushed(self, worker: int, key: tuple[Any, int]) -> None:
-        """A push of ``worker`` to chunk ``key`` was applied at its clock now (what a replacement's duplicates)."""
+    def pushed(self, worker: int, key: tuple[Any, int], wclock: Any = None) -> None:
+        """A push of ``worker`` to chunk ``key`` was applied (what a replacement's duplicates), made at its clock
+        ``wclock``: the clock the push carries, not the one counted here now (a push sent again after its server
+        died arrives after the worker's next clock; taken for that clock's, it made the replacement's push of that
+        clock look like a duplicate, and the round went on without it)."""
         if self.enabled:
-            self.store.chunks[key].last_push[worker] = self.store.done[worker]
+            clock = wclock if type(wclock) is int and wclock >= 0 else self.store.done[worker]
+            chunk = self.store.chunks[key]
+            chunk.last_push[worker] = max(chunk.last_push.get(worker, -1), clock)
 
 
 def take_place(router: Router, staleness: int | None, worker: int) -> int:

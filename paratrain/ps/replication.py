@@ -118,7 +118,7 @@ class Replication:
         # of one its predecessor's applied here already, and the record of a push applied (what a replacement's
         # would duplicate)
         self.duplicate: Callable[[int, tuple[Any, int], Any], bool] = lambda worker, key, wclock: False
-        self.pushed: Callable[[int, tuple[Any, int]], None] = lambda worker, key: None
+        self.pushed: Callable[[int, tuple[Any, int], Any], None] = lambda worker, key, wclock: None
 
     def handlers(self) -> dict[str, Callable[[Message], None]]:
         """The operations other servers (and, ``flush``, workers) send, by name."""
@@ -219,7 +219,7 @@ class Replication:
             self.store.apply(
                 chunk, rows, data, round_id, msg.meta.get("version"), densify=bool(msg.meta.get("densify"))
             )
-            self.pushed(msg.src, ck)
+            self.pushed(msg.src, ck, msg.meta.get("wclock"))
         if waiting:
             self._forward_ids += 1
             self._forwards[forward_id] = _Forward([(msg.src, msg.meta["id"])], waiting)
@@ -299,10 +299,12 @@ class Replication:
                 self.send_states(flush=worker)
             return
         self.store.stats.pushes += 1
-        round_id = noticed if noticed is not None else round_of_push(chunk.mode, self.store.done[worker], chunk.version)
+        # (the push's own clock: sent again after its owner died, it may come after the worker's next clock)
+        clock = wclock if wclock >= 0 else self.store.done[worker]
+        round_id = noticed if noticed is not None else round_of_push(chunk.mode, clock, chunk.version)
         self._forward(chunk, msg, {"op": "notice", "id": -1, "round": round_id}, ())
         self.store.apply(chunk, rows, data, round_id, msg.meta.get("version"), densify=bool(msg.meta.get("densify")))
-        self.pushed(worker, ck)
+        self.pushed(worker, ck, wclock)
         if alone:
             self.store.reply(worker, msg.meta["id"])
         else:

@@ -517,7 +517,7 @@ class ParameterServer:
         if new:
             read, densify = msg.meta.get("version"), bool(msg.meta.get("densify"))
             store.apply(chunk, rows, data, round_id, read, densify=densify, worker=msg.src)
-            self.rejoins.pushed(msg.src, key)
+            self.rejoins.pushed(msg.src, key, msg.meta.get("wclock"))
         store.reply(msg.src, msg.meta["id"])
 
     def _op_pull(self, msg: Message) -> None:
