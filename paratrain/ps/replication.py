@@ -119,6 +119,7 @@ class Replication:
         # would duplicate)
         self.duplicate: Callable[[int, tuple[Any, int], Any], bool] = lambda worker, key, wclock: False
         self.pushed: Callable[[int, tuple[Any, int], Any], None] = lambda worker, key, wclock: None
+        self.newly_lost = False  # a chunk was marked lost (_find_lost_pushes): the server refuses its waiting pulls
 
     def handlers(self) -> dict[str, Callable[[Message], None]]:
         """The operations other servers (and, ``flush``, workers) send, by name."""
@@ -264,6 +265,7 @@ class Replication:
             ]
             if lost:
                 chunk.lost = lost_push_error(lost[0][0], lost[0][1], key)
+                self.newly_lost = True
                 log.error("server %d: key %r chunk %d: %s", me, key, index, chunk.lost)
 
     def _push_aggregated(self, chunk: StoredChunk, msg: Message, seq: int) -> None:

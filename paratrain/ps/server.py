@@ -322,8 +322,9 @@ class ParameterServer:
         store = self.store
         gone = self.transport.lost_peers()
         self.replication.check_servers(gone)
-        if any(self._lost_chunk(meta) for _, meta, _ in store.waiting_pulls):
-            self._advance()  # (it refuses them)
+        if self.replication.newly_lost:
+            self.replication.newly_lost = False
+            self._advance()  # (it refuses the waiting pulls of the chunks lost)
         lost = (gone & store.live) - self.rejoins.absent
         departed = self.transport.departed_peers() if lost else frozenset()
         for worker in sorted(lost):
