@@ -135,6 +135,7 @@ class Router:
         # restarted servers (.resync): each server's incarnation as last brought up to date (or seen dead), and
         # those that rejoined, in order: they own a chunk only when every replica that never died is gone
         self._known: dict[int, int] = self._server_incarnations()
+        self._fenced: dict[int, int] = {}  # server rank -> the incarnation this worker fenced last
         self._demoted: list[int] = []
         # servers to fence whatever their incarnation says (a replacement's: restarted before it connected, .rejoin)
         self.must_fence: set[int] = set()
@@ -416,12 +417,12 @@ class Router:
         # else: the request is sent again (to the chunk's owner now); the restarted server serves on
 
     def _fenced_since(self, server: int) -> bool:
-        """Whether ``server`` is a restarted process that this worker fenced and still counts live: an error or a
-        refusal of that rank that arrives now belongs to an earlier process (or to before the fence)."""
-        incarnation = self.transport.incarnations().get(server, 0)
+        """Whether this worker fenced ``server``'s process now running and still counts it live: an error or a
+        refusal of that rank that arrives now belongs to an earlier process (or to before the fence). Recorded
+        per fence, not read off the incarnation: a replacement that connected after the server's restart sees
+        incarnation 0, and took a stale refusal for a live server's (it never sent it a clock again: a stall)."""
         return (
-            incarnation > 0
-            and self._known.get(server, 0) == incarnation
+            self._fenced.get(server) == self.transport.incarnations().get(server, 0)
             and server not in self._dead
             and server not in self.transport.lost_peers()
         )
@@ -430,10 +431,13 @@ class Router:
         """``server`` refused a request because it is a restarted process still catching up (:mod:`.resync`):
         this worker sent it before it saw the restart (the transport had the new process's connection already,
         not yet counted as a new incarnation here). It is dead to this worker until it fenced it, as after a
-        death; the error, for :meth:`lost` and the callers that send the request to another replica. A refusal
-        read only after this worker fenced that server (a wait fences first) is stale: the server stays live."""
+        death, and fenced at the next call even where its incarnation looks known (a process that connected after
+        the restart counts it as the first); the error, for :meth:`lost` and the callers that send the request to
+        another replica. A refusal read only after this worker fenced that server (a wait fences first) is stale:
+        the server stays live."""
         if not self._fenced_since(server):
             self._dead.add(server)
+            self.must_fence.add(server)
         return PeerLostError(f"worker {self.rank}: {what} not served: {answer.meta.get('error')}", peer=server)
 
     def _dispatch(self, entries: Sequence[_Entry], row_bytes: int) -> None:
@@ -559,6 +563,7 @@ class Router:
                 self._dead.add(server)
                 if server in self.transport.lost_peers() or self._fence(server):
                     self._known[server] = incarnation
+                    self._fenced[server] = incarnation
                     self.must_fence.discard(server)
         finally:
             self._fencing = False

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from paratrain import Context
+from paratrain.errors import PeerLostError
 from paratrain.ps import KVStore
-from paratrain.ps.protocol import REQUEST_TAG, reply_tag
+from paratrain.ps.protocol import CATCHING_UP, REQUEST_TAG, reply_tag
+from paratrain.ps.routing import Router
 from paratrain.ps.server import ParameterServer
 from paratrain.testing import rank_context
 from paratrain.transport.base import Transport
@@ -276,3 +278,46 @@ def test_a_dead_workers_push_whose_data_died_with_the_owner_fails_the_job_rather
     assert not safety.is_set(), "a request stayed unanswered"
     assert rejoined.meta.get("clock") == 1
     assert "push of clock 0 to key 'k' was lost" in str(pulled.meta.get("error")), pulled.meta
+
+
+def test_a_replacement_keeps_a_server_it_fenced_live_past_that_servers_earlier_refusals() -> None:
+    """Regression (real processes: server 0 killed at clock 10, worker 1 after its pull of clock 11, 6 runs in 140
+    stalled until the timeout): the replacement connected after the server's restart, so it counts that process as
+    incarnation 0. It sent the catching-up server its inits, fenced it in the first wait, then read the inits'
+    refusals (sent before the fence) and took them for the live process's: it counted the server dead, with no new
+    incarnation to fence again, sent it no clock again, and the server waited for its clocks. Now a refusal read
+    after this worker fenced that very process is stale, and a server refusing one it never fenced is fenced."""
+    fabric = InprocFabric(3, timeout=10.0)  # the replacement (rank 0), the restarted server (1), another server (2)
+    server = fabric.transport(1)
+    router = Router(fabric.transport(0), rank=0, servers=[1, 2], replicas=2, timeout=10.0)
+    router.must_fence.add(1)  # (take_place: its rejoin was answered "catching up")
+    fenced: list[int] = []
+
+    def catching_up() -> None:  # refuses the requests, then answers the fence once "caught up"
+        for _ in range(3):
+            msg = server.recv(0, REQUEST_TAG, timeout=10.0)
+            if msg.meta["op"] == "fence":
+                fenced.append(msg.meta["clock"])
+                server.isend(0, reply_tag(msg.meta["id"]), (), {"done": 0})
+            else:
+                server.isend(0, reply_tag(msg.meta["id"]), (), {"error": "catching up", CATCHING_UP: True})
+
+    thread = threading.Thread(target=catching_up, daemon=True)
+    thread.start()
+    try:
+        inits = [router.request(1, {"op": "init", "key": "w", "chunk": c})[0] for c in range(2)]
+        for init in inits:  # the first wait fences the server; both refusals are read after the fence
+            with pytest.raises(PeerLostError) as refused:
+                router.wait(init, 1, "an init")
+            router.lost(refused.value, 1)  # (what create() does with it: the other replica holds the chunk)
+        thread.join(10.0)
+        assert fenced == [0] and router.live(1) and not router.must_fence
+        # a refusal from a server this worker never fenced: dead to it until it fenced it, and fenced at its next call
+        other = router.request(2, {"op": "pull", "key": "w", "chunk": 0})[0]
+        pull = fabric.transport(2).recv(0, REQUEST_TAG, timeout=10.0)
+        fabric.transport(2).isend(0, reply_tag(pull.meta["id"]), (), {"error": "catching up", CATCHING_UP: True})
+        with pytest.raises(PeerLostError):
+            router.wait(other, 2, "a pull")
+        assert not router.live(2) and router.must_fence == {2}
+    finally:
+        fabric.fail_all(RuntimeError("test over"))

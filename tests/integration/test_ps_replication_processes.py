@@ -180,10 +180,13 @@ kv = pt.ps.KVStore(consistency="bsp", optimizer={"name": "sgd", "lr": 0.5, "mome
 kv.init("w", np.linspace(-1.0, 1.0, 4096))
 kill_server = int(os.environ.get("KILL_SERVER_AT", "-1"))
 for step in range(kv.resumed_clock, 30):
-    kill_point(step + 1)  # --kill RANK@step=K fires here
+    if ctx.rank == 0:
+        kill_point(step + 1)  # --kill 0@step=K fires as step K begins
     if ctx.rank == 0 and step == kill_server:
         os.kill(server_pid(0), signal.SIGKILL)  # the launcher restarts it; it catches up from server 1
     w = kv.pull("w")
+    if ctx.rank == 1:
+        kill_point(step + 1)  # --kill 1@step=K fires after step K's pull (see the test)
     kv.push("w", np.sin(w * (ctx.rank + 1.3) + step) / 3)
     kv.clock()
 digest = hashlib.sha256(kv.pull("w").tobytes()).hexdigest()
@@ -204,9 +207,11 @@ def test_a_worker_and_a_server_killed_in_one_clock_both_restart_and_the_model_is
     interrupted clock, and the final parameters (SGD with momentum on the servers) are bitwise those of the run
     without kills. Regression (worker 1): its pushes of clock 10, sent again to the backup after the owner died,
     arrived after its clock 11 and were taken for clock 11's, so the replacement's pushes of clock 11 were dropped as
-    duplicates (another model, 3 runs in 24) or the rounds waited (a stall, 2 in 36). (Worker 1 killed in the very
-    clock of the server may leave its push of clock 9 on that server alone: the job then fails, naming the lost
-    push, tests/algorithms/test_ps_rejoin_replicated.py.)"""
+    duplicates (another model, 3 runs in 24) or the rounds waited (a stall, 2 in 36). Worker 1 dies after its 12th
+    step's pull, which needed its pushes of clock 10 on a live replica: killed before it (as the step begins), it could
+    die before it saw the server's death, leaving a push that only the dead server held (clocks are sent without
+    waiting for the pushes' acknowledgements); the job then fails, naming the lost push (1 CI run in about 40;
+    tests/algorithms/test_ps_rejoin_replicated.py)."""
     script = tmp_path / "both.py"
     script.write_text(textwrap.dedent(BOTH_JOB))
 
