@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from paratrain.collectives.lower import allreduce_parts, allreduce_plan
+from paratrain.collectives.lower_allreduce import allreduce_parts, allreduce_plan
 from paratrain.gossip.plan import round_actions
 from paratrain.plan.ir import Plan
 from paratrain.ps.plans import round_plan

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy.typing as npt
 
+from paratrain.collectives.execute import run_actions
+from paratrain.collectives.lower_allreduce import allreduce_plan
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.ring import chain_broadcast_run, ring_allreduce_run
 from paratrain.collectives.tree import Exchange, direct_allreduce, tree_allreduce, tree_broadcast
@@ -23,6 +25,7 @@ __all__ = [
     "AllreduceAlgorithm",
     "AllreduceRun",
     "BroadcastAlgorithm",
+    "planned_allreduce",
 ]
 
 AllreduceRun = Callable[[Exchange, npt.NDArray[Any], npt.NDArray[Any], Reducer], None]
@@ -49,6 +52,21 @@ class AllreduceAlgorithm:
     agreement: bool = True
 
 
+def planned_allreduce(name: str, *, segment_bytes: int | None = None) -> AllreduceRun:
+    """The runner of allreduce plan ``name`` (:func:`~.lower_allreduce.allreduce_plan`, without the agreement,
+    which the API ran), its messages cut into ``segment_bytes``: this rank's actions, executed. Blocks."""
+
+    def run(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], reducer: Reducer) -> None:
+        plan = allreduce_plan(
+            name, ex.world_size, dst.size, dst.itemsize, aliased=dst is src, segment_bytes=segment_bytes,
+            agreement=False,
+        )  # fmt: skip
+        run_actions(ex, plan.ranks[ex.rank], {"src": src, "dst": dst}, reducer, dst.dtype)
+
+    run.__name__ = f"{name}_allreduce"
+    return run
+
+
 #: A broadcast algorithm: ``impl(exchange, dst, root=..., source=...)`` copies the root's flat ``source``
 #: into every rank's flat ``dst``.
 BroadcastAlgorithm = Callable[..., None]
@@ -58,6 +76,7 @@ DEFAULT_ALLREDUCE_ALGORITHMS: Mapping[str, AllreduceAlgorithm] = MappingProxyTyp
         "ring": AllreduceAlgorithm(ring_allreduce_run),
         "tree": AllreduceAlgorithm(tree_allreduce),
         "direct": AllreduceAlgorithm(direct_allreduce, data_in_agreement=True),
+        **{name: AllreduceAlgorithm(planned_allreduce(name)) for name in ("halving_doubling", "torus", "double_tree")},
     }
 )
 DEFAULT_BROADCAST_ALGORITHMS: Mapping[str, BroadcastAlgorithm] = MappingProxyType(

@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from paratrain.collectives.exchange import Exchange
 from paratrain.collectives.execute import run_actions
-from paratrain.collectives.lower import allreduce_plan
+from paratrain.collectives.lower_allreduce import allreduce_plan
 from paratrain.collectives.ops import Reducer
 
 __all__ = ["HostLayout", "hierarchical_allreduce"]

@@ -17,7 +17,9 @@ Buffers: ``"src"`` (what this rank contributes; the root's data in a broadcast),
 ``"gathered"`` (the agreement's payloads, ``index`` = rank) and ``"own"`` (a private copy of ``src``).
 
 Every schedule here lowers into the same builder with the same slice and dependency rules, and the plans compose
-each other (the agreement opens every call, the hierarchical plan nests the ring and the chains).
+each other (the agreement opens every call, the hierarchical plan nests the ring and the chains). The allreduce
+schedules built on these (halving-doubling, the 2-D torus, the double binary tree) and the allreduce call's plan
+are in :mod:`.lower_allreduce`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
-from paratrain.collectives.lower_shm import shm_allreduce_into
 from paratrain.collectives.plans import (
     RingStep,
     TreeStep,
@@ -48,8 +49,6 @@ __all__ = [
     "agreement_plan",
     "allgather_parts",
     "allgather_plan",
-    "allreduce_parts",
-    "allreduce_plan",
     "barrier_into",
     "barrier_plan",
     "broadcast_plan",
@@ -65,6 +64,7 @@ __all__ = [
     "tree_allreduce_into",
     "tree_broadcast_into",
     "tree_reduce_into",
+    "with_agreement",
     "world_plan",
 ]
 
@@ -335,119 +335,15 @@ class PlanParts:
         return world_plan(self.name, self.n, self.part, aliased=self.aliased)
 
 
-def _with_agreement(agreement: bool, n: int, body: RankPart) -> RankPart:
+def with_agreement(agreement: bool, n: int, body: RankPart) -> RankPart:
+    """``body`` opened by the agreement (unless ``agreement`` is False): what every call's plan is."""
+
     def part(b: PlanBuilder, rank: int) -> None:
         if agreement:
             agreement_into(b, rank, n)
         body(b, rank)
 
     return part
-
-
-def allreduce_parts(
-    algorithm: str,
-    n: int,
-    count: int,
-    itemsize: int,
-    *,
-    aliased: bool = False,
-    segment_bytes: int | None = None,
-    hosts: tuple[str, ...] | None = None,
-    shm: tuple[int, int, int] | None = None,
-    agreement: bool = True,
-) -> PlanParts:
-    """One allreduce call of ``count`` items per rank, a rank at a time (see :class:`PlanParts`): the agreement
-    (unless ``agreement`` is False; ``"direct"`` carries its data in it, ``"shm"`` folds it into its first
-    synchronisation), then the algorithm (``"ring"``, ``"tree"``, ``"direct"``, ``"hierarchical"`` with
-    ``hosts``, ``"shm"`` with ``shm=(block_items, align, small_bytes)`` of the group).
-
-    Example:
-        >>> p = allreduce_parts("ring", 2, 4, 8, agreement=False).plan()
-        >>> p.sends(0)
-        [Message(src=0, dst=1, tag=0, nbytes=16), Message(src=0, dst=1, tag=0, nbytes=16)]
-    """
-    segment = segment_items(itemsize, segment_bytes)
-    body: RankPart
-    if algorithm == "ring":
-        bounds = chunk_bounds(count, n)
-
-        def body(b: PlanBuilder, r: int) -> None:
-            ring_into(
-                b, ring_allreduce(r, n), bounds, itemsize=itemsize, segment=segment, reduce_steps=n - 1, divide_by=n
-            )
-
-    elif algorithm == "tree":
-
-        def body(b: PlanBuilder, r: int) -> None:
-            tree_allreduce_into(b, r, n, count, itemsize=itemsize)
-
-    elif algorithm == "direct":
-
-        def body(b: PlanBuilder, r: int) -> None:
-            direct_allreduce_into(b, r, n, count, itemsize=itemsize)
-
-        agreement = False  # it is the agreement
-    elif algorithm == "shm":
-        if shm is None:
-            raise ValueError("the shared-memory allreduce plan needs shm=(block_items, align, small_bytes)")
-        block_items, align, small_bytes = shm
-
-        def body(b: PlanBuilder, r: int) -> None:
-            shm_allreduce_into(
-                b,
-                r,
-                n,
-                count,
-                itemsize=itemsize,
-                block_items=block_items,
-                align=align,
-                one_phase=count * itemsize <= small_bytes,
-            )
-
-        agreement = False  # folded into the first block's synchronisation
-    elif algorithm == "hierarchical":
-        if hosts is None or len(hosts) != n:
-            raise ValueError("the hierarchical allreduce plan needs every rank's host")
-        layout = hosts
-
-        def body(b: PlanBuilder, r: int) -> None:
-            hierarchical_allreduce_into(b, r, layout, count, itemsize=itemsize, segment=segment)
-
-    else:
-        raise ValueError(f"no plan for allreduce algorithm {algorithm!r}")
-    return PlanParts(f"allreduce/{algorithm}", n, _with_agreement(agreement, n, body), aliased=aliased)
-
-
-@functools.lru_cache(maxsize=256)
-def allreduce_plan(
-    algorithm: str,
-    n: int,
-    count: int,
-    itemsize: int,
-    *,
-    aliased: bool = False,
-    segment_bytes: int | None = None,
-    hosts: tuple[str, ...] | None = None,
-    shm: tuple[int, int, int] | None = None,
-    agreement: bool = True,
-) -> Plan:
-    """The whole plan of one allreduce call (every rank's actions; see :func:`allreduce_parts`).
-
-    Example:
-        >>> allreduce_plan("ring", 2, 4, 8, agreement=False).sends(0)
-        [Message(src=0, dst=1, tag=0, nbytes=16), Message(src=0, dst=1, tag=0, nbytes=16)]
-    """
-    return allreduce_parts(
-        algorithm,
-        n,
-        count,
-        itemsize,
-        aliased=aliased,
-        segment_bytes=segment_bytes,
-        hosts=hosts,
-        shm=shm,
-        agreement=agreement,
-    ).plan()
 
 
 @functools.lru_cache(maxsize=256)
@@ -476,7 +372,7 @@ def broadcast_plan(
         else:
             raise ValueError(f"no plan for broadcast algorithm {algorithm!r}")
 
-    return world_plan(f"broadcast/{algorithm}", n, _with_agreement(agreement, n, body), aliased=aliased)
+    return world_plan(f"broadcast/{algorithm}", n, with_agreement(agreement, n, body), aliased=aliased)
 
 
 @functools.lru_cache(maxsize=256)
@@ -577,7 +473,7 @@ def _ring_parts(
             src="dst" if gather else "src",
         )
 
-    return PlanParts(f"{kind}/ring", n, _with_agreement(agreement, n, body), aliased=aliased)
+    return PlanParts(f"{kind}/ring", n, with_agreement(agreement, n, body), aliased=aliased)
 
 
 @functools.lru_cache(maxsize=64)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from paratrain.collectives.lower import allreduce_plan
+from paratrain.collectives.lower_allreduce import PLANNED_ALGORITHMS, allreduce_plan
 from paratrain.plan.cost import simulate
 
 __all__ = [
@@ -84,16 +84,20 @@ def network_allreduce_choice(latency: float, bandwidth: float | None) -> Callabl
     :data:`LOOPBACK_BYTES_PER_SECOND` when unlimited). The replay reproduces the textbook costs, with
     ``L = ceil(log2 N)`` agreement rounds before every call (``direct`` carries its data in them)::
 
-        direct  L a + (N - 1) n / b               every rank gets every array, reduces locally
-        tree    L a + 2 L (a + n / b)             binomial reduce, then broadcast
-        ring    L a + 2 (N - 1) (a + n / (N b))   reduce-scatter, then allgather
+        direct            L a + (N - 1) n / b                 every rank gets every array, reduces locally
+        tree              L a + 2 L (a + n / b)               binomial reduce, then broadcast
+        ring              L a + 2 (N - 1) (a + n / (N b))     reduce-scatter, then allgather
+        halving_doubling  L a + 2 log2 N a + 2 (N - 1) n / (N b)   (N a power of two; else 2 more steps of n)
+        torus (R x C)     L a + 2 (R + C - 2) a + 2 (N - 1) n / (N b)
+        double_tree       about L a + 2 log2 N a + n / b       (segments pipelined up and down two trees)
 
-    Ties (within a part in a million) go to the simpler algorithm, in the order direct, tree, ring.
+    (Messages above the pipelining segment are cut, which adds latencies.) Ties (within a part in a million) go
+    to the simpler algorithm, in the order of :data:`~.lower_allreduce.PLANNED_ALGORITHMS`.
 
     Example:
         >>> choose = network_allreduce_choice(0.002, 12.5e6)   # 2 ms, 100 Mbit/s
-        >>> choose(1 << 20, 4), choose(1 << 10, 4)
-        ('ring', 'direct')
+        >>> choose(1 << 24, 4), choose(1 << 20, 4), choose(1 << 10, 4)
+        ('ring', 'halving_doubling', 'direct')
     """
     beta = 1.0 / (bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND)
 
@@ -103,7 +107,7 @@ def network_allreduce_choice(latency: float, bandwidth: float | None) -> Callabl
             return "direct"
         costs = {
             name: simulate(allreduce_plan(name, world_size, nbytes, 1), alpha=latency, beta=beta).time
-            for name in ("direct", "tree", "ring")
+            for name in PLANNED_ALGORITHMS
         }
         best = min(costs.values())
         return next(name for name, cost in costs.items() if cost <= best * (1 + 1e-6))

@@ -20,11 +20,11 @@ from paratrain.collectives.execute import run_actions
 from paratrain.collectives.lower import (
     SEGMENT_BYTES,
     allgather_plan,
-    allreduce_plan,
     broadcast_plan,
     reduce_scatter_plan,
     segment_bounds,
 )
+from paratrain.collectives.lower_allreduce import allreduce_plan
 from paratrain.collectives.ops import Reducer
 
 __all__ = [

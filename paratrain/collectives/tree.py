@@ -26,7 +26,8 @@ import numpy.typing as npt
 
 from paratrain.collectives.exchange import Exchange
 from paratrain.collectives.execute import Buffers, run_actions
-from paratrain.collectives.lower import agreement_plan, allreduce_plan, broadcast_plan, reduce_plan
+from paratrain.collectives.lower import agreement_plan, broadcast_plan, reduce_plan
+from paratrain.collectives.lower_allreduce import allreduce_plan
 from paratrain.collectives.ops import Reducer
 from paratrain.errors import MessageError
 from paratrain.transport.base import Handle

@@ -196,7 +196,8 @@ class Compressor(abc.ABC):
         Raises:
             ConfigError: the scheme cannot be summed on the way (top-k), with what to use instead.
         """
-        if not self.linear and algorithm in ("ring", "tree", "auto", "direct"):
+        reducing = ("auto", "ring", "tree", "direct", "halving_doubling", "torus", "double_tree", "hierarchical", "shm")
+        if not self.linear and algorithm in reducing:
             raise ConfigError(
                 f"compression {self.name!r} is not linear: the sum of sparse top-k vectors is not sparse in the "
                 f"same places, so a reducing allreduce ({algorithm!r}) cannot carry it; it needs an allgather of "

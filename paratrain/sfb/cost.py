@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from paratrain.collectives.plans_allreduce import torus_shape
+
 __all__ = ["SCHEMES", "HybridPlan", "LayerChoice", "LayerShape", "Traffic", "choose_schemes", "scheme_traffic"]
 
 #: The ways a layer's gradient can travel: ``allreduce`` (ring), ``ps`` (push to servers, pull parameters),
@@ -164,11 +166,26 @@ def scheme_traffic(
     if scheme == "allreduce":
         if algorithm == "direct":
             return Traffic(scheme, (p - 1) * n * size, (p - 1) * n * size, rounds=1)
-        if algorithm not in ("ring", "tree"):
-            raise ValueError(f"unknown allreduce algorithm {algorithm!r}: ring, tree or direct")
+        log = max(1, (p - 1).bit_length())
+        if algorithm == "tree":
+            each = 2 * (p - 1) / p * n * size
+            return Traffic(scheme, each, each, rounds=2 * log)
+        if algorithm == "double_tree":  # an inner node of one tree: half up, both halves down; a leaf of the other
+            return Traffic(scheme, 2 * n * size, 2 * n * size, rounds=2 * log)
+        if algorithm == "halving_doubling":
+            active = 1 << (p.bit_length() - 1)  # a world that is not a power of two folds in: a whole array
+            each = 2 * (active - 1) / active * n * size + (n * size if active != p else 0)
+            return Traffic(scheme, each, each, rounds=2 * (active.bit_length() - 1) + (2 if active != p else 0))
+        if algorithm == "torus":
+            rows, cols = torus_shape(p)
+            each = 2 * (p - 1) / p * n * size
+            return Traffic(scheme, each, each, rounds=2 * (rows + cols - 2))
+        if algorithm != "ring":
+            raise ValueError(
+                f"unknown allreduce algorithm {algorithm!r}: ring, tree, direct, halving_doubling, torus or double_tree"
+            )
         each = 2 * (p - 1) / p * n * size
-        rounds = 2 * (p - 1) if algorithm == "ring" else 2 * max(1, (p - 1).bit_length())
-        return Traffic(scheme, each, each, rounds=rounds)
+        return Traffic(scheme, each, each, rounds=2 * (p - 1))
     if scheme == "ps":
         if servers < 1:
             raise ValueError(f"layer {layer.name!r}: the parameter server needs servers >= 1, got {servers}")
@@ -369,7 +386,7 @@ def choose_schemes(
         if want is not None and want not in options:
             options.append(want)
         algorithm = allreduce_algorithm(layer.numel * layer.itemsize, workers) if allreduce_algorithm else "ring"
-        if algorithm not in ("ring", "tree", "direct"):
+        if algorithm not in ("ring", "tree", "direct", "halving_doubling", "torus", "double_tree"):
             algorithm = "ring"  # shared memory, hierarchical: a ring's bytes, through memory or between hosts
         candidates = {
             s: scheme_traffic(

@@ -54,7 +54,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from paratrain.collectives.lower import allgather_parts, allreduce_parts
+from paratrain.collectives.lower import allgather_parts
+from paratrain.collectives.lower_allreduce import allreduce_parts
 from paratrain.collectives.shm import plan_args as shm_plan_args
 from paratrain.errors import ConfigError
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets

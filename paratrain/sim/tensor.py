@@ -24,7 +24,8 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from paratrain.collectives.lower import PlanParts, allgather_parts, allreduce_parts, reduce_scatter_parts
+from paratrain.collectives.lower import PlanParts, allgather_parts, reduce_scatter_parts
+from paratrain.collectives.lower_allreduce import allreduce_parts
 from paratrain.collectives.plans import chunk_bounds
 from paratrain.collectives.shm import plan_args as shm_plan_args
 from paratrain.errors import ConfigError

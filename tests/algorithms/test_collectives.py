@@ -451,7 +451,7 @@ MISMATCHES: list[tuple[str, Call, str]] = [
             functools.partial(_equal_bytes_allreduce, algorithm=algorithm),
             "rank 0 has shape (17, 1311) float32 but rank 1 has (17, 23, 57) float32",
         )
-        for algorithm in ("ring", "tree", "direct")
+        for algorithm in ("ring", "tree", "direct", "halving_doubling", "torus", "double_tree")
     ],
     (
         "broadcast, same bytes, other shape",
@@ -536,7 +536,7 @@ def test_a_rank_rejecting_its_arguments_fails_the_others_at_once(what: str, call
         assert message.startswith("CollectiveMismatchError: ") and "rank 1 rejected its own arguments" in message
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct", "halving_doubling", "torus", "double_tree"])
 def test_dead_rank_is_peer_lost_not_a_hang(algorithm: str) -> None:
     def rank_fn(ctx: Context) -> str:
         if ctx.rank == 2:

@@ -18,11 +18,11 @@ from paratrain.collectives.api import Collectives
 from paratrain.collectives.barrier import barrier
 from paratrain.collectives.lower import (
     allgather_plan,
-    allreduce_plan,
     barrier_plan,
     broadcast_plan,
     reduce_scatter_plan,
 )
+from paratrain.collectives.lower_allreduce import allreduce_plan
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.plans import chunk_bounds
 from paratrain.collectives.ring import ring_allreduce_run

@@ -8,11 +8,11 @@ import pytest
 
 from paratrain.collectives.lower import (
     allgather_plan,
-    allreduce_plan,
     barrier_plan,
     broadcast_plan,
     reduce_scatter_plan,
 )
+from paratrain.collectives.lower_allreduce import allreduce_plan
 from paratrain.collectives.plans import chunk_bounds
 from paratrain.plan import Action, Plan, PlanBuilder, PlanError, Received, Slice, simulate
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from paratrain.collectives.lower import allreduce_plan
+from paratrain.collectives.lower_allreduce import allreduce_plan
 from paratrain.errors import ConfigError
 from paratrain.pipeline.schedules import gpipe, lower, one_f_one_b
 from paratrain.plan.cost import simulate
