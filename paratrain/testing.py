@@ -1,4 +1,5 @@
-"""Helpers to run several ranks as threads of one process: fast, deterministic multi-rank tests.
+"""Helpers to run several ranks as threads of one process: fast, deterministic multi-rank tests; and a
+symbolic executor of reduction plans (:func:`count_contributions`).
 
 :func:`run_ranks` gives each rank a context on a shared :class:`~paratrain.transport.inproc.InprocFabric`
 (or real ZeroMQ sockets on loopback), runs the same function in every rank, and returns the results in rank
@@ -9,16 +10,21 @@ order. If any rank raises, every other rank's pending and future receives fail a
 from __future__ import annotations
 
 import threading
+from collections import defaultdict
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from paratrain.config import Settings
 from paratrain.errors import CommTimeoutError, ConfigError, ParatrainError
+from paratrain.plan.ir import Plan, Received, Slice
 from paratrain.runtime.context import Context
 from paratrain.transport.base import Transport
 from paratrain.transport.registry import local_job, zmq_transports
 
-__all__ = ["RankFailedError", "rank_context", "run_ranks", "zmq_transports"]
+__all__ = ["RankFailedError", "count_contributions", "rank_context", "run_ranks", "zmq_transports"]
 
 R = TypeVar("R")
 
@@ -142,3 +148,68 @@ def run_ranks(
     if secondary:
         raise secondary[0]
     return results  # type: ignore[return-value]
+
+
+def count_contributions(plan: Plan, count: int, *, aliased: bool = False) -> list[npt.NDArray[np.int64]]:
+    """Executes a reduction plan symbolically: every item a vector of counts per rank (rank r's ``src`` holds
+    one of its own), reductions add them, copies copy them; a rank waits at an action whose message has not
+    arrived, sends copy what they read, and a receive takes the messages from its peer in the order the
+    receives were posted (as the transports match them). Returns every rank's ``dst``: all ones (of shape
+    ``(count, n)``) when every rank's contribution reached every item exactly once. For the tests of new
+    schedules, before any real rank runs them.
+
+    Raises:
+        AssertionError: the plan deadlocks, leaves a message unreceived, or matches a message to a receive
+            of another size.
+    """
+    n = len(plan.ranks)
+    bufs: list[dict[str, npt.NDArray[np.int64]]] = []
+    for r in range(n):
+        src = np.zeros((count, n), dtype=np.int64)
+        src[:, r] = 1
+        bufs.append({"src": src, "dst": src if aliased else np.full((count, n), -99, dtype=np.int64)})
+    wires: dict[tuple[int, int, int], list[npt.NDArray[np.int64]]] = defaultdict(list)  # messages sent, in order
+    posted: dict[tuple[int, int, int], int] = defaultdict(int)  # receives posted so far per (src, dst, tag)
+    slot: list[dict[int, tuple[tuple[int, int, int], int]]] = [{} for _ in range(n)]  # recv -> its message
+    pc = [0] * n
+
+    def message(r: int, d: int) -> npt.NDArray[np.int64] | None:
+        wire, k = slot[r][d]
+        return wires[wire][k] if k < len(wires[wire]) else None
+
+    def read(r: int, op: Any) -> npt.NDArray[np.int64]:
+        if isinstance(op, Received):
+            frame = message(r, op.action)
+            assert frame is not None
+            return frame
+        assert isinstance(op, Slice) and op.index == 0
+        return bufs[r][op.buffer][op.start : op.stop]
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(n):
+            actions = plan.ranks[r]
+            while pc[r] < len(actions):
+                a = actions[pc[r]]
+                waits = [d for d in a.deps if actions[d].kind == "recv" and message(r, d) is None]
+                if waits:
+                    break
+                if a.kind == "recv":
+                    wire = (a.peer, r, a.tag)
+                    slot[r][pc[r]] = (wire, posted[wire])
+                    posted[wire] += 1
+                elif a.kind == "send":
+                    wires[(r, a.peer, a.tag)].append(read(r, a.data).copy())
+                elif a.kind in ("reduce", "copy"):
+                    for op in (a.data, a.other):
+                        if isinstance(op, Received):
+                            got = read(r, op)
+                            assert len(got) == actions[op.action].items, "a message matched a receive of another size"
+                    out = read(r, a.out)
+                    out[...] = read(r, a.data) + read(r, a.other) if a.kind == "reduce" else read(r, a.data)
+                pc[r] += 1
+                progress = True
+    assert pc == [len(actions) for actions in plan.ranks], "the plan deadlocks"
+    assert all(posted[w] == len(m) for w, m in wires.items()), "a message was never received"
+    return [b["dst"] for b in bufs]

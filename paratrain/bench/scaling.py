@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from paratrain.collectives.lower_allreduce import allreduce_parts, allreduce_plan
+from paratrain.collectives.plans_blink import link_capacity, pack_trees
+from paratrain.collectives.policy import LOOPBACK_BYTES_PER_SECOND
 from paratrain.gossip.plan import round_actions
 from paratrain.plan.ir import Plan
 from paratrain.ps.plans import round_plan
@@ -169,8 +171,8 @@ def training_step(profile: MachineProfile, model: ModelProfile, n: int, link: Li
     return predict(profile, alone, workers=n, bandwidth=1.0 / link.beta, latency=link.alpha, algorithm="ring")
 
 
-#: The algorithms ``--check`` measures (the ones the runtime runs over the transport for any N).
-CHECKED = ("ring", "tree")
+#: The algorithms ``--check`` measures by default (the ones the runtime runs over the transport for any N).
+CHECKED = ("ring", "tree", "halving_doubling", "torus", "double_tree")
 
 
 def check_scaling(
@@ -180,6 +182,7 @@ def check_scaling(
     workers: Sequence[int] = (2, 3, 4),
     spec: str,
     algorithms: Sequence[str] = CHECKED,
+    links: str | None = None,
     iters: int = 10,
     repeat: int = 1,
     timeout: float = 300.0,
@@ -201,6 +204,8 @@ def check_scaling(
 
     say = say or (lambda line: None)
     count = max(1, nbytes // 4)
+    if links is not None:
+        spec = f"{spec},links={links}"
     link = FaultSpec.parse(spec)
     bandwidth, latency = link.bandwidth, link.latency
     measured: dict[tuple[int, str], list[float]] = {}
@@ -223,9 +228,16 @@ def check_scaling(
                 measured.setdefault((n, algorithm), []).append(statistics.median(slowest))
     rows = []
     for n in workers:
-        network, _ = network_for(profile, world_size=n, bandwidth=bandwidth, latency=latency, concurrency=n)
+        network, _ = network_for(
+            profile, world_size=n, bandwidth=bandwidth, latency=latency, concurrency=n, links=link.links
+        )
+        trees = None
+        if "blink" in algorithms:
+            fast = bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND
+            rates = {(p.a, p.b): p.bandwidth or LOOPBACK_BYTES_PER_SECOND for p in link.links}
+            trees = pack_trees(n, link_capacity(n, rates, fast))  # (as every rank of the job packs them)
         for algorithm in algorithms:
-            plan = allreduce_plan(algorithm, n, count, 4, aliased=True)
+            plan = allreduce_plan(algorithm, n, count, 4, aliased=True, trees=trees)
             simulated = replay(plan, network, gamma=profile.gamma, copy=profile.copy).time
             runs = measured[(n, algorithm)]
             median = statistics.median(runs)
@@ -243,6 +255,7 @@ def check_scaling(
         "benchmark": "scaling-check",
         "nbytes": count * 4,
         "network": spec,
+        "links": [[p.a, p.b, p.bandwidth, p.latency] for p in link.links],
         "bandwidth": bandwidth,
         "latency": latency,
         "machine": profile.name,

@@ -99,10 +99,22 @@ def add_parsers(bench_sub: Any) -> None:
     s.add_argument(
         "--check",
         action="store_true",
-        help="instead: time ring and tree allreduces of --size in N real processes here (the --workers, e.g. "
+        help="instead: time the --algorithms allreduces of --size in N real processes here (the --workers, e.g. "
         "2,3,4) under the fault injector's --bandwidth and --latency, beside the same plans replayed on --machine",
     )
     s.add_argument("--repeat", type=int, default=3, help="with --check: rounds, N interleaved (default 3)")
+    s.add_argument(
+        "--links",
+        default=None,
+        metavar="FILE",
+        help="with --check: pairs of ranks with links of their own (the fault injector's links=FILE JSON)",
+    )
+    s.add_argument(
+        "--algorithms",
+        type=_list,
+        default=None,
+        help="with --check: allreduce algorithms to time (default ring,tree,halving_doubling,torus,double_tree)",
+    )
     s.add_argument("--machine", default="machine.json", help="with --step or --check: the machine profile")
     s.add_argument("--plot", default=None, help="write the figure (PNG) here")
     s.add_argument("--json", default=None, help="also write the report to this JSON file")
@@ -222,12 +234,17 @@ def _step_scaling(args: argparse.Namespace, link: Any) -> int:
 
 
 def _check_scaling(args: argparse.Namespace, nbytes: int) -> int:
-    """``bench scaling --check``: ring and tree at small N, measured here and simulated on the profile."""
-    from paratrain.bench.scaling import check_scaling, render_check
+    """``bench scaling --check``: allreduce algorithms at small N, measured here and simulated on the profile."""
+    from paratrain.bench.scaling import CHECKED, check_scaling, render_check
+    from paratrain.collectives.lower_allreduce import PLANNED_ALGORITHMS
     from paratrain.sim.machine import MachineProfile
 
     if args.repeat < 1:
         raise ConfigError(f"--repeat must be at least 1, got {args.repeat}")
+    known = (*PLANNED_ALGORITHMS, *(["blink"] if args.links else []))
+    unknown = [a for a in args.algorithms or () if a not in known]
+    if unknown:
+        raise ConfigError(f"--algorithms takes {', '.join(known)} (blink with --links); got {', '.join(unknown)}")
     profile = MachineProfile.load(args.machine)
     spec = ",".join(
         [f"bandwidth={args.bandwidth}"] + ([f"latency={args.latency}"] if args.latency not in ("0", "0s") else [])
@@ -239,6 +256,8 @@ def _check_scaling(args: argparse.Namespace, nbytes: int) -> int:
             workers=args.workers,
             spec=spec,
             repeat=args.repeat,
+            algorithms=args.algorithms or CHECKED,
+            links=args.links,
             say=lambda line: print(f"paratrain bench scaling: {line}", file=sys.stderr),
         )
     except RuntimeError as exc:

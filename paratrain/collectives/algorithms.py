@@ -16,6 +16,7 @@ import numpy.typing as npt
 from paratrain.collectives.execute import run_actions
 from paratrain.collectives.lower_allreduce import allreduce_plan
 from paratrain.collectives.ops import Reducer
+from paratrain.collectives.plans_blink import PackedTree
 from paratrain.collectives.ring import chain_broadcast_run, ring_allreduce_run
 from paratrain.collectives.tree import Exchange, direct_allreduce, tree_allreduce, tree_broadcast
 
@@ -52,14 +53,17 @@ class AllreduceAlgorithm:
     agreement: bool = True
 
 
-def planned_allreduce(name: str, *, segment_bytes: int | None = None) -> AllreduceRun:
+def planned_allreduce(
+    name: str, *, segment_bytes: int | None = None, trees: tuple[PackedTree, ...] | None = None
+) -> AllreduceRun:
     """The runner of allreduce plan ``name`` (:func:`~.lower_allreduce.allreduce_plan`, without the agreement,
-    which the API ran), its messages cut into ``segment_bytes``: this rank's actions, executed. Blocks."""
+    which the API ran), its messages cut into ``segment_bytes`` (``"blink"``: over ``trees``): this rank's
+    actions, executed. Blocks."""
 
     def run(ex: Exchange, src: npt.NDArray[Any], dst: npt.NDArray[Any], reducer: Reducer) -> None:
         plan = allreduce_plan(
             name, ex.world_size, dst.size, dst.itemsize, aliased=dst is src, segment_bytes=segment_bytes,
-            agreement=False,
+            trees=trees, agreement=False,
         )  # fmt: skip
         run_actions(ex, plan.ranks[ex.rank], {"src": src, "dst": dst}, reducer, dst.dtype)
 

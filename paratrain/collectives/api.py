@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -51,12 +51,14 @@ from paratrain.collectives.algorithms import (
     AllreduceAlgorithm,
     AllreduceRun,
     BroadcastAlgorithm,
+    planned_allreduce,
 )
 from paratrain.collectives.allreduce_calls import AllreduceCalls
 from paratrain.collectives.hierarchical import HostLayout, hierarchical_allreduce
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.personalized_calls import PersonalizedCalls
 from paratrain.collectives.plans import chunk_bounds
+from paratrain.collectives.plans_blink import PackedTree, link_capacity, pack_trees
 from paratrain.collectives.policy import (
     AUTO_BROADCAST_TREE_MAX_BYTES,
     AUTO_DIRECT_MAX_BYTES,
@@ -151,6 +153,24 @@ class Collectives(AllreduceCalls, PersonalizedCalls):
             return name if name == "direct" else "hierarchical"
 
         self.choose_allreduce = choose
+
+    def use_links(
+        self, links: Mapping[tuple[int, int], tuple[float, float]], *, latency: float, bandwidth: float | None
+    ) -> tuple[PackedTree, ...]:
+        """Tells this group the links between its ranks: ``(a, b)`` -> ``(alpha, bytes per second)`` for the pairs
+        with a link of their own (both directions), ``latency`` and ``bandwidth`` (None: unlimited) for the
+        others, which share their nodes' links. Registers ``"blink"`` (weighted spanning trees packed over the
+        links, :mod:`.plans_blink`: every rank packs the same) and makes ``auto`` pick by the cost of every
+        plan replayed on these links. Returns the trees.
+        """
+        fast = bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND
+        trees = pack_trees(self.world_size, link_capacity(self.world_size, {p: r for p, (_, r) in links.items()}, fast))
+        directed: dict[tuple[int, int], tuple[float, float]] = {}
+        for (a, b), (alpha, rate) in links.items():
+            directed[(a, b)] = directed[(b, a)] = (alpha, 1.0 / rate)
+        self.allreduce_algorithms["blink"] = AllreduceAlgorithm(planned_allreduce("blink", trees=trees))
+        self.choose_allreduce = network_allreduce_choice(latency, bandwidth, links=directed, trees=trees)
+        return trees
 
     # -- torch.distributed engines (:mod:`.torch_engines`, :mod:`.routing`)
 

@@ -11,6 +11,8 @@ rank ends with the same bits; the order of the sum (what float results depend on
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Sequence
 
 from paratrain.collectives.lower import (
     PlanParts,
@@ -25,7 +27,8 @@ from paratrain.collectives.lower import (
 )
 from paratrain.collectives.lower_shm import shm_allreduce_into
 from paratrain.collectives.plans import chunk_bounds, ring_allgather, ring_allreduce, ring_reduce_scatter
-from paratrain.collectives.plans_allreduce import BinaryTree, double_binary_tree, halving_doubling, torus_shape
+from paratrain.collectives.plans_allreduce import TreePlace, double_binary_tree, halving_doubling, torus_shape
+from paratrain.collectives.plans_blink import PackedTree, orient
 from paratrain.plan.ir import Plan, PlanBuilder, Received, Slice
 
 __all__ = [
@@ -34,7 +37,9 @@ __all__ = [
     "allreduce_plan",
     "double_tree_into",
     "halving_doubling_into",
+    "rate_bounds",
     "torus_into",
+    "trees_into",
 ]
 
 #: The allreduce algorithms with a plan over sockets, whatever the hosts (``"hierarchical"`` and ``"shm"`` need
@@ -127,49 +132,111 @@ def torus_into(b: PlanBuilder, rank: int, n: int, count: int, *, itemsize: int, 
 
 
 def double_tree_into(b: PlanBuilder, rank: int, n: int, count: int, *, itemsize: int, segment: int) -> None:
-    """The double binary tree (:func:`~.plans_allreduce.double_binary_tree`): half k of the array is reduced up
-    tree k and broadcast down it, segment by segment; a segment goes down ``L = bit_length(n)`` segments after
-    it went up, so that the two directions of every link work at once. Every rank issues the same sequence of
-    (tree, segment, direction), each waiting only on its children (up) or its parent (down): no cycle of waits.
-    Sum order: this rank's part + its first child's subtree + its second child's."""
-    trees = double_binary_tree(rank, n)
-    segs = [segment_bounds(a, z, segment) for a, z in chunk_bounds(count, 2)]
+    """The double binary tree (:func:`~.plans_allreduce.double_binary_tree`): half k of the array up and down
+    tree k (:func:`trees_into`). Sum order: this rank's part + its first child's subtree + its second's."""
+    places = [double_binary_tree(r, n) for r in range(n)]
+    trees = [[place[t] for place in places] for t in range(2)]
+    trees_into(b, rank, trees, chunk_bounds(count, 2), itemsize=itemsize, segment=segment)
+
+
+def rate_bounds(count: int, rates: Sequence[float]) -> list[tuple[int, int]]:
+    """``[0, count)`` cut into one part per rate, each as long as its share of the total (rounded).
+
+    Example:
+        >>> rate_bounds(10, [3.0, 1.0, 1.0])
+        [(0, 6), (6, 8), (8, 10)]
+    """
+    total = sum(rates)
+    cuts = [0]
+    acc = 0.0
+    for rate in rates[:-1]:
+        acc += rate
+        cuts.append(max(cuts[-1], min(count, round(count * acc / total))))
+    cuts.append(count)
+    return list(itertools.pairwise(cuts))
+
+
+_Item = tuple[int, str]  # (tree, "up" or "down")
+
+
+def trees_into(
+    b: PlanBuilder,
+    rank: int,
+    trees: Sequence[Sequence[TreePlace]],
+    parts: Sequence[tuple[int, int]],
+    *,
+    itemsize: int,
+    segment: int,
+) -> None:
+    """Allreduce over several spanning trees at once: part k of the array (items ``parts[k]``) is reduced up tree
+    k (``trees[k][r]``: rank r's place in it) to its root, which finishes it, and broadcast down it, segment by
+    segment; a segment goes down ``L = bit_length(n)`` segments after it went up, so that the two directions of
+    every link work at once.
+
+    Each rank issues a round's items (tree, direction) in its own order: what does not wait first (up: the trees
+    it is a leaf of; down: those it is the root of), then the rest in tree order. Every wait is then on a child
+    (up) or the parent (down), and two waiting items are in tree order on every rank: no cycle of waits. A
+    round's receives are all posted first, from each peer in the order that peer sends (messages between two
+    ranks match in order). Sum order at each node: its own part + its first child's subtree + its second's..."""
+    n = len(trees[0]) if trees else 1
+    segs = [segment_bounds(a, z, segment) for a, z in parts]
     lag = n.bit_length()
 
-    def up(tree: BinaryTree, a: int, z: int) -> None:
-        posted = [b.recv(c, items=z - a, itemsize=itemsize) for c in tree.children]
-        acc, dst = Slice("src", a, z), Slice("dst", a, z)
-        for got in posted:
-            b.reduce(acc, Received(got), dst, itemsize=itemsize)
-            acc = dst
-        if tree.parent is not None:
-            b.send(tree.parent, acc, itemsize=itemsize)
-            return
-        if acc != dst and not b.aliased:
-            b.copy(acc, dst, itemsize=itemsize)
-        b.finish(dst, n, itemsize=itemsize)
+    def order(r: int) -> list[_Item]:
+        ups = sorted(range(len(trees)), key=lambda t: (bool(trees[t][r].children), t))
+        downs = sorted(range(len(trees)), key=lambda t: (trees[t][r].parent is not None, t))
+        return [(t, "up") for t in ups] + [(t, "down") for t in downs]
 
-    def down(tree: BinaryTree, a: int, z: int) -> None:
-        if tree.parent is None:
-            for c in tree.children:
-                b.send(c, Slice("dst", a, z), itemsize=itemsize)
-            return
-        got = b.recv(tree.parent, items=z - a, itemsize=itemsize)
-        for c in tree.children:
-            b.send(c, Received(got), items=z - a, itemsize=itemsize)
-        b.copy(Received(got), Slice("dst", a, z), itemsize=itemsize)
+    def destinations(r: int, item: _Item) -> tuple[int, ...]:
+        place = trees[item[0]][r]
+        if item[1] == "down":
+            return place.children
+        return () if place.parent is None else (place.parent,)
 
-    # what does not wait first (up: the trees this rank is a leaf of; down: those it is the root of), then the
-    # rest in tree order, the same on every rank
-    up_order = sorted(range(2), key=lambda t: (bool(trees[t].children), t))
-    down_order = sorted(range(2), key=lambda t: (trees[t].parent is not None, t))
-    for k in range(max(len(s) for s in segs) + lag):
-        for t in up_order:
-            if k < len(segs[t]):
-                up(trees[t], *segs[t][k])
-        for t in down_order:
-            if 0 <= k - lag < len(segs[t]):
-                down(trees[t], *segs[t][k - lag])
+    mine = order(rank)
+    peers = sorted(
+        {q for t in range(len(trees)) for q in trees[t][rank].children}
+        | {q for t in range(len(trees)) if (q := trees[t][rank].parent) is not None}
+    )
+    incoming = {q: [item for item in order(q) if rank in destinations(q, item)] for q in peers}
+
+    for k in range(max((len(s) for s in segs), default=0) + lag):
+
+        def segment_of(item: _Item, k: int = k) -> tuple[int, int] | None:
+            at = k if item[1] == "up" else k - lag
+            return segs[item[0]][at] if 0 <= at < len(segs[item[0]]) else None
+
+        posted: dict[tuple[int, str, int], int] = {}
+        for q, items in incoming.items():
+            for item in items:
+                seg = segment_of(item)
+                if seg is not None:
+                    posted[(*item, q)] = b.recv(q, items=seg[1] - seg[0], itemsize=itemsize)
+        for item in mine:
+            seg = segment_of(item)
+            if seg is None:
+                continue
+            t, a, z = item[0], *seg
+            place = trees[t][rank]
+            if item[1] == "up":
+                acc, dst = Slice("src", a, z), Slice("dst", a, z)
+                for c in place.children:
+                    b.reduce(acc, Received(posted[(t, "up", c)]), dst, itemsize=itemsize)
+                    acc = dst
+                if place.parent is not None:
+                    b.send(place.parent, acc, itemsize=itemsize)
+                    continue
+                if acc != dst and not b.aliased:
+                    b.copy(acc, dst, itemsize=itemsize)
+                b.finish(dst, n, itemsize=itemsize)
+            elif place.parent is None:
+                for c in place.children:
+                    b.send(c, Slice("dst", a, z), itemsize=itemsize)
+            else:
+                got = posted[(t, "down", place.parent)]
+                for c in place.children:
+                    b.send(c, Received(got), items=z - a, itemsize=itemsize)
+                b.copy(Received(got), Slice("dst", a, z), itemsize=itemsize)
 
 
 def allreduce_parts(
@@ -182,12 +249,14 @@ def allreduce_parts(
     segment_bytes: int | None = None,
     hosts: tuple[str, ...] | None = None,
     shm: tuple[int, int, int] | None = None,
+    trees: tuple[PackedTree, ...] | None = None,
     agreement: bool = True,
 ) -> PlanParts:
     """One allreduce call of ``count`` items per rank, a rank at a time (see :class:`~.lower.PlanParts`): the
     agreement (unless ``agreement`` is False; ``"direct"`` carries its data in it, ``"shm"`` folds it into its
     first synchronisation), then the algorithm: one of :data:`PLANNED_ALGORITHMS`, ``"hierarchical"`` with
-    ``hosts``, ``"shm"`` with ``shm=(block_items, align, small_bytes)`` of the group.
+    ``hosts``, ``"shm"`` with ``shm=(block_items, align, small_bytes)`` of the group, ``"blink"`` with
+    ``trees`` (:func:`~.plans_blink.pack_trees`: each tree its share of the array, by its rate).
 
     Example:
         >>> p = allreduce_parts("ring", 2, 4, 8, agreement=False).plan()
@@ -215,6 +284,15 @@ def allreduce_parts(
             direct_allreduce_into(b, r, n, count, itemsize=itemsize)
 
         agreement = False  # it is the agreement
+    elif algorithm == "blink":
+        if not trees:
+            raise ValueError("the tree-packing allreduce plan needs trees= (plans_blink.pack_trees of the links)")
+        places = [orient(tree, n) for tree in trees]
+        parts = rate_bounds(count, [tree.rate for tree in trees])
+
+        def body(b: PlanBuilder, r: int) -> None:
+            trees_into(b, r, places, parts, itemsize=itemsize, segment=segment)
+
     elif algorithm in ("halving_doubling", "torus", "double_tree"):
         into = {"halving_doubling": halving_doubling_into, "torus": torus_into, "double_tree": double_tree_into}
 
@@ -263,6 +341,7 @@ def allreduce_plan(
     segment_bytes: int | None = None,
     hosts: tuple[str, ...] | None = None,
     shm: tuple[int, int, int] | None = None,
+    trees: tuple[PackedTree, ...] | None = None,
     agreement: bool = True,
 ) -> Plan:
     """The whole plan of one allreduce call (every rank's actions; see :func:`allreduce_parts`).
@@ -280,5 +359,6 @@ def allreduce_plan(
         segment_bytes=segment_bytes,
         hosts=hosts,
         shm=shm,
+        trees=trees,
         agreement=agreement,
     ).plan()

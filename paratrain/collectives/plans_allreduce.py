@@ -22,9 +22,9 @@ import math
 from typing import NamedTuple
 
 __all__ = [
-    "BinaryTree",
     "HalvingDoubling",
     "PairStep",
+    "TreePlace",
     "double_binary_tree",
     "halving_doubling",
     "in_order_tree",
@@ -109,8 +109,8 @@ def torus_shape(n: int) -> tuple[int, int]:
     return rows, n // rows
 
 
-class BinaryTree(NamedTuple):
-    """A rank's place in one binary tree: its parent (None at the root) and children (at most two, in order)."""
+class TreePlace(NamedTuple):
+    """A rank's place in one tree: its parent (None at the root) and its children, in order."""
 
     parent: int | None
     children: tuple[int, ...]
@@ -145,17 +145,17 @@ def in_order_tree(position: int, n: int) -> tuple[int | None, tuple[int, ...]]:
     return (None if parent is None else parent - 1), tuple(c - 1 for c in children)
 
 
-def double_binary_tree(rank: int, n: int) -> tuple[BinaryTree, BinaryTree]:
+def double_binary_tree(rank: int, n: int) -> tuple[TreePlace, TreePlace]:
     """``rank``'s place in the two trees: the in-order tree over the ranks, and the same tree over the ranks
     shifted by one (position ``(rank + 1) mod n``). For even ``n`` the first tree's leaves are the even ranks
     and the second's the odd ones, so every rank is an inner node of at most one tree.
 
     Example:
         >>> double_binary_tree(0, 4)  # a leaf of the first tree, inner in the second
-        (BinaryTree(parent=1, children=()), BinaryTree(parent=2, children=(3, 1)))
+        (TreePlace(parent=1, children=()), TreePlace(parent=2, children=(3, 1)))
     """
     _check(rank, n)
     first = in_order_tree(rank, n)
     parent, children = in_order_tree((rank + 1) % n, n)
     second = (None if parent is None else (parent - 1) % n, tuple((c - 1) % n for c in children))
-    return BinaryTree(*first), BinaryTree(*second)
+    return TreePlace(*first), TreePlace(*second)

@@ -7,9 +7,10 @@ one per operation and may be given another (shared memory inside a host, a known
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from paratrain.collectives.lower_allreduce import PLANNED_ALGORITHMS, allreduce_plan
+from paratrain.collectives.plans_blink import PackedTree
 from paratrain.plan.cost import simulate
 
 __all__ = [
@@ -73,7 +74,13 @@ def default_allreduce_choice(nbytes: int, world_size: int) -> str:
 LOOPBACK_BYTES_PER_SECOND = 2.2e9
 
 
-def network_allreduce_choice(latency: float, bandwidth: float | None) -> Callable[[int, int], str]:
+def network_allreduce_choice(
+    latency: float,
+    bandwidth: float | None,
+    *,
+    links: Mapping[tuple[int, int], tuple[float, float]] | None = None,
+    trees: tuple[PackedTree, ...] | None = None,
+) -> Callable[[int, int], str]:
     """An ``algorithm="auto"`` policy for a network whose per-node links are known (the fault injector's).
 
     The measured crossovers behind :func:`default_allreduce_choice` come from loopback, where bandwidth is
@@ -91,8 +98,11 @@ def network_allreduce_choice(latency: float, bandwidth: float | None) -> Callabl
         torus (R x C)     L a + 2 (R + C - 2) a + 2 (N - 1) n / (N b)
         double_tree       about L a + 2 log2 N a + n / b       (segments pipelined up and down two trees)
 
-    (Messages above the pipelining segment are cut, which adds latencies.) Ties (within a part in a million) go
-    to the simpler algorithm, in the order of :data:`~.lower_allreduce.PLANNED_ALGORITHMS`.
+    (Messages above the pipelining segment are cut, which adds latencies.) With ``links`` (``(src, dst)`` ->
+    ``(alpha, beta)`` of pairs with a link of their own: the fault injector's ``links=``) the replay puts their
+    messages there, and with ``trees`` (their packing, :func:`~.plans_blink.pack_trees`) ``"blink"`` is a
+    candidate too. Ties (within a part in a million) go to the simpler algorithm, in the order of
+    :data:`~.lower_allreduce.PLANNED_ALGORITHMS`, then ``"blink"``.
 
     Example:
         >>> choose = network_allreduce_choice(0.002, 12.5e6)   # 2 ms, 100 Mbit/s
@@ -105,10 +115,10 @@ def network_allreduce_choice(latency: float, bandwidth: float | None) -> Callabl
     def choose(nbytes: int, world_size: int) -> str:
         if world_size <= 1:
             return "direct"
-        costs = {
-            name: simulate(allreduce_plan(name, world_size, nbytes, 1), alpha=latency, beta=beta).time
-            for name in PLANNED_ALGORITHMS
-        }
+        plans = {name: allreduce_plan(name, world_size, nbytes, 1) for name in PLANNED_ALGORITHMS}
+        if trees is not None:
+            plans["blink"] = allreduce_plan("blink", world_size, nbytes, 1, trees=trees)
+        costs = {name: simulate(plan, alpha=latency, beta=beta, links=links).time for name, plan in plans.items()}
         best = min(costs.values())
         return next(name for name, cost in costs.items() if cost <= best * (1 + 1e-6))
 

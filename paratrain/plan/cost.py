@@ -17,6 +17,7 @@ from a second copy of every schedule, which is the point: add a schedule and its
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from paratrain.plan.ir import Plan, PlanError
@@ -42,7 +43,14 @@ class Costs:
         return max(self.finish, default=0.0)
 
 
-def simulate(plan: Plan, *, alpha: float, beta: float, gamma: float = 0.0) -> Costs:
+def simulate(
+    plan: Plan,
+    *,
+    alpha: float,
+    beta: float,
+    gamma: float = 0.0,
+    links: Mapping[tuple[int, int], tuple[float, float]] | None = None,
+) -> Costs:
     """Replays ``plan`` under the model of the module docstring.
 
     Args:
@@ -50,6 +58,8 @@ def simulate(plan: Plan, *, alpha: float, beta: float, gamma: float = 0.0) -> Co
         alpha: seconds of latency per message.
         beta: seconds per byte on a link (1 / bandwidth).
         gamma: seconds per byte of reduce/copy/finish.
+        links: ``(src, dst)`` -> ``(alpha, beta)`` of a link of its own from src to dst (the fault injector's
+            ``links=``): messages on it queue there, not on src's link.
 
     Raises:
         PlanError: the plan is malformed, or deadlocks (some rank waits for a message never sent before it).
@@ -68,6 +78,7 @@ def simulate(plan: Plan, *, alpha: float, beta: float, gamma: float = 0.0) -> Co
     cursor = [0] * n
     thread = [0.0] * n
     link = [0.0] * n
+    own: dict[tuple[int, int], float] = {}  # when each own link is free
     # arrival times of the messages sent so far, per (src, dst, tag), in order; receives consume them in order
     arrivals: dict[tuple[int, int, int], list[float]] = {}
     consumed: dict[tuple[int, int, int], int] = {}
@@ -94,9 +105,15 @@ def simulate(plan: Plan, *, alpha: float, beta: float, gamma: float = 0.0) -> Co
                     done[r][i] = start
                     thread[r] = start
                 elif a.kind == "send":
-                    begin = max(start, link[r])
-                    link[r] = begin + a.nbytes * beta
-                    arrival = link[r] + alpha
+                    pair = None if links is None else links.get((r, a.peer))
+                    if pair is None:
+                        begin = max(start, link[r])
+                        link[r] = begin + a.nbytes * beta
+                        arrival = link[r] + alpha
+                    else:
+                        free = max(start, own.get((r, a.peer), 0.0)) + a.nbytes * pair[1]
+                        own[(r, a.peer)] = free
+                        arrival = free + pair[0]
                     arrivals.setdefault((r, a.peer, a.tag), []).append(arrival)
                     done[r][i] = arrival
                     thread[r] = start

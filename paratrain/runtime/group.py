@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from paratrain.collectives.api import Collectives, network_allreduce_choice
+from paratrain.collectives.api import LOOPBACK_BYTES_PER_SECOND, Collectives, network_allreduce_choice
 from paratrain.collectives.barrier import barrier as _barrier
 from paratrain.device.events import SupportsQuery
 from paratrain.errors import NotInitializedError
@@ -243,7 +243,15 @@ class Group(CollectiveMethods):
             from paratrain.transport.faults import FaultSpec
 
             spec = FaultSpec.parse(faults)
-            if spec.latency > 0 or spec.bandwidth is not None:
+            index = {world: mine for mine, world in enumerate(self.ranks)}
+            links = {
+                (index[link.a], index[link.b]): (link.latency, link.bandwidth or LOOPBACK_BYTES_PER_SECOND)
+                for link in spec.links
+                if link.a in index and link.b in index
+            }
+            if links:  # uneven links: "blink" packs trees over them, and "auto" replays every plan on them
+                collectives.use_links(links, latency=spec.latency, bandwidth=spec.bandwidth)
+            elif spec.latency > 0 or spec.bandwidth is not None:
                 collectives.choose_allreduce = network_allreduce_choice(spec.latency, spec.bandwidth)
         return collectives
 

@@ -10,16 +10,18 @@ The compute is the model profile measured with as many processes at once as the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from paratrain.collectives.policy import default_allreduce_choice, network_allreduce_choice
+from paratrain.collectives.plans_blink import link_capacity, pack_trees
+from paratrain.collectives.policy import LOOPBACK_BYTES_PER_SECOND, default_allreduce_choice, network_allreduce_choice
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
 from paratrain.sim.replay import Cores, Network, Replay
 from paratrain.sim.step import StepJob
 from paratrain.strategy import StrategySpec, parse_strategy, resolve
+from paratrain.transport.faults import Link
 
 #: Above this many workers a ring step on uniform links is replayed from rank 0 alone (:func:`symmetric_step`
 #: with padding); below, every rank is replayed exactly.
@@ -123,6 +125,7 @@ def network_for(
     latency: float = 0.0,
     hosts: int = 1,
     concurrency: int = 1,
+    links: Sequence[Link] = (),
 ) -> tuple[Network, Callable[[int, int], str]]:
     """The network and the allreduce policy the runtime would have for this job (see the module docstring).
 
@@ -134,17 +137,35 @@ def network_for(
         hosts: hosts the ranks are spread over (block placement).
         concurrency: processes sharing this host's cores (the job's workers): the paths measured under that
             load (``"ipc@N"``, ``"injected@N"``) are used where the profile has them.
+        links: the fault injector's pairs with a link of their own (``links=FILE``): their messages queue on it,
+            at its bandwidth and latency, on top of the measured path.
 
     Raises:
         ConfigError: the profile lacks a path the job needs.
     """
     shm_alpha = profile.paths["shm"].alpha if "shm" in profile.paths else 0.0
-    emulated = bandwidth is not None or latency > 0
+    emulated = bandwidth is not None or latency > 0 or bool(links)
     if emulated:
         base = profile.link("injected", concurrency, fallback="ipc") if hosts == 1 else profile.path("tcp")
         wire = 1.0 / bandwidth if bandwidth else 0.0  # the injector's queues: the sender's, then the receiver's
         link = LinkCost(base.alpha + latency, base.beta + wire, ingress_beta=max(base.beta, wire))
-        return Network.uniform(link, shm_alpha=shm_alpha), network_allreduce_choice(latency, bandwidth)
+        if not links:
+            return Network.uniform(link, shm_alpha=shm_alpha), network_allreduce_choice(latency, bandwidth)
+        own = {}
+        for pair in links:
+            cost = LinkCost(base.alpha + pair.latency, base.beta + (1.0 / pair.bandwidth if pair.bandwidth else 0.0))
+            own[(pair.a, pair.b)] = own[(pair.b, pair.a)] = cost
+
+        def route(s: int, d: int) -> tuple[LinkCost, Any, Any]:
+            cost = own.get((s, d))
+            return (link, ("out", s), ("in", d)) if cost is None else (cost, ("own", s, d), ("own-in", s, d))
+
+        fast = bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND
+        rates = {(p.a, p.b): p.bandwidth or LOOPBACK_BYTES_PER_SECOND for p in links if max(p.a, p.b) < world_size}
+        trees = pack_trees(world_size, link_capacity(world_size, rates, fast))
+        directed = {pair: (cost.alpha, cost.beta) for pair, cost in own.items()}
+        choose = network_allreduce_choice(link.alpha, 1.0 / link.beta, links=directed, trees=trees)
+        return Network(route, shm_alpha=shm_alpha), choose
     if hosts == 1:
         link = profile.link("ipc", concurrency)
         return Network.uniform(link, shm_alpha=shm_alpha), lambda nbytes, n: "shm"

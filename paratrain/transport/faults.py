@@ -11,18 +11,28 @@ host has one link to a switch:
   are already spaced by the sender's link), but many senders into one node — workers into a parameter
   server — share that node's bandwidth, which is the hot spot that decentralized training avoids.
 
+* **links** (``links=FILE``): pairs of ranks joined by a link of their own (a cable, or a path through a
+  slower network), with its own bandwidth and latency, one queue per direction; their messages use that link
+  instead of the nodes' (how uneven clusters are built on one machine). The file is JSON::
+
+      {"links": [{"between": [0, 1], "bandwidth": "100Mbit", "latency": "2ms"}, ...]}
+
+  (``bandwidth`` omitted: unlimited; numbers are bytes per second and seconds). Pairs not listed use the nodes'
+  links.
+
 Drops lose a data message silently (the receiver's timeout then fires). A crash aborts the inner transport
 after a given number of sends, so peers see a real lost connection. Randomness is seeded: the same seed and the
 same sequence of sends drop the same messages.
 
 Spec strings (``PARATRAIN_FAULTS`` or ``paratrain ... --faults``) are comma-separated ``key=value``:
-``latency=2ms,bandwidth=100Mbit,drop=0.01,seed=7,crash_after=100``.
+``latency=2ms,bandwidth=100Mbit,drop=0.01,seed=7,crash_after=100,links=links.json``.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import random
 import re
 import threading
@@ -40,7 +50,7 @@ from paratrain.errors import ConfigError, TransportClosedError
 from paratrain.transport.base import ANY_SOURCE, ANY_TAG, Handle, Transport, TransportWrapper
 from paratrain.transport.wire import Message
 
-__all__ = ["FaultSpec", "FaultyTransport", "parse_bandwidth"]
+__all__ = ["FaultSpec", "FaultyTransport", "Link", "parse_bandwidth", "read_links"]
 
 _BANDWIDTH = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)(bit|bps|b|B|B/s|Bps)?\s*$")
 _SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
@@ -65,6 +75,65 @@ def parse_bandwidth(text: str) -> float:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A link of its own between ranks ``a`` and ``b``: ``bandwidth`` bytes per second each way (None:
+    unlimited) and ``latency`` seconds one way."""
+
+    a: int
+    b: int
+    bandwidth: float | None
+    latency: float
+
+    def __post_init__(self) -> None:
+        if self.a == self.b or min(self.a, self.b) < 0:
+            raise ConfigError(f"a link joins two different ranks, got {self.a} and {self.b}")
+        if self.bandwidth is not None and self.bandwidth <= 0:
+            raise ConfigError(f"link {self.a}-{self.b}: bandwidth must be positive, got {self.bandwidth}")
+        if self.latency < 0:
+            raise ConfigError(f"link {self.a}-{self.b}: latency must be >= 0, got {self.latency}")
+
+
+def read_links(path: str) -> tuple[Link, ...]:
+    """The links of a JSON file (see the module docstring), checked.
+
+    Raises:
+        ConfigError: the file is missing, not JSON, or an entry is malformed (which one, and why).
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"links file {path!r}: {exc}") from None
+    entries = doc.get("links") if isinstance(doc, dict) else None
+    if not isinstance(entries, list):
+        raise ConfigError(f'links file {path!r}: expected {{"links": [{{"between": [A, B], ...}}, ...]}}')
+    links: list[Link] = []
+    seen: set[frozenset[int]] = set()
+    for i, entry in enumerate(entries):
+        between = entry.get("between") if isinstance(entry, dict) else None
+        if not (isinstance(between, list) and len(between) == 2 and all(type(r) is int for r in between)):
+            raise ConfigError(f"links file {path!r}, entry {i}: 'between' must be two ranks, got {between!r}")
+        bandwidth, latency = entry.get("bandwidth"), entry.get("latency", 0.0)
+        try:
+            bw = None if bandwidth is None else _number(bandwidth, parse_bandwidth)
+            lat = _number(latency, parse_duration)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"links file {path!r}, entry {i}: {exc}") from None
+        link = Link(between[0], between[1], bw, lat)
+        if frozenset(between) in seen:
+            raise ConfigError(f"links file {path!r}, entry {i}: the link {between[0]}-{between[1]} is listed twice")
+        seen.add(frozenset(between))
+        links.append(link)
+    return tuple(links)
+
+
+def _number(value: Any, parse: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"{value!r} is neither a number nor a string like 100Mbit or 2ms")
+    return float(value) if not isinstance(value, str) else float(parse(value))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FaultSpec:
     """What to inject.
@@ -75,6 +144,7 @@ class FaultSpec:
         drop: probability that a data message is lost.
         seed: seed of the drop decisions.
         crash_after: abort this rank's transport after this many sends (None: never).
+        links: pairs of ranks with a link of their own (``links=FILE``).
     """
 
     latency: float = 0.0
@@ -82,6 +152,7 @@ class FaultSpec:
     drop: float = 0.0
     seed: int = 0
     crash_after: int | None = None
+    links: tuple[Link, ...] = ()
 
     def __post_init__(self) -> None:
         if self.latency < 0:
@@ -95,7 +166,7 @@ class FaultSpec:
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
-        """Parses ``"latency=2ms,bandwidth=100Mbit,drop=0.01,seed=7,crash_after=100"``."""
+        """Parses ``"latency=2ms,bandwidth=100Mbit,drop=0.01,seed=7,crash_after=100,links=FILE"``."""
         fields: dict[str, Any] = {}
         for item in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = item.partition("=")
@@ -111,8 +182,12 @@ class FaultSpec:
                     fields[key] = float(value)
                 elif key in ("seed", "crash_after"):
                     fields[key] = int(value)
+                elif key == "links":
+                    fields[key] = read_links(value.strip())
                 else:
-                    raise ConfigError(f"unknown fault {key!r}; known: latency, bandwidth, drop, seed, crash_after")
+                    raise ConfigError(
+                        f"unknown fault {key!r}; known: latency, bandwidth, drop, seed, crash_after, links"
+                    )
             except ValueError as exc:
                 raise ConfigError(f"fault spec item {item!r}: {exc}") from None
         return cls(**fields)
@@ -144,6 +219,13 @@ class FaultyTransport(TransportWrapper):
         self._seq = itertools.count()
         self._egress_free = 0.0
         self._ingress_free = 0.0
+        # this rank's own links: peer -> (bandwidth, latency), and when each one's outgoing direction is free
+        self._links = {
+            (link.b if link.a == inner.rank else link.a): (link.bandwidth, link.latency)
+            for link in spec.links
+            if inner.rank in (link.a, link.b)
+        }
+        self._link_free: dict[int, float] = {}
         self._sends = 0
         self._closed = False
         self._wrapped: dict[int, Handle[Message]] = {}
@@ -197,9 +279,16 @@ class FaultyTransport(TransportWrapper):
             crash = self.spec.crash_after is not None and self._sends > self.spec.crash_after
             drop = self.spec.drop > 0 and self._rng.random() < self.spec.drop
             now = time.monotonic()
-            start = max(now, self._egress_free)
-            self._egress_free = start + self._transfer_time(nbytes)
-            when = self._egress_free + self.spec.latency
+            own = self._links.get(dst)
+            if own is None:
+                start = max(now, self._egress_free)
+                self._egress_free = start + self._transfer_time(nbytes)
+                when = self._egress_free + self.spec.latency
+            else:  # a link of its own: its queue, its rate, its latency
+                bandwidth, latency = own
+                free = max(now, self._link_free.get(dst, 0.0)) + (0.0 if bandwidth is None else nbytes / bandwidth)
+                self._link_free[dst] = free
+                when = free + latency
         if crash:
             self.abort(TransportClosedError(f"rank {self.rank}: injected crash after {self.spec.crash_after} sends"))
             raise TransportClosedError(f"rank {self.rank}: injected crash after {self.spec.crash_after} sends")
@@ -227,6 +316,9 @@ class FaultyTransport(TransportWrapper):
                 outer.set_error(error)
                 return
             msg = h.wait(0)
+            if msg.src in self._links:  # its own link spaced it already, at the sender
+                outer.set_result(msg)
+                return
             with self._lock:
                 now = time.monotonic()
                 self._ingress_free = max(now, self._ingress_free + self._transfer_time(msg.nbytes))

@@ -5,7 +5,6 @@ algorithm in test_collectives.py.)"""
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
 from typing import Any
 
 import numpy as np
@@ -16,8 +15,8 @@ from paratrain.collectives.algorithms import AllreduceAlgorithm, planned_allredu
 from paratrain.collectives.api import Collectives
 from paratrain.collectives.lower_allreduce import allreduce_plan
 from paratrain.collectives.plans_allreduce import double_binary_tree, halving_doubling, in_order_tree, torus_shape
-from paratrain.plan import Plan, Received, Slice, simulate
-from paratrain.testing import run_ranks
+from paratrain.plan import simulate
+from paratrain.testing import count_contributions, run_ranks
 from paratrain.transport.recording import RecordingTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -82,56 +81,6 @@ def _path(places: list[Any], r: int) -> list[int]:
 # -- the plans, executed symbolically -----------------------------------------------------------------------------
 
 
-def _execute(plan: Plan, count: int, *, aliased: bool) -> list[np.ndarray]:
-    """Runs every rank's actions with each item a vector of counts per rank (rank r contributes one of its
-    own): a rank blocks at an action whose receive has not arrived; sends copy what they read. Returns each
-    rank's ``dst``: all ones when every rank's contribution reached every item exactly once."""
-    n = len(plan.ranks)
-    bufs: list[dict[str, np.ndarray]] = []
-    for r in range(n):
-        src = np.zeros((count, n), dtype=np.int64)
-        src[:, r] = 1
-        bufs.append({"src": src, "dst": src if aliased else np.full((count, n), -99, dtype=np.int64)})
-    wires: dict[tuple[int, int, int], deque[np.ndarray]] = defaultdict(deque)
-    got: list[dict[int, np.ndarray]] = [{} for _ in range(n)]
-    pc = [0] * n
-
-    def read(r: int, op: Any) -> np.ndarray:
-        if isinstance(op, Received):
-            return got[r][op.action]
-        assert isinstance(op, Slice) and op.index == 0
-        return bufs[r][op.buffer][op.start : op.stop]
-
-    progress = True
-    while progress:
-        progress = False
-        for r in range(n):
-            actions = plan.ranks[r]
-            while pc[r] < len(actions):
-                a = actions[pc[r]]
-                needs = [d for d in a.deps if actions[d].kind == "recv" and d not in got[r]]
-                for d in needs:
-                    wire = wires[(actions[d].peer, r, actions[d].tag)]
-                    if not wire:
-                        break
-                    got[r][d] = wire.popleft()
-                else:
-                    needs = []
-                if needs:
-                    break
-                if a.kind == "send":
-                    wires[(r, a.peer, a.tag)].append(read(r, a.data).copy())
-                elif a.kind in ("reduce", "copy"):
-                    out = read(r, a.out)
-                    value = read(r, a.data) + read(r, a.other) if a.kind == "reduce" else read(r, a.data)
-                    out[...] = value
-                pc[r] += 1
-                progress = True
-    assert pc == [len(actions) for actions in plan.ranks], "the plan deadlocks"
-    assert not any(wires.values()), "a message was never received"
-    return [b["dst"] for b in bufs]
-
-
 @pytest.mark.parametrize("algorithm", NEW)
 @pytest.mark.parametrize("n", range(2, 13))  # (one rank never reaches an algorithm: the API copies)
 @pytest.mark.parametrize("aliased", [False, True])
@@ -139,7 +88,7 @@ def test_every_item_sums_every_rank_once(algorithm: str, n: int, aliased: bool) 
     for count in (0, 1, n - 1, 2 * n + 3, 40):
         plan = allreduce_plan(algorithm, n, count, 8, aliased=aliased, segment_bytes=24, agreement=False)
         plan.validate()
-        for r, dst in enumerate(_execute(plan, count, aliased=aliased)):
+        for r, dst in enumerate(count_contributions(plan, count, aliased=aliased)):
             assert np.array_equal(dst, np.ones((count, n))), (count, r, dst)
 
 

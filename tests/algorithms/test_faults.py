@@ -8,7 +8,7 @@ import pytest
 from paratrain import Context
 from paratrain.errors import CommTimeoutError, PeerLostError, TransportClosedError
 from paratrain.testing import run_ranks, zmq_transports
-from paratrain.transport.faults import FaultSpec, FaultyTransport
+from paratrain.transport.faults import FaultSpec, FaultyTransport, Link
 from paratrain.transport.inproc import InprocFabric
 
 pytestmark = pytest.mark.timeout(60)
@@ -136,3 +136,23 @@ def test_abort_fails_receives_whose_message_is_still_on_the_link() -> None:
             held.wait(1)
     finally:
         sender.close()
+
+
+def test_a_pair_with_a_link_of_its_own_queues_there_not_on_the_nodes_link() -> None:
+    """Rank 0's own link to rank 1 runs at 1 MB/s; its messages to rank 2 use the node's 10 MB/s link. 100 kB to
+    each: the own link is busy 0.1 s, the node link 0.01 s (the model's bookkeeping, not the clock), and the
+    receiver of the own link's messages does not space them again on its node link."""
+    fabric = InprocFabric(3, timeout=20)
+    spec = FaultSpec(bandwidth=10e6, links=(Link(0, 1, 1e6, 0.0),))
+    ranks = [FaultyTransport(fabric.transport(r), spec) for r in range(3)]
+    try:
+        ranks[0].isend(1, 1, [np.zeros(100_000, dtype=np.uint8)])
+        ranks[0].isend(2, 1, [np.zeros(100_000, dtype=np.uint8)])
+        busy_own, busy_node = ranks[0]._link_free[1], ranks[0]._egress_free
+        assert busy_own - busy_node == pytest.approx(0.09, abs=0.03)
+        assert ranks[1].recv(0, 1, timeout=20).nbytes == 100_000
+        assert ranks[2].recv(0, 1, timeout=20).nbytes == 100_000
+        assert ranks[1]._ingress_free == 0.0 and ranks[2]._ingress_free > 0.0
+    finally:
+        for t in ranks:
+            t.close()

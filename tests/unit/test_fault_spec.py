@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from paratrain.errors import ConfigError
-from paratrain.transport.faults import FaultSpec, parse_bandwidth
+from paratrain.transport.faults import FaultSpec, Link, parse_bandwidth, read_links
 
 
 @pytest.mark.parametrize(
@@ -65,3 +68,34 @@ def test_fault_spec_parse_empty_gives_defaults(text: str) -> None:
 def test_fault_spec_parse_rejects(text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         FaultSpec.parse(text)
+
+
+def test_links_file_gives_pairs_their_own_links(tmp_path: Path) -> None:
+    path = tmp_path / "links.json"
+    path.write_text(
+        json.dumps({"links": [{"between": [0, 1], "bandwidth": "100Mbit", "latency": "2ms"}, {"between": [2, 1]}]})
+    )
+    spec = FaultSpec.parse(f"latency=1ms,links={path}")
+    assert spec.latency == pytest.approx(0.001)
+    assert spec.links == (Link(0, 1, 12.5e6, 0.002), Link(2, 1, None, 0.0))
+    assert read_links(str(path)) == spec.links
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"link": []}, "expected"),
+        ({"links": [{"between": [0]}]}, "'between' must be two ranks"),
+        ({"links": [{"between": [1, 1]}]}, "two different ranks"),
+        ({"links": [{"between": [0, 1]}, {"between": [1, 0]}]}, "listed twice"),
+        ({"links": [{"between": [0, 1], "bandwidth": "fast"}]}, "entry 0"),
+        ({"links": [{"between": [0, 1], "bandwidth": 0}]}, "must be positive"),
+    ],
+)
+def test_links_file_errors_say_which_entry_and_why(tmp_path: Path, doc: object, message: str) -> None:
+    path = tmp_path / "links.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match=message):
+        FaultSpec.parse(f"links={path}")
+    with pytest.raises(ConfigError, match="links file"):
+        FaultSpec.parse(f"links={tmp_path / 'missing.json'}")
