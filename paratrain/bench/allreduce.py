@@ -69,7 +69,7 @@ DEFAULT_SIZES = "4KiB,1MiB,16MiB,64MiB"
 #: The reference implementations ``--compare`` may name.
 ANCHORS = ("gloo", "mpi", "horovod")
 #: What ``--algorithm`` accepts (``shm`` is registered into the API if it does not know it yet).
-ALGORITHMS = ("auto", "ring", "tree", "shm", "gloo")
+ALGORITHMS = ("auto", "ring", "tree", "direct", "halving_doubling", "torus", "double_tree", "shm", "gloo")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

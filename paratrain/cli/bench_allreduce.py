@@ -77,7 +77,7 @@ def add_parsers(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     a.add_argument(
         "--algorithm",
         default="auto",
-        choices=("auto", "ring", "tree", "shm", "gloo"),
+        choices=("auto", "ring", "tree", "direct", "halving_doubling", "torus", "double_tree", "shm", "gloo"),
         help="algorithm= of pt.allreduce_ (default auto; shm is registered if the API lacks it; gloo: torch tensors "
         "through paratrain's torch.distributed engine)",
     )

@@ -49,6 +49,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--bandwidth", default=None, help="emulated link of every process, as train's, e.g. 100Mbit")
     p.add_argument("--latency", default=None, help="emulated one-way latency, as train's, e.g. 2ms")
     p.add_argument(
+        "--links",
+        default=None,
+        metavar="FILE",
+        help="pairs of ranks with links of their own, as --faults links=FILE (JSON); allreduce may then use trees",
+    )
+    p.add_argument(
         "--machine",
         default="machine.json",
         help="the machine profile (default machine.json; make it with 'paratrain profile --model M --workers N')",
@@ -104,7 +110,7 @@ def _plan(args: argparse.Namespace) -> int:
     from paratrain.config import parse_duration
     from paratrain.sim.machine import MachineProfile
     from paratrain.sim.search import SEARCHED, Candidate, search
-    from paratrain.transport.faults import parse_bandwidth
+    from paratrain.transport.faults import parse_bandwidth, read_links
 
     if args.workers < 1 or args.batch_size < 1 or args.hosts < 1:
         raise ConfigError("--workers, --batch-size and --hosts must be >= 1")
@@ -131,6 +137,7 @@ def _plan(args: argparse.Namespace) -> int:
         "latency": latency,
         "hosts": args.hosts,
         "slowdown": slowdown,
+        "links": read_links(args.links) if args.links else (),
     }
     ranked = search(profile, model, space=space, **setting)
     default = next(s for s in ranked if s.candidate == Candidate())
@@ -141,6 +148,7 @@ def _plan(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "bandwidth": args.bandwidth,
         "latency": args.latency,
+        "links": args.links,
         "machine": profile.name,
         "ranking": [
             {

@@ -18,6 +18,7 @@ from paratrain.sim.predict import (
     JobRequest,
     Prediction,
     hybrid_layers,
+    link_trees,
     network_for,
     shared_cores,
 )
@@ -37,6 +38,7 @@ class _Setting:
     network: Network
     choose: Callable[[int, int], str]
     used: list[str]
+    world: int = 1
 
     def recorded(self, nbytes: int, n: int) -> str:
         name = self.choose(nbytes, n)
@@ -54,11 +56,12 @@ def _setting(request: JobRequest) -> _Setting:
         latency=request.latency,
         hosts=request.hosts,
         concurrency=request.workers,
+        links=request.links,
     )
     if request.algorithm != "auto":
         fixed = request.algorithm
         choose = lambda nbytes, n: fixed  # noqa: E731
-    return _Setting(model, network, choose, [])
+    return _Setting(model, network, choose, [], world)
 
 
 def _step_job(request: JobRequest, setting: _Setting, strategy: str, **extra: object) -> StepJob:
@@ -72,6 +75,7 @@ def _step_job(request: JobRequest, setting: _Setting, strategy: str, **extra: ob
         choose=setting.recorded,
         batch_size=request.batch_size,
         compression=request.compression,
+        trees=link_trees(setting.world, request.bandwidth, request.links),
         **extra,  # type: ignore[arg-type]
     )
 
@@ -212,7 +216,9 @@ class _Hybrid:
         n = model.param_bytes
         if workers > 1:
             latency, bandwidth = request.latency, request.bandwidth
-            choose = network_for(request.profile, world_size=workers, bandwidth=bandwidth, latency=latency)[1]
+            choose = network_for(
+                request.profile, world_size=workers, bandwidth=bandwidth, latency=latency, links=request.links
+            )[1]
             sfb = set(self._layers(request, model, choose))
             for layer in model.layers:
                 if layer.name in sfb:
@@ -261,7 +267,12 @@ class _Pipeline:
             model = found[0] if found else profile.model(model, batch_size, workers)
         m = request.microbatches or workers
         network, _ = network_for(
-            profile, world_size=workers, bandwidth=request.bandwidth, latency=request.latency, concurrency=workers
+            profile,
+            world_size=workers,
+            bandwidth=request.bandwidth,
+            latency=request.latency,
+            concurrency=workers,
+            links=request.links,
         )
         link = network.route(0, 1 % workers)[0]
         step = pipeline_step(

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from paratrain.collectives.plans_blink import link_capacity, pack_trees
+from paratrain.collectives.plans_blink import PackedTree, link_capacity, pack_trees
 from paratrain.collectives.policy import LOOPBACK_BYTES_PER_SECOND, default_allreduce_choice, network_allreduce_choice
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
@@ -36,6 +36,7 @@ __all__ = [
     "Prediction",
     "alpha_beta_step",
     "hybrid_layers",
+    "link_trees",
     "network_for",
     "predict",
     "shared_cores",
@@ -97,6 +98,7 @@ class JobRequest:
     trace: bool = False
     compression: str | None = None
     microbatches: int = 0
+    links: tuple[Link, ...] = ()
 
     def model_profile(self) -> ModelProfile:
         """The profiled model at the job's batch size with ``workers`` processes at once."""
@@ -115,6 +117,16 @@ class Composer(Protocol):
     def estimate(self, request: JobRequest, alpha: float, beta: float) -> float:
         """The plain alpha-beta formula's step (see :func:`alpha_beta_step`), over a link of (alpha, beta)."""
         ...
+
+
+def link_trees(world_size: int, bandwidth: float | None, links: Sequence[Link]) -> tuple[PackedTree, ...] | None:
+    """The trees ``"blink"`` packs over the emulated ``links`` among ``world_size`` ranks (the others sharing
+    nodes' links of ``bandwidth``), as every rank of such a job packs them; None without links."""
+    if not links:
+        return None
+    fast = bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND
+    rates = {(p.a, p.b): p.bandwidth or LOOPBACK_BYTES_PER_SECOND for p in links if max(p.a, p.b) < world_size}
+    return pack_trees(world_size, link_capacity(world_size, rates, fast))
 
 
 def network_for(
@@ -160,9 +172,7 @@ def network_for(
             cost = own.get((s, d))
             return (link, ("out", s), ("in", d)) if cost is None else (cost, ("own", s, d), ("own-in", s, d))
 
-        fast = bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND
-        rates = {(p.a, p.b): p.bandwidth or LOOPBACK_BYTES_PER_SECOND for p in links if max(p.a, p.b) < world_size}
-        trees = pack_trees(world_size, link_capacity(world_size, rates, fast))
+        trees = link_trees(world_size, bandwidth, links)
         directed = {pair: (cost.alpha, cost.beta) for pair, cost in own.items()}
         choose = network_allreduce_choice(link.alpha, 1.0 / link.beta, links=directed, trees=trees)
         return Network(route, shm_alpha=shm_alpha), choose
@@ -197,6 +207,7 @@ def predict(
     trace: bool = False,
     compression: str | None = None,
     microbatches: int = 0,
+    links: tuple[Link, ...] = (),
 ) -> Prediction:
     """Predicts one step of a data-parallel job on the profiled machine.
 
@@ -207,6 +218,7 @@ def predict(
         workers, strategy, servers, bucket_bytes, overlap: the job (as ``paratrain train`` takes them).
         bandwidth, latency: the emulated network (bytes/s, seconds), as ``--bandwidth``/``--latency``.
         hosts: hosts the ranks are spread over.
+        links: the emulated pairs with links of their own (``--faults links=FILE``, :func:`read_links`).
         algorithm: ``"auto"`` (the runtime's policy) or one allreduce algorithm for every bucket.
         slowdown: per rank, how much slower its compute runs (stragglers).
         trace: keep the replay's Chrome-trace spans.
@@ -235,6 +247,7 @@ def predict(
         trace=trace,
         compression=compression,
         microbatches=microbatches,
+        links=links,
     )
     composer: Composer = resolve(request.spec.info.composer)
     return composer.predict(request)

@@ -30,6 +30,7 @@ from paratrain.sim.predict import Prediction, predict
 from paratrain.sim.tensor import profile_splits
 from paratrain.soap import SoapConfig
 from paratrain.strategy import StrategySpec, parse_strategy
+from paratrain.transport.faults import Link
 
 __all__ = ["BUCKET_SIZES", "COMPRESSIONS", "SEARCHED", "Candidate", "Scored", "candidates", "reason", "search"]
 
@@ -237,10 +238,11 @@ def search(
     hosts: int = 1,
     space: Sequence[Candidate] | None = None,
     slowdown: list[float] | None = None,
+    links: tuple[Link, ...] = (),
 ) -> list[Scored]:
     """Predicts every candidate; returns them fastest first (a tie goes to the default bucket size, then to
     overlap on: the settings a user changes least). ``slowdown``: per worker, how much slower its compute runs
-    (a persistent straggler)."""
+    (a persistent straggler); ``links``: the emulated pairs with links of their own."""
     scored = []
     for candidate in space if space is not None else candidates(model):
         prediction = predict(
@@ -258,6 +260,7 @@ def search(
             hosts=hosts,
             compression=candidate.compression or None,
             slowdown=slowdown,
+            links=links,
         )
         scored.append(Scored(candidate, prediction))
     return sorted(

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 from paratrain.collectives.lower import allgather_parts
 from paratrain.collectives.lower_allreduce import allreduce_parts
+from paratrain.collectives.plans_blink import PackedTree
 from paratrain.collectives.shm import plan_args as shm_plan_args
 from paratrain.errors import ConfigError
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES, Bucket, LaunchOrder, ParamInfo, plan_buckets
@@ -108,6 +109,7 @@ class StepJob:
         chunk_bytes: the parameter server's key chunk size.
         overlap: wait-free backprop (buckets start during backward) or not.
         choose: the allreduce policy, ``(nbytes, world_size) -> algorithm`` (what ``algorithm="auto"`` runs).
+        trees: the trees ``"blink"`` sends over (links of their own, :func:`~paratrain.sim.predict.link_trees`).
         itemsize: bytes per gradient element.
         sfb_layers: names of the layers sent by their sufficient factors (allreduce only); the caller takes them
             from :func:`paratrain.sfb.choose_schemes`, as the optimizer does.
@@ -128,6 +130,7 @@ class StepJob:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     overlap: bool = True
     choose: Callable[[int, int], str] = dataclasses.field(default=lambda nbytes, n: "ring")
+    trees: tuple[PackedTree, ...] | None = None
     itemsize: int = 4
     sfb_layers: tuple[str, ...] = ()
     batch_size: int = 0
@@ -282,7 +285,13 @@ def _allreduce_ranks(job: StepJob, which: Sequence[int], *, pad: bool = False) -
         if algorithm == "none":
             continue
         call = allreduce_parts(
-            algorithm, n, count, wire, aliased=True, shm=shm_plan_args(n, wire) if algorithm == "shm" else None
+            algorithm,
+            n,
+            count,
+            wire,
+            aliased=True,
+            shm=shm_plan_args(n, wire) if algorithm == "shm" else None,
+            trees=job.trees if algorithm == "blink" else None,
         )
         for j, r in enumerate(which):
             after = launches[j][k]

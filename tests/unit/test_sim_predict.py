@@ -12,6 +12,7 @@ from paratrain.cli.main import main
 from paratrain.sim.machine import LayerCost, LinkCost, MachineProfile, ModelProfile
 from paratrain.sim.predict import alpha_beta_step, predict
 from paratrain.sim.search import Candidate, candidates, reason, search
+from paratrain.transport.faults import Link
 
 
 def _widemlp() -> ModelProfile:
@@ -217,3 +218,17 @@ def test_pipelines_are_searched_when_the_profile_knows_the_modules() -> None:
     assert flags[:2] == ["--strategy", ranked[0].candidate.strategy] and "--balance" in flags
     balance = [int(n) for n in flags[flags.index("--balance") + 1].split(",")]
     assert len(balance) == 4 and sum(balance) == 6 and min(balance) >= 1
+
+
+def test_links_of_their_own_route_the_step_and_let_the_trees_in() -> None:
+    """4 workers whose link 0-1 runs at 1/10 of the others' (--faults links=FILE): the predicted step slows down,
+    and the runtime's policy the prediction follows chooses the trees packed around the slow link."""
+    profile = _profile()
+    fast, slow = 125e6, 12.5e6
+    links = tuple(Link(a, b, slow if (a, b) == (0, 1) else fast, 0.0) for a in range(4) for b in range(a + 1, 4))
+    even = tuple(Link(a, b, fast, 0.0) for a in range(4) for b in range(a + 1, 4))
+    uneven_step = predict(profile, "widemlp", workers=4, links=links)
+    assert "blink" in uneven_step.algorithms  # (small buckets go "direct")
+    assert uneven_step.step_s > predict(profile, "widemlp", workers=4, links=even).step_s
+    ring = predict(profile, "widemlp", workers=4, links=links, algorithm="ring")
+    assert ring.step_s > 2 * uneven_step.step_s
