@@ -19,8 +19,11 @@ from paratrain._exit import exit_with
 from paratrain.bench._timing import add_worker_args, progress_printer, record_result, run_sizes, start_watchdog
 
 
-def _api_engine(ctx: Any, algorithm: str) -> tuple[Callable[[npt.NDArray[np.float32]], Callable[[], None]], Any]:
-    """The op factory for ``pt.allreduce_`` with ``algorithm``, registering the shm path if asked for it."""
+def _api_engine(
+    ctx: Any, algorithm: str, operation: str = "allreduce"
+) -> tuple[Callable[[npt.NDArray[np.float32]], Callable[[], Any]], Any]:
+    """The op factory for ``pt.allreduce_`` with ``algorithm`` (registering the shm path if asked for it), or for
+    ``pt.reduce``, ``pt.gather``, ``pt.scatter`` or ``pt.alltoall`` (``operation``; root 0)."""
     import paratrain as pt
 
     closer = None
@@ -37,12 +40,20 @@ def _api_engine(ctx: Any, algorithm: str) -> tuple[Callable[[npt.NDArray[np.floa
     if algorithm == "gloo":  # torch tensors through the torch.distributed engine (numpy arrays never go there)
         ctx.collectives.use_torch_distributed("gloo")
 
-    def make(buf: npt.NDArray[np.float32]) -> Callable[[], None]:
+    def make(buf: npt.NDArray[np.float32]) -> Callable[[], Any]:
         x: Any = buf
         if algorithm == "gloo":
             import torch
 
             x = torch.from_numpy(buf)
+        if operation == "reduce":
+            return lambda: pt.reduce(x, root=0)
+        if operation == "gather":
+            return lambda: pt.gather(x, root=0)
+        if operation == "scatter":
+            return lambda: pt.scatter(x, root=0)
+        if operation == "alltoall":
+            return lambda: pt.alltoall(x)
 
         def op() -> None:
             pt.allreduce_(x, op="sum", algorithm=algorithm)
@@ -59,9 +70,9 @@ def _time_engine(ctx: Any, engine: str, args: argparse.Namespace) -> list[dict[s
     closer: Any = None
     try:
         if engine == "paratrain":
-            make, closer = _api_engine(ctx, args.algorithm)
+            make, closer = _api_engine(ctx, args.algorithm, args.op)
             barrier: Callable[[], None] = ctx.barrier
-            label = f"paratrain[{args.algorithm}]"
+            label = f"paratrain[{args.algorithm}]" if args.op == "allreduce" else f"paratrain {args.op}"
         elif engine == "paratrain-shm":
             group = ShmGroup.from_context(ctx)
             closer = group

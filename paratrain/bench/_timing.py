@@ -4,9 +4,10 @@ Shared by every benchmark worker (paratrain, Gloo, MPI, the parameter server and
 hold only what one operation of their engine is.
 
 Every engine runs exactly this loop, so that the numbers differ only by the library under test: fill the buffer
-with ``rank + 1``, run one operation and check the sum (a wrong result must never be reported as a time), zero
-the buffer, run the warm-up operations, pass the engine's own barrier, then time ``iters`` operations back to
-back, each one separately and all together.
+(``rank + 1``; :mod:`._operations` for the collectives besides allreduce), run one operation and check its
+result (a wrong result must never be reported as a time), zero an allreduce's buffer, run the warm-up
+operations, pass the engine's own barrier, then time ``iters`` operations back to back, each one separately and
+all together.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from paratrain.bench._operations import check_result, send_buffer
 
 __all__ = [
     "add_worker_args",
@@ -47,6 +50,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed operations before timing (default 3)")
     parser.add_argument("--out", required=True, help="directory for the per-rank JSON result files")
     parser.add_argument("--deadline", type=float, default=300.0, help="exit with code 124 after this many s")
+    parser.add_argument("--op", default="allreduce", help="the collective timed (run_sizes; default allreduce)")
 
 
 def start_watchdog(seconds: float, what: str) -> None:
@@ -118,31 +122,29 @@ def run_sizes(
     *,
     rank: int,
     world_size: int,
-    make_op: Callable[[npt.NDArray[np.float32]], Callable[[], None]],
+    make_op: Callable[[npt.NDArray[np.float32]], Callable[[], Any]],
     barrier: Callable[[], None],
     progress: Callable[[int, float], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Times the operation that ``make_op(buffer)`` returns, for each size of ``args``; one record per size.
 
-    ``make_op`` receives a float32 numpy buffer of the size and returns a closure that allreduces it in place
-    (the closure may wrap the buffer in a tensor once, outside the timed loop).
+    ``make_op`` receives the float32 numpy buffer this rank passes to ``args.op`` (allreduce by default:
+    :func:`~paratrain.bench._operations.send_buffer`) and returns a closure that runs the collective on it
+    and returns its result (allreduce: in place; the closure may wrap the buffer in a tensor once, outside the
+    timed loop).
 
     Raises:
-        RuntimeError: the verification allreduce gave a wrong sum.
+        RuntimeError: the verification call gave a wrong result.
     """
-    expected = world_size * (world_size + 1) / 2
+    op_name = getattr(args, "op", "allreduce")
     perf = time.perf_counter
 
     def one(nbytes: int, count: int) -> dict[str, Any]:
-        buf = np.empty(nbytes // 4, dtype=np.float32)
+        buf = send_buffer(op_name, nbytes, rank, world_size)
         op = make_op(buf)
-        buf.fill(rank + 1)
-        op()
-        if buf.size and not (buf[0] == expected and buf[-1] == expected and np.all(buf == expected)):
-            raise RuntimeError(
-                f"wrong allreduce result for {nbytes} bytes: got {buf[0]}..{buf[-1]}, expected {expected}"
-            )
-        buf.fill(0)
+        check_result(op_name, op(), buf, rank=rank, world=world_size, nbytes=nbytes)
+        if op_name == "allreduce":
+            buf.fill(0)  # (in place: repeated sums of zeros stay finite)
         for _ in range(args.warmup):
             op()
         barrier()

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TextIO
 
 from paratrain.bench import harness, stats, tables
+from paratrain.bench._operations import OPERATIONS
 from paratrain.bench._timing import format_bytes
 from paratrain.bench.harness import EngineRun, SizedOptions, Step
 from paratrain.bench.machine import MachineSample, machine_report
@@ -81,7 +82,9 @@ class BenchOptions(SizedOptions):
         nproc: ranks (processes) per engine, all on this host.
         compare: anchors to run (subset of :data:`ANCHORS`).
         algorithm: ``algorithm=`` of ``pt.allreduce_``.
-        shm: also time the shared-memory path directly (``paratrain-shm``).
+        shm: also time the shared-memory path directly (``paratrain-shm``; allreduce only).
+        op: the collective (:data:`~paratrain.bench._operations.OPERATIONS`; besides allreduce, paratrain's
+            public call against MPI's, sizes per rank's block).
     """
 
     #: Small messages are latency-bound and cheap: 500 calls give a stable mean (then 100, 30, 10 as sizes grow).
@@ -93,11 +96,14 @@ class BenchOptions(SizedOptions):
     algorithm: str = "auto"
     timeout: float = 600.0
     shm: bool = True
+    op: str = "allreduce"
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise ConfigError(f"--np must be at least 1, got {self.nproc}")  # --np, as mpirun names it
         SizedOptions.__post_init__(self)
+        if self.op not in OPERATIONS:
+            raise ConfigError(f"--op must be one of {', '.join(OPERATIONS)}, got {self.op!r}")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         unknown = [a for a in self.compare if a not in ANCHORS]
@@ -108,12 +114,17 @@ class BenchOptions(SizedOptions):
 # -- the engines ---------------------------------------------------------------------------------------------------
 
 
+def _shm(options: BenchOptions) -> bool:
+    return options.shm and options.op == "allreduce"
+
+
 def _paratrain_labels(options: BenchOptions) -> tuple[str, ...]:
-    return (f"paratrain[{options.algorithm}]", *(["paratrain-shm"] if options.shm else []))
+    main = f"paratrain[{options.algorithm}]" if options.op == "allreduce" else f"paratrain {options.op}"
+    return (main, *(["paratrain-shm"] if _shm(options) else []))
 
 
 def _run_paratrain(options: BenchOptions, out_dir: str) -> dict[str, EngineRun]:
-    engines = ["paratrain", *(["paratrain-shm"] if options.shm else [])]
+    engines = ["paratrain", *(["paratrain-shm"] if _shm(options) else [])]
     cmd = [
         "python",
         "-m",
@@ -123,6 +134,8 @@ def _run_paratrain(options: BenchOptions, out_dir: str) -> dict[str, EngineRun]:
         options.algorithm,
         "--engines",
         ",".join(engines),
+        "--op",
+        options.op,
     ]
     problem = harness.launch_job(cmd, nproc=options.nproc, timeout=options.timeout, deadline_s=options.deadline_s())
     runs = {
@@ -214,13 +227,17 @@ def _run_mpi(options: BenchOptions, out_dir: str) -> dict[str, EngineRun]:
         "-m",
         "paratrain.bench._mpi_worker",
         *harness.worker_args(options, out_dir),
+        "--op",
+        options.op,
     ]
     return _run_anchor("mpi", [(argv, env)], options, out_dir)
 
 
 def _steps(options: BenchOptions) -> list[Step]:
     sizes = ", ".join(format_bytes(s) for s in options.sizes)
-    what = f"pt.allreduce_(algorithm={options.algorithm!r})" + (" and the shm path" if options.shm else "")
+    what = f"pt.allreduce_(algorithm={options.algorithm!r})" + (" and the shm path" if _shm(options) else "")
+    if options.op != "allreduce":
+        what = f"pt.{options.op} (root 0)" if options.op != "alltoall" else "pt.alltoall"
     steps = [
         Step(
             _paratrain_labels(options),
@@ -230,10 +247,12 @@ def _steps(options: BenchOptions) -> list[Step]:
     ]
     anchors = {
         "gloo": (f"gloo: torch.distributed all_reduce, {options.nproc} processes", _run_gloo),
-        "mpi": (f"mpi: mpirun -np {options.nproc}, comm.Allreduce", _run_mpi),
+        "mpi": (f"mpi: mpirun -np {options.nproc}, comm.{options.op.capitalize()}", _run_mpi),
         "horovod": (f"horovod: horovodrun -np {options.nproc} --gloo, hvd.allreduce_", _run_horovod),
     }
     for name in options.compare:  # in the order the user gave
+        if options.op != "allreduce" and name != "mpi":
+            continue  # (Gloo's and Horovod's columns time allreduce)
         describe, run = anchors[name]
         steps.append(Step((name,), describe, functools.partial(run, options)))
     return steps
@@ -364,6 +383,7 @@ def run_bench(options: BenchOptions, *, out: TextIO | None = None) -> tuple[dict
         "dtype": "float32",
         "op": "sum",
         "algorithm": options.algorithm,
+        "collective": options.op,
         "sizes": list(options.sizes),
         "compare": list(options.compare),
         "repeat": options.repeat,

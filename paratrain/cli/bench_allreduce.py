@@ -82,6 +82,13 @@ def add_parsers(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "through paratrain's torch.distributed engine)",
     )
     a.add_argument("--no-shm", action="store_true", help="do not time the shared-memory path directly")
+    a.add_argument(
+        "--op",
+        default="allreduce",
+        choices=("allreduce", "reduce", "gather", "scatter", "alltoall"),
+        help="the collective (default allreduce); reduce, gather, scatter (root 0) and alltoall against MPI's, "
+        "a size being one rank's block",
+    )
     a.add_argument("--timeout", type=float, default=600.0, help="seconds each engine may run (default 600)")
     a.add_argument("--json", metavar="FILE", default=None, help="write every number to FILE as JSON")
     a.set_defaults(func=_allreduce)
@@ -94,5 +101,6 @@ def _allreduce(args: argparse.Namespace) -> int:
 
     sizes = tuple(args.sizes or parse_sizes(DEFAULT_SIZES))
     compare = tuple(ANCHORS if args.compare is None else args.compare)
-    report, code = run_bench(options_from(BenchOptions, args, sizes=sizes, compare=compare, shm=not args.no_shm))
+    options = options_from(BenchOptions, args, sizes=sizes, compare=compare, shm=not args.no_shm, op=args.op)
+    report, code = run_bench(options)
     return print_report("allreduce", render_table(report), report, args.json, code)

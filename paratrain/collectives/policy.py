@@ -18,6 +18,7 @@ __all__ = [
     "AUTO_DIRECT_MAX_BYTES",
     "AUTO_TREE_MAX_BYTES",
     "LOOPBACK_BYTES_PER_SECOND",
+    "MESSAGE_SECONDS",
     "default_allreduce_choice",
     "default_broadcast_choice",
     "network_allreduce_choice",
@@ -72,6 +73,14 @@ def default_allreduce_choice(nbytes: int, world_size: int) -> str:
 #: Bytes per second assumed for a link whose bandwidth the emulated network leaves unlimited: the loopback TCP
 #: throughput measured on the 2-core development machine (2.2-3.8 GB/s), its lower end.
 LOOPBACK_BYTES_PER_SECOND = 2.2e9
+
+#: Seconds every message costs on top of an emulated network's latency: the ZeroMQ transport's own per-message
+#: time (header, receiver thread, Python bookkeeping), ``paratrain profile``'s ``ipc`` alpha on the 2-core
+#: development machine (0.33 ms between 2 processes; ``benchmarks/simulator/machine.json``). Without it, an
+#: emulated network of latency 0 made the policy pick the ring for every size at 4 ranks and 1 Gbit/s, where
+#: halving-doubling measured 11-20 % faster from 64 KiB to 1 MiB (``benchmarks/allreduce``). Re-measure on the
+#: target machine.
+MESSAGE_SECONDS = 3.3e-4
 
 
 def network_allreduce_choice(

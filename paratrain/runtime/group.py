@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from paratrain.collectives.api import LOOPBACK_BYTES_PER_SECOND, Collectives, network_allreduce_choice
 from paratrain.collectives.barrier import barrier as _barrier
+from paratrain.collectives.policy import MESSAGE_SECONDS
 from paratrain.device.events import SupportsQuery
 from paratrain.errors import NotInitializedError
 from paratrain.timeline import timeline_for
@@ -244,15 +245,16 @@ class Group(CollectiveMethods):
 
             spec = FaultSpec.parse(faults)
             index = {world: mine for mine, world in enumerate(self.ranks)}
+            own = MESSAGE_SECONDS  # (every message's own cost, on top of the emulated latency)
             links = {
-                (index[link.a], index[link.b]): (link.latency, link.bandwidth or LOOPBACK_BYTES_PER_SECOND)
+                (index[link.a], index[link.b]): (link.latency + own, link.bandwidth or LOOPBACK_BYTES_PER_SECOND)
                 for link in spec.links
                 if link.a in index and link.b in index
             }
             if links:  # uneven links: "blink" packs trees over them, and "auto" replays every plan on them
-                collectives.use_links(links, latency=spec.latency, bandwidth=spec.bandwidth)
+                collectives.use_links(links, latency=spec.latency + own, bandwidth=spec.bandwidth)
             elif spec.latency > 0 or spec.bandwidth is not None:
-                collectives.choose_allreduce = network_allreduce_choice(spec.latency, spec.bandwidth)
+                collectives.choose_allreduce = network_allreduce_choice(spec.latency + own, spec.bandwidth)
         return collectives
 
     def close(self) -> None:

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from paratrain.collectives.plans_blink import PackedTree, link_capacity, pack_trees
-from paratrain.collectives.policy import LOOPBACK_BYTES_PER_SECOND, default_allreduce_choice, network_allreduce_choice
+from paratrain.collectives.policy import (
+    LOOPBACK_BYTES_PER_SECOND,
+    MESSAGE_SECONDS,
+    default_allreduce_choice,
+    network_allreduce_choice,
+)
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
 from paratrain.sim.machine import LinkCost, MachineProfile, ModelProfile
 from paratrain.sim.replay import Cores, Network, Replay
@@ -161,8 +166,9 @@ def network_for(
         base = profile.link("injected", concurrency, fallback="ipc") if hosts == 1 else profile.path("tcp")
         wire = 1.0 / bandwidth if bandwidth else 0.0  # the injector's queues: the sender's, then the receiver's
         link = LinkCost(base.alpha + latency, base.beta + wire, ingress_beta=max(base.beta, wire))
-        if not links:
-            return Network.uniform(link, shm_alpha=shm_alpha), network_allreduce_choice(latency, bandwidth)
+        if not links:  # (the policy the runtime runs: MESSAGE_SECONDS, not this profile's alpha)
+            choose = network_allreduce_choice(latency + MESSAGE_SECONDS, bandwidth)
+            return Network.uniform(link, shm_alpha=shm_alpha), choose
         own = {}
         for pair in links:
             cost = LinkCost(base.alpha + pair.latency, base.beta + (1.0 / pair.bandwidth if pair.bandwidth else 0.0))
@@ -173,8 +179,11 @@ def network_for(
             return (link, ("out", s), ("in", d)) if cost is None else (cost, ("own", s, d), ("own-in", s, d))
 
         trees = link_trees(world_size, bandwidth, links)
-        directed = {pair: (cost.alpha, cost.beta) for pair, cost in own.items()}
-        choose = network_allreduce_choice(link.alpha, 1.0 / link.beta, links=directed, trees=trees)
+        directed = {
+            (p.a, p.b): (p.latency + MESSAGE_SECONDS, 1.0 / (p.bandwidth or LOOPBACK_BYTES_PER_SECOND)) for p in links
+        }
+        directed |= {(b, a): cost for (a, b), cost in directed.items()}
+        choose = network_allreduce_choice(latency + MESSAGE_SECONDS, bandwidth, links=directed, trees=trees)
         return Network(route, shm_alpha=shm_alpha), choose
     if hosts == 1:
         link = profile.link("ipc", concurrency)
