@@ -3,7 +3,10 @@ scatter and all-to-all, blocking and async, on numpy arrays and torch tensors.
 
 Each call goes the way the others do (:class:`~paratrain.collectives.calls.CollectiveCalls`): local checks, the
 call's tag, the agreement (the same :class:`~paratrain.errors.CollectiveMismatchError` on every rank when the ranks'
-calls differ), then its plan (:mod:`.lower_personalized`) run by the one executor. Blocks may differ in size between
+calls differ), then its plan (:mod:`.lower_personalized`) run by the one executor; when every rank shares this
+host (the shared-memory segment is on), gather, scatter and all-to-all move their blocks through the segment
+instead (:meth:`~paratrain.collectives.shm.ShmGroup.publish`: each item copied in once and out once), and
+reduce keeps the tree over sockets (its documented summation order). Blocks may differ in size between
 ranks (their first dimension; the trailing ones and the dtype must agree): gather takes each rank's rows as they
 are, scatter and all-to-all split along axis 0 by ``counts`` (``numpy.array_split`` by default), and the receivers
 learn the sizes from the agreement's payload. Results are new arrays or tensors of the caller's type; a rooted call
@@ -124,8 +127,13 @@ class PersonalizedCalls(CollectiveCalls):
                     rows = [s.shape[0] if s.shape else 1 for s in sigs]
                     bounds = _bounds(rows, row)
                     out = np.empty(bounds[-1][1] if rank == root else 0, dtype=src.dtype)
-                    plan = gather_plan(n, bounds, src.itemsize, root=root, agreement=False)
-                    run_actions(ex, plan.ranks[rank], {"src": src, "dst": out}, None, src.dtype)
+                    group = self._shm.group if self._shm is not None else None
+                    if group is not None:  # every rank on this host: through the segment
+                        reads = [(q, 0, b - a, a) for q, (a, b) in enumerate(bounds)] if rank == root else []
+                        group.publish(src, [b - a for a, b in bounds], reads, out, timeout=max(ex.left(), 0.001))
+                    else:
+                        plan = gather_plan(n, bounds, src.itemsize, root=root, agreement=False)
+                        run_actions(ex, plan.ranks[rank], {"src": src, "dst": out}, None, src.dtype)
             if rank != root:
                 return None
             return wrap(x, out.reshape((sum(rows), *trailing)), dtype_name, self._deadline(timeout))
@@ -185,8 +193,14 @@ class PersonalizedCalls(CollectiveCalls):
                     rows = _payload(ex.gathered, root, n, "scatter")
                     bounds = _bounds(rows, row)
                     part = np.empty(bounds[rank][1] - bounds[rank][0], dtype=src.dtype)
-                    plan = scatter_plan(n, bounds, src.itemsize, root=root, agreement=False)
-                    run_actions(ex, plan.ranks[rank], {"src": src, "dst": part}, None, src.dtype)
+                    group = self._shm.group if self._shm is not None else None
+                    if group is not None:  # every rank on this host: through the segment
+                        sizes = [bounds[-1][1] if q == root else 0 for q in range(n)]
+                        reads = [(root, *bounds[rank], 0)]
+                        group.publish(src, sizes, reads, part, timeout=max(ex.left(), 0.001))
+                    else:
+                        plan = scatter_plan(n, bounds, src.itemsize, root=root, agreement=False)
+                        run_actions(ex, plan.ranks[rank], {"src": src, "dst": part}, None, src.dtype)
             return wrap(
                 x, part.reshape((part.size // row if row else 0, *trailing)), dtype_name, self._deadline(timeout)
             )
@@ -242,8 +256,13 @@ class PersonalizedCalls(CollectiveCalls):
                     send = [_bounds(sent[q], row) for q in range(n)]
                     recv = [_bounds([sent[q][r] for q in range(n)], row) for r in range(n)]
                     out = np.empty(recv[rank][-1][1], dtype=src.dtype)
-                    plan = alltoall_plan(n, send, recv, itemsize=src.itemsize, agreement=False)
-                    run_actions(ex, plan.ranks[rank], {"src": src, "dst": out}, None, src.dtype)
+                    group = self._shm.group if self._shm is not None else None
+                    if group is not None:  # every rank on this host: through the segment
+                        sizes, reads, order = _alltoall_turns(send, recv, rank)
+                        group.publish(src, sizes, reads, out, order=order, timeout=max(ex.left(), 0.001))
+                    else:
+                        plan = alltoall_plan(n, send, recv, itemsize=src.itemsize, agreement=False)
+                        run_actions(ex, plan.ranks[rank], {"src": src, "dst": out}, None, src.dtype)
             rows = out.size // row if row else 0
             return wrap(x, out.reshape((rows, *trailing)), dtype_name, self._deadline(timeout))
 
@@ -254,6 +273,27 @@ class PersonalizedCalls(CollectiveCalls):
     def _check_root(self, root: int) -> None:
         if type(root) is not int or not 0 <= root < self.world_size:
             raise ValueError(f"root {root!r} outside 0..{self.world_size - 1}")
+
+
+def _alltoall_turns(
+    send: Sequence[Sequence[tuple[int, int]]], recv: Sequence[Sequence[tuple[int, int]]], rank: int
+) -> tuple[list[int], list[tuple[int, int, int, int]], list[tuple[int, int]]]:
+    """All-to-all through :meth:`~paratrain.collectives.shm.ShmGroup.publish`: rank q publishes its parts in the
+    order q + 1, q + 2, ..., q (so that in every round each rank reads one peer's part, instead of every rank
+    reading in turn); returns the published sizes, this rank's reads and its publishing order."""
+    n = len(send)
+    turns = [[(q + j) % n for j in range(1, n + 1)] for q in range(n)]
+    starts = []
+    for q in range(n):
+        at, start = 0, {}
+        for p in turns[q]:
+            start[p] = at
+            at += send[q][p][1] - send[q][p][0]
+        starts.append(start)
+    reads = [
+        (q, starts[q][rank], starts[q][rank] + send[q][rank][1] - send[q][rank][0], recv[rank][q][0]) for q in range(n)
+    ]
+    return [send[q][-1][1] for q in range(n)], reads, [send[rank][p] for p in turns[rank]]
 
 
 def _split(rows: int, n: int, counts: Sequence[int] | None, name: str) -> list[int]:

@@ -542,6 +542,61 @@ class ShmGroup:
                 np.copyto(flat[start : start + n], slots[root])
             self._k = k + 1
 
+    def publish(
+        self,
+        flat: _Array,
+        sizes: Sequence[int],
+        reads: Sequence[tuple[int, int, int, int]],
+        out: _Array,
+        *,
+        order: Sequence[tuple[int, int]] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Moves blocks of every member's ``flat`` (``sizes[q]`` items at member q, one dtype) to whoever reads
+        them: each read ``(q, start, stop, at)`` copies items ``[start, stop)`` of member q's array to
+        ``out[at:]``. Gather (the root reads every member's array), scatter (every member reads its part of the
+        root's) and all-to-all (each reads its part of everybody's) are this. Collective; blocks. The call's
+        agreement came first (the sizes are known to all). ``order``: the pieces of ``flat`` this member
+        publishes, in order (default: all of it); items are then numbered along them (what the peers' reads
+        and ``sizes`` count), so all-to-all can publish, in round j, the part member ``q + j`` reads, and every
+        member reads in every round instead of one at a time.
+
+        Blocks of ``capacity`` bytes, as :meth:`broadcast_`: in block i every member copies items ``[iB, iB + B)``
+        of its array into its slot, signals, waits for all, then copies out what it reads of everybody's block i;
+        a slot is written again two blocks later, once every member has signalled the block between (so has read
+        this one). Each item crosses memory twice (in, out), as through MPI's shared memory.
+
+        Raises:
+            PeerLostError, CommTimeoutError: as for :meth:`allreduce_`.
+        """
+        with self._call:
+            if not self.segment.mapped:
+                return
+            deadline = self._deadline(timeout)
+            seg = self.segment
+            per_block = self._block_elems(flat.dtype, parts=1)
+            blocks = max((-(-size // per_block) for size in sizes), default=0)
+            k0 = self._k
+            pieces = [(0, sizes[self.index])] if order is None else list(order)
+            for i in range(blocks):
+                k = k0 + i
+                lo, hi = i * per_block, (i + 1) * per_block
+                slots = self._layout.plan(flat.dtype, per_block).whole[k & 1]
+                at = 0  # where piece p starts along the published items
+                for a, z in pieces:
+                    x, y = max(lo, at), min(hi, at + z - a)  # the piece's items inside this block
+                    if x < y:
+                        np.copyto(slots[self.index][x - lo : y - lo], flat[a + x - at : a + y - at])
+                    at += z - a
+                reading = [r for r in reads if max(r[1], lo) < min(r[2], hi, sizes[r[0]])]
+                seg.signal(2 * k + 1)
+                seg.wait_all(2 * k + 1, deadline, spin=bool(reading) or i + 1 == blocks)
+                for q, start, stop, at in reading:
+                    a, z = max(start, lo), min(stop, hi, sizes[q])
+                    if a < z:
+                        np.copyto(out[at + a - start : at + z - start], slots[q][a - lo : z - lo])
+                self._k = k + 1
+
     # -- the agreement step ------------------------------------------------------------------------------------
 
     def _agree(self, desc: bytes, deadline: float) -> list[Signature] | None:

@@ -398,8 +398,10 @@ class Segment:
                 futex.wake(self._addr + self._me * 8)
                 return
 
-    def wait_all(self, value: int, deadline: float) -> None:
+    def wait_all(self, value: int, deadline: float, *, spin: bool = True) -> None:
         """Blocks until every other member's counter is at least ``value``, then checks the abort word.
+        ``spin=False``: sleep at once (a wait whose end this member is in no hurry for: its spinning would only
+        take a core from the members that work meanwhile), without adapting the spin.
 
         Raises:
             PeerLostError: a peer died, left, or failed (it set the abort word).
@@ -409,7 +411,7 @@ class Segment:
         for q in self.others:
             word = self._line[q]
             if w[word] < value:
-                self._wait_one(q, word, value, deadline)
+                self._wait_one(q, word, value, deadline, spin=spin)
         if w[W_ABORT]:
             self._raise_aborted()
 
@@ -419,11 +421,11 @@ class Segment:
         if self._w[word] < value:
             self._wait_one(q, word, value, deadline)
 
-    def _wait_one(self, q: int, word: int, value: int, deadline: float) -> None:
+    def _wait_one(self, q: int, word: int, value: int, deadline: float, *, spin: bool = True) -> None:
         w = self._w
         perf = time.perf_counter
         start = perf()
-        spin_end = start + self._spin_now
+        spin_end = start + (self._spin_now if spin else 0.0)
         yield_ = self._yield
         while True:
             if w[word] >= value:
@@ -442,7 +444,8 @@ class Segment:
                 futex.wait(self._addr + word * 8, seen, SLICE_S)
             w[sleep_word] = 0
             if w[word] >= value:
-                self._adapt_spin(perf() - start)
+                if spin:
+                    self._adapt_spin(perf() - start)
                 return
             self._check_peer(q, value, deadline)
 

@@ -177,6 +177,45 @@ def test_broadcast_from_every_root(root: int) -> None:
     assert results[0][-1][-1] == 5002 * (root + 1)
 
 
+def test_publish_moves_gather_scatter_and_alltoall_blocks_of_uneven_sizes() -> None:
+    """publish (what the personalized calls use inside a host): uneven sizes, arrays of many blocks and of none,
+    interleaved with allreduces (the block numbers go on across calls); the reads equal numpy's slices."""
+    sizes = [0, 1, 3 * CAPACITY // 8 + 5, 2 * CAPACITY // 8]  # items of float64: none, one, 3+ blocks, 2 blocks
+
+    def body(ctx: Context, group: ShmGroup) -> list[npt.NDArray[Any]]:
+        r, n = ctx.rank, 3
+        mine = np.arange(sizes[r + 1], dtype=np.float64) + 1000 * r
+        got = []
+        own = [sizes[q + 1] for q in range(n)]
+        offsets = np.cumsum([0, *own])
+        out = np.full(offsets[-1] if r == 0 else 0, -1.0)  # gather to 0
+        group.publish(mine, own, [(q, 0, own[q], offsets[q]) for q in range(n)] if r == 0 else [], out)
+        got.append(out)
+        whole = np.arange(sizes[3], dtype=np.float64) if r == 2 else np.zeros(0)  # scatter from 2, uneven parts
+        parts = [(0, 7), (7, 7), (7, sizes[3])]
+        part = np.full(parts[r][1] - parts[r][0], -1.0)
+        group.publish(whole, [0, 0, sizes[3]], [(2, *parts[r], 0)], part)
+        got.append(part)
+        x = np.ones(5)
+        group.allreduce_(x, "sum")
+        got.append(x)
+        send = np.arange(3 * 11, dtype=np.float64) + 100 * r  # all-to-all: 11 items to each
+        recv = np.full(33, -1.0)
+        group.publish(send, [33] * 3, [(q, 11 * r, 11 * r + 11, 11 * q) for q in range(n)], recv)
+        got.append(recv)
+        return got
+
+    results = _with_groups(3, body)
+    inputs = [np.arange(sizes[q + 1], dtype=np.float64) + 1000 * q for q in range(3)]
+    np.testing.assert_array_equal(results[0][0], np.concatenate(inputs))
+    whole = np.arange(sizes[3], dtype=np.float64)
+    for r, (a, z) in enumerate([(0, 7), (7, 7), (7, sizes[3])]):
+        np.testing.assert_array_equal(results[r][1], whole[a:z])
+        np.testing.assert_array_equal(results[r][2], np.full(5, 3.0))
+        want = np.concatenate([np.arange(33, dtype=np.float64)[11 * r : 11 * r + 11] + 100 * q for q in range(3)])
+        np.testing.assert_array_equal(results[r][3], want)
+
+
 def test_barrier_lets_nobody_through_early() -> None:
     rounds, world = 8, 3
     arrived = [[threading.Event() for _ in range(world)] for _ in range(rounds)]

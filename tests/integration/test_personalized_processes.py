@@ -1,6 +1,6 @@
 """reduce, gather, scatter and all-to-all as real processes on one host (``paratrain launch -n 3``): the
-agreement goes through the shared-memory segment, the counts and data over sockets; every rank's result equals
-the reference."""
+agreement, the counts and (but for reduce's tree) the data go through the shared-memory segment, arrays of several
+1 MiB blocks and of uneven sizes too; every rank's result equals the reference."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,6 +31,12 @@ out = {
     "scatter": pt.scatter(np.arange(7), root=2).tolist(),
     "alltoall": pt.alltoall(np.arange(2 * n) + 100 * r).tolist(),
 }
+big = np.arange((r + 1) * 200_003, dtype=np.float64) + r  # 1.6-4.8 MB: several blocks, uneven
+gathered = pt.gather(big, root=2)
+parts = pt.scatter(np.arange(600_001.0) if r == 0 else np.zeros(0), root=0, counts=[1, 450_000, 150_000])
+swapped = pt.alltoall(np.arange(3 * 100_000.0).reshape(-1, 3) * (r + 1), counts=[50_000, 0, 50_000])
+out["big"] = [None if gathered is None else float(gathered.sum()), float(parts.sum()), len(parts),
+              float(swapped.sum()), swapped.shape[0]]
 print("RESULT", json.dumps([r, out]), flush=True)
 pt.shutdown()
 """
@@ -63,6 +70,16 @@ def test_the_four_operations_as_processes(tmp_path: Path) -> None:
     assert [results[r]["reduce"] for r in range(3)] == [None, [0, 6, 12, 18], None]
     assert [results[r]["gather"] for r in range(3)] == [[0, 1, 1, 2, 2, 2], None, None]
     assert [results[r]["scatter"] for r in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    big = [np.arange((q + 1) * 200_003, dtype=np.float64) + q for q in range(3)]
+    whole = np.arange(600_001.0)
+    parts = [whole[:1], whole[1:450_001], whole[450_001:]]
+    rows = np.arange(3 * 100_000.0).reshape(-1, 3)
+    sent = [rows[:50_000], rows[50_000:50_000], rows[50_000:]]  # each rank's part q, times (its rank + 1)
+    for r in range(3):
+        g, p_sum, p_len, a_sum, a_rows = results[r]["big"]
+        assert g == (float(sum(b.sum() for b in big)) if r == 2 else None)
+        assert (p_sum, p_len) == (float(parts[r].sum()), len(parts[r]))
+        assert (a_sum, a_rows) == (float(sum(sent[r].sum() * (q + 1) for q in range(3))), 3 * len(sent[r]))
     assert [results[r]["alltoall"] for r in range(3)] == [
         [q * 100 + v for q in range(3) for v in (2 * r, 2 * r + 1)] for r in range(3)
     ]
