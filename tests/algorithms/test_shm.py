@@ -203,6 +203,12 @@ def test_publish_moves_gather_scatter_and_alltoall_blocks_of_uneven_sizes() -> N
         recv = np.full(33, -1.0)
         group.publish(send, [33] * 3, [(q, 11 * r, 11 * r + 11, 11 * q) for q in range(n)], recv)
         got.append(recv)
+        # the same, each rank publishing its parts in the order r + 1, r + 2, r (its part q at 11 * ((q - r - 1) % 3))
+        turned = np.full(33, -1.0)
+        order = [(11 * ((r + j) % 3), 11 * ((r + j) % 3) + 11) for j in (1, 2, 3)]
+        reads = [(q, 11 * ((r - q - 1) % 3), 11 * ((r - q - 1) % 3) + 11, 11 * q) for q in range(n)]
+        group.publish(send, [33] * 3, reads, turned, order=order)
+        got.append(turned)
         return got
 
     results = _with_groups(3, body)
@@ -214,6 +220,7 @@ def test_publish_moves_gather_scatter_and_alltoall_blocks_of_uneven_sizes() -> N
         np.testing.assert_array_equal(results[r][2], np.full(5, 3.0))
         want = np.concatenate([np.arange(33, dtype=np.float64)[11 * r : 11 * r + 11] + 100 * q for q in range(3)])
         np.testing.assert_array_equal(results[r][3], want)
+        np.testing.assert_array_equal(results[r][4], want)
 
 
 def test_barrier_lets_nobody_through_early() -> None:

@@ -232,3 +232,18 @@ def test_links_of_their_own_route_the_step_and_let_the_trees_in() -> None:
     assert uneven_step.step_s > predict(profile, "widemlp", workers=4, links=even).step_s
     ring = predict(profile, "widemlp", workers=4, links=links, algorithm="ring")
     assert ring.step_s > 2 * uneven_step.step_s
+
+
+def test_plan_command_takes_the_links(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    machine, links, out_json = tmp_path / "machine.json", tmp_path / "links.json", tmp_path / "plan.json"
+    _profile().save(machine)
+    pairs = [[a, b] for a in range(4) for b in range(a + 1, 4)]
+    links.write_text(json.dumps({"links": [{"between": p, "bandwidth": "100Mbit" if p == [0, 1] else "1Gbit"}
+                                           for p in pairs]}))  # fmt: skip
+    argv = ["plan", "--machine", str(machine), "--model", "widemlp", "--workers", "4", "--links", str(links)]
+    assert main([*argv, "--json", str(out_json), "--top", "2"]) == 0
+    assert json.loads(out_json.read_text())["links"] == str(links)
+    capsys.readouterr()
+    links.write_text(json.dumps({"links": [{"between": [0, 0]}]}))
+    assert main(argv) == 2
+    assert "two different ranks" in capsys.readouterr().err
