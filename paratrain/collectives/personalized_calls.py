@@ -5,12 +5,12 @@ Each call goes the way the others do (:class:`~paratrain.collectives.calls.Colle
 call's tag, the agreement (the same :class:`~paratrain.errors.CollectiveMismatchError` on every rank when the ranks'
 calls differ), then its plan (:mod:`.lower_personalized`) run by the one executor; when every rank shares this
 host (the shared-memory segment is on), gather, scatter and all-to-all move their blocks through the segment
-instead (:meth:`~paratrain.collectives.shm.ShmGroup.publish`: each item copied in once and out once), and
-reduce keeps the tree over sockets (its documented summation order). Blocks may differ in size between
-ranks (their first dimension; the trailing ones and the dtype must agree): gather takes each rank's rows as they
-are, scatter and all-to-all split along axis 0 by ``counts`` (``numpy.array_split`` by default), and the receivers
-learn the sizes from the agreement's payload. Results are new arrays or tensors of the caller's type; a rooted call
-returns None on every rank but its root.
+instead (:meth:`~paratrain.collectives.shm.ShmGroup.publish`: each item copied in once and out once), and so
+does a reduce of up to :data:`SHM_REDUCE_MAX_BYTES`, whose root then combines the arrays in the tree's order.
+Blocks may differ in size between ranks (their first dimension; the trailing ones and the dtype must agree):
+gather takes each rank's rows as they are, scatter and all-to-all split along axis 0 by ``counts``
+(``numpy.array_split`` by default), and the receivers learn the sizes from the agreement's payload. Results are
+new arrays or tensors of the caller's type; a rooted call returns None on every rank but its root.
 """
 
 from __future__ import annotations
@@ -26,13 +26,18 @@ from paratrain.collectives.calls import CollectiveCalls
 from paratrain.collectives.execute import run_actions
 from paratrain.collectives.lower_personalized import alltoall_plan, gather_plan, reduce_to_plan, scatter_plan
 from paratrain.collectives.ops import Reducer
-from paratrain.collectives.plans import chunk_bounds
+from paratrain.collectives.plans import binomial_tree_reduce, chunk_bounds
 from paratrain.collectives.signature import Signature
 from paratrain.collectives.views import as_array, wrap
 from paratrain.errors import MessageError
 from paratrain.transport.base import Handle
 
-__all__ = ["PersonalizedCalls"]
+__all__ = ["SHM_REDUCE_MAX_BYTES", "PersonalizedCalls"]
+
+#: Largest reduce (bytes per rank) taken through the shared-memory segment: every rank's array copied to the root,
+#: which then combines them in the tree's order (the same bits as the socket tree). Above it the tree over
+#: sockets, which combines each segment as it arrives, is faster (measured: benchmarks/allreduce/README.md).
+SHM_REDUCE_MAX_BYTES = 4 << 20
 
 A = TypeVar("A")
 Body = Callable[[int], Any]
@@ -80,8 +85,17 @@ class PersonalizedCalls(CollectiveCalls):
             else:
                 with self._exchange(tag, timeout, "reduce (tree)") as ex:
                     self._agree(ex, sig)
-                    plan = reduce_to_plan(n, src.size, src.itemsize, root=root, agreement=False)
-                    run_actions(ex, plan.ranks[rank], {"src": src, "dst": dst}, reducer, dst.dtype)
+                    group = self._shm.group if self._shm is not None else None
+                    if group is not None and src.nbytes <= SHM_REDUCE_MAX_BYTES:  # through the segment
+                        every = np.empty((n if rank == root else 0, src.size), dtype=src.dtype)
+                        reads = [(q, 0, src.size, q * src.size) for q in range(n)] if rank == root else []
+                        group.publish(src, [src.size] * n, reads, every.reshape(-1), timeout=max(ex.left(), 0.001))
+                        if rank == root:
+                            np.copyto(dst, _tree_sum(every, root, reducer))
+                            reducer.finish(dst, n)
+                    else:
+                        plan = reduce_to_plan(n, src.size, src.itemsize, root=root, agreement=False)
+                        run_actions(ex, plan.ranks[rank], {"src": src, "dst": dst}, reducer, dst.dtype)
             return wrap(x, dst.reshape(view.shape), dtype_name, self._deadline(timeout)) if rank == root else None
 
         return body
@@ -294,6 +308,23 @@ def _alltoall_turns(
         (q, starts[q][rank], starts[q][rank] + send[q][rank][1] - send[q][rank][0], recv[rank][q][0]) for q in range(n)
     ]
     return [send[q][-1][1] for q in range(n)], reads, [send[rank][p] for p in turns[rank]]
+
+
+def _tree_sum(every: npt.NDArray[Any], root: int, reducer: Reducer) -> npt.NDArray[Any]:
+    """Every rank's array (``every[q]``) combined at ``root`` in the binomial tree's order, as the socket path
+    combines them (each rank: its own, then each child's subtree in the plan's order): the same bits."""
+    n = len(every)
+
+    def subtree(r: int) -> npt.NDArray[Any]:
+        acc = every[r]
+        for step in binomial_tree_reduce(r, n, root):
+            if step.direction == "recv":
+                out = np.empty_like(acc)
+                reducer.combine(acc, subtree(step.peer), out)
+                acc = out
+        return acc
+
+    return subtree(root)
 
 
 def _split(rows: int, n: int, counts: Sequence[int] | None, name: str) -> list[int]:

@@ -72,19 +72,21 @@ def test_every_operation_equals_its_reference(n: int, transport: str) -> None:
         np.testing.assert_array_equal(out["alltoall"], np.concatenate(parts))
 
 
-def test_float_reduce_to_rank_0_sums_in_the_trees_order_and_torch_stays_torch() -> None:
+@pytest.mark.parametrize("transport", ["inproc", "zmq"])  # (zmq: one host, so through the shared-memory segment)
+def test_float_reduce_to_rank_0_sums_in_the_trees_order_and_torch_stays_torch(transport: str) -> None:
     torch = pytest.importorskip("torch")
     x = np.random.default_rng(0).standard_normal((5, 33)).astype(np.float32)
 
     def rank_fn(ctx: Context) -> tuple[Any, Any, Any, Any]:
         mine = torch.from_numpy(x[ctx.rank].copy())
         reduced = ctx.reduce(mine, root=0)
+        assert (ctx.collectives._shm is not None) == (transport == "zmq")
         tree = ctx.allreduce(x[ctx.rank].copy(), algorithm="tree")  # rank 0 sums in the same binomial order
         mean = ctx.reduce_async(mine, root=0, op="mean").wait()
         pieces = ctx.alltoall_async(torch.arange(10) + 100 * ctx.rank).wait()
         return reduced, tree, mean, pieces
 
-    got = run_ranks(5, rank_fn, timeout=60)
+    got = run_ranks(5, rank_fn, transport=transport, timeout=60)
     reduced, tree, mean, _ = got[0]
     assert isinstance(reduced, torch.Tensor) and isinstance(mean, torch.Tensor)
     np.testing.assert_array_equal(reduced.numpy(), tree)
