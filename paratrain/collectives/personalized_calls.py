@@ -316,7 +316,7 @@ def _tree_sum(every: npt.NDArray[Any], root: int, reducer: Reducer) -> npt.NDArr
     n = len(every)
 
     def subtree(r: int) -> npt.NDArray[Any]:
-        acc = every[r]
+        acc: npt.NDArray[Any] = every[r]
         for step in binomial_tree_reduce(r, n, root):
             if step.direction == "recv":
                 out = np.empty_like(acc)
