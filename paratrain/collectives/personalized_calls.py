@@ -6,7 +6,7 @@ call's tag, the agreement (the same :class:`~paratrain.errors.CollectiveMismatch
 calls differ), then its plan (:mod:`.lower_personalized`) run by the one executor; when every rank shares this
 host (the shared-memory segment is on), gather, scatter and all-to-all move their blocks through the segment
 instead (:meth:`~paratrain.collectives.shm.ShmGroup.publish`: each item copied in once and out once), and so
-does a reduce of up to :data:`SHM_REDUCE_MAX_BYTES`, whose root then combines the arrays in the tree's order.
+does a small reduce (:data:`SHM_REDUCE_MAX_BYTES`), whose root then combines the arrays in the tree's order.
 Blocks may differ in size between ranks (their first dimension; the trailing ones and the dtype must agree):
 gather takes each rank's rows as they are, scatter and all-to-all split along axis 0 by ``counts``
 (``numpy.array_split`` by default), and the receivers learn the sizes from the agreement's payload. Results are
@@ -35,9 +35,10 @@ from paratrain.transport.base import Handle
 __all__ = ["SHM_REDUCE_MAX_BYTES", "PersonalizedCalls"]
 
 #: Largest reduce (bytes per rank) taken through the shared-memory segment: every rank's array copied to the root,
-#: which then combines them in the tree's order (the same bits as the socket tree). Above it the tree over
-#: sockets, which combines each segment as it arrives, is faster (measured: benchmarks/allreduce/README.md).
-SHM_REDUCE_MAX_BYTES = 4 << 20
+#: which then combines them in the tree's order (the same bits as the socket tree). Measured, 2 processes: 28-61
+#: us through the segment against 160-186 us over sockets from 4 KiB to 64 KiB, but 346 against 275 us at 256 KiB
+#: and 1.28 ms against 0.30 at 1 MiB (not understood yet; benchmarks/allreduce/README.md).
+SHM_REDUCE_MAX_BYTES = 64 << 10
 
 A = TypeVar("A")
 Body = Callable[[int], Any]
@@ -91,7 +92,7 @@ class PersonalizedCalls(CollectiveCalls):
                         reads = [(q, 0, src.size, q * src.size) for q in range(n)] if rank == root else []
                         group.publish(src, [src.size] * n, reads, every.reshape(-1), timeout=max(ex.left(), 0.001))
                         if rank == root:
-                            np.copyto(dst, _tree_sum(every, root, reducer))
+                            dst = _tree_sum(every, root, reducer)
                             reducer.finish(dst, n)
                     else:
                         plan = reduce_to_plan(n, src.size, src.itemsize, root=root, agreement=False)
@@ -316,12 +317,10 @@ def _tree_sum(every: npt.NDArray[Any], root: int, reducer: Reducer) -> npt.NDArr
     n = len(every)
 
     def subtree(r: int) -> npt.NDArray[Any]:
-        acc: npt.NDArray[Any] = every[r]
+        acc: npt.NDArray[Any] = every[r]  # (combined in place: the rows are this call's own copies)
         for step in binomial_tree_reduce(r, n, root):
             if step.direction == "recv":
-                out = np.empty_like(acc)
-                reducer.combine(acc, subtree(step.peer), out)
-                acc = out
+                reducer.combine(acc, subtree(step.peer), acc)
         return acc
 
     return subtree(root)
