@@ -1,5 +1,6 @@
-"""``bench scaling --check``: allreduces (the ring, halving-doubling) measured in real processes under the fault injector, beside
-the same plans replayed on a profile. Asserts that both sides are there and consistent, never how fast they are."""
+"""``bench scaling --check``: allreduces (the ring, halving-doubling) measured in real processes under the fault
+injector, beside the same plans replayed on a profile. Asserts that both sides are there and consistent, never how
+fast they are."""
 
 from __future__ import annotations
 
