@@ -33,8 +33,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from paratrain.collectives.lower_allreduce import allreduce_parts, allreduce_plan
-from paratrain.collectives.plans_blink import link_capacity, pack_trees
-from paratrain.collectives.policy import LOOPBACK_BYTES_PER_SECOND
 from paratrain.gossip.plan import round_actions
 from paratrain.plan.ir import Plan
 from paratrain.ps.plans import round_plan
@@ -199,7 +197,7 @@ def check_scaling(
         RuntimeError: a measuring job failed or ran past ``timeout``.
     """
     from paratrain.launch.run import run_launch
-    from paratrain.sim.predict import network_for
+    from paratrain.sim.predict import link_trees, network_for
     from paratrain.transport.faults import FaultSpec
 
     say = say or (lambda line: None)
@@ -231,11 +229,7 @@ def check_scaling(
         network, _ = network_for(
             profile, world_size=n, bandwidth=bandwidth, latency=latency, concurrency=n, links=link.links
         )
-        trees = None
-        if "blink" in algorithms:
-            fast = bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND
-            rates = {(p.a, p.b): p.bandwidth or LOOPBACK_BYTES_PER_SECOND for p in link.links}
-            trees = pack_trees(n, link_capacity(n, rates, fast))  # (as every rank of the job packs them)
+        trees = link_trees(n, bandwidth, link.links) if "blink" in algorithms else None
         for algorithm in algorithms:
             plan = allreduce_plan(algorithm, n, count, 4, aliased=True, trees=trees)
             simulated = replay(plan, network, gamma=profile.gamma, copy=profile.copy).time

@@ -58,7 +58,7 @@ from paratrain.collectives.hierarchical import HostLayout, hierarchical_allreduc
 from paratrain.collectives.ops import Reducer
 from paratrain.collectives.personalized_calls import PersonalizedCalls
 from paratrain.collectives.plans import chunk_bounds
-from paratrain.collectives.plans_blink import PackedTree, link_capacity, pack_trees
+from paratrain.collectives.plans_blink import PackedTree
 from paratrain.collectives.policy import (
     AUTO_BROADCAST_TREE_MAX_BYTES,
     AUTO_DIRECT_MAX_BYTES,
@@ -66,6 +66,7 @@ from paratrain.collectives.policy import (
     LOOPBACK_BYTES_PER_SECOND,
     default_allreduce_choice,
     default_broadcast_choice,
+    link_allreduce_choice,
     network_allreduce_choice,
 )
 from paratrain.collectives.ring import ring_allgather_run, ring_reduce_scatter_run
@@ -163,13 +164,10 @@ class Collectives(AllreduceCalls, PersonalizedCalls):
         links, :mod:`.plans_blink`: every rank packs the same) and makes ``auto`` pick by the cost of every
         plan replayed on these links. Returns the trees.
         """
-        fast = bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND
-        trees = pack_trees(self.world_size, link_capacity(self.world_size, {p: r for p, (_, r) in links.items()}, fast))
-        directed: dict[tuple[int, int], tuple[float, float]] = {}
-        for (a, b), (alpha, rate) in links.items():
-            directed[(a, b)] = directed[(b, a)] = (alpha, 1.0 / rate)
+        trees, self.choose_allreduce = link_allreduce_choice(
+            self.world_size, links, latency=latency, bandwidth=bandwidth
+        )
         self.allreduce_algorithms["blink"] = AllreduceAlgorithm(planned_allreduce("blink", trees=trees))
-        self.choose_allreduce = network_allreduce_choice(latency, bandwidth, links=directed, trees=trees)
         return trees
 
     # -- torch.distributed engines (:mod:`.torch_engines`, :mod:`.routing`)

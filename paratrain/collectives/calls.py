@@ -35,7 +35,7 @@ from paratrain.transport.base import Handle, Transport
 
 if TYPE_CHECKING:
     from paratrain.collectives.routing import EngineRoutes
-    from paratrain.collectives.shm import ShmAllreduce
+    from paratrain.collectives.shm import ShmAllreduce, ShmGroup
     from paratrain.timeline import Timeline
 
 __all__ = ["CollectiveCalls"]
@@ -152,14 +152,19 @@ class CollectiveCalls:
         if self._shm is None:
             return _socket_agree(ex, sig, payload)
         sigs: list[Signature] = self._shm.agree(ex, sig)
-        if payload is not None and payload.dtype == np.int64 and payload.ndim == 1 and self._shm.group is not None:
+        group = self._segment()
+        if payload is not None and payload.dtype == np.int64 and payload.ndim == 1 and group is not None:
             rows = np.zeros((self.world_size, payload.size), dtype=np.int64)
             rows[self.transport.rank] = payload
-            self._shm.group.allreduce_(rows, "sum", timeout=max(ex.left(), 0.001))
+            group.allreduce_(rows, "sum", timeout=max(ex.left(), 0.001))
             ex.gathered = list(rows)
         elif payload is not None:
             agree(ex, sig.to_wire(), payload)
         return sigs
+
+    def _segment(self) -> ShmGroup | None:
+        """The host's shared-memory group once an agreement created it (every rank on this host), else None."""
+        return self._shm.group if self._shm is not None else None
 
     def _checked(
         self, prepare: Callable[[], Callable[[int], T]], timeout: float | None, mode: str = ""

@@ -86,7 +86,7 @@ class PersonalizedCalls(CollectiveCalls):
             else:
                 with self._exchange(tag, timeout, "reduce (tree)") as ex:
                     self._agree(ex, sig)
-                    group = self._shm.group if self._shm is not None else None
+                    group = self._segment()
                     if group is not None and src.nbytes <= SHM_REDUCE_MAX_BYTES:  # through the segment
                         every = np.empty((n if rank == root else 0, src.size), dtype=src.dtype)
                         reads = [(q, 0, src.size, q * src.size) for q in range(n)] if rank == root else []
@@ -142,7 +142,7 @@ class PersonalizedCalls(CollectiveCalls):
                     rows = [s.shape[0] if s.shape else 1 for s in sigs]
                     bounds = _bounds(rows, row)
                     out = np.empty(bounds[-1][1] if rank == root else 0, dtype=src.dtype)
-                    group = self._shm.group if self._shm is not None else None
+                    group = self._segment()
                     if group is not None:  # every rank on this host: through the segment
                         reads = [(q, 0, b - a, a) for q, (a, b) in enumerate(bounds)] if rank == root else []
                         group.publish(src, [b - a for a, b in bounds], reads, out, timeout=max(ex.left(), 0.001))
@@ -208,7 +208,7 @@ class PersonalizedCalls(CollectiveCalls):
                     rows = _payload(ex.gathered, root, n, "scatter")
                     bounds = _bounds(rows, row)
                     part = np.empty(bounds[rank][1] - bounds[rank][0], dtype=src.dtype)
-                    group = self._shm.group if self._shm is not None else None
+                    group = self._segment()
                     if group is not None:  # every rank on this host: through the segment
                         sizes = [bounds[-1][1] if q == root else 0 for q in range(n)]
                         reads = [(root, *bounds[rank], 0)]
@@ -271,7 +271,7 @@ class PersonalizedCalls(CollectiveCalls):
                     send = [_bounds(sent[q], row) for q in range(n)]
                     recv = [_bounds([sent[q][r] for q in range(n)], row) for r in range(n)]
                     out = np.empty(recv[rank][-1][1], dtype=src.dtype)
-                    group = self._shm.group if self._shm is not None else None
+                    group = self._segment()
                     if group is not None:  # every rank on this host: through the segment
                         sizes, reads, order = _alltoall_turns(send, recv, rank)
                         group.publish(src, sizes, reads, out, order=order, timeout=max(ex.left(), 0.001))

@@ -10,7 +10,7 @@ import functools
 from collections.abc import Callable, Mapping
 
 from paratrain.collectives.lower_allreduce import PLANNED_ALGORITHMS, allreduce_plan
-from paratrain.collectives.plans_blink import PackedTree
+from paratrain.collectives.plans_blink import PackedTree, link_capacity, pack_trees
 from paratrain.plan.cost import simulate
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "MESSAGE_SECONDS",
     "default_allreduce_choice",
     "default_broadcast_choice",
+    "link_allreduce_choice",
     "network_allreduce_choice",
 ]
 
@@ -132,6 +133,20 @@ def network_allreduce_choice(
         return next(name for name, cost in costs.items() if cost <= best * (1 + 1e-6))
 
     return choose
+
+
+def link_allreduce_choice(
+    n: int, links: Mapping[tuple[int, int], tuple[float, float]], *, latency: float, bandwidth: float | None
+) -> tuple[tuple[PackedTree, ...], Callable[[int, int], str]]:
+    """The trees ``"blink"`` packs over ``links`` (``(a, b)`` -> ``(alpha, bytes per second)`` of the pairs of
+    ``n`` ranks with a link of their own; the others share their nodes' links of ``latency`` and ``bandwidth``)
+    and the :func:`network_allreduce_choice` that replays every plan, those trees' too, on those links."""
+    fast = bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND
+    trees = pack_trees(n, link_capacity(n, {pair: rate for pair, (_, rate) in links.items()}, fast))
+    directed: dict[tuple[int, int], tuple[float, float]] = {}
+    for (a, b), (alpha, rate) in links.items():
+        directed[(a, b)] = directed[(b, a)] = (alpha, 1.0 / rate)
+    return trees, network_allreduce_choice(latency, bandwidth, links=directed, trees=trees)
 
 
 def default_broadcast_choice(nbytes: int, world_size: int) -> str:

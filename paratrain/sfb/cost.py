@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from paratrain.collectives.lower_allreduce import PLANNED_ALGORITHMS
 from paratrain.collectives.plans_allreduce import torus_shape
 
 __all__ = ["SCHEMES", "HybridPlan", "LayerChoice", "LayerShape", "Traffic", "choose_schemes", "scheme_traffic"]
@@ -386,7 +387,7 @@ def choose_schemes(
         if want is not None and want not in options:
             options.append(want)
         algorithm = allreduce_algorithm(layer.numel * layer.itemsize, workers) if allreduce_algorithm else "ring"
-        if algorithm not in ("ring", "tree", "direct", "halving_doubling", "torus", "double_tree"):
+        if algorithm not in PLANNED_ALGORITHMS:
             algorithm = "ring"  # shared memory, hierarchical: a ring's bytes, through memory or between hosts
         candidates = {
             s: scheme_traffic(

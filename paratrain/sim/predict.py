@@ -14,11 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from paratrain.collectives.plans_blink import PackedTree, link_capacity, pack_trees
+from paratrain.collectives.plans_blink import PackedTree
 from paratrain.collectives.policy import (
     LOOPBACK_BYTES_PER_SECOND,
     MESSAGE_SECONDS,
     default_allreduce_choice,
+    link_allreduce_choice,
     network_allreduce_choice,
 )
 from paratrain.fusion.buckets import DEFAULT_BUCKET_BYTES
@@ -129,9 +130,20 @@ def link_trees(world_size: int, bandwidth: float | None, links: Sequence[Link]) 
     nodes' links of ``bandwidth``), as every rank of such a job packs them; None without links."""
     if not links:
         return None
-    fast = bandwidth if bandwidth is not None else LOOPBACK_BYTES_PER_SECOND
-    rates = {(p.a, p.b): p.bandwidth or LOOPBACK_BYTES_PER_SECOND for p in links if max(p.a, p.b) < world_size}
-    return pack_trees(world_size, link_capacity(world_size, rates, fast))
+    return _link_policy(world_size, bandwidth, 0.0, links)[0]
+
+
+def _link_policy(
+    world_size: int, bandwidth: float | None, latency: float, links: Sequence[Link]
+) -> tuple[tuple[PackedTree, ...], Callable[[int, int], str]]:
+    """The trees and the policy of a job under ``links`` (:func:`link_allreduce_choice`, as the runtime builds
+    them: every message costs :data:`MESSAGE_SECONDS` on top of the emulated latency)."""
+    own = {
+        (p.a, p.b): (p.latency + MESSAGE_SECONDS, p.bandwidth or LOOPBACK_BYTES_PER_SECOND)
+        for p in links
+        if max(p.a, p.b) < world_size
+    }
+    return link_allreduce_choice(world_size, own, latency=latency + MESSAGE_SECONDS, bandwidth=bandwidth)
 
 
 def network_for(
@@ -178,13 +190,7 @@ def network_for(
             cost = own.get((s, d))
             return (link, ("out", s), ("in", d)) if cost is None else (cost, ("own", s, d), ("own-in", s, d))
 
-        trees = link_trees(world_size, bandwidth, links)
-        directed = {
-            (p.a, p.b): (p.latency + MESSAGE_SECONDS, 1.0 / (p.bandwidth or LOOPBACK_BYTES_PER_SECOND)) for p in links
-        }
-        directed |= {(b, a): cost for (a, b), cost in directed.items()}
-        choose = network_allreduce_choice(latency + MESSAGE_SECONDS, bandwidth, links=directed, trees=trees)
-        return Network(route, shm_alpha=shm_alpha), choose
+        return Network(route, shm_alpha=shm_alpha), _link_policy(world_size, bandwidth, latency, links)[1]
     if hosts == 1:
         link = profile.link("ipc", concurrency)
         return Network.uniform(link, shm_alpha=shm_alpha), lambda nbytes, n: "shm"
